@@ -1,0 +1,78 @@
+"""The `embedded` backend: the target run in-process by transformers' continuous batching.
+
+Token ids in and out, no server, no GPU needed: it serves the demo and small models. `add_request` queues work on
+the manager's background thread; results come back on the event loop through `register_result_handler`;
+cancelling the awaiting task calls `cancel_request`, which frees the request's KV cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from stages.backends import GenRequest, GenResult
+from stages.config import Config
+
+
+class EmbeddedBackend:
+    name = "embedded"
+
+    def __init__(self, cfg: Config, tokenizer):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.manager = None
+
+    async def start(self) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        ds = self.cfg.ds
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model = AutoModelForCausalLM.from_pretrained(self.cfg.model.path, revision=self.cfg.model.revision)
+        model = model.to(device).eval()
+        eos = self.tokenizer.eos_token_id
+        sampling = ds.sampling
+        gen = GenerationConfig(
+            max_new_tokens=ds.max_tokens, eos_token_id=eos, pad_token_id=self.tokenizer.pad_token_id or eos,
+            do_sample=sampling.temperature > 0, temperature=sampling.temperature or None,
+            top_p=sampling.top_p, top_k=sampling.top_k if sampling.top_k > 0 else None,
+        )
+        cb = ContinuousBatchingConfig(
+            num_blocks=self.cfg.backend.num_blocks, max_batch_tokens=self.cfg.backend.max_batch_tokens, page_size=32,
+        )
+        self.manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+        self.manager.start()
+
+    async def generate(self, req: GenRequest) -> GenResult:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        t0 = time.perf_counter()
+
+        def on_result(out) -> None:
+            if out.is_finished() and not done.done():
+                done.set_result(out)
+
+        self.manager.register_result_handler(req.rid, on_result)
+        self.manager.add_request(req.prompt_ids, request_id=req.rid, max_new_tokens=req.max_tokens)
+        try:
+            out = await done
+        except asyncio.CancelledError:
+            self.manager.cancel_request(req.rid)
+            raise
+        latency = time.perf_counter() - t0
+        if out.error is not None:
+            return GenResult(req.rid, error="engine_error", detail=str(out.error), server=self.name, latency_s=latency)
+        ids = list(out.generated_tokens)
+        eos = self.tokenizer.eos_token_id
+        finish = "stop" if ids and ids[-1] == eos else "length"
+        return GenResult(
+            req.rid, output_ids=ids, text=self.tokenizer.decode(ids, skip_special_tokens=True),
+            prompt_tokens=len(req.prompt_ids), completion_tokens=len(ids), finish_reason=finish,
+            server=self.name, latency_s=latency,
+        )
+
+    async def close(self) -> None:
+        if self.manager is not None:
+            await asyncio.to_thread(self.manager.stop, True)
+            self.manager = None

@@ -1,0 +1,308 @@
+"""Typed configuration: the schema lives here (Hydra structured configs), the values in params.yaml.
+
+Composition order, last wins: schema defaults < conf/ presets (conf/config.yaml's defaults list) < params.yaml
+< command-line overrides (Hydra grammar). params.yaml is the single file DVC tracks; DVC's own Hydra composition
+stays off, so a user's edit of params.yaml is never overwritten (see docs in README).
+
+Every bad value ends in one `ConfigError` line that names the key, raised before any work starts.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF_DIR = ROOT / "conf"
+
+
+class UserError(Exception):
+    """Bad input from the user: reported as one line and exit status 2, never a traceback."""
+
+
+class ConfigError(UserError, ValueError):
+    """A bad configuration value; str() is one line that starts with the offending key."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"{key}: {message}")
+
+
+class OnBadRecord(str, Enum):
+    fail = "fail"
+    skip = "skip"
+
+
+class BudgetUnit(str, Enum):
+    completion = "completion"
+    total = "total"
+
+
+class OnBudget(str, Enum):
+    cancel = "cancel"
+    keep_partial = "keep_partial"
+
+
+class OnTruncation(str, Enum):
+    keep = "keep"
+    drop = "drop"
+
+
+class OnTooLong(str, Enum):
+    drop = "drop"
+    truncate = "truncate"
+
+
+class BackendKind(str, Enum):
+    embedded = "embedded"
+    sglang = "sglang"
+    openai = "openai"
+
+
+@dataclass
+class SourceConfig:
+    shape: str = "???"
+    # Exactly one of `path` (local .jsonl/.json/.parquet, optionally .gz) or `hf_name` (HF `datasets`).
+    path: Optional[str] = None
+    hf_name: Optional[str] = None
+    hf_config: Optional[str] = None
+    split: str = "train"
+    revision: Optional[str] = None
+    data_files: Optional[List[str]] = None
+    keep_system: bool = True
+    user_template: Optional[str] = None
+
+    def check(self, key: str) -> None:
+        from stages.sources import SHAPES
+
+        if self.shape not in SHAPES:
+            raise ConfigError(f"{key}.shape", f"unknown source shape {self.shape!r}; known: {', '.join(SHAPES)}")
+        if (self.path is None) == (self.hf_name is None):
+            raise ConfigError(key, "set exactly one of `path` (local file) or `hf_name` (HF datasets)")
+        if self.path is not None:
+            from stages.readers import SUFFIXES, file_kind
+
+            if not Path(self.path).exists():
+                raise ConfigError(f"{key}.path", f"file not found: {self.path}")
+            if file_kind(Path(self.path)) is None:
+                raise ConfigError(f"{key}.path", f"unsupported file type; use {', '.join(SUFFIXES)} (.gz ok)")
+        if self.user_template is not None and "{content}" not in self.user_template:
+            raise ConfigError(f"{key}.user_template", "must contain '{content}'")
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int = -1
+
+    def check(self, key: str) -> None:
+        if self.temperature < 0:
+            raise ConfigError(f"{key}.temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"{key}.top_p", f"must be in (0, 1], got {self.top_p}")
+
+    def as_dict(self) -> dict:
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+
+
+@dataclass
+class DatasetConfig:
+    source: SourceConfig = field(default_factory=SourceConfig)
+    # prompts
+    max_prompts: Optional[int] = None
+    max_prompt_tokens: Optional[int] = None
+    shuffle_seed: int = 0
+    on_bad_record: OnBadRecord = OnBadRecord.fail
+    # generate
+    token_budget: int = "???"  # type: ignore[assignment]  # mandatory
+    budget_unit: BudgetUnit = BudgetUnit.completion
+    max_tokens: int = 2048
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    on_budget: OnBudget = OnBudget.cancel
+    on_truncation: OnTruncation = OnTruncation.keep
+    # run-time knob: read, but not declared as a DVC param (changing it reruns nothing)
+    concurrency: int = 64
+
+    def check(self, key: str) -> None:
+        self.source.check(f"{key}.source")
+        self.sampling.check(f"{key}.sampling")
+        _positive(f"{key}.token_budget", self.token_budget)
+        _positive(f"{key}.max_tokens", self.max_tokens)
+        _positive(f"{key}.concurrency", self.concurrency)
+        if self.max_prompts is not None:
+            _positive(f"{key}.max_prompts", self.max_prompts)
+        if self.max_prompt_tokens is not None:
+            _positive(f"{key}.max_prompt_tokens", self.max_prompt_tokens)
+
+
+@dataclass
+class ModelConfig:
+    path: str = "models/tiny-llama"  # HF id or local directory
+    revision: Optional[str] = None
+    # A Jinja file that replaces the tokenizer's own chat template; None keeps the tokenizer's.
+    chat_template: Optional[str] = None
+    # Passed to apply_chat_template (e.g. enable_thinking); identical in generate and tokenize.
+    template_kwargs: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TinyModelConfig:
+    path: str = "models/tiny-llama"
+    corpus_dir: str = "demo"
+    seed: int = 0
+    vocab_size: int = 2048
+    hidden_size: int = 64
+    num_layers: int = 8
+    num_heads: int = 4
+    max_position_embeddings: int = 4096
+    mean_response_tokens: int = 96
+
+
+@dataclass
+class TokenizeConfig:
+    max_seq_len: int = 4096
+    on_too_long: OnTooLong = OnTooLong.drop
+
+
+@dataclass
+class HiddenStatesConfig:
+    # Physical ids of the decoder layers whose outputs are stored; None = EAGLE-3's [1, N//2 - 1, N - 4].
+    layers: Optional[List[int]] = None
+    dtype: str = "bfloat16"
+    shard_max_tokens: int = 65536
+    batch_tokens: int = 4096
+
+    def check(self, key: str) -> None:
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ConfigError(f"{key}.dtype", f"must be bfloat16, float16 or float32, got {self.dtype!r}")
+        _positive(f"{key}.shard_max_tokens", self.shard_max_tokens)
+        _positive(f"{key}.batch_tokens", self.batch_tokens)
+
+
+@dataclass
+class BackendConfig:
+    """Run-time: where generation runs. Not a DVC param: the same model gives the same data from any server."""
+
+    kind: BackendKind = BackendKind.embedded
+    urls: List[str] = field(default_factory=list)
+    api_key_env: Optional[str] = None
+    request_timeout_s: float = 600.0
+    # embedded only: the KV-cache size of transformers' continuous batching
+    max_batch_tokens: int = 2048
+    num_blocks: int = 256
+
+
+@dataclass
+class RunConfig:
+    """Run-time knobs that do not change the data."""
+
+    store_path: str = ".draftdata/store.sqlite"
+    log_every_s: float = 10.0
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    dataset: Optional[str] = None  # which `datasets` entry a stage runs on
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tiny_model: TinyModelConfig = field(default_factory=TinyModelConfig)
+    datasets: Dict[str, DatasetConfig] = field(default_factory=dict)
+    tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
+    hidden_states: HiddenStatesConfig = field(default_factory=HiddenStatesConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @property
+    def ds(self) -> DatasetConfig:
+        return self.datasets[self.dataset]
+
+
+def _positive(key: str, value: int) -> None:
+    if not isinstance(value, int) or value <= 0:
+        raise ConfigError(key, f"must be a positive integer, got {value!r}")
+
+
+def validate(cfg: Config, need_dataset: bool) -> None:
+    if need_dataset:
+        if cfg.dataset is None:
+            raise ConfigError("dataset", f"not set; pass dataset=<name> (one of: {', '.join(cfg.datasets)})")
+        if cfg.dataset not in cfg.datasets:
+            raise ConfigError("dataset", f"unknown dataset {cfg.dataset!r}; known: {', '.join(cfg.datasets)}")
+    # Types, enums and unknown keys of every dataset were checked by the schema during composition; the
+    # value checks (which also look for the source file) apply to the dataset this stage runs on.
+    if cfg.dataset is not None:
+        cfg.ds.check(f"datasets.{cfg.dataset}")
+    cfg.hidden_states.check("hidden_states")
+
+
+def _read_params(path: Path) -> dict:
+    import yaml
+
+    if not path.exists():
+        return {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError(where, f"invalid YAML: {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), "must be a mapping at the top level")
+    return data
+
+
+def _omegaconf_error(e: BaseException, source: str) -> ConfigError:
+    """Turn Hydra/OmegaConf's multi-line, chained messages into one line that starts with the full key.
+
+    Hydra wraps the OmegaConf error that knows the key (`full_key`) in a composition error that does not."""
+    cause: Optional[BaseException] = e
+    while cause is not None and not getattr(cause, "full_key", None):
+        cause = cause.__cause__ or cause.__context__
+    err = cause or e
+    key = getattr(err, "full_key", None) or source
+    msg = str(getattr(err, "msg", None) or err).strip().splitlines()[0]
+    if msg.startswith("Key '") and " not in " in msg:  # a typo'd key: say so plainly
+        msg = f"unknown key ({msg})"
+    return ConfigError(key, f"{msg} [from {source}]")
+
+
+def load_config(dataset: Optional[str], overrides: Optional[List[str]] = None, params_path: Optional[Path] = None,
+                need_dataset: bool = True) -> Config:
+    """Compose conf/ + params.yaml + overrides into a validated `Config` object."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    params_path = params_path or Path(os.environ.get("DRAFTDATA_PARAMS", "params.yaml"))
+    params = _read_params(params_path)
+    cs = ConfigStore.instance()
+    cs.store(name="draftdata_schema", node=Config)
+    cs.store(name="draftdata_params", node=params)
+    overrides = list(overrides or [])
+    if dataset is not None:
+        overrides.append(f"dataset={dataset}")
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            composed = compose("config", overrides=overrides)
+        cfg: Config = OmegaConf.to_object(composed)
+    except (OmegaConfBaseException, HydraException) as e:
+        source = "command line" if isinstance(e, HydraException) and "override" in str(e) else str(params_path)
+        raise _omegaconf_error(e, source) from None
+    validate(cfg, need_dataset=need_dataset)
+    return cfg
+
+
+def cli(main: Callable[[Config], Any], need_dataset: bool = True) -> None:
+    """Entry point of every stage: `python -m stages.<name> dataset=<D> [hydra overrides]`."""
+    try:
+        main(load_config(dataset=None, overrides=sys.argv[1:], need_dataset=need_dataset))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,106 @@
+"""Rows of a prompt source, each with the place it came from (file:line), so a bad row is reported where a user
+can open it. Local .jsonl / .json / .parquet files (optionally .gz) and HF `datasets`."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from stages.config import SourceConfig, UserError
+
+
+class SourceError(UserError):
+    """The source could not be read at all."""
+
+
+@dataclass(frozen=True)
+class Row:
+    where: str  # "path:line" or "hf:name/config/split:row"
+    value: Any = None
+    error: str | None = None  # set when the raw line itself could not be parsed
+
+
+def iter_rows(src: SourceConfig) -> Iterator[Row]:
+    if src.path is not None:
+        yield from iter_local(Path(src.path))
+    else:
+        yield from iter_hf(src)
+
+
+SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+def file_kind(path: Path) -> str | None:
+    """'.jsonl', '.json' or '.parquet' (a trailing .gz allowed), None when unsupported."""
+    name = path.name[:-3] if path.name.endswith(".gz") else path.name
+    return next((s for s in SUFFIXES if name.endswith(s)), None)
+
+
+def iter_local(path: Path) -> Iterator[Row]:
+    kind = file_kind(path)
+    if kind == ".jsonl":
+        yield from _iter_jsonl(path)
+    elif kind == ".json":
+        yield from _iter_json(path)
+    elif kind == ".parquet":
+        yield from _iter_parquet(path)
+    else:  # SourceConfig.check refuses these before any work; this guards direct callers
+        raise ValueError(f"unsupported file type {path.name!r}: use .jsonl, .json or .parquet (.gz ok)")
+
+
+def _open_text(path: Path):
+    return gzip.open(path, "rt", encoding="utf-8") if path.name.endswith(".gz") else open(path, encoding="utf-8")
+
+
+def _iter_jsonl(path: Path) -> Iterator[Row]:
+    with _open_text(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                yield Row(where, json.loads(line))
+            except json.JSONDecodeError as e:
+                yield Row(where, error=f"invalid JSON: {e.msg} at column {e.colno}")
+
+
+def _iter_json(path: Path) -> Iterator[Row]:
+    with _open_text(path) as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            yield Row(f"{path}:{e.lineno}", error=f"invalid JSON: {e.msg} at column {e.colno}")
+            return
+    if isinstance(data, dict):  # {"data": [...]} or similar single-key wrappers
+        lists = [v for v in data.values() if isinstance(v, list)]
+        data = lists[0] if len(lists) == 1 else [data]
+    for i, value in enumerate(data):
+        yield Row(f"{path}:row {i}", value)
+
+
+def _iter_parquet(path: Path) -> Iterator[Row]:
+    import pyarrow.parquet as pq
+
+    i = 0
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
+        for value in batch.to_pylist():
+            yield Row(f"{path}:row {i}", value)
+            i += 1
+
+
+def iter_hf(src: SourceConfig) -> Iterator[Row]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(
+            src.hf_name, src.hf_config, split=src.split, revision=src.revision, data_files=src.data_files,
+            streaming=True,
+        )
+    except Exception as e:  # the hub, auth and file errors all land here; name what the user set
+        raise SourceError(f"cannot load {src.hf_name!r} ({src.hf_config}/{src.split}): {e}") from None
+    label = f"hf:{src.hf_name}/{src.hf_config or 'default'}/{src.split}"
+    for i, value in enumerate(ds):
+        yield Row(f"{label}:row {i}", value)

@@ -1,0 +1,92 @@
+"""Shared fixtures: a tiny target model built once per session, and a throwaway project directory whose
+params.yaml the test shapes. Stages run in-process with the real config loader, model and SQLite store."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "sources" / "demo"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    from stages.config import TinyModelConfig
+    from stages.tiny_model import build_model, build_tokenizer, iter_demo_texts
+
+    out = tmp_path_factory.mktemp("model") / "tiny"
+    cfg = TinyModelConfig(path=str(out), corpus_dir=str(DEMO), mean_response_tokens=24)
+    tok = build_tokenizer(iter_demo_texts(DEMO), cfg.vocab_size)
+    eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
+    model = build_model(cfg, len(tok), eos, pad)
+    tok.save_pretrained(out)
+    model.save_pretrained(out)
+    return out
+
+
+def dataset_params(name: str, shape: str, **over) -> dict:
+    ds = {
+        "source": {"shape": shape, "path": str(DEMO / f"{name}.jsonl.gz")},
+        "max_prompts": 150,
+        "max_prompt_tokens": 512,
+        "shuffle_seed": 0,
+        "on_bad_record": "fail",
+        "token_budget": 400,
+        "budget_unit": "completion",
+        "max_tokens": 48,
+        "sampling": {"temperature": 0.8, "top_p": 0.95, "top_k": -1},
+        "on_budget": "cancel",
+        "on_truncation": "keep",
+        "concurrency": 8,
+    }
+    for k, v in over.items():
+        ds[k] = v
+    return ds
+
+
+class Project:
+    """A working directory with its own params.yaml; stages run in it in-process."""
+
+    def __init__(self, path: Path, params: dict):
+        self.path = path
+        self.params = params
+        self.save()
+
+    def save(self) -> None:
+        (self.path / "params.yaml").write_text(yaml.safe_dump(self.params, sort_keys=False))
+
+    def set(self, dotted: str, value) -> None:
+        node = self.params
+        *head, last = dotted.split(".")
+        for k in head:
+            node = node[k]
+        node[last] = value
+        self.save()
+
+    def run(self, stage: str, dataset: str | None, *overrides: str):
+        import importlib
+
+        from stages.config import load_config
+
+        cfg = load_config(dataset, list(overrides), params_path=self.path / "params.yaml", need_dataset=dataset is not None)
+        return importlib.import_module(f"stages.{stage}").main(cfg)
+
+    def data(self, dataset: str) -> Path:
+        return self.path / "data" / dataset
+
+
+@pytest.fixture
+def project(tmp_path, tiny_model, monkeypatch) -> Project:
+    monkeypatch.chdir(tmp_path)
+    params = {
+        "model": {"path": str(tiny_model), "revision": None, "chat_template": None, "template_kwargs": {}},
+        "tokenize": {"max_seq_len": 1024, "on_too_long": "drop"},
+        "hidden_states": {"layers": None, "dtype": "bfloat16", "shard_max_tokens": 4096, "batch_tokens": 2048},
+        "run": {"store_path": str(tmp_path / "store.sqlite"), "log_every_s": 5.0},
+        "datasets": {"B3": dataset_params("B3_magicoder", "magicoder_oss")},
+    }
+    return Project(tmp_path, copy.deepcopy(params))

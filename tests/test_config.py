@@ -1,0 +1,92 @@
+"""Every bad value fails before any work with one line that names the key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from stages.config import ConfigError, load_config
+
+from conftest import ROOT
+
+
+@pytest.mark.parametrize(
+    "override, key, words",
+    [
+        ("datasets.B3.token_budget=-5", "datasets.B3.token_budget", "positive"),
+        ("datasets.B3.token_budget=0", "datasets.B3.token_budget", "positive"),
+        ("datasets.B3.token_budget=lots", "datasets.B3.token_budget", "Integer"),
+        ("datasets.B3.max_tokens=0", "datasets.B3.max_tokens", "positive"),
+        ("datasets.B3.concurrency=-1", "datasets.B3.concurrency", "positive"),
+        ("datasets.B3.source.shape=csv_rows", "datasets.B3.source.shape", "unknown source shape"),
+        ("datasets.B3.source.path=missing.jsonl", "datasets.B3.source.path", "file not found"),
+        ("datasets.B3.on_bad_record=maybe", "datasets.B3.on_bad_record", "fail, skip"),
+        ("datasets.B3.on_budget=stop", "datasets.B3.on_budget", "cancel, keep_partial"),
+        ("datasets.B3.token_budgte=5", "datasets.B3.token_budgte", "unknown key"),
+        ("datasets.B3.sampling.top_p=1.5", "datasets.B3.sampling.top_p", "(0, 1]"),
+        ("dataset=B9", "dataset", "unknown dataset"),
+        ("tokenize.on_too_long=wrap", "tokenize.on_too_long", "drop, truncate"),
+        ("hidden_states.dtype=int4", "hidden_states.dtype", "bfloat16"),
+    ],
+)
+def test_bad_override_names_the_key(project, override, key, words):
+    with pytest.raises(ConfigError) as exc:
+        load_config(None, ["dataset=B3", override], params_path=project.path / "params.yaml")
+    msg = str(exc.value)
+    assert msg.startswith(f"{key}:"), msg
+    assert words in msg and "\n" not in msg
+
+
+def test_typo_in_params_file_names_key_and_file(project):
+    project.params["datasets"]["B3"]["max_tokns"] = 10
+    project.save()
+    with pytest.raises(ConfigError, match=r"^datasets\.B3\.max_tokns: unknown key .*params\.yaml"):
+        load_config("B3", params_path=project.path / "params.yaml")
+
+
+def test_missing_budget_is_an_error(project):
+    del project.params["datasets"]["B3"]["token_budget"]
+    project.save()
+    with pytest.raises(ConfigError, match=r"^datasets\.B3\.token_budget:"):
+        load_config("B3", params_path=project.path / "params.yaml")
+
+
+def test_invalid_yaml_names_file_and_line(project):
+    (project.path / "params.yaml").write_text("datasets:\n  B3: {source: [unclosed\n")
+    with pytest.raises(ConfigError, match=r"params\.yaml:\d+: invalid YAML"):
+        load_config("B3", params_path=project.path / "params.yaml")
+
+
+def test_source_needs_exactly_one_of_path_and_hf_name(project):
+    with pytest.raises(ConfigError, match=r"^datasets\.B3\.source: set exactly one"):
+        load_config("B3", ["datasets.B3.source.hf_name=org/name"], params_path=project.path / "params.yaml")
+
+
+def test_values_compose_in_order(project):
+    """schema default < params.yaml < command line."""
+    cfg = load_config("B3", params_path=project.path / "params.yaml")
+    assert cfg.ds.token_budget == 400 and cfg.ds.budget_unit.value == "completion"
+    assert cfg.backend.kind.value == "embedded" and cfg.tokenize.max_seq_len == 1024
+    cfg = load_config("B3", ["datasets.B3.token_budget=123", "backend=sglang"], params_path=project.path / "params.yaml")
+    assert cfg.ds.token_budget == 123 and cfg.backend.kind.value == "sglang" and cfg.backend.urls
+
+
+def test_cli_prints_one_line_and_exits_2(project):
+    proc = subprocess.run(
+        [sys.executable, "-m", "stages.prompts", "dataset=B3", "datasets.B3.token_budget=-1"],
+        cwd=project.path, capture_output=True, text=True, env={"PYTHONPATH": str(ROOT), "PATH": ""},
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["error: datasets.B3.token_budget: must be a positive integer, got -1"]
+    assert not (project.path / "data").exists()  # nothing was produced
+
+
+def test_shipped_params_compose(monkeypatch):
+    """The repository's own params.yaml is valid for every dataset it lists."""
+    monkeypatch.chdir(ROOT)
+    cfg = load_config(None, params_path=ROOT / "params.yaml", need_dataset=False)
+    assert len(cfg.datasets) == 8
+    for name in cfg.datasets:
+        load_config(name, params_path=ROOT / "params.yaml")

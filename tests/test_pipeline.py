@@ -1,0 +1,124 @@
+"""The chain prompts → generate → tokenize → hidden_states, in-process, on the embedded backend with the real
+tiny model and a real SQLite store."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pyarrow.parquet as pq
+import pytest
+from safetensors import safe_open
+
+from stages.artifacts import read_jsonl
+
+
+def metrics(project, dataset: str, stage: str) -> dict:
+    return json.loads((project.data(dataset) / f"{stage}_metrics.json").read_text())
+
+
+def store_rows(project) -> int:
+    with sqlite3.connect(project.path / "store.sqlite") as db:
+        return db.execute("SELECT COUNT(*) FROM responses").fetchone()[0]
+
+
+def test_generate_meets_budget_and_reuses_the_store(project):
+    project.run("prompts", "B3")
+    project.run("generate", "B3")
+    m = metrics(project, "B3", "generate")
+    assert m["budget_met"] and m["budget_tokens"] >= 400
+    # the last selected response may cross the budget, never by more than one response
+    assert m["overshoot_tokens"] < 48
+    rows = list(read_jsonl(project.data("B3") / "responses.jsonl"))
+    assert sum(r["completion_tokens"] for r in rows) == m["budget_tokens"]
+    assert len({r["id"] for r in rows}) == len(rows)
+    n_stored = store_rows(project)
+    assert n_stored == m["newly_generated"] >= len(rows)
+
+    # Same budget again: nothing is sent, the output is identical.
+    before = (project.data("B3") / "responses.jsonl").read_bytes()
+    project.run("generate", "B3")
+    m2 = metrics(project, "B3", "generate")
+    assert m2["newly_generated"] == 0 and store_rows(project) == n_stored
+    assert (project.data("B3") / "responses.jsonl").read_bytes() == before
+
+    # Lower budget: nothing generated, a prefix of the earlier output.
+    project.set("datasets.B3.token_budget", 150)
+    project.run("generate", "B3")
+    m3 = metrics(project, "B3", "generate")
+    assert m3["newly_generated"] == 0 and m3["budget_tokens"] >= 150
+    lower = list(read_jsonl(project.data("B3") / "responses.jsonl"))
+    assert [r["id"] for r in lower] == [r["id"] for r in rows[: len(lower)]]
+
+    # Higher budget: only the difference is generated; earlier responses are kept as they were.
+    project.set("datasets.B3.token_budget", 800)
+    project.run("generate", "B3")
+    m4 = metrics(project, "B3", "generate")
+    assert m4["budget_met"] and 0 < m4["newly_generated"] < m["newly_generated"] * 2 + 8
+    higher = {r["id"]: r for r in read_jsonl(project.data("B3") / "responses.jsonl")}
+    for r in rows:
+        if r["id"] in higher:
+            assert higher[r["id"]]["output_ids"] == r["output_ids"]
+
+
+def test_tokenize_is_token_exact_and_hidden_states_pack(project):
+    for stage in ("prompts", "generate", "tokenize", "hidden_states"):
+        project.run(stage, "B3")
+    responses = {r["id"]: r for r in read_jsonl(project.data("B3") / "responses.jsonl")}
+    table = pq.read_table(project.data("B3") / "samples.parquet")
+    meta = json.loads(table.schema.metadata[b"draftdata"])
+    assert meta["tokenizer"]["chat_template_sha256"]
+    rows = table.to_pylist()
+    assert len(rows) == len(responses)
+    for row in rows:
+        r = responses[row["id"]]
+        assert row["input_ids"] == r["prompt_ids"] + r["output_ids"]
+        assert row["loss_mask"] == [0] * len(r["prompt_ids"]) + [1] * len(r["output_ids"])
+        assert row["n_trained"] == r["completion_tokens"]
+
+    index = json.loads((project.data("B3") / "hidden_states" / "index.json").read_text())
+    assert index["layers"] == [1, 3, 4] and index["final_state"] == "post_norm"
+    ids_in_shards = []
+    for shard in index["shards"]:
+        with safe_open(str(project.data("B3") / "hidden_states" / shard["file"]), framework="pt") as f:
+            offsets = f.get_tensor("offsets")
+            aux, final, ids = f.get_tensor("aux_hidden_states"), f.get_tensor("hidden_states"), f.get_tensor("input_ids")
+            assert aux.shape == (ids.shape[0], 3 * 64) and final.shape == (ids.shape[0], 64)
+            assert int(offsets[-1]) == ids.shape[0] == shard["n_tokens"]
+        ids_in_shards += shard["sample_ids"]
+    assert ids_in_shards == [row["id"] for row in rows]
+
+    # A rerun reuses every finished shard instead of recomputing it.
+    project.run("hidden_states", "B3")
+    hm = json.loads((project.data("B3") / "hidden_states_metrics.json").read_text())
+    assert hm["shards_reused"] == hm["shards"] == len(index["shards"])
+
+
+def test_hidden_states_match_a_plain_forward(project, tiny_model):
+    """The stored layer outputs are the model's own hidden_states[L + 1] (physical layer ids, no off-by-one)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    for stage in ("prompts", "generate", "tokenize", "hidden_states"):
+        project.run(stage, "B3")
+    index = json.loads((project.data("B3") / "hidden_states" / "index.json").read_text())
+    with safe_open(str(project.data("B3") / "hidden_states" / index["shards"][0]["file"]), framework="pt") as f:
+        offsets, ids, aux = f.get_tensor("offsets"), f.get_tensor("input_ids"), f.get_tensor("aux_hidden_states")
+    first = ids[: int(offsets[1])].long().unsqueeze(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    with torch.inference_mode():
+        hs = model(input_ids=first, output_hidden_states=True).hidden_states
+    expected = torch.cat([hs[layer + 1][0] for layer in (1, 3, 4)], dim=-1).to(torch.bfloat16)
+    torch.testing.assert_close(aux[: int(offsets[1])].float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_truncation_policy_drop_counts_and_excludes(project):
+    project.set("datasets.B3.max_tokens", 4)  # almost every response hits max_tokens
+    project.set("datasets.B3.on_truncation", "drop")
+    project.set("datasets.B3.token_budget", 40)
+    project.run("prompts", "B3")
+    project.run("generate", "B3")
+    m = metrics(project, "B3", "generate")
+    assert m["skipped"].get("truncated_dropped", 0) > 0
+    rows = list(read_jsonl(project.data("B3") / "responses.jsonl"))
+    assert all(r["finish_reason"] != "length" for r in rows)
