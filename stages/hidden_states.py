@@ -190,12 +190,13 @@ def main(cfg: Config) -> None:
 def _batches(seqs: list[list[int]], batch_tokens: int):
     """Consecutive samples whose padded size stays under batch_tokens (one long sample may exceed it alone)."""
     batch: list[list[int]] = []
+    width = 0
     for s in seqs:
-        width = max([len(s)] + [len(x) for x in batch])
-        if batch and width * (len(batch) + 1) > batch_tokens:
+        if batch and max(width, len(s)) * (len(batch) + 1) > batch_tokens:
             yield batch
-            batch, width = [], len(s)
+            batch, width = [], 0
         batch.append(s)
+        width = max(width, len(s))
     if batch:
         yield batch
 

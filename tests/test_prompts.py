@@ -1,0 +1,113 @@
+"""prompts@D: readers for every supported file type and HF datasets, bad rows, dedup, order, filters."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from stages.artifacts import read_jsonl
+from stages.prompts import BadInput
+
+
+def problems(n: int) -> list[dict]:
+    return [{"problem": f"Write a function number {i} that adds {i} to its input.", "solution": "x"} for i in range(n)]
+
+
+def write_jsonl_gz(path, rows, extra_lines=()):
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+        for line in extra_lines:
+            f.write(line + "\n")
+
+
+def use_source(project, path, **over):
+    project.params["datasets"]["B3"]["source"] = {"shape": "magicoder_oss", "path": str(path)}
+    project.params["datasets"]["B3"].update(over)
+    project.save()
+
+
+def output(project) -> list[dict]:
+    return list(read_jsonl(project.data("B3") / "prompts.jsonl"))
+
+
+def metrics(project) -> dict:
+    return json.loads((project.data("B3") / "prompts_metrics.json").read_text())
+
+
+def test_malformed_line_fails_with_file_and_line(project):
+    src = project.path / "src.jsonl.gz"
+    write_jsonl_gz(src, problems(2), extra_lines=['{"problem": "unterminated'])
+    use_source(project, src)
+    with pytest.raises(BadInput, match=r"src\.jsonl\.gz:3: .*invalid JSON.*reason=bad_json"):
+        project.run("prompts", "B3")
+    assert not (project.data("B3") / "prompts.jsonl").exists()
+
+
+def test_bad_rows_are_counted_when_skipped(project):
+    src = project.path / "src.jsonl"
+    rows = problems(5) + [{"solution": "no problem column"}, {"problem": "   "}]
+    src.write_text("\n".join(json.dumps(r) for r in rows) + "\nnot json\n")
+    use_source(project, src, on_bad_record="skip", max_prompt_tokens=None)
+    project.run("prompts", "B3")
+    m = metrics(project)
+    assert m["kept"] == 5 and m["rows_read"] == 8
+    assert m["dropped"] == {"bad_json": 1, "missing_field": 1, "no_user_turn": 1} or \
+        m["dropped"] == {"bad_json": 1, "missing_field": 1, "empty_prompt": 1}
+
+
+def test_json_parquet_and_hf_datasets_agree_with_jsonl(project, monkeypatch):
+    rows = problems(40)
+    write_jsonl_gz(project.path / "a.jsonl.gz", rows)
+    (project.path / "a.json").write_text(json.dumps(rows))
+    pq.write_table(pa.Table.from_pylist(rows), project.path / "a.parquet")
+    hf_dir = project.path / "hf_local"
+    hf_dir.mkdir()
+    pq.write_table(pa.Table.from_pylist(rows), hf_dir / "train-00000-of-00001.parquet")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    results = {}
+    for name in ("a.jsonl.gz", "a.json", "a.parquet"):
+        use_source(project, project.path / name)
+        project.run("prompts", "B3")
+        results[name] = [(r["id"], r["messages"]) for r in output(project)]
+    project.params["datasets"]["B3"]["source"] = {"shape": "magicoder_oss", "hf_name": str(hf_dir), "split": "train"}
+    project.save()
+    project.run("prompts", "B3")
+    results["hf"] = [(r["id"], r["messages"]) for r in output(project)]
+    first = results["a.jsonl.gz"]
+    assert len(first) == 40
+    assert all(v == first for v in results.values())
+
+
+def test_dedup_order_and_filters(project):
+    rows = problems(30)
+    rows += rows[:3]  # exact duplicates
+    rows.append({"problem": "word " * 2000, "solution": "x"})  # far over max_prompt_tokens
+    src = project.path / "src.jsonl.gz"
+    write_jsonl_gz(src, rows)
+    use_source(project, src, max_prompt_tokens=200)
+    project.run("prompts", "B3")
+    m = metrics(project)
+    assert m["dropped"] == {"duplicate": 3, "over_max_prompt_tokens": 1} and m["kept"] == 30
+    order = [r["id"] for r in output(project)]
+    assert all(r["prompt_tokens"] <= 200 for r in output(project))
+
+    # The order depends on the seed, not on the source's row order.
+    write_jsonl_gz(src, list(reversed(rows)))
+    project.run("prompts", "B3")
+    assert [r["id"] for r in output(project)] == order
+    project.set("datasets.B3.shuffle_seed", 1)
+    project.run("prompts", "B3")
+    assert sorted(r["id"] for r in output(project)) == sorted(order)
+    assert [r["id"] for r in output(project)] != order
+
+    project.set("datasets.B3.max_prompts", 10)
+    project.run("prompts", "B3")
+    dropped = metrics(project)["dropped"]
+    assert len(output(project)) == 10
+    # the long prompt is either reached (token filter) or not (max_prompts): every row is accounted for once
+    assert dropped["over_max_prompts"] + dropped.get("over_max_prompt_tokens", 0) == 21
