@@ -190,11 +190,47 @@ class BackendConfig:
 
     kind: BackendKind = BackendKind.embedded
     urls: List[str] = field(default_factory=list)
-    api_key_env: Optional[str] = None
+    api_key_env: Optional[str] = None  # the NAME of the variable holding the key; the key itself is never stored
     request_timeout_s: float = 600.0
     # embedded only: the KV-cache size of transformers' continuous batching
     max_batch_tokens: int = 2048
     num_blocks: int = 256
+    # sglang and openai: what start() expects the server to serve; None = the basename of model.path
+    served_model_name: Optional[str] = None
+    # Retries of one request on 408/409/429/5xx, connection errors and timeouts; the delay before retry n is
+    # uniform(0, min(backoff_max_s, backoff_base_s * 2**n)) ("full jitter"), or the server's Retry-After if longer.
+    max_retries: int = 5
+    backoff_base_s: float = 0.5
+    backoff_max_s: float = 30.0
+    connect_timeout_s: float = 10.0
+    startup_timeout_s: float = 900.0  # how long start() waits for a server still loading (/health answers 503)
+    probe_interval_s: float = 5.0  # how often a server marked dead is probed before it is put back
+    # openai only. prompt_format: `ids` = /v1/completions with the token-id prompt (vLLM, SGLang; token-exact),
+    # `text` = /v1/completions with the prompt decoded to text (servers that take strings only, e.g.
+    # `transformers serve`; the server re-tokenizes), `chat` = /v1/chat/completions with the messages.
+    prompt_format: str = "ids"
+    return_token_ids: bool = False  # vLLM >= 0.10.2 returns the prompt and output token ids when asked
+    extra_body: Dict[str, Any] = field(default_factory=dict)  # merged into every request body (server knobs)
+    # Stream responses: the budget controller then sees each request's progress and the server's throughput
+    # (on_budget: keep_partial streams whatever this says).
+    stream: bool = True
+
+    def check(self, key: str) -> None:
+        if self.kind == BackendKind.embedded:
+            return
+        if not self.urls:
+            raise ConfigError(f"{key}.urls", f"backend.kind={self.kind.value} needs at least one server URL")
+        for i, url in enumerate(self.urls):
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"{key}.urls[{i}]", f"must start with http:// or https://, got {url!r}")
+        if self.prompt_format not in ("ids", "text", "chat"):
+            raise ConfigError(f"{key}.prompt_format", f"must be ids, text or chat, got {self.prompt_format!r}")
+        if not isinstance(self.max_retries, int) or self.max_retries < 0:
+            raise ConfigError(f"{key}.max_retries", f"must be an integer >= 0, got {self.max_retries!r}")
+        for name in ("request_timeout_s", "backoff_base_s", "backoff_max_s", "connect_timeout_s",
+                     "startup_timeout_s", "probe_interval_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{key}.{name}", f"must be > 0, got {getattr(self, name)!r}")
 
 
 @dataclass

@@ -9,9 +9,10 @@ experiment or dataset that asks the same question reuses the answer.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -25,7 +26,7 @@ CREATE TABLE IF NOT EXISTS responses (
     text TEXT NOT NULL,
     prompt_tokens INTEGER NOT NULL,
     completion_tokens INTEGER NOT NULL,
-    finish_reason TEXT NOT NULL,    -- stop | length | budget_cut
+    finish_reason TEXT NOT NULL,    -- stop | length | budget_cut (a partial kept at the budget)
     server TEXT NOT NULL,
     latency_s REAL NOT NULL,
     created_at REAL NOT NULL
@@ -41,6 +42,9 @@ CREATE TABLE IF NOT EXISTS failures (
 );
 CREATE INDEX IF NOT EXISTS failures_key ON failures(key);
 """
+
+
+CUT = "budget_cut"  # finish_reason of a partial response kept when the budget stopped it (on_budget: keep_partial)
 
 
 @dataclass
@@ -73,13 +77,19 @@ class ResponseStore:
         self.db.close()
 
     def put(self, r: StoredResponse) -> None:
-        row = asdict(r)
+        row = dict(vars(r))  # shallow: dataclasses.asdict would deep-copy every token id
         row["prompt_ids"] = _ids(r.prompt_ids)
         row["output_ids"] = _ids(r.output_ids)
         cols = ", ".join(row)
         marks = ", ".join(f":{k}" for k in row)
-        # OR IGNORE: a response already stored for this key (another run got there first) is kept, never duplicated.
-        self.db.execute(f"INSERT OR IGNORE INTO responses ({cols}) VALUES ({marks})", row)
+        updates = ", ".join(f"{k} = excluded.{k}" for k in row if k != "key")
+        # One row per key, never duplicated: a response already stored (another run got there first) is kept,
+        # except a partial one cut by a budget, which a complete response replaces.
+        self.db.execute(
+            f"INSERT INTO responses ({cols}) VALUES ({marks}) ON CONFLICT(key) DO UPDATE SET {updates} "
+            f"WHERE responses.finish_reason = '{CUT}' AND excluded.finish_reason != '{CUT}'",
+            row,
+        )
 
     def put_failure(self, key: str, dataset: str, prompt_id: str, reason: str, detail: str, server: str) -> None:
         self.db.execute(
@@ -112,3 +122,22 @@ def _ids(ids: Optional[list[int]]) -> Optional[str]:
 
 def _unids(blob: Optional[str]) -> Optional[list[int]]:
     return None if blob is None else json.loads(blob)
+
+
+def resolve_store_path(configured: str, cwd: Optional[Path] = None) -> Path:
+    """Where the store lives. `DRAFTDATA_STORE` wins; an absolute path stays; a relative one is taken from the
+    project root. `dvc exp run --temp` and `--queue` run in a copy of the workspace under
+    `<root>/.dvc/tmp/exps/`: the root is then the original workspace, so experiments share one store and every
+    response they generate is there for the next run."""
+    env = os.environ.get("DRAFTDATA_STORE")
+    if env:
+        return Path(env)
+    path = Path(configured)
+    if path.is_absolute():
+        return path
+    cwd = (cwd or Path.cwd()).resolve()
+    parts = cwd.parts
+    for i in range(len(parts) - 3):
+        if parts[i : i + 4] == (".dvc", "tmp", "exps", parts[i + 3]) and i > 0:
+            return Path(*parts[:i]) / path
+    return cwd / path

@@ -94,3 +94,22 @@ def test_run_time_knob_reruns_nothing(repo):
     params["backend"] = {"kind": "embedded", "request_timeout_s": 5.0}
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     assert ran(dvc("repro", cwd=repo)) == set()
+
+
+@pytest.mark.slow
+def test_temp_experiment_shares_the_workspace_store(repo):
+    """`dvc exp run --temp` runs in a copy under .dvc/tmp/exps; its responses must land in the workspace's store."""
+    import sqlite3
+
+    dvc("repro", cwd=repo)
+    store = repo / ".draftdata" / "store.sqlite"
+
+    def count() -> int:
+        with sqlite3.connect(store) as db:
+            return db.execute("SELECT COUNT(*) FROM responses").fetchone()[0]
+
+    before = count()
+    out = dvc("exp", "run", "--temp", "-S", "datasets.B3_magicoder.token_budget=900", cwd=repo)
+    assert "generate@B3_magicoder" in out
+    assert count() > before
+    assert not list((repo / ".dvc" / "tmp").rglob("store.sqlite"))

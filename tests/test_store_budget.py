@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 
-from stages.budget import BudgetController
+from stages.budget import BudgetController, LengthModel
 from stages.store import ResponseStore, StoredResponse
 
 
@@ -38,27 +38,59 @@ def test_store_get_many_handles_more_keys_than_sqlite_binds(tmp_path):
     assert len(store.get_many(f"k{i}" for i in range(1300))) == 1200
 
 
-def test_controller_admits_by_expected_tokens():
-    c = BudgetController(budget=1000, max_tokens=200, concurrency=100)
-    admitted = 0
-    while c.can_admit():
-        c.admitted()
-        admitted += 1
-    assert admitted == 10  # 10 × (200 / 2) expected tokens fill the budget
-    for _ in range(10):
-        c.finished(20, counted=True)  # responses much shorter than feared
-    assert c.committed == 200 and c.expected_len == 20
-    while c.can_admit():
-        c.admitted()
-    assert c.in_flight == 40  # (1000 - 200) / 20
+def fill(c: BudgetController, progress: list[int]) -> list[int]:
+    """Admit until the controller holds; returns the in-flight progress list."""
+    while c.can_admit(progress):
+        progress.append(0)
+    return progress
 
 
-def test_controller_caps_concurrency_and_stops_when_met():
-    c = BudgetController(budget=10_000, max_tokens=100, concurrency=3)
-    for _ in range(3):
-        c.admitted()
-    assert not c.can_admit()
-    c.finished(50, counted=False)  # not kept (e.g. dropped truncation): counts for the mean only
-    assert c.committed == 0 and c.can_admit()
-    c.committed = 10_000
-    assert c.met and not c.can_admit()
+def test_length_model_prior_and_conditional_mean():
+    m = LengthModel(max_tokens=1000)
+    assert m.mean() == 500 and m.expected_final(700) == 700  # prior until 16 lengths are seen
+    for n in [100] * 12 + [900] * 4:
+        m.add(n)
+    assert m.mean() == 300
+    assert m.expected_final(0) == 300  # nothing known about a request that has not started
+    assert m.expected_final(150) == 900  # past 100 tokens, only the long ones are left
+    assert m.expected_final(950) == 975  # past everything seen: halfway to max_tokens
+
+
+def test_blind_controller_admits_expected_fit_plus_slack():
+    c = BudgetController(budget=10_000, max_tokens=200, concurrency=1000, admit_slack=0.0)
+    assert len(fill(c, [])) == 100  # 100 in flight × 100 expected tokens = the budget
+    c = BudgetController(budget=10_000, max_tokens=200, concurrency=50, admit_slack=1.0)
+    assert len(fill(c, [])) == 50  # capped by concurrency, well inside one batch of slack
+
+
+def test_controller_refills_below_the_knee_it_observed():
+    c = BudgetController(budget=1_000, max_tokens=200, concurrency=20, observes_rate=True)
+    progress = fill(c, [])
+    assert len(progress) == 10  # expected fit: 10 × 100 = the budget
+    c.observe_rate(2000.0, 20)  # a full batch: 2,000 tok/s
+    progress.pop()
+    c.finished(100, counted=True)  # one completes: 100 + 9 × 100 expected + 100 more > 1,000
+    assert not c.can_admit(progress)  # draining, and no loss seen yet: hold
+    c.observe_rate(1999.0, 9)  # compute-bound: 9 running keep the throughput
+    assert not c.can_admit(progress)
+    c.observe_rate(900.0, 9)  # fixed-rate server: 9 running lose throughput, so refill at 9 and below
+    assert c.can_admit(progress)
+    c.observe_rate(800.0, 3)  # a lower observation does not lower the knee
+    assert c.can_admit(progress)
+
+
+def test_controller_stops_when_met_and_counts_only_kept_tokens():
+    c = BudgetController(budget=100, max_tokens=50, concurrency=3)
+    c.finished(60, counted=False)  # not kept (e.g. dropped truncation): statistics only
+    assert c.committed == 0 and c.lengths.n == 1
+    c.finished(100, counted=True)
+    assert c.reached() and not c.can_admit([])
+
+
+def test_keep_partial_keeps_the_server_full_until_tokens_in_flight_reach_the_budget():
+    c = BudgetController(budget=1_000, max_tokens=200, concurrency=8, keep_partial=True)
+    assert len(fill(c, [])) == 8
+    assert not c.reached([100] * 8)
+    assert c.reached([100] * 8 + [200]) and not c.can_admit([100] * 8 + [200])
+    c.cut(400)
+    assert c.committed == 400 and c.reached([600])

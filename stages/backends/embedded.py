@@ -2,7 +2,8 @@
 
 Token ids in and out, no server, no GPU needed: it serves the demo and small models. `add_request` queues work on
 the manager's background thread; results come back on the event loop through `register_result_handler`;
-cancelling the awaiting task calls `cancel_request`, which frees the request's KV cache.
+cancelling the awaiting task calls `cancel_request`, which frees the request's KV cache. With `req.stream` the
+request is added with `streaming=True`: every step's output reaches the handler, which keeps `req.partial` current.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from stages.backends import GenRequest, GenResult
+from stages.backends import GenRequest, GenResult, Partial
 from stages.config import Config
 
 
@@ -49,12 +50,17 @@ class EmbeddedBackend:
         done: asyncio.Future = loop.create_future()
         t0 = time.perf_counter()
 
+        follow = _PartialFollower(req.partial, self.tokenizer) if req.stream else None
+
         def on_result(out) -> None:
+            if follow is not None:
+                follow.update(out.generated_tokens)
             if out.is_finished() and not done.done():
                 done.set_result(out)
 
         self.manager.register_result_handler(req.rid, on_result)
-        self.manager.add_request(req.prompt_ids, request_id=req.rid, max_new_tokens=req.max_tokens)
+        self.manager.add_request(req.prompt_ids, request_id=req.rid, max_new_tokens=req.max_tokens,
+                                 streaming=req.stream)
         try:
             out = await done
         except asyncio.CancelledError:
@@ -76,3 +82,24 @@ class EmbeddedBackend:
         if self.manager is not None:
             await asyncio.to_thread(self.manager.stop, True)
             self.manager = None
+
+
+class _PartialFollower:
+    """Keeps a `Partial` current from streamed outputs, whose `generated_tokens` hold every token so far: only the
+    new ones are decoded, by a `DecodeStream` (O(1) per token, where re-decoding everything would be O(n²))."""
+
+    def __init__(self, partial: Partial, tokenizer):
+        from tokenizers.decoders import DecodeStream
+
+        self.partial = partial
+        self.backend = tokenizer._tokenizer  # the Rust tokenizer behind the fast one
+        self.decoder = DecodeStream(skip_special_tokens=True)  # as the final text: decode(skip_special_tokens=True)
+
+    def update(self, generated: list[int]) -> None:
+        p = self.partial
+        for token in generated[len(p.output_ids):]:
+            p.output_ids.append(token)
+            piece = self.decoder.step(self.backend, token)
+            if piece is not None:  # None: the token ends inside a multi-byte character
+                p.text += piece
+        p.completion_tokens = len(p.output_ids)

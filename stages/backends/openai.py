@@ -1,0 +1,159 @@
+"""The `openai` backend: any OpenAI-compatible server (vLLM, SGLang's OpenAI API, `transformers serve`, hosted).
+
+`backend.prompt_format` picks the endpoint:
+- `ids`: `/v1/completions` with the token-id prompt (a list of ints; vLLM and SGLang take it), so the server sees
+  exactly the training prompt tokens;
+- `text`: `/v1/completions` with the prompt decoded to text, for servers whose completions take strings only
+  (`transformers serve`); the server re-tokenizes, and a prompt-token count that differs from ours is reported in
+  `GenResult.extra["prompt_tokens_drift"]`;
+- `chat`: `/v1/chat/completions` with the messages and tools; the server applies its own chat template.
+A request without prompt ids always goes to chat.
+
+`backend.return_token_ids: true` asks vLLM (>= 0.10.2) for `prompt_token_ids` and per-choice `token_ids` (whole
+lists in a plain answer, the new ids in each stream chunk). Servers that validate fields strictly reject it
+(`transformers serve`: 422), and without it only text comes back. Token counts are `usage.completion_tokens`; a stream
+asks for them with `stream_options.include_usage`. Cancelling a request closes its connection, which vLLM treats as
+an abort (`transformers serve` too, for streamed requests only).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import aiohttp
+
+from stages.backends import GenRequest, GenResult, Partial
+from stages.backends.http import (Failure, HttpBackend, Server, model_matches, parse_json, response_shape,
+                                  sse_events, stream_cut)
+
+
+def finish_reason(value: Optional[str]) -> str:
+    """OpenAI's stop/length/tool_calls/content_filter, plus vLLM's abort, as stop | length | abort."""
+    if value in ("length", "abort"):
+        return value
+    return "stop"  # stop, tool_calls, function_call, content_filter: the model ended its turn
+
+
+def stream_error(event: dict) -> Failure:
+    err = event["error"]
+    message = err.get("message", err) if isinstance(err, dict) else err
+    return Failure("engine_error", str(message)[:500])
+
+
+class OpenAIBackend(HttpBackend):
+    name = "openai"
+    health_path = "/v1/models"
+
+    def __init__(self, cfg, tokenizer):
+        super().__init__(cfg, tokenizer)
+        self.model_ids: dict[str, str] = {}  # server url -> the `model` to send, as that server lists it
+
+    async def _served_models(self, url: str) -> list[str]:
+        status, doc = await self._get_json(url + "/v1/models")
+        if status != 200:
+            raise Failure(f"http_{status}", f"/v1/models answered {status}")
+        with response_shape("/v1/models"):
+            entries = [(str(e["id"]), str(e.get("root") or "")) for e in doc["data"]]  # vLLM's root: the path
+        for model_id, root in entries:
+            if model_matches(self.expected_model, model_id) or (root and model_matches(self.expected_model, root)):
+                self.model_ids[url] = model_id
+                break
+        return [name for entry in entries for name in entry if name]
+
+    def _request(self, server: Server, req: GenRequest) -> tuple[str, dict]:
+        s = req.sampling
+        # a server that was down at start-up and is tried in panic mode has not told its name: use another's
+        model = self.model_ids.get(server.url) or next(iter(self.model_ids.values()))
+        body: dict = {"model": model, "max_tokens": req.max_tokens,
+                      "temperature": s["temperature"], "top_p": s["top_p"]}
+        if s["top_k"] > 0:  # not an OpenAI field: strict servers reject it, and -1 means "off" anyway
+            body["top_k"] = s["top_k"]
+        fmt = self.bcfg.prompt_format if req.prompt_ids is not None else "chat"
+        if fmt == "chat":
+            path = "/v1/chat/completions"
+            body["messages"] = req.messages
+            if req.tools:
+                body["tools"] = req.tools
+            if self.cfg.model.template_kwargs:
+                body["chat_template_kwargs"] = dict(self.cfg.model.template_kwargs)
+        else:
+            path = "/v1/completions"
+            body["prompt"] = req.prompt_ids if fmt == "ids" else self.tokenizer.decode(req.prompt_ids)
+        if self.bcfg.return_token_ids:
+            body["return_token_ids"] = True
+        if req.stream:
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
+        body.update(self.bcfg.extra_body)
+        return path, body
+
+    async def _attempt(self, server: Server, req: GenRequest, rid: str) -> GenResult:
+        path, body = self._request(server, req)
+        chat = path == "/v1/chat/completions"
+        async with self.post(server, path, body) as resp:
+            if req.stream:
+                return await self._read_stream(server, req, resp, chat)
+            doc = parse_json(await resp.text(errors="replace"))
+        if isinstance(doc, dict) and "error" in doc:
+            raise stream_error(doc)
+        with response_shape(f"{path} answer"):
+            choice = doc["choices"][0]
+            text = (choice["message"].get("content") or "") if chat else choice["text"]
+            ids = choice.get("token_ids")
+            res = GenResult(
+                req.rid, output_ids=[int(t) for t in ids] if ids is not None else None, text=text,
+                prompt_tokens=int(doc["usage"]["prompt_tokens"]),
+                completion_tokens=int(doc["usage"]["completion_tokens"]),
+                finish_reason=finish_reason(choice.get("finish_reason")),
+                prompt_ids=choice.get("prompt_token_ids") or doc.get("prompt_token_ids"),
+            )
+        return self._with_drift(req, res)
+
+    async def _read_stream(self, server: Server, req: GenRequest, resp: aiohttp.ClientResponse,
+                           chat: bool) -> GenResult:
+        partial = req.partial
+        usage: Optional[dict] = None
+        finish: Optional[str] = None
+        prompt_ids: Optional[list] = None
+        pieces = 0
+        async for event in sse_events(resp):
+            if "error" in event:
+                raise stream_error(event)
+            with response_shape("stream chunk"):
+                usage = event.get("usage") or usage
+                prompt_ids = event.get("prompt_token_ids") or prompt_ids
+                for choice in event.get("choices") or []:
+                    piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                    if piece:
+                        partial.text += piece
+                        pieces += 1
+                    partial.output_ids.extend(int(t) for t in choice.get("token_ids") or [])
+                    prompt_ids = choice.get("prompt_token_ids") or prompt_ids
+                    finish = choice.get("finish_reason") or finish
+                _count(partial, pieces)
+        if finish is None:
+            raise stream_cut(server.url)
+        with response_shape("stream usage"):
+            res = GenResult(
+                req.rid, output_ids=list(partial.output_ids) or None, text=partial.text,
+                prompt_tokens=int(usage["prompt_tokens"]) if usage else 0,
+                completion_tokens=int(usage["completion_tokens"]) if usage else partial.completion_tokens,
+                finish_reason=finish_reason(finish), prompt_ids=prompt_ids,
+            )
+        if usage is None:
+            res.extra["completion_tokens_estimated"] = True
+        return self._with_drift(req, res)
+
+    def _with_drift(self, req: GenRequest, res: GenResult) -> GenResult:
+        """With a text prompt the server re-tokenizes: say so when its count differs from the exact prompt's."""
+        if self.bcfg.prompt_format == "text" and req.prompt_ids is not None and res.prompt_tokens:
+            drift = res.prompt_tokens - len(req.prompt_ids)
+            if drift:
+                res.extra["prompt_tokens_drift"] = drift
+        return res
+
+
+def _count(partial: Partial, pieces: int) -> None:
+    """Exact when the server streams token ids; otherwise one text piece per decode step, which is what vLLM and
+    `transformers serve` send (a guide for the budget while streaming; the final count is usage's)."""
+    partial.completion_tokens = len(partial.output_ids) if partial.output_ids else pieces

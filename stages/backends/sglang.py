@@ -1,0 +1,115 @@
+"""The `sglang` backend: SGLang's native `POST /generate`, token ids in and out.
+
+The chat template is applied locally, so `input_ids` are exactly the training prompt tokens. Field names are
+SGLang's own:
+- request: `GenerateReqInput` in python/sglang/srt/managers/io_struct.py (`rid`, `input_ids`, `sampling_params`
+  with `max_new_tokens`/`temperature`/`top_p`/`top_k`, `stream`);
+- answer and stream chunks: `{text, output_ids, meta_info: {id, finish_reason: {type: stop|length|abort, ...},
+  prompt_tokens, completion_tokens, ...}}`, streamed by `generate_request` in
+  python/sglang/srt/entrypoints/http_server.py as `data: {json}` lines ending with `data: [DONE]`; an error inside
+  a stream comes as `data: {"error": {"message": ...}}`;
+- `POST /abort_request` takes `AbortReq` `{rid, abort_all}`; `GET /health` is 503 while the server starts;
+  `GET /model_info` (older servers: `/get_model_info`) answers `{model_path, tokenizer_path, ...}`.
+
+Streamed `output_ids` (and `text`) are CUMULATIVE by default, and only the new ones when the server runs with
+`--incremental-streaming-output` (`OutputProcessor.handle_batch_output`,
+python/sglang/srt/managers/tokenizer_manager_components/output_processor.py: `incremental =
+incremental_streaming_output and is_stream`). `meta_info.completion_tokens` is the running total in both, so each
+chunk says which form it is in (`is_increment`). Cumulative chunks make a long stream cost O(n²) to parse: prefer
+`--incremental-streaming-output` on servers used with `on_budget: keep_partial`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import aiohttp
+
+from stages.backends import GenRequest, GenResult
+from stages.backends.http import (ABORT_TIMEOUT_S, Failure, HttpBackend, Server, parse_json, response_shape,
+                                  sse_events, stream_cut)
+from stages.target import render_prompt_ids
+
+
+def finish_reason(value) -> str:
+    """`meta_info.finish_reason` is `{"type": "stop"|"length"|"abort", ...}` (a bare string on some versions)."""
+    kind = value.get("type") if isinstance(value, dict) else value
+    return kind if kind in ("length", "abort") else "stop"
+
+
+def is_increment(have: int, chunk: int, total: int) -> bool:
+    """A cumulative chunk carries all `total` ids so far; an incremental one the `total - have` new ones."""
+    return have + chunk == total and chunk < total
+
+
+def engine_error(event: dict) -> Failure:
+    err = event["error"]
+    message = err.get("message", err) if isinstance(err, dict) else err
+    return Failure("engine_error", str(message)[:500])
+
+
+class SGLangBackend(HttpBackend):
+    name = "sglang"
+    health_path = "/health"
+
+    async def _served_models(self, url: str) -> list[str]:
+        for path in ("/model_info", "/get_model_info"):
+            status, info = await self._get_json(url + path)
+            if status == 404:
+                continue  # an older server: try the older name
+            if status != 200:
+                raise Failure(f"http_{status}", f"{path} answered {status}")
+            with response_shape(path):
+                return [str(info["model_path"])]
+        raise Failure("http_404", "neither /model_info nor /get_model_info exists")
+
+    async def _abort(self, server: Server, rid: str) -> None:
+        async with self.session.post(server.url + "/abort_request", json={"rid": rid},
+                                     timeout=aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S)) as resp:
+            await resp.read()
+
+    def _body(self, req: GenRequest, rid: str) -> dict:
+        ids = req.prompt_ids
+        if ids is None:
+            ids = render_prompt_ids(self.tokenizer, req.messages, req.tools, dict(self.cfg.model.template_kwargs))
+        s = req.sampling
+        sampling = {"max_new_tokens": req.max_tokens, "temperature": s["temperature"], "top_p": s["top_p"],
+                    "top_k": s["top_k"]}  # SGLang's top_k=-1 is "off", like ours
+        return {"rid": rid, "input_ids": ids, "sampling_params": sampling, "stream": req.stream}
+
+    async def _attempt(self, server: Server, req: GenRequest, rid: str) -> GenResult:
+        async with self.post(server, "/generate", self._body(req, rid)) as resp:
+            if req.stream:
+                return await self._read_stream(server, req, resp)
+            out = parse_json(await resp.text(errors="replace"))
+        if isinstance(out, dict) and "error" in out:
+            raise engine_error(out)
+        with response_shape("/generate answer"):
+            return self._result(req, out["output_ids"], out.get("text") or "", out["meta_info"])
+
+    async def _read_stream(self, server: Server, req: GenRequest, resp: aiohttp.ClientResponse) -> GenResult:
+        partial = req.partial
+        meta: Optional[dict] = None
+        async for event in sse_events(resp):
+            if "error" in event:
+                raise engine_error(event)
+            with response_shape("/generate stream chunk"):
+                meta = event["meta_info"]
+                chunk, total = event["output_ids"], meta["completion_tokens"]
+                if is_increment(len(partial.output_ids), len(chunk), total):
+                    partial.output_ids.extend(chunk)
+                    partial.text += event.get("text") or ""
+                else:
+                    partial.output_ids = list(chunk)
+                    partial.text = event.get("text", partial.text) or ""
+                partial.completion_tokens = total
+        if meta is None or meta.get("finish_reason") is None:
+            raise stream_cut(server.url)
+        with response_shape("/generate stream end"):
+            return self._result(req, partial.output_ids, partial.text, meta)
+
+    def _result(self, req: GenRequest, output_ids: list, text: str, meta: dict) -> GenResult:
+        return GenResult(
+            req.rid, output_ids=[int(t) for t in output_ids], text=text, prompt_tokens=int(meta["prompt_tokens"]),
+            completion_tokens=int(meta["completion_tokens"]), finish_reason=finish_reason(meta["finish_reason"]),
+        )

@@ -1,0 +1,498 @@
+"""The HTTP backends against real servers on 127.0.0.1: a protocol-faithful fake SGLang (tests/fake_sglang.py, in a
+thread) for the protocol, faults, retries and failover, and a real `transformers serve` process for the
+OpenAI-compatible backend. The embedded backend's streaming runs the tiny model in-process.
+
+`transformers serve` (transformers 5.x), as found here and exercised below: /v1/completions takes a text prompt only
+(a token-id list is a 400 "prompt must be a string"), fields outside OpenAI's schema are a 422 (so no
+`return_token_ids`, no `top_k`), no token ids come back, `stream_options` is accepted and ignored (usage always comes
+in the last chunk), a stream ends without `data: [DONE]`, and only a streamed request stops when the client
+disconnects. Hence `prompt_format: text|chat` and `return_token_ids: false` for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from stages.backends import GenRequest, make_backend
+from stages.config import BackendConfig, BackendKind, Config, DatasetConfig, ModelConfig, TinyModelConfig, UserError
+from stages.target import load_tokenizer, render_prompt_ids
+from tests.fake_sglang import EOS_ID, FakeSGLang, Faults, fake_output_ids, fake_text
+
+pytestmark = pytest.mark.timeout(90)
+
+IDS = [5, 6, 7]
+SAMPLING = {"temperature": 0.7, "top_p": 1.0, "top_k": -1}
+MESSAGES = [{"role": "user", "content": "Write a function that adds two numbers."}]
+
+
+# ---- helpers ------------------------------------------------------------------------------------------------------ #
+
+
+def run(coro, timeout: float = 30.0):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def until(cond, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.005)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def config(kind: BackendKind, urls: list[str], model_path: str = "models/tiny-llama", **backend) -> Config:
+    opts = dict(kind=kind, urls=urls, backoff_base_s=0.01, backoff_max_s=0.05, probe_interval_s=0.1,
+                request_timeout_s=10.0, startup_timeout_s=5.0)
+    opts.update(backend)
+    return Config(model=ModelConfig(path=model_path), datasets={"d": DatasetConfig(concurrency=8)}, dataset="d",
+                  backend=BackendConfig(**opts))
+
+
+def sglang(*urls: str, **backend) -> Config:
+    return config(BackendKind.sglang, list(urls), **backend)
+
+
+def request(rid: str = "r1", ids=IDS, max_tokens: int = 16, stream: bool = False, messages=MESSAGES) -> GenRequest:
+    return GenRequest(rid, list(ids) if ids is not None else None, messages, None, max_tokens, dict(SAMPLING),
+                      stream=stream)
+
+
+@asynccontextmanager
+async def started(cfg: Config, tokenizer=None):
+    backend = make_backend(cfg, tokenizer)
+    await backend.start()
+    try:
+        yield backend
+    finally:
+        await backend.close()
+
+
+async def generate(cfg: Config, req: GenRequest, tokenizer=None):
+    async with started(cfg, tokenizer) as backend:
+        return await backend.generate(req)
+
+
+@pytest.fixture
+def fake():
+    servers: list[FakeSGLang] = []
+
+    def make(**kw) -> FakeSGLang:
+        servers.append(FakeSGLang(**kw).start())
+        return servers[-1]
+
+    yield make
+    for s in servers:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def endless_model(tiny_model, tmp_path_factory) -> Path:
+    """The tiny target with its end-of-turn logit pushed down: every answer runs to max_tokens, long enough to
+    cancel. Named like the tiny model so start-up's model check compares basenames."""
+    from transformers import AutoTokenizer
+
+    from stages.tiny_model import build_model
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    out = tmp_path_factory.mktemp("endless") / Path(tiny_model).name
+    build_model(TinyModelConfig(mean_response_tokens=10**9), len(tok), tok.eos_token_id, tok.pad_token_id) \
+        .save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+# ---- sglang: protocol ---------------------------------------------------------------------------------------------- #
+
+
+def test_sglang_sends_native_fields_and_round_trips_ids(fake):
+    srv = fake(stop_after=5)
+    stop, length = run(_two(sglang(srv.url)))
+    assert srv.generate_calls[0] == {"rid": "r1", "input_ids": IDS, "stream": False, "sampling_params": {
+        "max_new_tokens": 16, "temperature": 0.7, "top_p": 1.0, "top_k": -1}}
+    assert stop.ok and stop.finish_reason == "stop" and stop.server == srv.url
+    assert stop.output_ids == fake_output_ids(IDS, 5) + [EOS_ID] and stop.text == fake_text(fake_output_ids(IDS, 5))
+    assert (stop.prompt_tokens, stop.completion_tokens) == (3, 6)
+    assert length.ok and length.finish_reason == "length" and length.output_ids == fake_output_ids(IDS, 4)
+
+
+async def _two(cfg):
+    async with started(cfg) as backend:
+        return await backend.generate(request()), await backend.generate(request("r2", max_tokens=4))
+
+
+@pytest.mark.parametrize("incremental", [False, True], ids=["cumulative", "incremental"])
+def test_sglang_stream_updates_the_partial_token_by_token(fake, incremental):
+    srv = fake(token_delay_s=0.01, incremental=incremental)
+
+    async def go():
+        async with started(sglang(srv.url)) as backend:
+            req = request(max_tokens=12, stream=True)
+            task = asyncio.create_task(backend.generate(req))
+            seen = []
+            while not task.done():
+                seen.append(list(req.partial.output_ids))
+                await asyncio.sleep(0.002)
+            return req, task.result(), seen
+
+    req, res, seen = run(go())
+    expected = fake_output_ids(IDS, 12)
+    assert res.ok and res.output_ids == expected and res.text == fake_text(expected) and res.completion_tokens == 12
+    assert all(s == expected[: len(s)] for s in seen)  # always a prefix of the answer ...
+    assert len({len(s) for s in seen}) >= 6  # ... that grew while the stream ran
+    assert (req.partial.output_ids, req.partial.text, req.partial.completion_tokens) == (expected, res.text, 12)
+
+
+def test_stream_lines_longer_than_aiohttp_readline_accepts(fake):
+    """SGLang's cumulative chunks of a long answer are longer than aiohttp's readline accepts (512 KiB)."""
+    srv = fake(token_delay_s=0, stream_interval=40000)
+    res = run(generate(sglang(srv.url), request(max_tokens=80000, stream=True)))
+    assert res.ok, res.detail
+    assert res.output_ids == fake_output_ids(IDS, 80000)
+    assert len(json.dumps({"text": res.text, "output_ids": res.output_ids})) > 512 * 1024  # the last line's size
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "plain"])
+def test_cancel_aborts_on_the_server_and_keeps_the_partial(fake, stream):
+    srv = fake(token_delay_s=0.01)
+
+    async def go():
+        async with started(sglang(srv.url)) as backend:
+            req = request(max_tokens=1000, stream=stream)
+            task = asyncio.create_task(backend.generate(req))
+            await until(lambda: req.partial.completion_tokens >= 5 if stream else len(srv.generate_calls) == 1)
+            await asyncio.sleep(0 if stream else 0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert srv.aborts == ["r1"]  # told before generate() re-raised
+            await until(lambda: "r1" in srv.disconnects)  # and the connection was dropped
+            return req
+
+    req = run(go())
+    n = len(req.partial.output_ids)
+    if stream:
+        assert 5 <= n < 1000 and req.partial.output_ids == fake_output_ids(IDS, n)
+        assert req.partial.text == fake_text(req.partial.output_ids)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "plain"])
+def test_abort_by_the_server_finishes_with_abort(fake, stream):
+    srv = fake(token_delay_s=0.01)
+
+    async def go():
+        async with started(sglang(srv.url)) as backend:
+            req = request(max_tokens=1000, stream=stream)
+            task = asyncio.create_task(backend.generate(req))
+            await until(lambda: req.partial.completion_tokens >= 3 if stream else len(srv.generate_calls) == 1)
+            await asyncio.sleep(0 if stream else 0.05)
+            async with aiohttp.ClientSession() as s:  # someone else (an operator) aborts it
+                async with s.post(srv.url + "/abort_request", json={"rid": "r1"}) as resp:
+                    assert resp.status == 200
+            return await task
+
+    res = run(go())
+    n = len(res.output_ids)
+    assert res.ok and res.finish_reason == "abort" and 0 < n < 1000 and res.output_ids == fake_output_ids(IDS, n)
+    assert srv.finished["r1"] == "abort"
+
+
+# ---- sglang: faults and retries ------------------------------------------------------------------------------------ #
+
+
+@pytest.mark.parametrize("faults, attempts", [
+    (Faults(status=500, status_times=2), 3),
+    (Faults(status=503, status_times=1), 2),
+    (Faults(status=408, status_times=1), 2),
+    (Faults(status=429, status_times=1), 2),
+    (Faults(reset_times=2), 3),
+    (Faults(hang_times=1), 2),
+], ids=["500x2", "503", "408", "429", "reset", "hang"])
+def test_retryable_faults_are_retried_then_succeed(fake, faults, attempts):
+    srv = fake()
+    srv.faults = faults
+    hang = faults.hang_times > 0
+    res = run(generate(sglang(srv.url, request_timeout_s=0.5 if hang else 10.0), request()))
+    assert res.ok, res.detail
+    assert res.output_ids == fake_output_ids(IDS, 16)
+    rids = [c["rid"] for c in srv.generate_calls]
+    assert len(rids) == attempts and len(set(rids)) == attempts  # every attempt has its own rid
+    if hang:
+        assert srv.aborts == [rids[0]]  # the attempt that timed out was stopped on the server
+
+
+@pytest.mark.parametrize("faults, code", [
+    (Faults(status=400, status_times=1), "http_400"),
+    (Faults(status=404, status_times=1), "http_404"),
+    (Faults(malformed_times=1), "bad_response"),
+], ids=["400", "404", "malformed"])
+def test_other_failures_are_not_retried(fake, faults, code):
+    srv = fake()
+    srv.faults = faults
+    res = run(generate(sglang(srv.url), request()))
+    assert res.error == code and len(srv.generate_calls) == 1 and res.detail
+
+
+def test_engine_error_inside_a_stream(fake):
+    srv = fake()
+    srv.faults = Faults(stream_error_times=1)
+    res = run(generate(sglang(srv.url), request(stream=True)))
+    assert res.error == "engine_error" and "injected engine failure" in res.detail
+    assert len(srv.generate_calls) == 1
+
+
+def test_retries_exhausted_names_the_last_cause(fake):
+    srv = fake()
+    srv.faults = Faults(status=503, status_times=100)
+    res = run(generate(sglang(srv.url, max_retries=2), request()))
+    assert res.error == "retries_exhausted" and res.detail.startswith("http_503") and len(srv.generate_calls) == 3
+    res = run(generate(sglang(srv.url, max_retries=0), request()))
+    assert res.error == "http_503" and len(srv.generate_calls) == 4  # no retries: the cause itself
+
+
+def test_retry_after_is_honoured(fake):
+    srv = fake()
+    srv.faults = Faults(status=429, status_times=1, retry_after="1")
+    res = run(generate(sglang(srv.url), request()))  # backoff alone would wait at most 0.05 s
+    assert res.ok
+    assert srv.generate_times[1] - srv.generate_times[0] >= 1.0
+
+
+# ---- sglang: several servers ----------------------------------------------------------------------------------------- #
+
+
+def test_dead_server_is_taken_out_and_probed_back(fake):
+    a, b = fake(), fake()
+
+    async def go():
+        async with started(sglang(a.url, b.url)) as backend:
+            b.stop()  # dies after start-up
+            first = await asyncio.gather(*(backend.generate(request(f"r{i}", ids=[i, 1])) for i in range(8)))
+            server_b = backend.pool.servers[1]
+            assert not server_b.alive
+            probes = b.health_calls
+            b.start()  # back, on the same port
+            await until(lambda: server_b.alive)
+            assert b.health_calls > probes  # re-probed in the background
+            second = await asyncio.gather(*(backend.generate(request(f"s{i}", ids=[i, 2])) for i in range(8)))
+            return first, second
+
+    first, second = run(go())
+    assert all(r.ok and r.server == a.url for r in first)
+    assert all(r.ok for r in second) and {r.server for r in second} == {a.url, b.url}
+
+
+def test_request_in_flight_on_a_dead_server_is_retried_elsewhere(fake):
+    b, a = fake(), fake(token_delay_s=0.02)
+    b.faults = Faults(hang_times=1)
+
+    async def go():
+        async with started(sglang(b.url, a.url, request_timeout_s=30.0)) as backend:
+            hung = asyncio.create_task(backend.generate(request("hung")))  # b is first in line: it hangs there
+            await until(lambda: len(b.generate_calls) == 1)
+            b.faults.reset_times = 1
+            other = asyncio.create_task(backend.generate(request("other")))  # fewer in flight: to a
+            reset = asyncio.create_task(backend.generate(request("reset")))  # a tie: to b, which drops it
+            t0 = time.monotonic()
+            results = await asyncio.gather(hung, other, reset)
+            return results, time.monotonic() - t0
+
+    results, elapsed = run(go())
+    assert all(r.ok and r.server == a.url for r in results), [(r.rid, r.server, r.detail) for r in results]
+    assert elapsed < 5  # "hung" moved when b was marked dead, long before its 30 s timeout
+    assert [c["rid"] for c in b.generate_calls] == ["hung", "reset"]
+
+
+# ---- sglang: start-up checks --------------------------------------------------------------------------------------- #
+
+
+def test_wrong_model_stops_before_any_request(fake):
+    srv = fake(model_path="/models/Other-Model-7B")
+    with pytest.raises(UserError) as err:
+        run(generate(sglang(srv.url), request()))
+    message = str(err.value)
+    assert srv.url in message and "Other-Model-7B" in message and "tiny-llama" in message and "\n" not in message
+    assert srv.generate_calls == []
+
+
+def test_model_is_matched_by_basename_or_served_name(fake):
+    old = fake(model_path="/data/ckpt/tiny-llama", has_model_info=False)  # an older server: /get_model_info only
+    named = fake(model_path="org/custom-name")
+    assert run(generate(sglang(old.url), request())).ok
+    assert run(generate(sglang(named.url, served_model_name="custom-name"), request())).ok
+
+
+def test_start_waits_for_a_server_that_is_loading(fake):
+    srv = fake(starting_s=1.2)
+    t0 = time.monotonic()
+    assert run(generate(sglang(srv.url), request())).ok
+    assert time.monotonic() - t0 >= 1.2
+
+
+def test_start_fails_clearly_when_no_server_is_healthy(fake):
+    srv = fake(starting_s=60)
+    nobody = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(UserError) as err:
+        run(generate(sglang(srv.url, nobody, startup_timeout_s=0.5), request()))
+    message = str(err.value)
+    assert "no healthy server" in message and "\n" not in message
+    assert f"{srv.url}: /health answered 503 (still starting" in message
+    assert f"{nobody}: unreachable" in message
+
+
+def test_unhealthy_server_at_start_joins_later(fake):
+    a, b = fake(), fake(starting_s=60)
+
+    async def go():
+        async with started(sglang(a.url, b.url, startup_timeout_s=0.3)) as backend:
+            assert [s.alive for s in backend.pool.servers] == [True, False]
+            b.starting_s = 0
+            await until(lambda: backend.pool.servers[1].alive)
+
+    run(go())
+
+
+# ---- embedded: streaming -------------------------------------------------------------------------------------------- #
+
+
+def test_embedded_streams_the_partial_and_keeps_it_on_cancel(endless_model):
+    cfg = Config(model=ModelConfig(path=str(endless_model)), datasets={"d": DatasetConfig()}, dataset="d")
+    tok = load_tokenizer(cfg.model)
+    ids = render_prompt_ids(tok, MESSAGES, None, {})
+
+    async def go():
+        async with started(cfg, tok) as backend:
+            done = request(ids=ids, max_tokens=24, stream=True)
+            res = await backend.generate(done)
+            cut = request("r2", ids=ids, max_tokens=2000, stream=True)
+            task = asyncio.create_task(backend.generate(cut))
+            await until(lambda: cut.partial.completion_tokens >= 5, timeout=30)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return done, res, cut
+
+    done, res, cut = run(go(), timeout=60)
+    assert res.ok and res.completion_tokens == 24 and res.finish_reason == "length"
+    assert (done.partial.output_ids, done.partial.text) == (res.output_ids, res.text)
+    n = cut.partial.completion_tokens
+    assert 5 <= n < 2000 and len(cut.partial.output_ids) == n
+    assert cut.partial.text == tok.decode(cut.partial.output_ids, skip_special_tokens=True)
+
+
+# ---- openai: a real `transformers serve` ---------------------------------------------------------------------------- #
+
+
+@pytest.fixture(scope="module")
+def serve(endless_model, tmp_path_factory):
+    """`transformers serve` on a free port, pinned to the endless tiny model (sequential generation, CPU)."""
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # a tiny model on 2 cores: threads only contend
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "transformers.cli.transformers", "serve", str(endless_model), "--host",
+             "127.0.0.1", "--port", str(port), "--device", "cpu"], stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, proc, log_path)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"transformers serve exited: {log_path.read_text()[-2000:]}"
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"transformers serve not healthy after {timeout}s: {log_path.read_text()[-2000:]}")
+
+
+def openai(url: str, model: Path, **backend) -> Config:
+    return config(BackendKind.openai, [url], model_path=str(model), **backend)
+
+
+@pytest.mark.parametrize("prompt_format", ["text", "chat"])
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_transformers_serve_completions_and_chat(serve, endless_model, prompt_format, stream):
+    tok = load_tokenizer(ModelConfig(path=str(endless_model)))
+    ids = render_prompt_ids(tok, MESSAGES, None, {})
+    req = request(ids=ids, max_tokens=8, stream=stream)
+    res = run(generate(openai(serve, endless_model, prompt_format=prompt_format), req, tok))
+    assert res.ok, res.detail
+    assert res.finish_reason == "length" and res.completion_tokens == 8 and res.text
+    assert res.output_ids is None  # transformers serve returns text only
+    # the decoded ChatML prompt re-tokenizes to our ids, and the server's template renders like ours
+    assert res.prompt_tokens == len(ids) and "prompt_tokens_drift" not in res.extra
+    if stream:
+        assert req.partial.text == res.text and 1 <= req.partial.completion_tokens <= 8
+
+
+def test_transformers_serve_limits_are_reported_not_retried(serve, endless_model):
+    ids_prompt = run(generate(openai(serve, endless_model, prompt_format="ids"), request()))
+    assert ids_prompt.error == "http_400" and "prompt must be a string" in ids_prompt.detail
+    tok = load_tokenizer(ModelConfig(path=str(endless_model)))
+    token_ids = run(generate(openai(serve, endless_model, prompt_format="chat", return_token_ids=True), request(), tok))
+    assert token_ids.error == "http_422" and "return_token_ids" in token_ids.detail
+
+
+def test_transformers_serve_wrong_model_stops_at_start(serve, endless_model):
+    with pytest.raises(UserError) as err:
+        run(generate(openai(serve, endless_model, served_model_name="someone-else"), request()))
+    assert serve in str(err.value) and "someone-else" in str(err.value)
+
+
+def test_transformers_serve_disconnect_stops_generation(serve, endless_model):
+    """Cancelling closes the connection; the server stops generating (its next request is not queued behind the
+    cancelled one: generation is sequential there) and the partial text is kept."""
+    tok = load_tokenizer(ModelConfig(path=str(endless_model)))
+    ids = render_prompt_ids(tok, MESSAGES, None, {})
+    cfg = openai(serve, endless_model, prompt_format="text", request_timeout_s=60.0)
+
+    async def go():
+        async with started(cfg, tok) as backend:
+            long = request("long", ids=ids, max_tokens=4000, stream=True)
+            task = asyncio.create_task(backend.generate(long))
+            await until(lambda: long.partial.completion_tokens >= 1, timeout=20)
+            t0, n0 = time.monotonic(), long.partial.completion_tokens
+            await until(lambda: long.partial.completion_tokens >= n0 + 20, timeout=20)
+            rate = (long.partial.completion_tokens - n0) / (time.monotonic() - t0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            t1 = time.monotonic()
+            short = await backend.generate(request("short", ids=ids, max_tokens=4))
+            return long, short, time.monotonic() - t1, (4000 - long.partial.completion_tokens) / rate
+
+    long, short, latency, remaining = run(go(), timeout=80)
+    assert long.partial.text and long.partial.completion_tokens >= 21
+    assert short.ok and short.completion_tokens == 4
+    assert latency < remaining / 2, f"next request took {latency:.1f}s; the cancelled one had {remaining:.1f}s left"
