@@ -57,6 +57,10 @@ class OnTooLong(str, Enum):
     truncate = "truncate"
 
 
+class TrainOn(str, Enum):
+    last_turn = "last_turn"  # only the regenerated final turn (earlier assistant turns are not the target's words)
+
+
 class BackendKind(str, Enum):
     embedded = "embedded"
     sglang = "sglang"
@@ -167,6 +171,7 @@ class TinyModelConfig:
 class TokenizeConfig:
     max_seq_len: int = 4096
     on_too_long: OnTooLong = OnTooLong.drop
+    train_on: TrainOn = TrainOn.last_turn
 
 
 @dataclass
@@ -274,6 +279,7 @@ def validate(cfg: Config, need_dataset: bool) -> None:
     if cfg.dataset is not None:
         cfg.ds.check(f"datasets.{cfg.dataset}")
     cfg.hidden_states.check("hidden_states")
+    cfg.backend.check("backend")
 
 
 def _read_params(path: Path) -> dict:
@@ -324,6 +330,14 @@ def load_config(dataset: Optional[str], overrides: Optional[List[str]] = None, p
     overrides = list(overrides or [])
     if dataset is not None:
         overrides.append(f"dataset={dataset}")
+    # `backend.kind` in params.yaml picks the matching preset of conf/backend/ (its defaults, under the values
+    # params.yaml sets), unless the command line names one.
+    kind = (params.get("backend") or {}).get("kind") if isinstance(params.get("backend"), dict) else None
+    if kind and not any(o.startswith("backend=") for o in overrides):
+        if not (CONF_DIR / "backend" / f"{kind}.yaml").exists():
+            raise ConfigError("backend.kind", f"unknown backend {kind!r}; known: "
+                              f"{', '.join(sorted(p.stem for p in (CONF_DIR / 'backend').glob('*.yaml')))}")
+        overrides.insert(0, f"backend={kind}")
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             composed = compose("config", overrides=overrides)

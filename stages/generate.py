@@ -141,7 +141,9 @@ class Dispatcher:
                 self._record(task.result(), *self.flights.pop(task))
             if self.ctrl.reached(self.in_flight_progress()):
                 await self._cancel_all(keep=self.ctrl.keep_partial)
-                return
+                if self.ctrl.reached():
+                    return
+                # keep_partial: some cut partials were unusable (e.g. nothing but whitespace), so go on
             self.progress.update(self)
 
     async def _tick(self) -> None:
@@ -182,7 +184,7 @@ class Dispatcher:
             self.stats.failed[res.error] += 1
             return
         r = self._stored(p, res.text, res.output_ids, res.prompt_tokens, res.completion_tokens, res.finish_reason,
-                         res.server, res.latency_s)
+                         res.server, res.latency_s, prompt_ids=res.prompt_ids)
         self.store.put(r)
         self.stats.new += 1
         self.stats.new_tokens += res.completion_tokens
@@ -190,11 +192,12 @@ class Dispatcher:
         self.ctrl.finished(tokens, counted=unusable_reason(r, self.ds) is None)
 
     def _stored(self, p: Planned, text, output_ids, prompt_tokens, completion_tokens, finish_reason, server,
-                latency) -> StoredResponse:
+                latency, prompt_ids=None) -> StoredResponse:
+        """`prompt_ids`: the prompt as the server tokenized it, when it said (else the ids we rendered)."""
         return StoredResponse(
             key=p.key, dataset=self.cfg.dataset, prompt_id=p.prompt["id"], text=text, prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens, finish_reason=finish_reason, server=server, latency_s=latency,
-            prompt_ids=p.prompt_ids, output_ids=output_ids,
+            prompt_ids=prompt_ids or p.prompt_ids, output_ids=output_ids,
         )
 
     async def _cancel_all(self, keep: bool) -> None:
@@ -212,12 +215,14 @@ class Dispatcher:
             part = req.partial
             self.stats.cancelled += 1
             if keep and part.completion_tokens > 0:
-                r = self._stored(p, part.text, list(part.output_ids), len(p.prompt_ids or ()),
+                ids = list(part.output_ids) or None  # servers that stream text only: tokenize re-encodes
+                r = self._stored(p, part.text, ids, len(p.prompt_ids or ()),
                                  part.completion_tokens, CUT, self.backend.name, 0.0)
                 self.store.put(r)
                 self.stats.cut += 1
                 self.stats.new_tokens += part.completion_tokens
-                self.ctrl.cut(tokens_of(r.prompt_tokens, r.completion_tokens, self.ds.budget_unit))
+                if unusable_reason(r, self.ds) is None:
+                    self.ctrl.cut(tokens_of(r.prompt_tokens, r.completion_tokens, self.ds.budget_unit))
             else:
                 self.stats.wasted_tokens += part.completion_tokens
 

@@ -120,7 +120,9 @@ def build_model(cfg: TinyModelConfig, vocab_size: int, eos_id: int, pad_id: int)
     )
     model = LlamaForCausalLM(config).eval()
     _plant_eos_rate(model, eos_id, cfg.mean_response_tokens)
-    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, do_sample=True)
+    # top_k=0: no top-k cut by default (GenerationConfig's default is 50), so a server that takes its defaults
+    # from this file (`transformers serve` accepts no top_k) samples like the embedded backend.
+    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, do_sample=True, top_k=0)
     return model
 
 

@@ -1,23 +1,31 @@
 """Stage `tokenize@D`: responses → `data/<D>/samples.parquet`, token-exact.
 
 Where the server returned ids, a sample is `prompt_ids + output_ids` and the loss mask is 0 over the prompt and 1
-over what the target generated — no re-encoding, no regex. Where only text came back, the conversation is
-rendered with the chat template, the prompt rendering must be a prefix of the full one, and the drift between
-re-encoded and served completion lengths is measured. Every skipped response is counted by reason.
+over what the target generated, its end-of-turn token included — no re-encoding, no regex. Where only text came
+back, the renderer's own rule finds the boundary: the prompt rendered with the generation prompt must be a prefix
+of the whole conversation rendered with the response (else the sample is skipped as
+`template_not_prefix_stable`); the whole text is encoded once and the boundary falls at a token edge. The mask
+then runs to the first end-of-turn token, and what the template adds after it is not part of the sample (so
+both paths give the same sample). The drift between the re-encoded completion length and the server's count is
+measured. Every skipped response is counted by reason.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional
 
 from stages.artifacts import atomic_path, data_dir, log, read_jsonl, write_json
 from stages.config import Config, OnTooLong, UserError, cli
-from stages.target import load_tokenizer, render_prompt_ids, template_messages, tokenizer_fingerprint
+from stages.target import load_tokenizer, template_messages, tokenizer_fingerprint
 
 SCHEMA_VERSION = 1
+# Above this many text-path records, rendering (Python-bound Jinja) is spread over processes.
+PARALLEL_MIN_RECORDS = 4000
 
 
 @dataclass
@@ -29,6 +37,7 @@ class Sample:
 
 class Skip(Exception):
     def __init__(self, reason: str):
+        super().__init__(reason)
         self.reason = reason
 
 
@@ -37,29 +46,106 @@ def from_ids(prompt_ids: list[int], output_ids: list[int]) -> tuple[list[int], l
     return prompt_ids + output_ids, [0] * len(prompt_ids) + [1] * len(output_ids)
 
 
-def from_text(tok, rec: dict, template_kwargs: dict) -> tuple[list[int], list[int]]:
-    """Render prompt (with generation prompt) and whole conversation; the first must prefix the second."""
-    prompt = render_prompt_ids(tok, rec["messages"], rec.get("tools"), template_kwargs)
-    convo = template_messages(rec["messages"]) + [{"role": "assistant", "content": rec["text"]}]
-    full = list(tok.apply_chat_template(convo, tools=rec.get("tools"), tokenize=True, return_dict=False,
-                                        **template_kwargs))
-    if full[: len(prompt)] != prompt:
+def render_texts(tok, rec: dict, template_kwargs: dict) -> tuple[str, str]:
+    """(prompt with the generation prompt, whole conversation with the response), as the template renders them."""
+    messages, tools = template_messages(rec["messages"]), rec.get("tools")
+    prompt = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
+                                     **template_kwargs)
+    full = tok.apply_chat_template(messages + [{"role": "assistant", "content": rec["text"]}], tools=tools,
+                                   tokenize=False, **template_kwargs)
+    return prompt, full
+
+
+def check_rendering(prompt: str, full: str, text: str) -> str:
+    """The renderer's rule, and what follows the response; returns the text the template writes after it."""
+    if not full.startswith(prompt):
         raise Skip("template_not_prefix_stable")
-    return full, [0] * len(prompt) + [1] * (len(full) - len(prompt))
+    rest = full[len(prompt) :]
+    if not rest.startswith(text):  # e.g. a template that strips or rewrites the last assistant turn
+        raise Skip("template_alters_response")
+    return rest[len(text) :]
 
 
-def build_sample(rec: dict, tok, cfg: Config, drift: Counter) -> tuple[Sample, bool]:
-    """The sample and whether max_seq_len cut it."""
-    if rec["completion_tokens"] == 0 or not rec["text"].strip():
-        raise Skip("empty_output")
-    if rec.get("prompt_ids") is not None and rec.get("output_ids") is not None:
-        ids, mask = from_ids(rec["prompt_ids"], rec["output_ids"])
-    else:
-        ids, mask = from_text(tok, rec, dict(cfg.model.template_kwargs))
-        drift["text_path"] += 1
-        drift["differs"] += int(sum(mask) != rec["completion_tokens"])
-    sample = Sample(rec["id"], ids, mask)
-    return limit_length(sample, cfg.tokenize.max_seq_len, cfg.tokenize.on_too_long), len(ids) > cfg.tokenize.max_seq_len
+def assemble(prompt_ids: list[int], text_ids: list[int], suffix_ids: list[int], end_ids: set[int],
+             ended: bool) -> tuple[list[int], list[int]]:
+    """prompt + response + its end-of-turn token, each encoded on its own as a server would (a prompt's trailing
+    whitespace tokenizes differently when text follows it). `ended`: the target ended its turn (finish_reason
+    stop); a response cut by max_tokens or the budget never produced the end-of-turn token, so it is left out."""
+    end = next((t for t in suffix_ids if t in end_ids), None)
+    if end is None:
+        raise Skip("no_end_of_turn")
+    out = text_ids + ([end] if ended else [])
+    return prompt_ids + out, [0] * len(prompt_ids) + [1] * len(out)
+
+
+def _ended(rec: dict) -> bool:
+    return rec.get("finish_reason", "stop") == "stop"
+
+
+def from_text(tok, rec: dict, template_kwargs: dict) -> tuple[list[int], list[int]]:
+    """One record through the text path; raises the Skip that explains a record it cannot use."""
+    result = text_samples(tok, [rec], template_kwargs)[0]
+    if isinstance(result, Skip):
+        raise result
+    return result
+
+
+def end_of_turn_ids(tok) -> set[int]:
+    ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    for token in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
+        tid = tok.convert_tokens_to_ids(token)
+        if isinstance(tid, int) and tid != tok.unk_token_id:
+            ids.add(tid)
+    return ids
+
+
+def text_samples(tok, recs: list[dict], template_kwargs: dict) -> list:
+    """Render every record, check it, then encode prompts, responses and suffixes in three batches (the Rust
+    tokenizer uses every core). Returns, per record, (ids, mask) or the Skip that explains it."""
+    out: list = []
+    for rec in recs:
+        try:
+            prompt, full = render_texts(tok, rec, template_kwargs)
+            out.append((prompt, rec["text"], check_rendering(prompt, full, rec["text"])))
+        except Skip as e:
+            out.append(e)
+        except Exception as e:  # a template that raises on this conversation (e.g. a role it does not accept)
+            out.append(Skip(f"template_error:{type(e).__name__}"))
+    ok = [i for i, r in enumerate(out) if not isinstance(r, Skip)]
+    if not ok:
+        return out
+    backend, ends = tok.backend_tokenizer, end_of_turn_ids(tok)
+    encoded = [backend.encode_batch([out[i][part] for i in ok], add_special_tokens=False) for part in range(3)]
+    for i, prompt, text, suffix in zip(ok, *encoded):
+        try:
+            out[i] = assemble(prompt.ids, text.ids, suffix.ids, ends, _ended(recs[i]))
+        except Skip as e:
+            out[i] = e
+    return out
+
+
+_worker_tok = None
+
+
+def _init_worker(model_cfg) -> None:
+    global _worker_tok
+    _worker_tok = load_tokenizer(model_cfg)
+
+
+def _worker_samples(args) -> list:
+    recs, kwargs = args
+    return text_samples(_worker_tok, recs, kwargs)
+
+
+def text_samples_parallel(tok, recs: list[dict], cfg: Config) -> list:
+    kwargs = dict(cfg.model.template_kwargs)
+    workers = min(os.cpu_count() or 1, 8)
+    if len(recs) < PARALLEL_MIN_RECORDS or workers < 2:
+        return text_samples(tok, recs, kwargs)
+    size = -(-len(recs) // (workers * 4))
+    chunks = [(recs[i : i + size], kwargs) for i in range(0, len(recs), size)]
+    with ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(cfg.model,)) as pool:
+        return [r for part in pool.map(_worker_samples, chunks) for r in part]
 
 
 def limit_length(s: Sample, max_len: int, policy: OnTooLong) -> Sample:
@@ -71,6 +157,47 @@ def limit_length(s: Sample, max_len: int, policy: OnTooLong) -> Sample:
     if not any(s.loss_mask):  # the prompt alone fills max_seq_len: nothing left to train on
         raise Skip("no_trained_tokens_after_truncation")
     return s
+
+
+@dataclass
+class Tally:
+    skipped: Counter
+    text_path: int = 0
+    drift: int = 0  # text-path samples whose re-encoded completion length differs from the server's count
+    truncated: int = 0
+
+
+def build_samples(recs: list[dict], tok, cfg: Config) -> tuple[list[Sample], Tally]:
+    tally = Tally(Counter())
+    usable = []
+    for rec in recs:
+        if rec["completion_tokens"] == 0 or not rec["text"].strip():
+            tally.skipped["empty_output"] += 1
+        else:
+            usable.append(rec)
+    by_ids = [r for r in usable if r.get("prompt_ids") is not None and r.get("output_ids") is not None]
+    by_text = [r for r in usable if r.get("prompt_ids") is None or r.get("output_ids") is None]
+    built: dict[str, object] = {r["id"]: from_ids(r["prompt_ids"], r["output_ids"]) for r in by_ids}
+    for rec, result in zip(by_text, text_samples_parallel(tok, by_text, cfg)):
+        built[rec["id"]] = result
+        if not isinstance(result, Skip):
+            tally.text_path += 1
+            tally.drift += int(sum(result[1]) != rec["completion_tokens"])
+    samples = []
+    for rec in usable:  # response order, which is prompt order
+        result = built[rec["id"]]
+        if isinstance(result, Skip):
+            tally.skipped[result.reason] += 1
+            continue
+        ids, mask = result
+        try:
+            s = limit_length(Sample(rec["id"], ids, mask), cfg.tokenize.max_seq_len, cfg.tokenize.on_too_long)
+        except Skip as e:
+            tally.skipped[e.reason] += 1
+            continue
+        tally.truncated += int(len(s.input_ids) < len(ids))
+        samples.append(s)
+    return samples, tally
 
 
 def write_parquet(path, samples: list[Sample], meta: dict) -> None:
@@ -92,36 +219,38 @@ def write_parquet(path, samples: list[Sample], meta: dict) -> None:
         pq.write_table(table, tmp)
 
 
+def read_metadata(path) -> dict:
+    """The `draftdata` metadata of a samples.parquet: schema version, dataset, tokenizer identity."""
+    import pyarrow.parquet as pq
+
+    return json.loads(pq.read_schema(path).metadata[b"draftdata"])
+
+
 def main(cfg: Config) -> None:
     out = data_dir(cfg.dataset)
     src = out / "responses.jsonl"
     if not src.exists():
         raise UserError(f"{src}: not found; run the generate stage first (dvc repro generate@{cfg.dataset})")
     tok = load_tokenizer(cfg.model)
-    samples, skipped, drift, truncated = [], Counter(), Counter(), 0
-    for rec in read_jsonl(src):
-        try:
-            s, cut = build_sample(rec, tok, cfg, drift)
-        except Skip as e:
-            skipped[e.reason] += 1
-            continue
-        truncated += cut
-        samples.append(s)
+    recs = list(read_jsonl(src))
+    samples, tally = build_samples(recs, tok, cfg)
     meta = {"schema_version": SCHEMA_VERSION, "dataset": cfg.dataset, "tokenizer": tokenizer_fingerprint(tok, cfg.model),
-            "max_seq_len": cfg.tokenize.max_seq_len}
+            "max_seq_len": cfg.tokenize.max_seq_len, "train_on": cfg.tokenize.train_on.value,
+            "loss_mask": "int8 list: 0 prompt and history, 1 tokens the target generated (end-of-turn included)"}
     write_parquet(out / "samples.parquet", samples, meta)
     metrics = {
+        "responses": len(recs),
         "samples": len(samples),
         "tokens": sum(len(s.input_ids) for s in samples),
         "trained_tokens": sum(sum(s.loss_mask) for s in samples),
-        "skipped": dict(sorted(skipped.items())),
-        "truncated_to_max_seq_len": truncated,
-        "text_path_samples": drift["text_path"],
-        "drift_pct": round(100.0 * drift["differs"] / drift["text_path"], 3) if drift["text_path"] else 0.0,
+        "skipped": dict(sorted(tally.skipped.items())),
+        "truncated_to_max_seq_len": tally.truncated,
+        "text_path_samples": tally.text_path,
+        "drift_pct": round(100.0 * tally.drift / tally.text_path, 3) if tally.text_path else 0.0,
     }
     write_json(out / "tokenize_metrics.json", metrics)
     log("tokenize", dataset=cfg.dataset, samples=len(samples), tokens=metrics["tokens"],
-        **{f"skipped_{k}": v for k, v in sorted(skipped.items())})
+        drift_pct=metrics["drift_pct"], **{f"skipped_{k}": v for k, v in sorted(tally.skipped.items())})
 
 
 if __name__ == "__main__":

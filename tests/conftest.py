@@ -4,6 +4,7 @@ params.yaml the test shapes. Stages run in-process with the real config loader, 
 from __future__ import annotations
 
 import copy
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -84,9 +85,73 @@ def project(tmp_path, tiny_model, monkeypatch) -> Project:
     monkeypatch.chdir(tmp_path)
     params = {
         "model": {"path": str(tiny_model), "revision": None, "chat_template": None, "template_kwargs": {}},
-        "tokenize": {"max_seq_len": 1024, "on_too_long": "drop"},
+        "tokenize": {"max_seq_len": 1024, "on_too_long": "drop", "train_on": "last_turn"},
         "hidden_states": {"layers": None, "dtype": "bfloat16", "shard_max_tokens": 4096, "batch_tokens": 2048},
         "run": {"store_path": str(tmp_path / "store.sqlite"), "log_every_s": 5.0},
         "datasets": {"B3": dataset_params("B3_magicoder", "magicoder_oss")},
     }
     return Project(tmp_path, copy.deepcopy(params))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def transformers_serve(model: Path, log_path: Path, timeout: float = 90.0):
+    """A real `transformers serve` (OpenAI-compatible) on a free localhost port, pinned to `model`; yields its URL."""
+    import os
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # a tiny model on 2 cores: threads only contend
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "transformers.cli.transformers", "serve", str(model), "--host", "127.0.0.1",
+             "--port", str(port), "--device", "cpu"], stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert proc.poll() is None, f"transformers serve exited: {log_path.read_text()[-2000:]}"
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, f"transformers serve not healthy: {log_path.read_text()[-2000:]}"
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="session")
+def serve_tiny(tiny_model, tmp_path_factory) -> str:
+    """`transformers serve` running the tiny target (the OpenAI path of the pipeline tests)."""
+    with transformers_serve(tiny_model, tmp_path_factory.mktemp("serve") / "serve.log") as url:
+        yield url
+
+
+@pytest.fixture(params=["embedded", "openai"])
+def backend_project(request, project) -> Project:
+    """The project on each real backend: in-process, and a real OpenAI-compatible server (text back, no ids)."""
+    if request.param == "openai":
+        url = request.getfixturevalue("serve_tiny")
+        project.params["backend"] = {"kind": "openai", "urls": [url], "prompt_format": "chat",
+                                     "return_token_ids": False, "request_timeout_s": 60.0}
+        project.save()
+    return project

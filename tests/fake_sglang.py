@@ -3,17 +3,18 @@
 What it mirrors (python/sglang/srt/entrypoints/http_server.py, python/sglang/srt/managers/io_struct.py):
 - `GET /health`: 503 while "starting", then 200 with an empty body;
 - `GET /model_info` (newer) and `GET /get_model_info` (older): `{model_path, tokenizer_path, is_generation, ...}`;
-- `POST /generate` with `GenerateReqInput` fields (`rid`, `input_ids`, `sampling_params`, `stream`); unknown
-  fields or sampling params are rejected with 400 as SGLang's request validation does, so a typo in the client
-  fails here too. The answer is `{text, output_ids, meta_info: {id, finish_reason: {type, ...}, prompt_tokens,
+- `POST /generate` with `GenerateReqInput` fields (`rid`, `input_ids`, `sampling_params`, `stream`); an unknown
+  sampling param is a 400 as in SGLang (`SamplingParams(**sampling_params)`), and so is an unknown top-level field
+  (SGLang would ignore it; here a misspelt field must fail the test). A duplicate running `rid` is a 400. The answer is `{text, output_ids, meta_info: {id, finish_reason: {type, ...}, prompt_tokens,
   completion_tokens, cached_tokens}}`; a stream is `data: {json}` lines, one per token, ending with `data: [DONE]`.
   `output_ids`/`text` are cumulative, or only the new ones with `incremental=True` (the server's
   `--incremental-streaming-output`);
 - `POST /abort_request` `{rid, abort_all}`: the running request stops and finishes with `finish_reason.type ==
-  "abort"` (a stream sends that as its last chunk, then [DONE]).
+  "abort"` (a stream sends that as its last chunk, then [DONE]);
+- the OpenAI-compatible `GET /v1/models` and `POST /v1/completions` (see `_completions`).
 
 Tokens are deterministic (`fake_output_ids`) and come `token_delay_s` apart, slowly enough to abort. `faults`
-injects failures into the next /generate calls. Everything the server saw is recorded for the tests to check.
+injects failures into the next generation calls. Everything the server saw is recorded for the tests to check.
 """
 
 from __future__ import annotations
@@ -128,6 +129,8 @@ class FakeSGLang:
         app.router.add_get("/get_model_info", self._model_info)
         app.router.add_post("/generate", self._generate)
         app.router.add_post("/abort_request", self._abort)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._completions)
         # handler_cancellation: a client that goes away cancels its handler, as uvicorn/SGLang notice disconnects
         self._runner = web.AppRunner(app, shutdown_timeout=0.1, handler_cancellation=True, access_log=None)
         await self._runner.setup()
@@ -166,16 +169,8 @@ class FakeSGLang:
         if problem:
             return _error(400, problem)
         fault = self.faults.take()
-        if fault == "status":
-            headers = {"Retry-After": self.faults.retry_after} if self.faults.retry_after else None
-            return _error(self.faults.status, "injected failure", headers)
-        if fault == "reset":
-            request.transport.abort()  # no answer at all: the client sees the connection drop
-            return web.Response()
-        if fault == "hang":
-            await asyncio.sleep(3600)
-        if fault == "malformed":
-            return web.Response(text='{"text": "unterminated', content_type="application/json")
+        if fault in ("status", "reset", "hang", "malformed"):
+            return await self._fail(request, fault)
         rid = body.get("rid") or f"fake-{len(self.generate_calls)}"
         if rid in self._running:
             return _error(400, f"Duplicate request ID {rid}")
@@ -189,6 +184,80 @@ class FakeSGLang:
             raise
         finally:
             self._running.pop(rid, None)
+
+    async def _fail(self, request: web.Request, fault: str) -> web.Response:
+        if fault == "status":
+            headers = {"Retry-After": self.faults.retry_after} if self.faults.retry_after else None
+            return _error(self.faults.status, "injected failure", headers)
+        if fault == "reset":
+            request.transport.abort()  # no answer at all: the client sees the connection drop
+            return web.Response()
+        if fault == "hang":
+            await asyncio.sleep(3600)
+        return web.Response(text='{"text": "unterminated', content_type="application/json")  # malformed
+
+    # ---- SGLang's OpenAI-compatible API (python/sglang/srt/entrypoints/openai/) ---------------------------------- #
+    # /v1/models lists the served model (`root`: its path, as vLLM and SGLang report it); /v1/completions takes a
+    # token-id or text prompt. `return_token_ids: true` adds vLLM's fields: `prompt_token_ids` and `token_ids` per
+    # choice (all of them in a plain answer, the new ones in each stream chunk). Faults apply here too.
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_path, "object": "model", "created": 0, "owned_by": "sglang", "root": self.model_path,
+             "max_model_len": 4096}]})
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.generate_calls.append(body)
+        self.generate_times.append(time.monotonic())
+        if body.get("model") != self.model_path:
+            return _error(404, f"The model '{body.get('model')}' does not exist")
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            prompt = [3 + ord(c) % 997 for c in prompt]  # a stand-in tokenizer: one id per character
+        fault = self.faults.take()
+        if fault in ("status", "reset", "hang", "malformed"):
+            return await self._fail(request, fault)
+        rid = f"cmpl-{len(self.generate_calls)}"
+        native = {"input_ids": prompt, "sampling_params": {"max_new_tokens": body.get("max_tokens", 16)}}
+        self._running[rid] = asyncio.Event()
+        try:
+            if body.get("stream"):
+                return await self._completions_stream(request, rid, body, native)
+            planned, finish = self._plan(native)
+            out = [t async for t in self._tokens(rid, planned)]
+            choice = {"index": 0, "text": fake_text([t for t in out if t != EOS_ID]), "logprobs": None,
+                      "finish_reason": finish if len(out) == len(planned) else "abort"}
+            if body.get("return_token_ids"):
+                choice.update(prompt_token_ids=prompt, token_ids=out)
+            return web.json_response({"id": rid, "object": "text_completion", "created": 0, "model": self.model_path,
+                                      "choices": [choice], "usage": _usage(prompt, out)})
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.disconnects.append(rid)
+            raise
+        finally:
+            self._running.pop(rid, None)
+
+    async def _completions_stream(self, request: web.Request, rid: str, body: dict, native: dict):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        planned, finish = self._plan(native)
+        out: list[int] = []
+        async for token in self._tokens(rid, planned):
+            out.append(token)
+            choice = {"index": 0, "text": fake_text([token] if token != EOS_ID else []), "logprobs": None,
+                      "finish_reason": finish if len(out) == len(planned) else None}
+            if body.get("return_token_ids"):
+                choice["token_ids"] = [token]
+                if len(out) == 1:
+                    choice["prompt_token_ids"] = native["input_ids"]
+            await _sse(resp, {"id": rid, "object": "text_completion", "created": 0, "model": self.model_path,
+                              "choices": [choice]})
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await _sse(resp, {"id": rid, "object": "text_completion", "created": 0, "model": self.model_path,
+                              "choices": [], "usage": _usage(native["input_ids"], out)})
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
 
     # ---- generation ---------------------------------------------------------------------------------------------- #
 
@@ -267,6 +336,10 @@ def _invalid(body: dict) -> Optional[str]:
     if unknown:
         return f"unknown sampling params {sorted(unknown)}"
     return None
+
+
+def _usage(prompt: list[int], out: list[int]) -> dict:
+    return {"prompt_tokens": len(prompt), "completion_tokens": len(out), "total_tokens": len(prompt) + len(out)}
 
 
 def _error(status: int, message: str, headers: Optional[dict] = None) -> web.Response:

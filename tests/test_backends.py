@@ -368,6 +368,49 @@ def test_unhealthy_server_at_start_joins_later(fake):
     run(go())
 
 
+# ---- openai: token ids, against the fake's OpenAI-compatible API ----------------------------------------------------- #
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_openai_sends_the_token_id_prompt_and_reads_token_ids(fake, stream):
+    srv = fake(stop_after=5)
+    req = request(max_tokens=16, stream=stream)
+    res = run(generate(config(BackendKind.openai, [srv.url], return_token_ids=True), req))
+    body = srv.generate_calls[0]
+    assert body["prompt"] == IDS and body["model"] == "models/tiny-llama" and body["max_tokens"] == 16
+    assert body["return_token_ids"] is True and "top_k" not in body  # top_k=-1 ("off") is not sent
+    assert body.get("stream_options") == ({"include_usage": True} if stream else None)
+    expected = fake_output_ids(IDS, 5) + [EOS_ID]
+    assert res.ok and res.output_ids == expected and res.prompt_ids == IDS and res.finish_reason == "stop"
+    assert (res.prompt_tokens, res.completion_tokens) == (3, 6) and res.text == fake_text(expected[:-1])
+    if stream:
+        assert (req.partial.output_ids, req.partial.completion_tokens) == (expected, 6)
+
+
+def test_openai_retries_and_cancel_closes_the_connection(fake):
+    srv = fake(token_delay_s=0.01)
+    srv.faults = Faults(status=503, status_times=1, reset_times=1)
+    cfg = config(BackendKind.openai, [srv.url], return_token_ids=True)
+
+    async def go():
+        async with started(cfg) as backend:
+            assert (await backend.generate(request(max_tokens=4))).ok
+            assert len(srv.generate_calls) == 3
+            req = request("r2", max_tokens=1000, stream=True)
+            task = asyncio.create_task(backend.generate(req))
+            await until(lambda: req.partial.completion_tokens >= 5)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await until(lambda: srv.disconnects == ["cmpl-4"])
+            return req
+
+    req = run(go())
+    assert srv.aborts == []  # no /abort_request: closing the connection is the abort
+    n = len(req.partial.output_ids)
+    assert 5 <= n < 1000 and req.partial.output_ids == fake_output_ids(IDS, n)
+
+
 # ---- embedded: streaming -------------------------------------------------------------------------------------------- #
 
 

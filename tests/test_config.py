@@ -90,3 +90,19 @@ def test_shipped_params_compose(monkeypatch):
     assert len(cfg.datasets) == 8
     for name in cfg.datasets:
         load_config(name, params_path=ROOT / "params.yaml")
+
+
+def test_backend_kind_in_params_brings_its_preset(project):
+    project.params["backend"] = {"kind": "sglang", "urls": ["http://10.0.0.1:30000"]}
+    project.save()
+    cfg = load_config("B3", params_path=project.path / "params.yaml")
+    assert cfg.backend.kind.value == "sglang" and cfg.backend.urls == ["http://10.0.0.1:30000"]
+    assert cfg.backend.startup_timeout_s == 900  # from conf/backend/sglang.yaml
+    project.params["backend"] = {"kind": "vllm"}
+    project.save()
+    with pytest.raises(ConfigError, match=r"^backend\.kind: unknown backend 'vllm'"):
+        load_config("B3", params_path=project.path / "params.yaml")
+    project.params["backend"] = {"kind": "openai", "urls": ["localhost:8000"]}
+    project.save()
+    with pytest.raises(ConfigError, match=r"^backend\.urls\[0\]: must start with http"):
+        load_config("B3", params_path=project.path / "params.yaml")

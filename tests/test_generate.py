@@ -70,7 +70,8 @@ def wait_for_rows(project, n: int, proc: subprocess.Popen, timeout: float = 120)
 
 
 @pytest.mark.parametrize("how", ["kill9", "sigint"])
-def test_killed_run_loses_nothing_committed_and_resumes(project, how):
+def test_killed_run_loses_nothing_committed_and_resumes(backend_project, how):
+    project = backend_project
     project.set("datasets.B3.token_budget", 900)
     project.set("datasets.B3.max_prompts", None)
     project.set("datasets.B3.concurrency", 4)

@@ -404,6 +404,13 @@ def _sse_data(raw: bytes):
     return event
 
 
+def engine_error(answer: dict) -> Failure:
+    """`{"error": {"message": ...}}` (or a bare string) inside a 200 answer or a stream: the server gave up."""
+    err = answer["error"]
+    message = err.get("message", err) if isinstance(err, dict) else err
+    return Failure("engine_error", str(message)[:500])
+
+
 def stream_cut(url: str) -> Failure:
     """A stream that ended before its finish reason: the answer is incomplete, try again."""
     return Failure("connection", f"the stream from {url} ended before a finish reason", retry=True)

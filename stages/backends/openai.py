@@ -13,7 +13,8 @@ A request without prompt ids always goes to chat.
 lists in a plain answer, the new ids in each stream chunk). Servers that validate fields strictly reject it
 (`transformers serve`: 422), and without it only text comes back. Token counts are `usage.completion_tokens`; a stream
 asks for them with `stream_options.include_usage`. Cancelling a request closes its connection, which vLLM treats as
-an abort (`transformers serve` too, for streamed requests only).
+an abort (`transformers serve` too, for streamed requests only). A server running a reasoning parser moves the
+thinking out of `content` into `reasoning_content`, which is not kept here: run it without one, or ask for token ids.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from typing import Optional
 import aiohttp
 
 from stages.backends import GenRequest, GenResult, Partial
-from stages.backends.http import (Failure, HttpBackend, Server, model_matches, parse_json, response_shape,
-                                  sse_events, stream_cut)
+from stages.backends.http import (Failure, HttpBackend, Server, engine_error, model_matches, parse_json,
+                                  response_shape, sse_events, stream_cut)
 
 
 def finish_reason(value: Optional[str]) -> str:
@@ -32,12 +33,6 @@ def finish_reason(value: Optional[str]) -> str:
     if value in ("length", "abort"):
         return value
     return "stop"  # stop, tool_calls, function_call, content_filter: the model ended its turn
-
-
-def stream_error(event: dict) -> Failure:
-    err = event["error"]
-    message = err.get("message", err) if isinstance(err, dict) else err
-    return Failure("engine_error", str(message)[:500])
 
 
 class OpenAIBackend(HttpBackend):
@@ -95,11 +90,11 @@ class OpenAIBackend(HttpBackend):
                 return await self._read_stream(server, req, resp, chat)
             doc = parse_json(await resp.text(errors="replace"))
         if isinstance(doc, dict) and "error" in doc:
-            raise stream_error(doc)
+            raise engine_error(doc)
         with response_shape(f"{path} answer"):
             choice = doc["choices"][0]
             text = (choice["message"].get("content") or "") if chat else choice["text"]
-            ids = choice.get("token_ids")
+            ids = _output_ids(choice)
             res = GenResult(
                 req.rid, output_ids=[int(t) for t in ids] if ids is not None else None, text=text,
                 prompt_tokens=int(doc["usage"]["prompt_tokens"]),
@@ -118,7 +113,7 @@ class OpenAIBackend(HttpBackend):
         pieces = 0
         async for event in sse_events(resp):
             if "error" in event:
-                raise stream_error(event)
+                raise engine_error(event)
             with response_shape("stream chunk"):
                 usage = event.get("usage") or usage
                 prompt_ids = event.get("prompt_token_ids") or prompt_ids
@@ -127,7 +122,7 @@ class OpenAIBackend(HttpBackend):
                     if piece:
                         partial.text += piece
                         pieces += 1
-                    partial.output_ids.extend(int(t) for t in choice.get("token_ids") or [])
+                    partial.output_ids.extend(int(t) for t in _output_ids(choice) or [])
                     prompt_ids = choice.get("prompt_token_ids") or prompt_ids
                     finish = choice.get("finish_reason") or finish
                 _count(partial, pieces)
@@ -151,6 +146,12 @@ class OpenAIBackend(HttpBackend):
             if drift:
                 res.extra["prompt_tokens_drift"] = drift
         return res
+
+
+def _output_ids(choice: dict) -> Optional[list]:
+    """vLLM names them `token_ids`; SGLang's OpenAI API, asked the same, `response_token_ids`."""
+    ids = choice.get("token_ids")
+    return ids if ids is not None else choice.get("response_token_ids")
 
 
 def _count(partial: Partial, pieces: int) -> None:

@@ -26,8 +26,8 @@ from typing import Optional
 import aiohttp
 
 from stages.backends import GenRequest, GenResult
-from stages.backends.http import (ABORT_TIMEOUT_S, Failure, HttpBackend, Server, parse_json, response_shape,
-                                  sse_events, stream_cut)
+from stages.backends.http import (ABORT_TIMEOUT_S, Failure, HttpBackend, Server, engine_error, parse_json,
+                                  response_shape, sse_events, stream_cut)
 from stages.target import render_prompt_ids
 
 
@@ -40,12 +40,6 @@ def finish_reason(value) -> str:
 def is_increment(have: int, chunk: int, total: int) -> bool:
     """A cumulative chunk carries all `total` ids so far; an incremental one the `total - have` new ones."""
     return have + chunk == total and chunk < total
-
-
-def engine_error(event: dict) -> Failure:
-    err = event["error"]
-    message = err.get("message", err) if isinstance(err, dict) else err
-    return Failure("engine_error", str(message)[:500])
 
 
 class SGLangBackend(HttpBackend):

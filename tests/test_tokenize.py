@@ -1,0 +1,152 @@
+"""tokenize@D: the id path and the text path agree, drift is measured, every skip has a reason, metadata
+round-trips and HF datasets reads the output."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from stages.artifacts import read_jsonl, write_jsonl
+from stages.config import ModelConfig
+from stages.target import load_tokenizer, render_prompt_ids, tokenizer_fingerprint
+from stages.tokenize import from_ids, from_text, read_metadata
+
+HISTORY = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name a prime."},
+    {"role": "assistant", "content": "Seven."},
+    {"role": "user", "content": "Another one, please."},
+]
+
+
+@pytest.fixture
+def tok(tiny_model):
+    return load_tokenizer(ModelConfig(path=str(tiny_model)))
+
+
+def response(tok, rid: str, messages: list[dict], text: str, *, ids: bool, finish: str = "stop", tools=None,
+             output_ids=None) -> dict:
+    prompt_ids = render_prompt_ids(tok, messages, tools, {})
+    if output_ids is None:
+        output_ids = tok.encode(text, add_special_tokens=False) + ([tok.eos_token_id] if finish == "stop" else [])
+    rec = {"id": rid, "key": rid, "messages": messages, "text": text, "prompt_tokens": len(prompt_ids),
+           "completion_tokens": len(output_ids), "finish_reason": finish,
+           "prompt_ids": prompt_ids if ids else None, "output_ids": output_ids if ids else None}
+    if tools:
+        rec["tools"] = tools
+    return rec
+
+
+def run_tokenize(project, records: list[dict]) -> tuple[list[dict], dict]:
+    write_jsonl(project.data("B3") / "responses.jsonl", records)
+    project.run("tokenize", "B3")
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(project.data("B3") / "samples.parquet").to_pylist()
+    return rows, json.loads((project.data("B3") / "tokenize_metrics.json").read_text())
+
+
+def test_text_path_equals_id_path_with_history_and_tools(tok):
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "Look up a number",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    messages = HISTORY[:3] + [
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": "{\"n\": 11}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "{\"prime\": true}"},
+    ]
+    for msgs, t in ((HISTORY, None), (messages, tools)):
+        rec = response(tok, "a", msgs, "Eleven is prime.", ids=True, tools=t)
+        by_ids = from_ids(rec["prompt_ids"], rec["output_ids"])
+        by_text = from_text(tok, {"messages": msgs, "tools": t, "text": rec["text"]}, {})
+        assert by_text == by_ids
+        ids, mask = by_ids
+        assert sum(mask) == rec["completion_tokens"] and ids[-1] == tok.eos_token_id and mask[-1] == 1
+        # history (system, user, the earlier assistant turn, the tool call and result) is never trained
+        first = mask.index(1)
+        assert "Seven." in tok.decode(ids[:first]) and all(m == 1 for m in mask[first:])
+
+
+def test_truncated_text_path_leaves_out_the_unproduced_end_of_turn(tok):
+    rec = response(tok, "a", HISTORY, "Thirteen is", ids=False, finish="length")
+    ids, mask = from_text(tok, rec, {})
+    assert tok.eos_token_id not in ids[mask.index(1):]
+    assert sum(mask) == rec["completion_tokens"]
+
+
+def test_drift_is_measured_on_a_completion_split_mid_word(project, tok):
+    word = max((t for t in tok.get_vocab() if t.isascii() and t.isalpha() and t.islower()), key=len)  # one token
+    pieces = [tok.convert_tokens_to_ids(c) for c in word]  # the generator emitted it letter by letter
+    assert len(tok.encode(word, add_special_tokens=False)) == 1 and None not in pieces
+    split = response(tok, "split", HISTORY, word, ids=False, output_ids=pieces + [tok.eos_token_id])
+    plain = response(tok, "plain", HISTORY, word, ids=False)
+    rows, m = run_tokenize(project, [split, plain])
+    assert m["text_path_samples"] == 2 and m["drift_pct"] == 50.0
+    assert [r["n_trained"] for r in rows] == [2, 2]  # re-encoded: the word and the end of turn
+
+
+def test_every_skip_reason_is_counted(project, tok, tiny_model):
+    ok = response(tok, "ok", HISTORY, "Five.", ids=True)
+    empty = dict(response(tok, "empty", HISTORY, "", ids=True), completion_tokens=0, output_ids=[])
+    long = response(tok, "long", HISTORY, "word " * 1200, ids=True)
+    long_prompt = response(tok, "long_prompt", [{"role": "user", "content": "number " * 1500}], "Two.", ids=True)
+    text_only = response(tok, "text_only", HISTORY, "Three.", ids=False)
+    rows, m = run_tokenize(project, [ok, empty, long, text_only])
+    assert [r["id"] for r in rows] == ["ok", "text_only"]
+    assert m["skipped"] == {"empty_output": 1, "over_max_seq_len": 1} and m["responses"] == 4
+
+    project.set("tokenize.on_too_long", "truncate")
+    rows, m = run_tokenize(project, [ok, long, long_prompt])
+    assert m["truncated_to_max_seq_len"] == 1 and [len(r["input_ids"]) for r in rows][1] == 1024
+    assert m["skipped"] == {"no_trained_tokens_after_truncation": 1}
+
+    # A template whose rendered assistant turn differs from its generation prompt is not prefix-stable; one that
+    # rewrites the response would train tokens the target never produced; one that writes no end-of-turn token
+    # has nothing to end the trained span.
+    unstable = tiny_model.parent / "unstable.jinja"
+    unstable.write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}{% if m.role == 'assistant' %}:{% endif %}\n"
+        "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    no_end = tiny_model.parent / "no_end.jinja"
+    no_end.write_text("{% for m in messages %}{{ m.role }}:\n{{ m.content }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}assistant:\n{% endif %}")
+    altering = tiny_model.parent / "altering.jinja"
+    altering.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | upper }}<|im_end|>\n"
+                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    raising = tiny_model.parent / "raising.jinja"
+    raising.write_text("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system') }}"
+                       "{% endif %}{{ m.content }}{% endfor %}")
+    for template, reason in ((unstable, "template_not_prefix_stable"), (altering, "template_alters_response"),
+                             (no_end, "no_end_of_turn"),
+                             (raising, "template_error:TemplateError")):
+        project.set("model.chat_template", str(template))
+        _, m = run_tokenize(project, [text_only])
+        assert m["skipped"] == {reason: 1}, (template.name, m)
+
+
+def test_metadata_round_trip_and_hf_datasets_reads_it(project, tok, tiny_model):
+    rows, _ = run_tokenize(project, [response(tok, "a", HISTORY, "Five.", ids=True)])
+    meta = read_metadata(project.data("B3") / "samples.parquet")
+    assert meta["tokenizer"] == json.loads(json.dumps(tokenizer_fingerprint(tok, ModelConfig(path=str(tiny_model)))))
+    assert meta["tokenizer"]["files_sha256"]["tokenizer.json"] and meta["schema_version"] == 1
+
+    import datasets
+
+    ds = datasets.load_dataset("parquet", data_files=str(project.data("B3") / "samples.parquet"), split="train")
+    assert ds[0]["input_ids"] == rows[0]["input_ids"] and ds[0]["loss_mask"] == rows[0]["loss_mask"]
+
+
+def test_process_pool_gives_the_same_samples(project, tok, monkeypatch):
+    """Large text-path inputs are rendered in worker processes; the result must not depend on it."""
+    import stages.tokenize as tz
+    from stages.config import load_config
+
+    recs = [response(tok, f"r{i}", HISTORY[:1] + [{"role": "user", "content": f"Count to {i}."}],
+                     f"{i} apples " * (i % 7 + 1), ids=False) for i in range(40)]
+    cfg = load_config("B3", params_path=project.path / "params.yaml")
+    serial, _ = tz.build_samples(recs, tok, cfg)
+    monkeypatch.setattr(tz, "PARALLEL_MIN_RECORDS", 10)
+    monkeypatch.setattr(tz.os, "cpu_count", lambda: 2)
+    parallel, tally = tz.build_samples(recs, tok, cfg)
+    assert [(s.id, s.input_ids, s.loss_mask) for s in parallel] == [(s.id, s.input_ids, s.loss_mask) for s in serial]
+    assert tally.text_path == 40
