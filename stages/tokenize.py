@@ -24,8 +24,10 @@ from stages.config import Config, OnTooLong, UserError, cli
 from stages.target import load_tokenizer, template_messages, tokenizer_fingerprint
 
 SCHEMA_VERSION = 1
-# Above this many text-path records, rendering (Python-bound Jinja) is spread over processes.
+# Above this many text-path records, on a machine with this many cores, rendering (Python-bound Jinja) is spread
+# over processes (see text_samples_parallel).
 PARALLEL_MIN_RECORDS = 4000
+PARALLEL_MIN_CPUS = 4
 
 
 @dataclass
@@ -99,24 +101,32 @@ def end_of_turn_ids(tok) -> set[int]:
     return ids
 
 
-def text_samples(tok, recs: list[dict], template_kwargs: dict) -> list:
-    """Render every record, check it, then encode prompts, responses and suffixes in three batches (the Rust
-    tokenizer uses every core). Returns, per record, (ids, mask) or the Skip that explains it."""
+def rendered_parts(tok, recs: list[dict], template_kwargs: dict) -> list:
+    """Per record: (rendered prompt, the template's text after the response), or the Skip that explains it."""
     out: list = []
     for rec in recs:
         try:
             prompt, full = render_texts(tok, rec, template_kwargs)
-            out.append((prompt, rec["text"], check_rendering(prompt, full, rec["text"])))
+            out.append((prompt, check_rendering(prompt, full, rec["text"])))
         except Skip as e:
             out.append(e)
         except Exception as e:  # a template that raises on this conversation (e.g. a role it does not accept)
             out.append(Skip(f"template_error:{type(e).__name__}"))
+    return out
+
+
+def text_samples(tok, recs: list[dict], template_kwargs: dict, parts: Optional[list] = None) -> list:
+    """Encode prompts, responses and suffixes in three batches (the Rust tokenizer uses every core) and assemble.
+    Returns, per record, (ids, mask) or the Skip that explains it."""
+    out = parts if parts is not None else rendered_parts(tok, recs, template_kwargs)
     ok = [i for i, r in enumerate(out) if not isinstance(r, Skip)]
     if not ok:
         return out
     backend, ends = tok.backend_tokenizer, end_of_turn_ids(tok)
-    encoded = [backend.encode_batch([out[i][part] for i in ok], add_special_tokens=False) for part in range(3)]
-    for i, prompt, text, suffix in zip(ok, *encoded):
+    prompts = backend.encode_batch([out[i][0] for i in ok], add_special_tokens=False)
+    texts = backend.encode_batch([recs[i]["text"] for i in ok], add_special_tokens=False)
+    suffixes = backend.encode_batch([out[i][1] for i in ok], add_special_tokens=False)
+    for i, prompt, text, suffix in zip(ok, prompts, texts, suffixes):
         try:
             out[i] = assemble(prompt.ids, text.ids, suffix.ids, ends, _ended(recs[i]))
         except Skip as e:
@@ -132,20 +142,27 @@ def _init_worker(model_cfg) -> None:
     _worker_tok = load_tokenizer(model_cfg)
 
 
-def _worker_samples(args) -> list:
+def _worker_render(args) -> list:
     recs, kwargs = args
-    return text_samples(_worker_tok, recs, kwargs)
+    return rendered_parts(_worker_tok, recs, kwargs)
 
 
 def text_samples_parallel(tok, recs: list[dict], cfg: Config) -> list:
+    """Large inputs render (Python-bound Jinja) in worker processes, which send back only the rendered prompt and
+    suffix strings; encoding stays one batch here, where the Rust tokenizer already uses every core."""
     kwargs = dict(cfg.model.template_kwargs)
-    workers = min(os.cpu_count() or 1, 8)
-    if len(recs) < PARALLEL_MIN_RECORDS or workers < 2:
+    workers = min(os.cpu_count() or 1, 16)
+    # With few cores the Rust encode already fills them and rendering is ~10 % of the work: a pool's start-up and
+    # pickling cost more than it saves (measured with bench/tokenize.py on 2 cores). With many, rendering in one
+    # process becomes the bottleneck.
+    if len(recs) < PARALLEL_MIN_RECORDS or workers < PARALLEL_MIN_CPUS:
         return text_samples(tok, recs, kwargs)
     size = -(-len(recs) // (workers * 4))
-    chunks = [(recs[i : i + size], kwargs) for i in range(0, len(recs), size)]
+    chunks = [([{k: r.get(k) for k in ("messages", "tools", "text")} for r in recs[i : i + size]], kwargs)
+              for i in range(0, len(recs), size)]
     with ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(cfg.model,)) as pool:
-        return [r for part in pool.map(_worker_samples, chunks) for r in part]
+        parts = [p for part in pool.map(_worker_render, chunks) for p in part]
+    return text_samples(tok, recs, kwargs, parts)
 
 
 def limit_length(s: Sample, max_len: int, policy: OnTooLong) -> Sample:

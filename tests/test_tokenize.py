@@ -146,7 +146,7 @@ def test_process_pool_gives_the_same_samples(project, tok, monkeypatch):
     cfg = load_config("B3", params_path=project.path / "params.yaml")
     serial, _ = tz.build_samples(recs, tok, cfg)
     monkeypatch.setattr(tz, "PARALLEL_MIN_RECORDS", 10)
-    monkeypatch.setattr(tz.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(tz.os, "cpu_count", lambda: 4)
     parallel, tally = tz.build_samples(recs, tok, cfg)
     assert [(s.id, s.input_ids, s.loss_mask) for s in parallel] == [(s.id, s.input_ids, s.loss_mask) for s in serial]
     assert tally.text_path == 40
