@@ -126,8 +126,9 @@ class Dispatcher:
         return self.stats
 
     async def _loop(self, queue) -> None:
+        progress = self.in_flight_progress()
         while not self.stop.is_set():
-            for _ in range(self.ctrl.admit_count(self.in_flight_progress())):
+            for _ in range(self.ctrl.admit_count(progress)):
                 if (p := next(queue, None)) is None:
                     break
                 self._admit(p)
@@ -137,13 +138,14 @@ class Dispatcher:
             self._wake.clear()
             self._observe_rate()
             finished, self._finished = self._finished, []
-            for task in finished:
-                self._record(task.result(), *self.flights.pop(task))
-            if self.ctrl.reached(self.in_flight_progress()):
+            self._record_all([(task.result(), *self.flights.pop(task)) for task in finished])
+            progress = self.in_flight_progress()
+            if self.ctrl.reached(progress):
                 await self._cancel_all(keep=self.ctrl.keep_partial)
                 if self.ctrl.reached():
                     return
                 # keep_partial: some cut partials were unusable (e.g. nothing but whitespace), so go on
+                progress = []
             self.progress.update(self)
 
     async def _tick(self) -> None:
@@ -178,18 +180,23 @@ class Dispatcher:
             self.ctrl.observe_rate((tokens - tokens0) / (now - t0), len(self.flights))
             self._rate_mark = (now, tokens)
 
-    def _record(self, res: GenResult, p: Planned, req: GenRequest) -> None:
-        if not res.ok:
-            self.store.put_failure(p.key, self.cfg.dataset, p.prompt["id"], res.error, res.detail, res.server)
-            self.stats.failed[res.error] += 1
-            return
-        r = self._stored(p, res.text, res.output_ids, res.prompt_tokens, res.completion_tokens, res.finish_reason,
-                         res.server, res.latency_s, prompt_ids=res.prompt_ids)
-        self.store.put(r)
-        self.stats.new += 1
-        self.stats.new_tokens += res.completion_tokens
-        tokens = tokens_of(r.prompt_tokens, r.completion_tokens, self.ds.budget_unit)
-        self.ctrl.finished(tokens, counted=unusable_reason(r, self.ds) is None)
+    def _record_all(self, done: list[tuple[GenResult, Planned, GenRequest]]) -> None:
+        """Commit what finished since the last wake-up in one transaction, then tell the controller."""
+        stored = []
+        for res, p, _ in done:
+            if not res.ok:
+                self.store.put_failure(p.key, self.cfg.dataset, p.prompt["id"], res.error, res.detail, res.server)
+                self.stats.failed[res.error] += 1
+                continue
+            stored.append(self._stored(p, res.text, res.output_ids, res.prompt_tokens, res.completion_tokens,
+                                       res.finish_reason, res.server, res.latency_s, prompt_ids=res.prompt_ids))
+        if stored:
+            self.store.put_many(stored)
+        for r in stored:
+            self.stats.new += 1
+            self.stats.new_tokens += r.completion_tokens
+            tokens = tokens_of(r.prompt_tokens, r.completion_tokens, self.ds.budget_unit)
+            self.ctrl.finished(tokens, counted=unusable_reason(r, self.ds) is None)
 
     def _stored(self, p: Planned, text, output_ids, prompt_tokens, completion_tokens, finish_reason, server,
                 latency, prompt_ids=None) -> StoredResponse:
@@ -210,7 +217,7 @@ class Dispatcher:
         for task, result in zip(tasks, results):
             p, req = self.flights.pop(task)
             if isinstance(result, GenResult):  # it finished before the cancel reached it
-                self._record(result, p, req)
+                self._record_all([(result, p, req)])
                 continue
             part = req.partial
             self.stats.cancelled += 1

@@ -89,7 +89,10 @@ class Server:
     outstanding: int = 0
     picks: int = 0
     alive: bool = True
-    died: asyncio.Event = field(default_factory=asyncio.Event)  # set when marked dead; attempts in flight watch it
+    # Attempts in flight here; when the server is marked dead they are cancelled and listed in `doomed`, which
+    # tells their awaiting request to fail over rather than take it for its caller's cancellation.
+    inflight: set = field(default_factory=set)
+    doomed: set = field(default_factory=set)
 
 
 class ServerPool:
@@ -119,7 +122,9 @@ class ServerPool:
         if not server.alive:
             return
         server.alive = False
-        server.died.set()
+        for attempt in server.inflight:
+            server.doomed.add(attempt)
+            attempt.cancel()
         log("backend", event="server_dead", url=server.url, reason=why)
         task = asyncio.create_task(self._revive(server))
         self._revivers.add(task)
@@ -130,7 +135,6 @@ class ServerPool:
             await asyncio.sleep(self._interval)
             problem = await self._probe(server.url)
             if problem is None:
-                server.died = asyncio.Event()
                 server.alive = True
                 log("backend", event="server_back", url=server.url)
                 return
@@ -298,22 +302,28 @@ class HttpBackend:
         """One attempt that also ends when the server is marked dead by another request, and that aborts the
         request on the server when the caller cancels it."""
         req.partial.clear()
-        died = server.died if server.alive else asyncio.Event()  # in panic mode nothing is left to fail over to
         with self.pool.track(server):
+            if len(self.pool.servers) == 1:  # nothing to fail over to: no separate task needed to watch for death
+                try:
+                    return await self._classified(server, req, rid)
+                except asyncio.CancelledError:  # `post` has closed the connection on its way out
+                    await self._abort_quietly(server, rid)
+                    raise
             work = asyncio.ensure_future(self._classified(server, req, rid))
-            watch = asyncio.ensure_future(died.wait())
+            if server.alive:  # in panic mode (every server dead) nothing is left to fail over to
+                server.inflight.add(work)
             try:
-                await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+                return await work
             except asyncio.CancelledError:
+                if work in server.doomed:  # the server was marked dead by another request: fail over
+                    raise Failure("connection", f"{server.url} was marked dead while the request was in flight",
+                                  retry=True) from None
                 await _stop(work)  # closes the connection first, which frees it for the abort
                 await self._abort_quietly(server, rid)
                 raise
             finally:
-                watch.cancel()
-            if work.done():
-                return work.result()
-            await _stop(work)
-            raise Failure("connection", f"{server.url} was marked dead while the request was in flight", retry=True)
+                server.inflight.discard(work)
+                server.doomed.discard(work)
 
     async def _classified(self, server: Server, req: GenRequest, rid: str) -> GenResult:
         """Transport errors as `Failure`s: the one place that decides what is retried."""
@@ -391,14 +401,18 @@ _DONE = object()
 
 
 def _sse_data(raw: bytes):
-    """One SSE line: its JSON object, _DONE for `data: [DONE]`, None for anything else (blank, comment, event:)."""
-    line = raw.decode("utf-8", errors="replace").strip()
-    if not line.startswith("data:"):
+    """One SSE line: its JSON object, _DONE for `data: [DONE]`, None for anything else (blank, comment, event:).
+    Works on bytes (json.loads takes UTF-8 bytes): no decode of a line that is not data."""
+    line = raw.strip()
+    if not line.startswith(b"data:"):
         return None
-    data = line[len("data:"):].strip()
-    if data == "[DONE]":
+    data = line[5:].strip()
+    if data == b"[DONE]":
         return _DONE
-    event = parse_json(data)
+    try:
+        event = json.loads(data)
+    except ValueError as e:
+        raise Failure("bad_response", f"not JSON ({e}): {data[:200]!r}") from e
     if not isinstance(event, dict):
         raise Failure("bad_response", f"stream event is not an object: {data[:200]!r}")
     return event

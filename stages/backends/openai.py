@@ -111,10 +111,10 @@ class OpenAIBackend(HttpBackend):
         finish: Optional[str] = None
         prompt_ids: Optional[list] = None
         pieces = 0
-        async for event in sse_events(resp):
-            if "error" in event:
-                raise engine_error(event)
-            with response_shape("stream chunk"):
+        with response_shape("stream chunk"):  # one guard for the whole stream, not one per chunk
+            async for event in sse_events(resp):
+                if "error" in event:
+                    raise engine_error(event)
                 usage = event.get("usage") or usage
                 prompt_ids = event.get("prompt_token_ids") or prompt_ids
                 for choice in event.get("choices") or []:
