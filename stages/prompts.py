@@ -8,7 +8,6 @@ counted by reason in `data/<D>/prompts_metrics.json`.
 
 from __future__ import annotations
 
-import random
 from collections import Counter
 from typing import Callable, Iterable, Iterator, Optional
 

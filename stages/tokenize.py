@@ -17,7 +17,7 @@ import os
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Optional
 
 from stages.artifacts import atomic_path, data_dir, log, read_jsonl, write_json
 from stages.config import Config, OnTooLong, UserError, cli

@@ -12,6 +12,17 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "sources" / "demo"
+# demo file -> source shape, as params.yaml configures them
+DEMO_SHAPES = {
+    "B1_glaive": "glaive",
+    "B2_opencodeinstruct": "opencodeinstruct",
+    "B3_magicoder": "magicoder_oss",
+    "B4_mixture_of_thoughts": "messages",
+    "B5_openthoughts": "conversations",
+    "B6_ultrachat": "messages",
+    "B7_sharegpt": "conversations",
+    "B8_sweagent": "swe_agent",
+}
 
 
 @pytest.fixture(scope="session")

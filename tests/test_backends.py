@@ -13,12 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -28,6 +23,7 @@ import pytest
 from stages.backends import GenRequest, make_backend
 from stages.config import BackendConfig, BackendKind, Config, DatasetConfig, ModelConfig, TinyModelConfig, UserError
 from stages.target import load_tokenizer, render_prompt_ids
+from conftest import free_port, transformers_serve
 from tests.fake_sglang import EOS_ID, FakeSGLang, Faults, fake_output_ids, fake_text
 
 pytestmark = pytest.mark.timeout(90)
@@ -49,12 +45,6 @@ async def until(cond, timeout: float = 5.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.005)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def config(kind: BackendKind, urls: list[str], model_path: str = "models/tiny-llama", **backend) -> Config:
@@ -445,38 +435,8 @@ def test_embedded_streams_the_partial_and_keeps_it_on_cancel(endless_model):
 @pytest.fixture(scope="module")
 def serve(endless_model, tmp_path_factory):
     """`transformers serve` on a free port, pinned to the endless tiny model (sequential generation, CPU)."""
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    env = dict(os.environ, OMP_NUM_THREADS="1")  # a tiny model on 2 cores: threads only contend
-    with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "transformers.cli.transformers", "serve", str(endless_model), "--host",
-             "127.0.0.1", "--port", str(port), "--device", "cpu"], stdout=log_file, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(url, proc, log_path)
+    with transformers_serve(endless_model, tmp_path_factory.mktemp("serve") / "serve.log") as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, log_path: Path, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"transformers serve exited: {log_path.read_text()[-2000:]}"
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"transformers serve not healthy after {timeout}s: {log_path.read_text()[-2000:]}")
 
 
 def openai(url: str, model: Path, **backend) -> Config:

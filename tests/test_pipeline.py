@@ -7,7 +7,6 @@ import json
 import sqlite3
 
 import pyarrow.parquet as pq
-import pytest
 from safetensors import safe_open
 
 from stages.artifacts import read_jsonl

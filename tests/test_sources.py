@@ -7,25 +7,13 @@ import importlib.util
 import json
 import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
 from stages.sources import SHAPES, BadRecord, Prompt, SourceOptions, to_prompt
 
-ROOT = Path(__file__).parents[1]
-DEMO = ROOT / "sources" / "demo"
+from conftest import DEMO, DEMO_SHAPES, ROOT
 
-DEMO_SHAPES = {
-    "B1_glaive": "glaive",
-    "B2_opencodeinstruct": "opencodeinstruct",
-    "B3_magicoder": "magicoder_oss",
-    "B4_mixture_of_thoughts": "messages",
-    "B5_openthoughts": "conversations",
-    "B6_ultrachat": "messages",
-    "B7_sharegpt": "conversations",
-    "B8_sweagent": "swe_agent",
-}
 REASONS = {
     "not_a_mapping",
     "missing_field",

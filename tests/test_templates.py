@@ -22,6 +22,8 @@ from stages.sources import BadRecord, to_prompt
 from stages.target import template_messages
 from stages.tokenize import Skip, from_ids, from_text
 
+from conftest import DEMO_SHAPES
+
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN_DIR = ROOT / "tests" / "golden"
 GOLDEN = sorted(GOLDEN_DIR.glob("*__*.json"))
@@ -30,17 +32,6 @@ _spec = importlib.util.spec_from_file_location("make_golden", GOLDEN_DIR / "make
 make_golden = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(make_golden)
 
-# demo file -> source shape (as params.yaml configures them)
-DEMO_SHAPES = {
-    "B1_glaive": "glaive",
-    "B2_opencodeinstruct": "opencodeinstruct",
-    "B3_magicoder": "magicoder_oss",
-    "B4_mixture_of_thoughts": "messages",
-    "B5_openthoughts": "conversations",
-    "B6_ultrachat": "messages",
-    "B7_sharegpt": "conversations",
-    "B8_sweagent": "swe_agent",
-}
 TEMPLATE_KWARGS = {  # the kwargs each template is exercised with on the demo prompts
     "chatml": [{}],
     "llama3": [{}, {"tools_in_user_message": False}],

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from stages.artifacts import read_jsonl, write_jsonl
+from stages.artifacts import write_jsonl
 from stages.config import ModelConfig
 from stages.target import load_tokenizer, render_prompt_ids, tokenizer_fingerprint
 from stages.tokenize import from_ids, from_text, read_metadata

@@ -169,20 +169,9 @@ CASES["qwen3_thinking"] = {
 
 
 def train_tokenizer(path: Path = TOKENIZER) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from stages.tiny_model import iter_demo_texts, train_bpe
 
-    from stages.tiny_model import iter_demo_texts
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(iter_demo_texts(ROOT / "sources" / "demo"), trainer=trainer)
+    tok = train_bpe(iter_demo_texts(ROOT / "sources" / "demo"), VOCAB_SIZE, SPECIAL_TOKENS)
     tok.save(str(path), pretty=True)
 
 
