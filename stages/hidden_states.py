@@ -16,7 +16,7 @@ from typing import Optional
 
 from stages.artifacts import atomic_path, data_dir, log, write_json
 from stages.config import Config, ConfigError, UserError, cli
-from stages.target import content_hash, model_fingerprint
+from stages.target import content_hash, load_model, model_fingerprint
 
 
 def default_layers(n_layers: int) -> list[int]:
@@ -142,7 +142,6 @@ def check_shard(t: dict) -> None:
 def main(cfg: Config) -> None:
     import pyarrow.parquet as pq
     import torch
-    from transformers import AutoModelForCausalLM
 
     out = data_dir(cfg.dataset)
     src = out / "samples.parquet"
@@ -151,9 +150,7 @@ def main(cfg: Config) -> None:
     hs = cfg.hidden_states
     table = pq.read_table(src)
     ids, input_ids, masks = (table.column(c).to_pylist() for c in ("id", "input_ids", "loss_mask"))
-    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, revision=cfg.model.revision)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = model.to(device).eval()
+    model = load_model(cfg.model)
     n_layers = model.config.num_hidden_layers
     layers = resolve_layers(hs.layers, n_layers)
     dtype = getattr(torch, hs.dtype)

@@ -40,6 +40,18 @@ def load_tokenizer(model: ModelConfig):
     return tok
 
 
+def load_model(model: ModelConfig):
+    """The target's weights on the GPU when there is one, in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        net = AutoModelForCausalLM.from_pretrained(model.path, revision=model.revision)
+    except (OSError, ValueError) as e:
+        raise ConfigError("model.path", f"cannot load a model from {model.path!r}: {e}") from None
+    return net.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+
+
 def render_prompt_ids(tok, messages: list[dict], tools: Optional[list[dict]], template_kwargs: dict) -> list[int]:
     """The exact prompt tokens the target sees: chat template + generation prompt, no re-encoding later."""
     ids = tok.apply_chat_template(

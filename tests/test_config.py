@@ -106,3 +106,13 @@ def test_backend_kind_in_params_brings_its_preset(project):
     project.save()
     with pytest.raises(ConfigError, match=r"^backend\.urls\[0\]: must start with http"):
         load_config("B3", params_path=project.path / "params.yaml")
+
+
+def test_missing_model_names_the_key(monkeypatch):
+    from stages.config import ModelConfig
+    from stages.target import load_model, load_tokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for load in (load_model, load_tokenizer):
+        with pytest.raises(ConfigError, match=r"^model\.path: cannot load"):
+            load(ModelConfig(path="no/such-model-dir"))

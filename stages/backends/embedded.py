@@ -13,6 +13,7 @@ import time
 
 from stages.backends import GenRequest, GenResult, Partial
 from stages.config import Config
+from stages.target import load_model
 
 
 class EmbeddedBackend:
@@ -24,14 +25,11 @@ class EmbeddedBackend:
         self.manager = None
 
     async def start(self) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM, GenerationConfig
+        from transformers import GenerationConfig
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
         ds = self.cfg.ds
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        model = AutoModelForCausalLM.from_pretrained(self.cfg.model.path, revision=self.cfg.model.revision)
-        model = model.to(device).eval()
+        model = load_model(self.cfg.model)
         eos = self.tokenizer.eos_token_id
         sampling = ds.sampling
         gen = GenerationConfig(
