@@ -103,3 +103,15 @@ def test_killed_run_loses_nothing_committed_and_resumes(backend_project, how):
     assert m["budget_met"]
     rows = list(read_jsonl(project.data("B3") / "responses.jsonl"))
     assert len({r["id"] for r in rows}) == len(rows)
+
+
+def test_progress_lines_when_not_on_a_terminal(project, capsys):
+    project.params["run"]["log_every_s"] = 0.0  # a line at every wake-up
+    project.save()
+    project.run("prompts", "B3")
+    project.run("generate", "B3")
+    lines = [line for line in capsys.readouterr().out.splitlines() if " eta_s=" in line]
+    assert lines, "no progress line"
+    fields = dict(kv.split("=", 1) for kv in lines[-1].split()[1:])
+    assert {"committed", "budget", "eta_s", "responses", "req_s", "tok_s", "mean_len", "in_flight"} <= set(fields)
+    assert fields["budget"] == "400"
