@@ -12,7 +12,6 @@ import asyncio
 import json
 import os
 import re
-import subprocess
 import time
 import urllib.request
 from pathlib import Path
@@ -23,7 +22,7 @@ from stages.backends import GenRequest, make_backend
 from stages.config import BackendConfig, BackendKind, Config, DatasetConfig, ModelConfig, TinyModelConfig
 from stages.target import load_tokenizer, render_prompt_ids
 
-from conftest import DEMO, free_port
+from conftest import DEMO, server_process
 
 VLLM_PYTHON = os.environ.get("DRAFTDATA_VLLM_PYTHON")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600),
@@ -48,31 +47,14 @@ def vllm(tmp_path_factory):
     """(url, model dir) of a vLLM server on a free port; the model rarely ends its turn, so streams run long."""
     root = tmp_path_factory.mktemp("vllm")
     model = build(root / "tiny-vllm", mean_response_tokens=10**6)
-    port = free_port()
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1")
-    log_path = root / "vllm.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                                 "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)],
-                                stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, log_path.read_text()[-3000:]
-                time.sleep(1)
+
+    def argv(port: int) -> list[str]:
+        return [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--enforce-eager",
+                "--host", "127.0.0.1", "--port", str(port)]
+
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    with server_process(argv, root / "vllm.log", env, timeout=300) as url:
         yield url, model
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def config(url: str, model: Path) -> Config:
