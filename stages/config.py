@@ -332,7 +332,8 @@ def load_config(dataset: Optional[str], overrides: Optional[List[str]] = None, p
         overrides.append(f"dataset={dataset}")
     # `backend.kind` in params.yaml picks the matching preset of conf/backend/ (its defaults, under the values
     # params.yaml sets), unless the command line names one.
-    kind = (params.get("backend") or {}).get("kind") if isinstance(params.get("backend"), dict) else None
+    backend = params.get("backend")
+    kind = backend.get("kind") if isinstance(backend, dict) else None
     if kind and not any(o.startswith("backend=") for o in overrides):
         if not (CONF_DIR / "backend" / f"{kind}.yaml").exists():
             raise ConfigError("backend.kind", f"unknown backend {kind!r}; known: "

@@ -35,7 +35,7 @@ class Interrupted(Exception):
 class Planned:
     prompt: dict
     key: str
-    prompt_ids: Optional[list[int]]
+    prompt_ids: list[int]  # rendered with the chat template: exactly what the target is sent
 
 
 @dataclass
@@ -48,12 +48,11 @@ class RunStats:
     failed: Counter = field(default_factory=Counter)
 
 
-def request_key(model_fp: str, prompt_ids: Optional[list[int]], prompt: dict, template_kwargs: dict,
-                sampling: dict, max_tokens: int) -> str:
-    """Same model + same exact prompt + same sampling = same key, whichever run or dataset asks."""
-    what = {"prompt_ids": prompt_ids} if prompt_ids is not None else {
-        "messages": prompt["messages"], "tools": prompt.get("tools"), "template_kwargs": template_kwargs}
-    return content_hash({"model": model_fp, **what, "sampling": sampling, "max_tokens": max_tokens}, n=32)
+def request_key(model_fp: str, prompt_ids: list[int], sampling: dict, max_tokens: int) -> str:
+    """Same model + same exact prompt tokens (template and its kwargs included) + same sampling = same key,
+    whichever run or dataset asks."""
+    return content_hash({"model": model_fp, "prompt_ids": prompt_ids, "sampling": sampling,
+                         "max_tokens": max_tokens}, n=32)
 
 
 def tokens_of(prompt_tokens: int, completion_tokens: int, unit: BudgetUnit) -> int:
@@ -111,7 +110,7 @@ class Dispatcher:
 
     def in_flight_progress(self) -> list[int]:
         unit = self.ds.budget_unit
-        return [tokens_of(len(p.prompt_ids or ()), req.partial.completion_tokens, unit)
+        return [tokens_of(len(p.prompt_ids), req.partial.completion_tokens, unit)
                 for p, req in self.flights.values()]
 
     async def run(self, todo: list[Planned]) -> RunStats:
@@ -223,7 +222,7 @@ class Dispatcher:
             self.stats.cancelled += 1
             if keep and part.completion_tokens > 0:
                 ids = list(part.output_ids) or None  # servers that stream text only: tokenize re-encodes
-                r = self._stored(p, part.text, ids, len(p.prompt_ids or ()),
+                r = self._stored(p, part.text, ids, len(p.prompt_ids),
                                  part.completion_tokens, CUT, self.backend.name, 0.0)
                 self.store.put(r)
                 self.stats.cut += 1
@@ -276,7 +275,7 @@ def plan_requests(cfg: Config, prompts: list[dict], tok) -> list[Planned]:
     plan = []
     for rec in prompts:
         ids = render_prompt_ids(tok, rec["messages"], rec.get("tools"), kwargs)
-        plan.append(Planned(rec, request_key(fp, ids, rec, kwargs, ds.sampling.as_dict(), ds.max_tokens), ids))
+        plan.append(Planned(rec, request_key(fp, ids, ds.sampling.as_dict(), ds.max_tokens), ids))
     return plan
 
 
