@@ -1,35 +1,67 @@
-"""Budget strategies on a simulated server: overshoot, waste and GPU time per kept token, side by side.
+"""Budget strategies on a simulated server, with and without noise in the throughput the client measures.
 
-    python -m bench.budget [--budget 10000000] [--concurrency 150] [--seeds 3]
+    python -m bench.budget [--seeds 3] [--budgets 1000000,10000000] [--noise 0,2] [--models ...] [--out PATH]
 
-An exact event simulation in virtual time (so 10M tokens take seconds, not GPU-hours). Completion lengths are
-lognormal (mean 3.5k, sigma 0.8) capped at max_tokens 10,240; prompts arrive in a fixed order. Two server models:
+An exact event simulation in virtual time (so 10M tokens take seconds, not GPU-hours) of a server with
+`concurrency` slots. Completion lengths are lognormal (mean 3.5k, sigma 0.8) capped at max_tokens 10,240; prompts
+arrive in a fixed order. A server model is its aggregate throughput R(n) with n requests running; each running
+request decodes at R(n) / n, and every model gives the same full-batch rate R(concurrency) = RATE * concurrency:
 
-- per_request_rate: every running request decodes at the same fixed rate (throughput grows with the batch);
-- compute_bound: aggregate throughput is flat above a knee of 16 running requests, so each request slows as
-  more run (and a draining batch speeds up).
+- per_request_rate: every request decodes at RATE whatever runs beside it (R grows linearly with n), so an idle
+  slot costs as much GPU time as a cancelled request's tokens;
+- compute_bound: R is flat above a knee of 16 running requests (linear below), so a draining batch speeds up and
+  keeps the throughput: draining is free;
+- saturating: R(n) = A n / (n + h), h = 32: a decode step costs a + b n (memory-bound small batches, compute-bound
+  large ones), the server that is neither; A = RATE (concurrency + h) so that R(concurrency) matches the others.
 
-Between two events every running request advances at the same rate, so a request finishes when a shared
-"work clock" passes its start + length: completions come off a heap, exactly.
+Between two events every running request advances at the same rate, so a request finishes when a shared "work
+clock" passes its start + length: completions come off a heap, exactly.
 
-Strategies: `cap` (7,000 samples), `check_cancel` (check the budget as responses complete, cancel the rest),
-`let_finish` (stop admitting at the budget, let in-flight requests finish), `ours` (stages.budget, complete
-responses only) and `ours_keep_partial` (stages.budget with keep_partial: stop at the budget and keep the
-partial responses, cut). The controller is the production one; the simulator only replaces the server.
+What the client sees, as the streaming generate loop does:
+- a throughput reading every READING_S of virtual time (not only at completions): the true tokens generated over
+  the last interval divided by its length, times (1 + N(0, noise)) from a seeded generator independent of the
+  lengths, with the time-averaged number of requests in flight over that interval (n changes at completions
+  and admissions). Real servers' readings wander by 1-2 % per second at a full batch; the noise-free case is
+  what a controller tuned on a simulation alone would see;
+- decisions (`admit_count`) at every completion and after every reading: the real loop ticks every 50 ms, but n
+  changes only at completions and the controller's view of the server only at readings (and the expected
+  final length of a request only grows with its progress, so a tick in between would admit nothing more);
+- a cancel reaches the server ABORT_LATENCY_S after the decision, whichever strategy cancels, and what the
+  in-flight requests generate meanwhile (with each one's token in progress at the decision) is never streamed:
+  it is lost, and the server is busy for it (it counts in the wall time).
 
-Metrics per model and strategy: overshoot_pct = (kept - budget) / budget; waste_pct = (generated - kept) /
-generated; time_vs_ideal = wall time / (kept tokens / full-batch throughput).
+Strategies: `cap` (7,000 samples), `check_cancel` (keep the server full; when the committed tokens reach the
+budget cancel everything in flight and throw it away), `let_finish` (stop admitting at the budget, let the batch
+finish), `ours` (stages.budget, complete responses only: at the budget the in-flight requests are cancelled and
+their partial outputs parked for a later run, so they are not in this run's output but not lost either),
+`ours_keep_partial` (stages.budget with keep_partial: stop when committed + streamed progress reaches the budget,
+looked at every CHECK_EVERY_S, and keep the partial responses; what streamed between the crossing and the check
+is its overshoot) and `ours_slack_*` (ours blind to the server's rate, as with a backend that does not stream, at
+several admit_slack values). The controller is the production one through its public API; the simulator only
+replaces the server and the client's clock.
+
+Metrics per run: overshoot_pct = (kept - budget) / budget; waste_pct = (generated - kept) / generated (every token
+not in the output: cancelled, parked or lost); lost_pct = (generated - kept - parked) / generated; time_vs_ideal =
+wall time / (kept / R(concurrency)). Each is averaged over length draws (and noise draws): `--seeds` at
+10M tokens, proportionally more at smaller budgets (`seeds_for`).
+
+Output (bench/results/budget.json): `scenarios`, one row per (model, budget, noise) with check_cancel, ours and
+ours_keep_partial and the row's goals; `models` / `goals` / `settings`, the noise-free 10M comparison of every
+strategy (cap, let_finish and the slack sweep only there) on the per_request_rate and compute_bound servers;
+`all_goals_met`, over every goal in the file.
 """
 
 from __future__ import annotations
 
 import argparse
 import heapq
+import itertools
 import json
 import math
 import random
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,17 +69,44 @@ from stages.budget import BudgetController
 
 RESULTS = Path(__file__).parent / "results"
 RATE = 50.0  # tokens/s of one request at full batch (virtual time; the ratios do not depend on it)
-KNEE = 16
+CONCURRENCY = 150
+KNEE = 16  # compute_bound: the smallest batch that keeps the full throughput
+SATURATION_H = 32.0  # saturating: the batch at which a step's fixed cost equals its per-request cost
 CAP_SAMPLES = 7000
 MAX_TOKENS = 10_240
 MEAN_LEN, SIGMA = 3500.0, 0.8
-CHECK_EVERY_S = 0.1  # how often the keep_partial loop looks at streamed progress (virtual seconds)
+READING_S = 1.0  # interval of the throughput readings the streaming client feeds the controller
+CHECK_EVERY_S = 0.05  # how often the client loop looks at streamed progress (its tick)
+ABORT_LATENCY_S = 0.05  # from the cancel decision to the server stopping the requests
+
+MODELS = ("per_request_rate", "compute_bound", "saturating")
+BUDGETS = (1_000_000, 10_000_000)
+NOISE_PCT = (0.0, 2.0)
+SCENARIO_STRATEGIES = ("check_cancel", "ours", "ours_keep_partial")
+# The side-by-side of every strategy, on the noise-free 10M case and the two classic server models.
+LEGACY_BUDGET, LEGACY_MODELS = 10_000_000, ("per_request_rate", "compute_bound")
+LEGACY_STRATEGIES = ("cap", "check_cancel", "let_finish", "ours", "ours_keep_partial")
+SLACK_SWEEP = {"ours_slack_0": 0.0, "ours_slack_1": 1.0, "ours_slack_2": 2.0}
+LEGACY_KEYS = ("kept_tokens", "generated_tokens", "overshoot_pct", "waste_pct", "time_vs_ideal")
 
 
-def lengths(n: int, seed: int) -> list[int]:
+def lengths(seed: int) -> Iterator[int]:
+    """Completion lengths in prompt order; endless, so no strategy runs out of prompts."""
     rng = random.Random(seed)
     mu = math.log(MEAN_LEN) - SIGMA**2 / 2
-    return [max(1, min(MAX_TOKENS, round(rng.lognormvariate(mu, SIGMA)))) for _ in range(n)]
+    while True:
+        yield max(1, min(MAX_TOKENS, round(rng.lognormvariate(mu, SIGMA))))
+
+
+def per_request_rate(model: str, n: int, concurrency: int) -> float:
+    """Tokens per second of each of n running requests: R(n) / n."""
+    if model == "per_request_rate":
+        return RATE
+    if model == "compute_bound":
+        return RATE * concurrency / max(n, KNEE)
+    if model == "saturating":
+        return RATE * (concurrency + SATURATION_H) / (n + SATURATION_H)
+    raise ValueError(f"unknown server model {model!r}")
 
 
 @dataclass
@@ -59,177 +118,238 @@ class Server:
     heap: list = field(default_factory=list)  # (work at which it ends, id)
     start: dict = field(default_factory=dict)  # id -> work clock at admission
     length: dict = field(default_factory=dict)
+    start_sum: float = 0.0  # so the streamed total is O(1): n * work - sum of starts
+    ids: Iterator[int] = field(default_factory=itertools.count)
+    window_tokens: float = 0.0  # generated since the last reading
+    window_n_s: float = 0.0  # integral of n dt since the last reading
+    window_start: float = 0.0  # when the current reading interval began
 
     @property
     def n(self) -> int:
         return len(self.start)
 
-    def aggregate_rate(self) -> float:
-        return self.rate() * self.n
-
     def rate(self) -> float:
-        """Tokens per second of each running request."""
-        if self.model == "per_request_rate":
-            return RATE
-        return RATE * self.concurrency / max(self.n, KNEE)
+        return per_request_rate(self.model, self.n, self.concurrency)
 
-    def admit(self, rid: int, length: int) -> None:
+    def full_rate(self) -> float:
+        return RATE * self.concurrency
+
+    def admit(self, length: int) -> None:
+        rid = next(self.ids)
         self.start[rid] = self.work
         self.length[rid] = length
+        self.start_sum += self.work
         heapq.heappush(self.heap, (self.work + length, rid))
 
     def progress(self) -> list[int]:
+        """Whole tokens streamed so far by each request in flight (what the client can count)."""
         return [int(self.work - s) for s in self.start.values()]
 
-    def next_end(self) -> float:
-        return self.heap[0][0]
+    def streamed(self) -> float:
+        return self.n * self.work - self.start_sum
 
-    def advance_to_work(self, work: float) -> None:
-        self.t += (work - self.work) / self.rate()
-        self.work = work
+    def until_next_end(self) -> float:
+        return (self.heap[0][0] - self.work) / self.rate() if self.heap else math.inf
 
-    def pop_finished(self) -> tuple[int, int]:
-        _, rid = heapq.heappop(self.heap)
-        del self.start[rid]
-        return rid, self.length.pop(rid)
+    def advance(self, dt: float) -> None:
+        """Run dt seconds with no completion in between (the caller picks dt no later than the next one)."""
+        if self.n:
+            r = self.rate()
+            self.work += dt * r
+            self.window_tokens += self.n * r * dt
+            self.window_n_s += self.n * dt
+        self.t += dt
 
-    def cancel_all(self) -> int:
-        """Abort everything in flight; returns the tokens those requests had generated."""
-        generated = sum(self.progress())
+    def complete_next(self) -> int:
+        """Run to the next completion and retire it; returns its length."""
+        end, rid = self.heap[0]
+        self.advance(self.until_next_end())
+        self.work = end  # no float drift between the heap and the clock
+        heapq.heappop(self.heap)
+        self.start_sum -= self.start.pop(rid)
+        return self.length.pop(rid)
+
+    def reading(self, noise: float, rng: random.Random) -> tuple[float, float]:
+        """(tokens/s, time-averaged in flight) over the interval since the last reading, then a new interval."""
+        interval = self.t - self.window_start
+        tokens_per_s = self.window_tokens / interval
+        if noise:
+            tokens_per_s *= 1 + rng.gauss(0.0, noise)
+        # Rounded: summing n * dt over the interval's segments leaves float error, and a full batch read as
+        # 149.9999999 in flight would pass for a drained one.
+        in_flight = round(self.window_n_s / interval, 6)
+        self.window_tokens = self.window_n_s = 0.0
+        self.window_start = self.t
+        return tokens_per_s, in_flight
+
+    def abort_all(self, streamed: int) -> float:
+        """Cancel everything in flight, of which the client has seen `streamed` whole tokens. The server goes on
+        for ABORT_LATENCY_S (requests that end meanwhile end on the server, unseen by the client, which has
+        already let go); returns the tokens generated and never streamed: the tokens in progress at the
+        decision and those of the latency."""
+        unstreamed = self.streamed() - streamed
+        before, left = self.window_tokens, ABORT_LATENCY_S
+        while self.n and self.until_next_end() <= left:
+            left -= self.until_next_end()
+            self.complete_next()
+        self.advance(left)
         self.heap.clear()
         self.start.clear()
         self.length.clear()
-        return generated
+        self.start_sum = 0.0
+        return unstreamed + self.window_tokens - before
 
 
 @dataclass
 class Outcome:
-    kept: int = 0
-    generated: int = 0
+    kept: int = 0  # tokens in this run's output
+    parked: float = 0.0  # partial outputs set aside for a later run: not in the output, not lost
+    lost: float = 0.0  # generated and neither kept nor parked
     t: float = 0.0
 
-    def metrics(self, budget: int, concurrency: int) -> dict:
-        ideal = self.kept / (RATE * concurrency)
+    def metrics(self, budget: int, full_rate: float) -> dict:
+        generated = self.kept + self.parked + self.lost
         return {
             "kept_tokens": self.kept,
-            "generated_tokens": self.generated,
+            "generated_tokens": generated,
+            "parked_tokens": self.parked,
+            "lost_tokens": self.lost,
             "overshoot_pct": 100.0 * (self.kept - budget) / budget,
-            "waste_pct": 100.0 * (self.generated - self.kept) / self.generated,
-            "time_vs_ideal": self.t / ideal,
+            "waste_pct": 100.0 * (generated - self.kept) / generated,
+            "lost_pct": 100.0 * self.lost / generated,
+            "time_vs_ideal": self.t / (self.kept / full_rate),
         }
 
 
-def run_simple(strategy: str, model: str, lens: list[int], budget: int, conc: int) -> Outcome:
-    """cap, check_cancel and let_finish: the server is kept full until their stop rule fires."""
-    s, out = Server(model, conc), Outcome()
-    queue = iter(enumerate(lens))
-    admitting = True
-    limit = CAP_SAMPLES if strategy == "cap" else len(lens)
-    admitted = 0
+def run_simple(strategy: str, s: Server, lens: Iterator[int], budget: int) -> Outcome:
+    """cap, check_cancel and let_finish: the server is kept full until their stop rule fires. They neither read
+    the server's rate nor look at partial progress, so only completions matter."""
+    out = Outcome()
+    admitting, admitted = True, 0
+    limit = CAP_SAMPLES if strategy == "cap" else math.inf
     while True:
-        while admitting and s.n < conc and admitted < limit:
-            rid, n = next(queue)
-            s.admit(rid, n)
+        while admitting and s.n < s.concurrency and admitted < limit:
+            s.admit(next(lens))
             admitted += 1
         if not s.n:
             break
-        s.advance_to_work(s.next_end())
-        _, n = s.pop_finished()
-        out.generated += n
-        out.kept += n
+        out.kept += s.complete_next()
         if strategy != "cap" and out.kept >= budget:
             admitting = False
             if strategy == "check_cancel":
-                out.generated += s.cancel_all()
+                streamed = sum(s.progress())
+                out.lost += streamed + s.abort_all(streamed)  # nothing parked: every cancelled token is lost
                 break
     out.t = s.t
     return out
 
 
-def run_ours(model: str, lens: list[int], budget: int, conc: int, keep_partial: bool,
-             slack: float | None = None) -> Outcome:
-    s, out = Server(model, conc), Outcome()
-    ctrl = BudgetController(budget=budget, max_tokens=MAX_TOKENS, concurrency=conc, keep_partial=keep_partial)
-    observe = slack is None
-    ctrl.observes_rate = observe
+def admit(s: Server, ctrl: BudgetController, lens: Iterator[int], progress: list[int]) -> None:
+    # A controller fed time-averaged in_flight may learn a fractional knee, and then allow a fractional count:
+    # only whole requests can be sent.
+    for _ in range(int(ctrl.admit_count(progress))):
+        s.admit(next(lens))
+
+
+def next_check(s: Server, ctrl: BudgetController, budget: int) -> float:
+    """The first tick of the client loop at which committed + streamed can have reached the budget (ticks are
+    on a fixed CHECK_EVERY_S grid; readings fall on it too). The batch streams at a constant rate until the
+    next event, so the crossing is exact and the ticks before it, which would change nothing, are skipped."""
+    after = math.floor(s.t / CHECK_EVERY_S + 1e-9) + 1  # the tick strictly after now
+    rate = s.n * s.rate()
+    crossing = s.t + max(0.0, budget - ctrl.committed - s.streamed()) / rate if rate else math.inf
+    return max(after, math.ceil(crossing / CHECK_EVERY_S - 1e-9)) * CHECK_EVERY_S
+
+
+def run_controlled(s: Server, lens: Iterator[int], budget: int, noise: float, rng: random.Random,
+                   keep_partial: bool, slack: float | None = None) -> Outcome:
+    """The generate loop around BudgetController: wake at completions, readings and (keep_partial) ticks. A
+    controller that stalls (nothing in flight, nothing admitted) ends the run short of the budget: a negative
+    overshoot says so."""
+    out = Outcome()
+    ctrl = BudgetController(budget=budget, max_tokens=MAX_TOKENS, concurrency=s.concurrency,
+                            keep_partial=keep_partial)
+    ctrl.observes_rate = slack is None
     if slack is not None:
         ctrl.admit_slack = slack
-    queue = iter(enumerate(lens))
-    while True:
-        for _ in range(ctrl.admit_count(s.progress())):
-            rid, n = next(queue)
-            s.admit(rid, n)
-        if not s.n:
+    admit(s, ctrl, lens, [])
+    readings = itertools.count(1)
+    next_reading = next(readings) * READING_S  # a multiple of READING_S, so no drift over thousands
+    while s.n:
+        until_check = next_check(s, ctrl, budget) - s.t if keep_partial else math.inf
+        until_reading = next_reading - s.t
+        if s.until_next_end() <= min(until_reading, until_check):
+            length = s.complete_next()
+            ctrl.finished(length, counted=True)
+            out.kept += length
+        elif until_reading <= until_check:
+            s.advance(until_reading)
+            next_reading = next(readings) * READING_S
+            tokens_per_s, in_flight = s.reading(noise, rng)
+            if ctrl.observes_rate:
+                ctrl.observe_rate(tokens_per_s, in_flight)
+        else:
+            s.advance(until_check)
+        progress = s.progress()
+        if ctrl.reached(progress):
+            stop(s, ctrl, out, progress)
             break
-        next_work = s.next_end()
-        if keep_partial:
-            # The loop checks streamed progress every CHECK_EVERY_S; stop at the first check past the budget.
-            crossing = (budget - ctrl.committed + sum(s.start.values())) / s.n
-            if crossing < next_work:
-                step = CHECK_EVERY_S * s.rate()
-                checks = math.ceil(max(0.0, crossing - s.work) / step)
-                s.advance_to_work(min(next_work, s.work + checks * step))
-                if ctrl.reached(s.progress()):
-                    cut = s.cancel_all()  # aborted on the server, but every token is kept
-                    ctrl.cut(cut)
-                    out.generated += cut
-                    out.kept += cut
-                    break
-                continue
-        s.advance_to_work(next_work)
-        if observe:  # what a streaming client measures: the rate over the interval that just ended
-            ctrl.observe_rate(s.aggregate_rate(), s.n)
-        _, n = s.pop_finished()
-        out.generated += n
-        ctrl.finished(n, counted=True)
-        out.kept += n
-        if ctrl.reached(s.progress()):
-            out.generated += s.cancel_all()  # complete responses only: in-flight work is lost
-            break
+        admit(s, ctrl, lens, progress)
     out.t = s.t
     return out
 
 
-STRATEGIES = ("cap", "check_cancel", "let_finish", "ours", "ours_keep_partial")
-# `ours` blind to the server's rate (a backend that does not stream), at several admit_slack values
-SLACK_SWEEP = {"ours_slack_0": 0.0, "ours_slack_1": 1.0, "ours_slack_2": 2.0}
-MODELS = ("per_request_rate", "compute_bound")
+def stop(s: Server, ctrl: BudgetController, out: Outcome, progress: list[int]) -> None:
+    """At the budget: keep_partial keeps what has streamed, ours parks it; the abort's latency is lost."""
+    streamed = sum(progress)
+    if ctrl.keep_partial:
+        ctrl.cut(streamed)
+        out.kept += streamed
+    else:
+        out.parked += streamed
+    out.lost += s.abort_all(streamed)
 
 
-def run(strategy: str, model: str, lens: list[int], budget: int, conc: int) -> Outcome:
+def run_scenario(model: str, budget: int, noise_pct: float, seed: int, strategy: str,
+                 concurrency: int = CONCURRENCY) -> dict:
+    """Metrics of one run. The noise draws come from their own generator, so a noise level changes the
+    readings, never the lengths."""
+    s, lens = Server(model, concurrency), lengths(seed)
+    rng = random.Random(f"noise/{seed}")
+    noise = noise_pct / 100.0
     if strategy in SLACK_SWEEP:
-        return run_ours(model, lens, budget, conc, keep_partial=False, slack=SLACK_SWEEP[strategy])
-    if strategy.startswith("ours"):
-        return run_ours(model, lens, budget, conc, keep_partial=strategy == "ours_keep_partial")
-    return run_simple(strategy, model, lens, budget, conc)
+        out = run_controlled(s, lens, budget, noise, rng, keep_partial=False, slack=SLACK_SWEEP[strategy])
+    elif strategy in ("ours", "ours_keep_partial"):
+        out = run_controlled(s, lens, budget, noise, rng, keep_partial=strategy == "ours_keep_partial")
+    elif strategy in ("cap", "check_cancel", "let_finish"):
+        out = run_simple(strategy, s, lens, budget)
+    else:
+        raise ValueError(f"unknown strategy {strategy!r}")
+    return out.metrics(budget, s.full_rate())
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--budget", type=int, default=10_000_000)
-    ap.add_argument("--concurrency", type=int, default=150)
-    ap.add_argument("--seeds", type=int, default=3, help="length draws to average over")
-    ap.add_argument("--prompts", type=int, default=8000)
-    args = ap.parse_args()
-    t0 = time.perf_counter()
-    results: dict = {"models": {}}
-    for model in MODELS:
-        results["models"][model] = {}
-        for strategy in (*STRATEGIES, *SLACK_SWEEP):
-            runs = [run(strategy, model, lengths(args.prompts, seed), args.budget, args.concurrency).metrics(
-                args.budget, args.concurrency) for seed in range(args.seeds)]
-            results["models"][model][strategy] = {k: round(statistics.fmean(r[k] for r in runs), 4) for k in runs[0]}
-    results["settings"] = {"budget": args.budget, "concurrency": args.concurrency, "seeds": args.seeds,
-                           "mean_len": MEAN_LEN, "sigma": SIGMA, "max_tokens": MAX_TOKENS, "knee": KNEE,
-                           "cap_samples": CAP_SAMPLES, "check_every_s": CHECK_EVERY_S, "rate_per_request": RATE}
-    results["goals"] = goals(results["models"])
-    print_table(results)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "budget.json").write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
-    print(f"\nwrote {RESULTS / 'budget.json'} in {time.perf_counter() - t0:.1f}s")
+def averaged(model: str, budget: int, noise_pct: float, strategy: str, seeds: int) -> dict:
+    runs = [run_scenario(model, budget, noise_pct, seed, strategy) for seed in range(seeds)]
+    return {k: round(statistics.fmean(r[k] for r in runs), 4) for k in runs[0]}
 
 
-def goals(models: dict) -> dict:
+def scenario_goals(model: str, noise_pct: float, r: dict) -> dict:
+    ours, kp, cc = r["ours"], r["ours_keep_partial"], r["check_cancel"]
+    out = {
+        "ours_overshoot_le_0.5pct": ours["overshoot_pct"] <= 0.5,
+        # where both keep the batch full they tie, up to which completion happens to cross the budget
+        "ours_time_le_check_cancel_plus_0.002": ours["time_vs_ideal"] <= cc["time_vs_ideal"] + 0.002,
+        "ours_waste_le_check_cancel": ours["waste_pct"] <= cc["waste_pct"],
+        "ours_lost_le_0.5pct": ours["lost_pct"] <= 0.5,
+        "keep_partial_time_le_1.01": kp["time_vs_ideal"] <= 1.01,
+    }
+    if model == "compute_bound" and noise_pct > 0:
+        # draining is free there, so noise in the readings must not keep the batch full
+        out["ours_waste_le_half_check_cancel"] = ours["waste_pct"] <= 0.5 * cc["waste_pct"]
+    return out
+
+
+def legacy_goals(models: dict) -> dict:
     out = {}
     for model, r in models.items():
         ours, kp, cc = r["ours"], r["ours_keep_partial"], r["check_cancel"]
@@ -244,14 +364,107 @@ def goals(models: dict) -> dict:
     return out
 
 
-def print_table(results: dict) -> None:
-    for model, rows in results["models"].items():
-        print(f"\n{model}")
-        print(f"  {'strategy':<18} {'overshoot %':>12} {'waste %':>9} {'time/ideal':>11}")
-        for strategy, m in rows.items():
-            print(f"  {strategy:<18} {m['overshoot_pct']:>12.3f} {m['waste_pct']:>9.3f} {m['time_vs_ideal']:>11.4f}")
-        met = results["goals"][model]
-        print("  goals: " + ", ".join(f"{k}={'ok' if v else 'MISSED'}" for k, v in met.items()))
+def seeds_for(budget: int, seeds: int) -> int:
+    """Draws for one scenario: `seeds` at 10M tokens and proportionally more below, so every scenario averages
+    over about the same number of completions. A small budget's outcome turns on a few completions near the end
+    (which request crosses the budget first), so one draw says little and strategies compared draw by draw
+    differ by more than the goals' margins."""
+    return max(seeds, round(seeds * LEGACY_BUDGET / budget))
+
+
+def run_scenarios(models, budgets, noises, seeds: int) -> list[dict]:
+    rows = []
+    for model, budget, noise_pct in itertools.product(models, budgets, noises):
+        n = seeds_for(budget, seeds)
+        strategies = {name: averaged(model, budget, noise_pct, name, n) for name in SCENARIO_STRATEGIES}
+        rows.append({"model": model, "budget": budget, "noise_pct": noise_pct, "seeds": n, "strategies": strategies,
+                     "goals": scenario_goals(model, noise_pct, strategies)})
+    return rows
+
+
+def run_legacy(rows: list[dict], models, seeds: int) -> dict:
+    """Every strategy on the noise-free 10M case; the scenario rows already hold three of them."""
+    out = {}
+    for model in models:
+        row = next(r for r in rows if (r["model"], r["budget"], r["noise_pct"]) == (model, LEGACY_BUDGET, 0.0))
+        out[model] = {}
+        for name in (*LEGACY_STRATEGIES, *SLACK_SWEEP):
+            m = row["strategies"].get(name) or averaged(model, LEGACY_BUDGET, 0.0, name, seeds)
+            out[model][name] = {k: m[k] for k in LEGACY_KEYS}
+    return out
+
+
+def settings(args) -> dict:
+    return {"budget": LEGACY_BUDGET, "concurrency": CONCURRENCY, "seeds": args.seeds, "mean_len": MEAN_LEN,
+            "sigma": SIGMA, "max_tokens": MAX_TOKENS, "knee": KNEE, "cap_samples": CAP_SAMPLES,
+            "check_every_s": CHECK_EVERY_S, "rate_per_request": RATE, "reading_s": READING_S,
+            "abort_latency_s": ABORT_LATENCY_S, "saturation_h": SATURATION_H,
+            "scenario_models": list(args.models), "budgets": list(args.budgets), "noise_pct": list(args.noise)}
+
+
+def fmt_budget(budget: int) -> str:
+    return f"{budget / 1e6:g}M" if budget >= 1_000_000 else f"{budget / 1e3:g}k"
+
+
+def print_scenarios(rows: list[dict]) -> None:
+    cols = "  over waste  lost   time"
+    print(f"{'':<17}{'':>7}{'':>6}   {'check_cancel':<25} {'ours':<25} {'keep_partial':<25}")
+    print(f"{'model':<17}{'budget':>7}{'noise':>6}   {cols} {cols} {cols}  missed goals")
+    for r in rows:
+        cells = []
+        for name in SCENARIO_STRATEGIES:
+            m = r["strategies"][name]
+            cells.append(f"{m['overshoot_pct']:>6.2f}{m['waste_pct']:>6.2f}{m['lost_pct']:>6.2f}"
+                         f"{m['time_vs_ideal']:>7.4f}")
+        missed = ", ".join(k for k, ok in r["goals"].items() if not ok) or "-"
+        print(f"{r['model']:<17}{fmt_budget(r['budget']):>7}{r['noise_pct']:>5g}%   {' '.join(cells)}  {missed}")
+
+
+def print_legacy(models: dict, goals: dict) -> None:
+    print(f"\nnoise-free, budget {fmt_budget(LEGACY_BUDGET)}: overshoot % / waste % / time vs ideal")
+    for model, rows in models.items():
+        line = "  ".join(f"{name} {m['overshoot_pct']:.2f}/{m['waste_pct']:.2f}/{m['time_vs_ideal']:.4f}"
+                         for name, m in rows.items())
+        missed = ", ".join(k for k, ok in goals[model].items() if not ok) or "-"
+        print(f"  {model}: {line}\n    missed goals: {missed}")
+
+
+def comma_list(kind):
+    return lambda text: tuple(kind(x) for x in text.split(",") if x)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=3, help="length and noise draws to average over")
+    ap.add_argument("--budgets", type=comma_list(int), default=BUDGETS)
+    ap.add_argument("--noise", type=comma_list(float), default=NOISE_PCT, help="reading noise, in %%")
+    ap.add_argument("--models", type=comma_list(str), default=MODELS)
+    ap.add_argument("--out", type=Path, default=RESULTS / "budget.json")
+    args = ap.parse_args(argv)
+    if unknown := set(args.models) - set(MODELS):
+        ap.error(f"unknown models: {', '.join(sorted(unknown))}")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    rows = run_scenarios(args.models, args.budgets, args.noise, args.seeds)
+    results: dict = {"scenarios": rows, "settings": settings(args)}
+    met = [ok for r in rows for ok in r["goals"].values()]
+    legacy_models = [m for m in LEGACY_MODELS if m in args.models]
+    # the side-by-side needs its own case in the grid; a quick subset without it leaves it out
+    if legacy_models and LEGACY_BUDGET in args.budgets and 0.0 in args.noise:
+        results["models"] = run_legacy(rows, legacy_models, args.seeds)
+        results["goals"] = legacy_goals(results["models"])
+        met += [ok for g in results["goals"].values() for ok in g.values()]
+    results["all_goals_met"] = all(met)
+    print_scenarios(rows)
+    if "models" in results:
+        print_legacy(results["models"], results["goals"])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    print(f"\nall goals met: {results['all_goals_met']}; wrote {args.out} in {time.perf_counter() - t0:.1f}s")
 
 
 if __name__ == "__main__":

@@ -245,6 +245,13 @@ class RunConfig:
     store_path: str = ".draftdata/store.sqlite"
     log_every_s: float = 10.0
     progress: bool = True
+    # Stop the run when this many requests in a row failed with one cause (0: never): a bad request, a wrong
+    # server or a broken answer would otherwise be sent for every prompt.
+    fail_fast_after: int = 16
+
+    def check(self, key: str) -> None:
+        if not isinstance(self.fail_fast_after, int) or self.fail_fast_after < 0:
+            raise ConfigError(f"{key}.fail_fast_after", f"must be an integer >= 0, got {self.fail_fast_after!r}")
 
 
 @dataclass
@@ -280,6 +287,7 @@ def validate(cfg: Config, need_dataset: bool) -> None:
         cfg.ds.check(f"datasets.{cfg.dataset}")
     cfg.hidden_states.check("hidden_states")
     cfg.backend.check("backend")
+    cfg.run.check("run")
 
 
 def _read_params(path: Path) -> dict:
@@ -313,6 +321,52 @@ def _omegaconf_error(e: BaseException, source: str) -> ConfigError:
     return ConfigError(key, f"{msg} [from {source}]")
 
 
+def _backend_presets() -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / "backend").glob("*.yaml"))
+
+
+def _known_backend(key: str, kind: Any, source: str) -> str:
+    if kind not in _backend_presets():
+        raise ConfigError(key, f"unknown backend {kind!r}; known: {', '.join(_backend_presets())} [from {source}]")
+    return kind
+
+
+def _command_line_backend(overrides: list[str]) -> tuple[str | None, list[str]]:
+    """The backend kind the command line names, by `backend=K` or `backend.kind=K` (one meaning), and the other
+    overrides. Both forms are taken out: the caller selects the preset and sets the kind itself."""
+    named: dict[str, str] = {}  # the override as written -> its kind
+    rest = []
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if sep and key.lstrip("+") in ("backend", "backend.kind"):
+            named[override] = _known_backend(key.lstrip("+"), value, "command line")
+        else:
+            rest.append(override)
+    if len(set(named.values())) > 1:
+        raise ConfigError("backend", f"the command line names two backends ({' and '.join(named)}); give one")
+    return next(iter(named.values()), None), rest
+
+
+def _select_backend(params: dict, overrides: list[str], params_path: Path) -> list[str]:
+    """Overrides that select the conf/backend/ preset of the run's backend kind, so its defaults apply.
+
+    The kind comes from the command line (`backend=K` or `backend.kind=K`), else from params.yaml's
+    `backend.kind`. params.yaml's other `backend` keys merge on top of the preset either way, also when they were
+    written for another kind: a run with `backend=sglang` keeps params.yaml's urls, and a key that does not fit
+    the chosen kind (e.g. no urls for a server) is reported by BackendConfig.check. params.yaml's own `kind` is
+    replaced by the command line's, since it is merged after the preset and would otherwise silently win."""
+    kind, overrides = _command_line_backend(overrides)
+    backend = params.get("backend")
+    if kind is not None:
+        if isinstance(backend, dict):
+            params["backend"] = dict(backend, kind=kind)
+    elif isinstance(backend, dict) and backend.get("kind") is not None:
+        kind = _known_backend("backend.kind", backend["kind"], str(params_path))
+    else:
+        return overrides  # conf/config.yaml's default preset
+    return [f"backend={kind}", *overrides]
+
+
 def load_config(dataset: Optional[str], overrides: Optional[List[str]] = None, params_path: Optional[Path] = None,
                 need_dataset: bool = True) -> Config:
     """Compose conf/ + params.yaml + overrides into a validated `Config` object."""
@@ -324,21 +378,12 @@ def load_config(dataset: Optional[str], overrides: Optional[List[str]] = None, p
 
     params_path = params_path or Path(os.environ.get("DRAFTDATA_PARAMS", "params.yaml"))
     params = _read_params(params_path)
+    overrides = _select_backend(params, list(overrides or []), params_path)
     cs = ConfigStore.instance()
     cs.store(name="draftdata_schema", node=Config)
     cs.store(name="draftdata_params", node=params)
-    overrides = list(overrides or [])
     if dataset is not None:
         overrides.append(f"dataset={dataset}")
-    # `backend.kind` in params.yaml picks the matching preset of conf/backend/ (its defaults, under the values
-    # params.yaml sets), unless the command line names one.
-    backend = params.get("backend")
-    kind = backend.get("kind") if isinstance(backend, dict) else None
-    if kind and not any(o.startswith("backend=") for o in overrides):
-        if not (CONF_DIR / "backend" / f"{kind}.yaml").exists():
-            raise ConfigError("backend.kind", f"unknown backend {kind!r}; known: "
-                              f"{', '.join(sorted(p.stem for p in (CONF_DIR / 'backend').glob('*.yaml')))}")
-        overrides.insert(0, f"backend={kind}")
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             composed = compose("config", overrides=overrides)

@@ -16,6 +16,7 @@ from typing import Optional
 
 from stages.artifacts import atomic_path, data_dir, log, write_json
 from stages.config import Config, ConfigError, UserError, cli
+from stages.store import hash_cache_path
 from stages.target import content_hash, load_model, model_fingerprint
 
 
@@ -155,7 +156,8 @@ def main(cfg: Config) -> None:
     layers = resolve_layers(hs.layers, n_layers)
     dtype = getattr(torch, hs.dtype)
     capture = Capture(model, layers)
-    settings = {"model": model_fingerprint(cfg.model.path, cfg.model.revision), "layers": layers,
+    model_fp = model_fingerprint(cfg.model.path, cfg.model.revision, hash_cache_path(cfg.run.store_path))
+    settings = {"model": model_fp, "layers": layers,
                 "dtype": hs.dtype, "final_state": "post_norm", "hidden_size": model.config.hidden_size}
     shard_dir = out / "hidden_states"
     shard_dir.mkdir(parents=True, exist_ok=True)

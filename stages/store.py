@@ -26,7 +26,7 @@ CREATE TABLE IF NOT EXISTS responses (
     text TEXT NOT NULL,
     prompt_tokens INTEGER NOT NULL,
     completion_tokens INTEGER NOT NULL,
-    finish_reason TEXT NOT NULL,    -- stop | length | budget_cut (a partial kept at the budget)
+    finish_reason TEXT NOT NULL,    -- stop | length, or a parked partial: budget_cut | interrupted
     server TEXT NOT NULL,
     latency_s REAL NOT NULL,
     created_at REAL NOT NULL
@@ -44,7 +44,11 @@ CREATE INDEX IF NOT EXISTS failures_key ON failures(key);
 """
 
 
-CUT = "budget_cut"  # finish_reason of a partial response kept when the budget stopped it (on_budget: keep_partial)
+# Parked partial responses: what a request had produced when it was stopped, kept so that a later run continues it
+# (prompt ids + these ids) instead of starting over.
+CUT = "budget_cut"  # stopped by the budget: usable as it is under on_budget: keep_partial
+INTERRUPTED = "interrupted"  # stopped by anything else (server abort, failure, Ctrl-C): never usable as it is
+PARTIAL = (CUT, INTERRUPTED, "abort")  # "abort": aborted answers stored by earlier versions, continued like the rest
 
 
 @dataclass
@@ -62,14 +66,26 @@ class StoredResponse:
     output_ids: Optional[list[int]] = None
     created_at: float = field(default_factory=time.time)
 
+    @property
+    def partial(self) -> bool:
+        return self.finish_reason in PARTIAL
+
+    def continuable(self) -> bool:
+        """A parked partial whose token ids are all known: a continuation can start from it."""
+        return self.partial and self.output_ids is not None and len(self.output_ids) == self.completion_tokens > 0
+
 
 _COLS = [f.name for f in fields(StoredResponse)]
-# One row per key, never duplicated: a response already stored (another run got there first) is kept, except a
-# partial one cut by a budget, which a complete response replaces.
+_PARTIAL_SQL = "(" + ", ".join(f"'{r}'" for r in PARTIAL) + ")"
+# One row per key, never duplicated: a complete response already stored (another run got there first) is kept. A
+# parked partial (or an empty answer stored by an earlier version) gives way to a complete response or to a longer
+# partial (its continuation, cut again).
 _PUT = (
     f"INSERT INTO responses ({', '.join(_COLS)}) VALUES ({', '.join(':' + c for c in _COLS)}) "
     f"ON CONFLICT(key) DO UPDATE SET {', '.join(f'{c} = excluded.{c}' for c in _COLS if c != 'key')} "
-    f"WHERE responses.finish_reason = '{CUT}' AND excluded.finish_reason != '{CUT}'"
+    f"WHERE (responses.finish_reason IN {_PARTIAL_SQL} OR responses.completion_tokens = 0) "
+    f"AND (excluded.finish_reason NOT IN {_PARTIAL_SQL} "
+    f"OR excluded.completion_tokens > responses.completion_tokens)"
 )
 
 
@@ -137,6 +153,12 @@ def _ids(ids: Optional[list[int]]) -> Optional[str]:
 
 def _unids(blob: Optional[str]) -> Optional[list[int]]:
     return None if blob is None else json.loads(blob)
+
+
+def hash_cache_path(store_path: str) -> Path:
+    """Where file hashes of the model are cached between runs (stages.target.model_fingerprint): beside the store,
+    so experiments that share the store share the cache."""
+    return resolve_store_path(store_path).parent / "file_hashes.json"
 
 
 def resolve_store_path(configured: str, cwd: Optional[Path] = None) -> Path:

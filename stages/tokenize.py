@@ -251,7 +251,8 @@ def main(cfg: Config) -> None:
     tok = load_tokenizer(cfg.model)
     recs = list(read_jsonl(src))
     samples, tally = build_samples(recs, tok, cfg)
-    meta = {"schema_version": SCHEMA_VERSION, "dataset": cfg.dataset, "tokenizer": tokenizer_fingerprint(tok, cfg.model),
+    meta = {"schema_version": SCHEMA_VERSION, "dataset": cfg.dataset,
+            "tokenizer": tokenizer_fingerprint(tok, cfg.model),
             "max_seq_len": cfg.tokenize.max_seq_len, "train_on": cfg.tokenize.train_on.value,
             "loss_mask": "int8 list: 0 prompt and history, 1 tokens the target generated (end-of-turn included)"}
     write_parquet(out / "samples.parquet", samples, meta)

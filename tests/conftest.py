@@ -84,7 +84,8 @@ class Project:
 
         from stages.config import load_config
 
-        cfg = load_config(dataset, list(overrides), params_path=self.path / "params.yaml", need_dataset=dataset is not None)
+        cfg = load_config(dataset, list(overrides), params_path=self.path / "params.yaml",
+                          need_dataset=dataset is not None)
         return importlib.import_module(f"stages.{stage}").main(cfg)
 
     def data(self, dataset: str) -> Path:

@@ -5,7 +5,8 @@ What it mirrors (python/sglang/srt/entrypoints/http_server.py, python/sglang/srt
 - `GET /model_info` (newer) and `GET /get_model_info` (older): `{model_path, tokenizer_path, is_generation, ...}`;
 - `POST /generate` with `GenerateReqInput` fields (`rid`, `input_ids`, `sampling_params`, `stream`); an unknown
   sampling param is a 400 as in SGLang (`SamplingParams(**sampling_params)`), and so is an unknown top-level field
-  (SGLang would ignore it; here a misspelt field must fail the test). A duplicate running `rid` is a 400. The answer is `{text, output_ids, meta_info: {id, finish_reason: {type, ...}, prompt_tokens,
+  (SGLang would ignore it; here a misspelt field must fail the test). A duplicate running `rid` is a 400.
+  The answer is `{text, output_ids, meta_info: {id, finish_reason: {type, ...}, prompt_tokens,
   completion_tokens, cached_tokens}}`; a stream is `data: {json}` lines, one per token, ending with `data: [DONE]`.
   `output_ids`/`text` are cumulative, or only the new ones with `incremental=True` (the server's
   `--incremental-streaming-output`);
@@ -13,14 +14,18 @@ What it mirrors (python/sglang/srt/entrypoints/http_server.py, python/sglang/srt
   "abort"` (a stream sends that as its last chunk, then [DONE]);
 - the OpenAI-compatible `GET /v1/models` and `POST /v1/completions` (see `_completions`).
 
-Tokens are deterministic (`fake_output_ids`) and come `token_delay_s` apart, slowly enough to abort. `faults`
-injects failures into the next generation calls. Everything the server saw is recorded for the tests to check.
+Tokens are deterministic (`fake_output_ids`, a function of the input ids: a continuation sent as prompt + partial
+ids gets its own) and come `token_delay_s` apart, slowly enough to abort. With `knee` set the server is
+compute-bound: each request's token delay grows with the number running above the knee (aggregate throughput flat),
+and `noise` makes every delay vary by that relative standard deviation, as real throughput does. `faults` injects
+failures into the next generation calls. Everything the server saw is recorded for the tests to check.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -63,9 +68,10 @@ class Faults:
     hang_times: int = 0  # never answer
     malformed_times: int = 0  # 200 with a body that is not JSON
     stream_error_times: int = 0  # a stream that reports {"error": ...} (as SGLang does for a ValueError)
+    empty_times: int = 0  # a 200 answer that finished ("stop") without a single token
 
     def take(self) -> Optional[str]:
-        for name in ("status", "reset", "hang", "malformed", "stream_error"):
+        for name in ("status", "reset", "hang", "malformed", "stream_error", "empty"):
             if getattr(self, f"{name}_times") > 0:
                 setattr(self, f"{name}_times", getattr(self, f"{name}_times") - 1)
                 return name
@@ -78,6 +84,8 @@ class FakeSGLang:
     token_delay_s: float = 0.002
     stop_after: Optional[int] = None  # emit EOS after this many tokens (finish "stop"); None: run to max_new_tokens
     incremental: bool = False  # like --incremental-streaming-output
+    knee: Optional[int] = None  # compute-bound: the token delay scales with running / knee above the knee
+    noise: float = 0.0  # relative standard deviation of every token delay
     stream_interval: int = 1  # like --stream-interval: a stream chunk every this many tokens (and at the end)
     starting_s: float = 0.0  # /health answers 503 for this long after start
     has_model_info: bool = True  # False: an older server with /get_model_info only
@@ -94,6 +102,7 @@ class FakeSGLang:
     def __post_init__(self):
         self._running: dict[str, asyncio.Event] = {}  # rid -> set by /abort_request
         self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._rng = random.Random(0)
 
     # ---- lifecycle: a thread with its own event loop ---------------------------------------------------------- #
 
@@ -171,6 +180,9 @@ class FakeSGLang:
         fault = self.faults.take()
         if fault in ("status", "reset", "hang", "malformed"):
             return await self._fail(request, fault)
+        if fault == "empty":
+            return web.json_response({"text": "", "output_ids": [], "meta_info": self._meta(
+                body.get("rid") or "empty", body, 0, "stop")})
         rid = body.get("rid") or f"fake-{len(self.generate_calls)}"
         if rid in self._running:
             return _error(400, f"Duplicate request ID {rid}")
@@ -269,12 +281,20 @@ class FakeSGLang:
         return fake_output_ids(body["input_ids"], max_new), "length"
 
     async def _tokens(self, rid: str, planned: list[int]):
-        """Yield the tokens one by one, `token_delay_s` apart, until done or aborted."""
+        """Yield the tokens one by one, a token delay apart, until done or aborted."""
         for token in planned:
-            await asyncio.sleep(self.token_delay_s)
+            await asyncio.sleep(self._delay())
             if self._running[rid].is_set():
                 return
             yield token
+
+    def _delay(self) -> float:
+        delay = self.token_delay_s
+        if self.knee is not None:
+            delay *= max(1.0, len(self._running) / self.knee)
+        if self.noise:
+            delay *= max(0.0, 1.0 + self._rng.gauss(0.0, self.noise))
+        return delay
 
     def _meta(self, rid: str, body: dict, n: int, finish: Optional[str]) -> dict:
         reason = None

@@ -20,7 +20,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from stages.backends import GenRequest, make_backend
+from stages.backends import GenRequest, Partial, make_backend
 from stages.config import BackendConfig, BackendKind, Config, DatasetConfig, ModelConfig, TinyModelConfig, UserError
 from stages.target import load_tokenizer, render_prompt_ids
 from conftest import free_port, transformers_serve
@@ -33,7 +33,7 @@ SAMPLING = {"temperature": 0.7, "top_p": 1.0, "top_k": -1}
 MESSAGES = [{"role": "user", "content": "Write a function that adds two numbers."}]
 
 
-# ---- helpers ------------------------------------------------------------------------------------------------------ #
+# ---- helpers ------------------------------------------------------------------------------------------------------- #
 
 
 def run(coro, timeout: float = 30.0):
@@ -114,7 +114,9 @@ def endless_model(tiny_model, tmp_path_factory) -> Path:
 def test_sglang_sends_native_fields_and_round_trips_ids(fake):
     srv = fake(stop_after=5)
     stop, length = run(_two(sglang(srv.url)))
-    assert srv.generate_calls[0] == {"rid": "r1", "input_ids": IDS, "stream": False, "sampling_params": {
+    first = srv.generate_calls[0]
+    assert first.pop("rid").startswith("r1-")  # the logical id plus a per-attempt suffix
+    assert first == {"input_ids": IDS, "stream": False, "sampling_params": {
         "max_new_tokens": 16, "temperature": 0.7, "top_p": 1.0, "top_k": -1}}
     assert stop.ok and stop.finish_reason == "stop" and stop.server == srv.url
     assert stop.output_ids == fake_output_ids(IDS, 5) + [EOS_ID] and stop.text == fake_text(fake_output_ids(IDS, 5))
@@ -160,6 +162,8 @@ def test_stream_lines_longer_than_aiohttp_readline_accepts(fake):
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "plain"])
 def test_cancel_aborts_on_the_server_and_keeps_the_partial(fake, stream):
+    """A cancelled request is aborted on the server, whose answer (the abort's last chunk, or the plain answer)
+    brings every token it produced into the partial: nothing generated is lost, streamed or not."""
     srv = fake(token_delay_s=0.01)
 
     async def go():
@@ -171,36 +175,105 @@ def test_cancel_aborts_on_the_server_and_keeps_the_partial(fake, stream):
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            assert srv.aborts == ["r1"]  # told before generate() re-raised
-            await until(lambda: "r1" in srv.disconnects)  # and the connection was dropped
+            rid = srv.generate_calls[0]["rid"]
+            assert srv.aborts == [rid]  # told before generate() re-raised, once
+            assert srv.finished[rid] == "abort"  # and the server ended it
             return req
 
     req = run(go())
     n = len(req.partial.output_ids)
-    if stream:
-        assert 5 <= n < 1000 and req.partial.output_ids == fake_output_ids(IDS, n)
-        assert req.partial.text == fake_text(req.partial.output_ids)
+    assert 5 <= n < 1000 and req.partial.output_ids == fake_output_ids(IDS, n) and req.partial.completion_tokens == n
+    assert req.partial.text == fake_text(req.partial.output_ids)
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "plain"])
-def test_abort_by_the_server_finishes_with_abort(fake, stream):
+def test_response_finished_during_the_cancel_is_returned(fake, stream):
+    """The server finished while the cancel was on its way (the answer sits unread in the socket): the task ends
+    with the complete response instead of a cancellation, so the caller commits it."""
+    srv = fake(token_delay_s=0.001)
+
+    async def go():
+        async with started(sglang(srv.url)) as backend:
+            req = request(max_tokens=40, stream=stream)
+            task = asyncio.create_task(backend.generate(req))
+            await until(lambda: len(srv.generate_calls) == 1)
+            deadline = time.monotonic() + 5
+            while not srv.finished and time.monotonic() < deadline:
+                time.sleep(0.01)  # blocks this event loop: the answer arrives but is not read
+            task.cancel()
+            return await task
+
+    res = run(go())
+    assert res.ok and res.finish_reason == "length" and res.output_ids == fake_output_ids(IDS, 40)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "plain"])
+def test_abort_by_the_server_is_retried_from_its_partial(fake, stream):
+    """An operator's abort (or a server restart's abort_all) is never a response: the next attempt continues from
+    the tokens the aborted one produced, so the answer is as long as one that was never interrupted."""
     srv = fake(token_delay_s=0.01)
 
     async def go():
         async with started(sglang(srv.url)) as backend:
-            req = request(max_tokens=1000, stream=stream)
+            req = request(max_tokens=60, stream=stream)
             task = asyncio.create_task(backend.generate(req))
-            await until(lambda: req.partial.completion_tokens >= 3 if stream else len(srv.generate_calls) == 1)
-            await asyncio.sleep(0 if stream else 0.05)
-            async with aiohttp.ClientSession() as s:  # someone else (an operator) aborts it
-                async with s.post(srv.url + "/abort_request", json={"rid": "r1"}) as resp:
+            await until(lambda: len(srv.generate_calls) == 1)
+            await asyncio.sleep(0.1)
+            async with aiohttp.ClientSession() as s:  # someone else aborts everything
+                async with s.post(srv.url + "/abort_request", json={"abort_all": True}) as resp:
                     assert resp.status == 200
-            return await task
+            return req, await task
 
-    res = run(go())
-    n = len(res.output_ids)
-    assert res.ok and res.finish_reason == "abort" and 0 < n < 1000 and res.output_ids == fake_output_ids(IDS, n)
-    assert srv.finished["r1"] == "abort"
+    req, res = run(go())
+    first, second = srv.generate_calls
+    assert srv.finished[first["rid"]] == "abort" and req.attempt_errors == ["aborted"]
+    n = len(second["input_ids"]) - len(IDS)  # what the aborted attempt had produced
+    assert 0 < n < 60 and second["input_ids"] == IDS + fake_output_ids(IDS, n)
+    assert second["sampling_params"]["max_new_tokens"] == 60 - n
+    assert res.ok and res.finish_reason == "length" and res.continued_from == n and res.completion_tokens == 60
+    assert res.output_ids == fake_output_ids(IDS, n) + fake_output_ids(IDS + fake_output_ids(IDS, n), 60 - n)
+    assert res.prompt_tokens == len(IDS)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "plain"])
+def test_a_parked_partial_is_continued(fake, stream):
+    """A request that starts with a partial answer (parked by an earlier run) sends prompt + partial ids with the
+    rest of max_tokens, and returns the whole response."""
+    srv = fake()
+    parked = fake_output_ids([9, 9], 7)
+    req = request(max_tokens=20, stream=stream)
+    req.partial = Partial(list(parked), "parked text", len(parked))
+    res = run(generate(sglang(srv.url), req))
+    body = srv.generate_calls[0]
+    assert body["input_ids"] == IDS + parked and body["sampling_params"]["max_new_tokens"] == 13
+    assert res.ok and res.completion_tokens == 20 and res.continued_from == 7
+    assert res.output_ids == parked + fake_output_ids(IDS + parked, 13)
+    assert res.text.startswith("parked text") and res.prompt_tokens == len(IDS)
+
+
+def test_seed_goes_with_every_attempt(fake):
+    """The sampling seed is derived from the request and where an attempt resumes: SGLang's sampling_seed."""
+    srv = fake()
+    srv.faults = Faults(status=503, status_times=1)
+    req = request()
+    req.seed = 1234
+    assert run(generate(sglang(srv.url), req)).ok
+    assert [c["sampling_params"]["sampling_seed"] for c in srv.generate_calls] == [1234, 1234]
+    req = request(max_tokens=10)
+    req.seed, req.partial = 1234, Partial([5, 6, 7], "", 3)
+    assert run(generate(sglang(srv.url), req)).ok
+    assert srv.generate_calls[-1]["sampling_params"]["sampling_seed"] == 1237
+
+
+def test_an_answer_without_tokens_is_retried(fake):
+    srv = fake()
+    srv.faults = Faults(empty_times=1)
+    req = request()
+    res = run(generate(sglang(srv.url), req))
+    assert res.ok and res.completion_tokens == 16 and req.attempt_errors == ["empty"]
+    srv.faults = Faults(empty_times=100)
+    res = run(generate(sglang(srv.url, max_retries=1), request()))
+    assert res.error == "retries_exhausted" and res.detail.startswith("empty")
 
 
 # ---- sglang: faults and retries ------------------------------------------------------------------------------------ #
@@ -264,7 +337,7 @@ def test_retry_after_is_honoured(fake):
     assert srv.generate_times[1] - srv.generate_times[0] >= 1.0
 
 
-# ---- sglang: several servers ----------------------------------------------------------------------------------------- #
+# ---- sglang: several servers --------------------------------------------------------------------------------------- #
 
 
 def test_dead_server_is_taken_out_and_probed_back(fake):
@@ -306,7 +379,7 @@ def test_request_in_flight_on_a_dead_server_is_retried_elsewhere(fake):
     results, elapsed = run(go())
     assert all(r.ok and r.server == a.url for r in results), [(r.rid, r.server, r.detail) for r in results]
     assert elapsed < 5  # "hung" moved when b was marked dead, long before its 30 s timeout
-    assert [c["rid"] for c in b.generate_calls] == ["hung", "reset"]
+    assert [c["rid"].rsplit("-", 1)[0] for c in b.generate_calls] == ["hung", "reset"]
 
 
 # ---- sglang: start-up checks --------------------------------------------------------------------------------------- #
@@ -358,7 +431,7 @@ def test_unhealthy_server_at_start_joins_later(fake):
     run(go())
 
 
-# ---- openai: token ids, against the fake's OpenAI-compatible API ----------------------------------------------------- #
+# ---- openai: token ids, against the fake's OpenAI-compatible API --------------------------------------------------- #
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
@@ -401,7 +474,7 @@ def test_openai_retries_and_cancel_closes_the_connection(fake):
     assert 5 <= n < 1000 and req.partial.output_ids == fake_output_ids(IDS, n)
 
 
-# ---- embedded: streaming -------------------------------------------------------------------------------------------- #
+# ---- embedded: streaming ------------------------------------------------------------------------------------------- #
 
 
 def test_embedded_streams_the_partial_and_keeps_it_on_cancel(endless_model):
@@ -429,7 +502,7 @@ def test_embedded_streams_the_partial_and_keeps_it_on_cancel(endless_model):
     assert cut.partial.text == tok.decode(cut.partial.output_ids, skip_special_tokens=True)
 
 
-# ---- openai: a real `transformers serve` ---------------------------------------------------------------------------- #
+# ---- openai: a real `transformers serve` --------------------------------------------------------------------------- #
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,7 @@ from conftest import ROOT
         ("dataset=B9", "dataset", "unknown dataset"),
         ("tokenize.on_too_long=wrap", "tokenize.on_too_long", "drop, truncate"),
         ("hidden_states.dtype=int4", "hidden_states.dtype", "bfloat16"),
+        ("run.fail_fast_after=-1", "run.fail_fast_after", ">= 0"),
     ],
 )
 def test_bad_override_names_the_key(project, override, key, words):
@@ -69,7 +70,8 @@ def test_values_compose_in_order(project):
     cfg = load_config("B3", params_path=project.path / "params.yaml")
     assert cfg.ds.token_budget == 400 and cfg.ds.budget_unit.value == "completion"
     assert cfg.backend.kind.value == "embedded" and cfg.tokenize.max_seq_len == 1024
-    cfg = load_config("B3", ["datasets.B3.token_budget=123", "backend=sglang"], params_path=project.path / "params.yaml")
+    cfg = load_config("B3", ["datasets.B3.token_budget=123", "backend=sglang"],
+                      params_path=project.path / "params.yaml")
     assert cfg.ds.token_budget == 123 and cfg.backend.kind.value == "sglang" and cfg.backend.urls
 
 
@@ -116,3 +118,63 @@ def test_missing_model_names_the_key(monkeypatch):
     for load in (load_model, load_tokenizer):
         with pytest.raises(ConfigError, match=r"^model\.path: cannot load"):
             load(ModelConfig(path="no/such-model-dir"))
+
+
+@pytest.mark.parametrize("override", ["backend=sglang", "backend.kind=sglang"])
+def test_backend_on_command_line_selects_its_preset(project, override):
+    """The command line's kind wins over params.yaml's, brings its preset's defaults, and params.yaml's other
+    backend keys still apply on top."""
+    project.params["backend"] = {"kind": "embedded", "urls": ["http://10.0.0.1:30000"]}
+    project.save()
+    cfg = load_config("B3", [override], params_path=project.path / "params.yaml")
+    assert cfg.backend.kind.value == "sglang"
+    assert cfg.backend.request_timeout_s == 1800  # conf/backend/sglang.yaml; the schema says 600
+    assert cfg.backend.urls == ["http://10.0.0.1:30000"]
+
+
+def test_both_command_line_forms_compose_the_same(project):
+    project.params["backend"] = {"kind": "sglang", "urls": ["http://10.0.0.1:30000"], "max_retries": 2}
+    project.save()
+    params = project.path / "params.yaml"
+    by_group = load_config("B3", ["backend=openai"], params_path=params)
+    by_key = load_config("B3", ["backend.kind=openai"], params_path=params)
+    assert by_group.backend == by_key.backend
+    assert by_group.backend.kind.value == "openai" and by_group.backend.api_key_env == "OPENAI_API_KEY"
+    assert by_group.backend.max_retries == 2 and by_group.backend.urls == ["http://10.0.0.1:30000"]
+    # one kind named twice is not a conflict
+    assert load_config("B3", ["backend=openai", "backend.kind=openai"], params_path=params).backend == by_key.backend
+
+
+def test_params_backend_keys_are_checked_for_the_chosen_kind(project):
+    project.params["backend"] = {"kind": "embedded", "urls": []}
+    project.save()
+    with pytest.raises(ConfigError, match=r"^backend\.urls: backend\.kind=sglang needs at least one server URL"):
+        load_config("B3", ["backend=sglang"], params_path=project.path / "params.yaml")
+
+
+@pytest.mark.parametrize("override, key", [("backend=foo", "backend"), ("backend.kind=foo", "backend.kind")])
+def test_unknown_backend_on_command_line_is_refused(project, override, key):
+    with pytest.raises(ConfigError) as exc:
+        load_config("B3", [override], params_path=project.path / "params.yaml")
+    msg = str(exc.value)
+    assert msg.startswith(f"{key}: unknown backend 'foo'; known: embedded, openai, sglang"), msg
+    assert "\n" not in msg
+
+
+def test_two_backends_on_command_line_are_refused(project):
+    with pytest.raises(ConfigError) as exc:
+        load_config("B3", ["backend=sglang", "backend.kind=openai"], params_path=project.path / "params.yaml")
+    msg = str(exc.value)
+    assert msg.startswith("backend: the command line names two backends"), msg
+    assert "backend=sglang" in msg and "backend.kind=openai" in msg and "\n" not in msg
+
+
+def test_cli_refuses_unknown_backend_before_any_work(project):
+    proc = subprocess.run(
+        [sys.executable, "-m", "stages.prompts", "dataset=B3", "backend=foo"],
+        cwd=project.path, capture_output=True, text=True, env={"PYTHONPATH": str(ROOT), "PATH": ""},
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: backend: unknown backend 'foo'; known: embedded, openai, sglang [from command line]"]
+    assert not (project.path / "data").exists()

@@ -27,33 +27,47 @@ def store_keys(project) -> list[str]:
         return [k for (k,) in db.execute("SELECT key FROM responses")]
 
 
-def test_keep_partial_keeps_every_token_and_cancel_regenerates_cuts(project):
+def stored_rows(project) -> dict[str, tuple[str, list[int]]]:
+    with sqlite3.connect(project.path / "store.sqlite") as db:
+        return {k: (f, json.loads(ids) if ids else None)
+                for k, f, ids in db.execute("SELECT key, finish_reason, output_ids FROM responses")}
+
+
+def test_keep_partial_keeps_every_token_and_cancel_continues_cuts(project):
     project.set("datasets.B3.on_budget", "keep_partial")
     project.run("prompts", "B3")
     project.run("generate", "B3")
     m = metrics(project)
     rows = list(read_jsonl(project.data("B3") / "responses.jsonl"))
-    assert m["budget_met"] and m["wasted_tokens"] == 0
+    assert m["budget_met"] and m["lost_tokens"] == 0 and m["parked_tokens"] > 0
     assert m["cut_by_budget"] == sum(r["finish_reason"] == "budget_cut" for r in rows) > 0
-    # what streamed past the budget in one check interval is all the overshoot there is
-    assert m["overshoot_tokens"] <= 8 * 48
+    # what streamed past the budget in one check interval is all the overshoot (and all that is not in the output)
+    assert m["overshoot_tokens"] <= 8 * 48 and m["wasted_tokens"] <= 8 * 48
     for r in rows:  # a cut response is what the model produced, token for token
         assert len(r["output_ids"]) == r["completion_tokens"] > 0
+    cut = {k: ids for k, (f, ids) in stored_rows(project).items() if f == "budget_cut"}
 
-    # Back to complete responses only: cut responses are regenerated and replace the cut ones in the store.
+    # Back to complete responses only: the cut responses are continued from their tokens, not started over.
     project.set("datasets.B3.on_budget", "cancel")
     project.run("generate", "B3")
+    m = metrics(project)
     rows = list(read_jsonl(project.data("B3") / "responses.jsonl"))
-    assert all(r["finish_reason"] != "budget_cut" for r in rows)
+    assert all(r["finish_reason"] in ("stop", "length") for r in rows)
+    after = stored_rows(project)
+    continued = {k: ids for k, ids in cut.items() if after[k][0] in ("stop", "length")}
+    assert continued and m["continued"] >= len(continued)
+    for k, ids in continued.items():  # the whole response starts with the parked tokens
+        assert after[k][1][: len(ids)] == ids and len(after[k][1]) > len(ids)
+    assert m["continued_tokens"] >= sum(len(ids) for ids in continued.values())
     keys = store_keys(project)
     assert len(keys) == len(set(keys))
 
 
 def usable_rows(project, keys: list[str]) -> int:
     with sqlite3.connect(project.path / "store.sqlite") as db:
-        rows = db.execute(f"SELECT text, completion_tokens FROM responses WHERE key IN ({','.join('?' * len(keys))})",
-                          keys).fetchall()
-    return sum(1 for text, n in rows if n > 0 and text.strip())
+        rows = db.execute(f"SELECT text, completion_tokens, finish_reason FROM responses WHERE key IN "
+                          f"({','.join('?' * len(keys))})", keys).fetchall()
+    return sum(1 for text, n, finish in rows if n > 0 and text.strip() and finish in ("stop", "length"))
 
 
 def start_generate(project, *overrides: str) -> subprocess.Popen:
@@ -93,14 +107,24 @@ def test_killed_run_loses_nothing_committed_and_resumes(backend_project, how):
         assert proc.returncode == -signal.SIGKILL
     before = store_keys(project)
     assert len(before) >= 15 and not (project.data("B3") / "responses.jsonl").exists()
+    parked = {k: v for k, v in stored_rows(project).items() if v[0] not in ("stop", "length")}
+    continuable = project.params.get("backend", {}).get("kind", "embedded") == "embedded"
+    if how == "sigint":  # Ctrl-C parks what was in flight, where the backend streams its token ids to go on from
+        assert all(f == "interrupted" for f, _ in parked.values()) and bool(parked) == continuable
+    reusable = usable_rows(project, before)
 
     project.run("generate", "B3")
     m = metrics(project)
     after = store_keys(project)
     assert set(before) <= set(after) and len(after) == len(set(after))  # nothing lost, nothing twice
-    assert m["reused_from_store"] == usable_rows(project, before)  # empty ones are stored but not reused
-    assert m["newly_generated"] == len(after) - len(before)
+    assert m["reused_from_store"] == reusable  # empty or parked ones are not reused as they are
+    rows_after = stored_rows(project)
+    redone = sum(rows_after[k] != v for k, v in parked.items())  # parked rows completed (or extended) by this run
+    assert m["newly_generated"] == len(after) - len(before) + redone
     assert m["budget_met"]
+    # a text-only server's partials cannot be continued: cancelled at the budget, they are lost (and counted), never
+    # parked; with token ids every cancelled partial is parked and nothing is lost
+    assert m["lost_tokens"] == 0 if continuable else m["parked_tokens"] == 0
     rows = list(read_jsonl(project.data("B3") / "responses.jsonl"))
     assert len({r["id"] for r in rows}) == len(rows)
 

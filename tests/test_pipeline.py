@@ -82,7 +82,8 @@ def test_tokenize_is_token_exact_and_hidden_states_pack(project):
     for shard in index["shards"]:
         with safe_open(str(project.data("B3") / "hidden_states" / shard["file"]), framework="pt") as f:
             offsets = f.get_tensor("offsets")
-            aux, final, ids = f.get_tensor("aux_hidden_states"), f.get_tensor("hidden_states"), f.get_tensor("input_ids")
+            aux, final = f.get_tensor("aux_hidden_states"), f.get_tensor("hidden_states")
+            ids = f.get_tensor("input_ids")
             assert aux.shape == (ids.shape[0], 3 * 64) and final.shape == (ids.shape[0], 64)
             assert int(offsets[-1]) == ids.shape[0] == shard["n_tokens"]
         ids_in_shards += shard["sample_ids"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import sqlite3
 
 from stages.budget import BudgetController, LengthModel
@@ -63,20 +64,56 @@ def test_blind_controller_admits_expected_fit_plus_slack():
     assert len(fill(c, [])) == 50  # capped by concurrency, well inside one batch of slack
 
 
-def test_controller_refills_below_the_knee_it_observed():
-    c = BudgetController(budget=1_000, max_tokens=200, concurrency=20, observes_rate=True)
-    progress = fill(c, [])
-    assert len(progress) == 10  # expected fit: 10 × 100 = the budget
-    c.observe_rate(2000.0, 20)  # a full batch: 2,000 tok/s
-    progress.pop()
-    c.finished(100, counted=True)  # one completes: 100 + 9 × 100 expected + 100 more > 1,000
-    assert not c.can_admit(progress)  # draining, and no loss seen yet: hold
-    c.observe_rate(1999.0, 9)  # compute-bound: 9 running keep the throughput
-    assert not c.can_admit(progress)
-    c.observe_rate(900.0, 9)  # fixed-rate server: 9 running lose throughput, so refill at 9 and below
-    assert c.can_admit(progress)
-    c.observe_rate(800.0, 3)  # a lower observation does not lower the knee
-    assert c.can_admit(progress)
+def full_batch(c: BudgetController, rng: random.Random, readings: int = 40, rate: float = 7500.0) -> None:
+    for _ in range(readings):
+        c.observe_rate(rate * (1 + rng.gauss(0, 0.02)), 150)
+
+
+def test_throughput_model_tells_a_fixed_rate_server_within_seconds_of_the_drain():
+    rng = random.Random(1)
+    c = BudgetController(budget=10**6, max_tokens=10_240, concurrency=150, observes_rate=True)
+    full_batch(c, rng)
+    assert c.throughput.floor() == 0  # nothing learned yet: draining allowed
+    seen = 0
+    for n in range(149, 100, -2):  # each request decodes at 50 tok/s: the aggregate falls with every idle slot
+        c.observe_rate(50.0 * n * (1 + rng.gauss(0, 0.02)), n)
+        seen += 1
+        if c.throughput.floor():
+            break
+    assert c.throughput.floor() == 150 and seen <= 8  # refill to a full batch after a few readings
+
+
+def test_throughput_model_is_not_fooled_by_noise_on_a_compute_bound_server():
+    """The field's failure: with 2 % noise the old rule took the maximum reading as "full" and any reading below it
+    as a loss, so it never drained. Here a drain that keeps the throughput stays free, an outlier moves nothing,
+    and the knee is found where the throughput really falls."""
+    rng = random.Random(2)
+    c = BudgetController(budget=10**6, max_tokens=10_240, concurrency=150, observes_rate=True)
+    full_batch(c, rng)
+    c.observe_rate(7500 * 0.92, 149)  # one reading 8 % low: an outlier, not a loss
+    for n in range(148, 16, -1):
+        c.observe_rate(7500 * (1 + rng.gauss(0, 0.02)), n)
+        assert c.throughput.floor() == 0, n
+    for n in (15, 14, 13, 12, 11):  # below the knee of 16 the aggregate falls
+        c.observe_rate(7500 * n / 16 * (1 + rng.gauss(0, 0.02)), n)
+    assert 16 <= c.throughput.floor() <= 24
+
+
+def test_controller_refills_to_the_floor_except_near_the_end():
+    c = BudgetController(budget=1_000_000, max_tokens=10_240, concurrency=150, observes_rate=True)
+    for n in range(200, 8200, 200):
+        c.finished(n, counted=False)  # the length statistics only
+    c.committed = 600_000  # the batch in flight is expected to bring the rest: draining
+    progress = [1000] * 150
+    assert c.admit_count(progress) == 0  # full
+    full_batch(c, random.Random(3))
+    for n in range(149, 130, -2):
+        c.observe_rate(50.0 * n, n)
+    assert c.throughput.floor() == 150
+    progress = [1000] * 140
+    assert c.admit_count(progress) == 10  # a server that loses throughput: keep it full
+    c.committed = 990_000  # 10k tokens to go: a new request would decode ~70 tokens before the end
+    assert c.admit_count(progress) == 0  # it could not finish: it would only be cancelled
 
 
 def test_controller_stops_when_met_and_counts_only_kept_tokens():
@@ -94,3 +131,33 @@ def test_keep_partial_keeps_the_server_full_until_tokens_in_flight_reach_the_bud
     assert c.reached([100] * 8 + [200]) and not c.can_admit([100] * 8 + [200])
     c.cut(400)
     assert c.committed == 400 and c.reached([600])
+
+
+def test_store_parked_partials_give_way_to_longer_or_complete_answers(tmp_path):
+    store = ResponseStore(tmp_path / "s.sqlite")
+
+    def put(key: str, n: int, finish: str) -> None:
+        r = resp(key, n)
+        r.finish_reason = finish
+        store.put(r)
+
+    def got(key: str) -> tuple[str, int]:
+        r = store.get_many([key])[key]
+        return r.finish_reason, r.completion_tokens
+
+    put("a", 5, "budget_cut")
+    put("a", 3, "interrupted")  # shorter: the parked 5 tokens stay
+    assert got("a") == ("budget_cut", 5)
+    put("a", 8, "interrupted")  # its continuation, cut again
+    assert got("a") == ("interrupted", 8)
+    put("a", 12, "length")  # complete
+    assert got("a") == ("length", 12)
+    put("a", 20, "budget_cut")  # a partial never replaces a complete response
+    assert got("a") == ("length", 12)
+    put("b", 0, "stop")  # an empty answer stored by an earlier version ...
+    put("b", 6, "stop")  # ... gives way to a real one
+    assert got("b") == ("stop", 6)
+    put("c", 4, "abort")  # an aborted answer stored by an earlier version is a partial to continue
+    assert store.get_many(["c"])["c"].continuable()
+    put("c", 9, "stop")
+    assert got("c") == ("stop", 9) and store.count() == 3

@@ -36,7 +36,8 @@ def build(out: Path, mean_response_tokens: int) -> Path:
 
     tok = build_tokenizer(iter_demo_texts(DEMO), 2048)
     cfg = TinyModelConfig(hidden_size=128, num_heads=2, mean_response_tokens=mean_response_tokens)
-    model = build_model(cfg, len(tok), tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>"))
+    eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
+    model = build_model(cfg, len(tok), eos, pad)
     tok.save_pretrained(out)
     model.save_pretrained(out)
     return out

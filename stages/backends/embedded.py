@@ -4,25 +4,33 @@ Token ids in and out, no server, no GPU needed: it serves the demo and small mod
 the manager's background thread; results come back on the event loop through `register_result_handler`;
 cancelling the awaiting task calls `cancel_request`, which frees the request's KV cache. With `req.stream` the
 request is added with `streaming=True`: every step's output reaches the handler, which keeps `req.partial` current.
+
+A partial answer (parked by an earlier run) is continued: prompt + its ids in, the remaining max_tokens. Sampling is
+seeded per request (`SeededSampling`), so what a request draws does not depend on which others share its batch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
-from stages.backends import GenRequest, GenResult, Partial
+from stages.artifacts import log
+from stages.backends import GenRequest, GenResult
 from stages.config import Config
 from stages.target import load_model
 
 
 class EmbeddedBackend:
     name = "embedded"
+    takes_token_ids = True
 
     def __init__(self, cfg: Config, tokenizer):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.manager = None
+        self.seeded = False
+        self._attempts = itertools.count()
 
     async def start(self) -> None:
         from transformers import GenerationConfig
@@ -41,14 +49,20 @@ class EmbeddedBackend:
             num_blocks=self.cfg.backend.num_blocks, max_batch_tokens=self.cfg.backend.max_batch_tokens, page_size=32,
         )
         self.manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+        if gen.do_sample:
+            self.seeded = install_seeded_sampling(self.manager)
         self.manager.start()
 
     async def generate(self, req: GenRequest) -> GenResult:
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
         t0 = time.perf_counter()
-
-        follow = _PartialFollower(req.partial, self.tokenizer) if req.stream else None
+        base = req.partial.completion_tokens if req.partial.continuable() else 0
+        if not base:
+            req.partial.clear()
+        if base >= req.max_tokens:  # parked at max_tokens: nothing left to generate
+            return self._result(req, base, [], "length", t0)
+        follow = _PartialFollower(req.partial, self.tokenizer, base) if req.stream else None
 
         def on_result(out) -> None:
             if follow is not None:
@@ -56,24 +70,31 @@ class EmbeddedBackend:
             if out.is_finished() and not done.done():
                 done.set_result(out)
 
-        self.manager.register_result_handler(req.rid, on_result)
-        self.manager.add_request(req.prompt_ids, request_id=req.rid, max_new_tokens=req.max_tokens,
-                                 streaming=req.stream)
+        rid = f"{req.rid}-{next(self._attempts)}"  # unique per attempt: the manager keys its state by it
+        kwargs = {"seed": req.attempt_seed(base)} if self.seeded and req.seed is not None else {}
+        self.manager.register_result_handler(rid, on_result)
+        self.manager.add_request(list(req.prompt_ids) + req.partial.output_ids[:base], request_id=rid,
+                                 max_new_tokens=req.max_tokens - base, streaming=req.stream, **kwargs)
         try:
-            out = await done
+            out = await asyncio.shield(done)  # shielded: a cancel must not cancel `done` before it is looked at
         except asyncio.CancelledError:
-            self.manager.cancel_request(req.rid)
-            raise
-        latency = time.perf_counter() - t0
+            if not done.done():
+                self.manager.cancel_request(rid)
+                raise
+            out = done.result()  # it finished while the cancel was on its way: a response, keep it
         if out.error is not None:
-            return GenResult(req.rid, error="engine_error", detail=str(out.error), server=self.name, latency_s=latency)
+            return GenResult(req.rid, error="engine_error", detail=str(out.error), server=self.name,
+                             latency_s=time.perf_counter() - t0)
         ids = list(out.generated_tokens)
-        eos = self.tokenizer.eos_token_id
-        finish = "stop" if ids and ids[-1] == eos else "length"
+        finish = "stop" if ids and ids[-1] == self.tokenizer.eos_token_id else "length"
+        return self._result(req, base, ids, finish, t0)
+
+    def _result(self, req: GenRequest, base: int, new_ids: list[int], finish: str, t0: float) -> GenResult:
+        ids = req.partial.output_ids[:base] + new_ids
         return GenResult(
             req.rid, output_ids=ids, text=self.tokenizer.decode(ids, skip_special_tokens=True),
             prompt_tokens=len(req.prompt_ids), completion_tokens=len(ids), finish_reason=finish,
-            server=self.name, latency_s=latency,
+            server=self.name, latency_s=time.perf_counter() - t0, continued_from=base,
         )
 
     async def close(self) -> None:
@@ -83,21 +104,76 @@ class EmbeddedBackend:
 
 
 class _PartialFollower:
-    """Keeps a `Partial` current from streamed outputs, whose `generated_tokens` hold every token so far: only the
-    new ones are decoded, by a `DecodeStream` (O(1) per token, where re-decoding everything would be O(n²))."""
+    """Keeps a `Partial` current from streamed outputs, whose `generated_tokens` hold every token of this attempt so
+    far: only the new ones are decoded, by a `DecodeStream` (O(1) per token, where re-decoding everything would be
+    O(n²)). The partial starts with the `base` tokens the attempt continues from."""
 
-    def __init__(self, partial: Partial, tokenizer):
+    def __init__(self, partial, tokenizer, base: int):
         from tokenizers.decoders import DecodeStream
 
         self.partial = partial
+        self.base = base
         self.backend = tokenizer._tokenizer  # the Rust tokenizer behind the fast one
         self.decoder = DecodeStream(skip_special_tokens=True)  # as the final text: decode(skip_special_tokens=True)
+        if base:  # the decoder needs the tokens before the first new one to place spaces and split characters
+            for token in partial.output_ids[:base]:
+                self.decoder.step(self.backend, token)
 
     def update(self, generated: list[int]) -> None:
         p = self.partial
-        for token in generated[len(p.output_ids):]:
+        for token in generated[len(p.output_ids) - self.base:]:
             p.output_ids.append(token)
             piece = self.decoder.step(self.backend, token)
             if piece is not None:  # None: the token ends inside a multi-byte character
                 p.text += piece
         p.completion_tokens = len(p.output_ids)
+
+
+def install_seeded_sampling(manager) -> bool:
+    """Sample every request from its own seed: transformers' continuous batching draws all requests of a step from
+    one global generator, so what a request gets depends on its batch-mates and timing. Our processor, last in the
+    chain, draws the request's token by Gumbel-max from a generator seeded with (request seed + position) and leaves
+    the sampler a one-hot distribution. It relies on the manager's logits-processor list (transformers 5.x); where
+    that differs, sampling stays unseeded and a line says so."""
+    try:
+        from transformers.generation.continuous_batching.cb_logits_processors import (
+            ContinuousBatchingLogitsProcessor)
+
+        procs = manager.logit_processor
+        procs.logits_processor.append(_seeded_processor(ContinuousBatchingLogitsProcessor)())
+        procs.tensors_required += 1
+        procs.supported_keys["seed"] = int
+        procs.do_processing = True
+        return True
+    except (ImportError, AttributeError, TypeError) as e:
+        log("backend", kind="embedded", warning=f"per-request seeds unavailable ({type(e).__name__}: {e}); "
+            "sampling is not reproducible")
+        return False
+
+
+def _seeded_processor(base):
+    import torch
+
+    class SeededSampling(base):
+        supported_kwargs = {"seed": int}
+        ignored_kwargs = ()
+
+        def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
+            int32_tensor.fill_(0)
+
+        def prepare_tensor_args(self, requests_with_new_token) -> torch.Tensor:
+            # a request's k-th token is drawn with seed + k: the same draw whatever its batch-mates
+            seeds = [(r.state.logit_processor_kwargs.get("seed", 0) + r.state.generated_len()) & 0x7FFFFFFF
+                     for r in requests_with_new_token]
+            return torch.tensor(seeds, dtype=torch.int32, device="cpu")
+
+        def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
+            seeds = tensor_arg[: scores.size(0)].tolist()
+            gen = torch.Generator(device=scores.device)
+            uniform = torch.stack([torch.rand(scores.size(-1), generator=gen.manual_seed(s), device=scores.device)
+                                   for s in seeds])
+            gumbel = -torch.log(-torch.log(uniform.clamp_min(1e-20)))
+            choice = (scores + gumbel).argmax(dim=-1, keepdim=True)  # Gumbel-max: a draw from softmax(scores)
+            return torch.full_like(scores, float("-inf")).scatter_(-1, choice, 0.0)
+
+    return SeededSampling

@@ -20,6 +20,7 @@ import asyncio
 import json
 import os
 import random
+import secrets
 import time
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
@@ -151,6 +152,10 @@ class HttpBackend:
 
     name = "http"
     health_path = "/health"
+    takes_token_ids = True
+    # How long a cancelled request reads on for the answer's end (`_grace`). A server that is told to abort ends
+    # the stream with what it produced; without an abort endpoint only what is already on its way can come.
+    grace_s = 0.05
 
     def __init__(self, cfg: Config, tokenizer):
         self.cfg = cfg
@@ -159,6 +164,7 @@ class HttpBackend:
         self.expected_model = self.bcfg.served_model_name or cfg.model.path
         self.session: Optional[aiohttp.ClientSession] = None
         self.pool = ServerPool(self.bcfg.urls, self._problem, self.bcfg.probe_interval_s)
+        self._aborted: set[str] = set()  # attempt rids already told to stop: one abort each
 
     # ---- protocol hooks -------------------------------------------------------------------------------------- #
 
@@ -271,15 +277,22 @@ class HttpBackend:
     async def generate(self, req: GenRequest) -> GenResult:
         t0 = time.perf_counter()
         last: Optional[Failure] = None
+        server = self.pool.servers[0]
         for n in range(self.bcfg.max_retries + 1):
             if last is not None:
                 await asyncio.sleep(backoff_delay(n, self.bcfg.backoff_base_s, self.bcfg.backoff_max_s,
                                                   last.retry_after, self.bcfg.request_timeout_s))
+            self._resume_or_restart(req)
+            if req.partial.completion_tokens >= req.max_tokens:  # parked at max_tokens: nothing left to generate
+                return self._complete(req, req.partial.completion_tokens, 0, "length", len(req.prompt_ids), True)
             server = self.pool.pick()
-            rid = req.rid if n == 0 else f"{req.rid}-r{n}"  # a server may still hold the aborted earlier rid
+            rid = attempt_rid(req.rid)  # unique per attempt: a server may still hold an earlier attempt's rid
             try:
                 res = await self._attempt_on(server, req, rid)
             except Failure as f:
+                if req.cancelled:  # never retry what the caller cancelled
+                    raise asyncio.CancelledError() from None
+                req.attempt_errors.append(f.code)
                 if f.abort:
                     await self._abort_quietly(server, rid)
                 if f.dead:
@@ -298,10 +311,45 @@ class HttpBackend:
     def _failed(self, req: GenRequest, code: str, detail: str, server: str, t0: float) -> GenResult:
         return GenResult(req.rid, error=code, detail=detail, server=server, latency_s=time.perf_counter() - t0)
 
+    def _resume_or_restart(self, req: GenRequest) -> None:
+        """Before an attempt: go on from what earlier attempts (or the store) produced when the protocol can send
+        token ids; otherwise start over, and count the streamed tokens thrown away."""
+        if self.takes_token_ids and req.prompt_ids is not None and req.partial.continuable():
+            return
+        req.discarded_tokens += req.partial.completion_tokens
+        req.partial.clear()
+
+    def _input_ids(self, req: GenRequest) -> list[int]:
+        """The prompt, then the output produced so far: a continuation is a longer prompt."""
+        return list(req.prompt_ids) + list(req.partial.output_ids)
+
+    @staticmethod
+    def _take_answer(req: GenRequest, ids: Optional[list], text: str) -> None:
+        """A plain (non-streamed) answer into the partial, which holds just what the attempt started from."""
+        if ids is not None:
+            req.partial.output_ids = req.partial.output_ids + [int(t) for t in ids]
+        req.partial.text += text
+
+    def _complete(self, req: GenRequest, base: int, new_tokens: int, finish: str, server_prompt_tokens: Optional[int],
+                  has_ids: bool, prompt_ids: Optional[list] = None) -> GenResult:
+        """The partial now holds the attempt's whole answer after the `base` tokens it started from: the response.
+        An abort or an answer without a single token is a failure to retry, never a response; the partial keeps
+        the aborted tokens for the next attempt or the store."""
+        p = req.partial
+        p.completion_tokens = base + new_tokens
+        if finish == "abort":
+            raise Failure("aborted", f"the server aborted the request after {p.completion_tokens} tokens", retry=True)
+        if p.completion_tokens == 0:
+            raise Failure("empty", "the answer has no tokens", retry=True)
+        prompt_tokens = len(req.prompt_ids) if base and req.prompt_ids is not None else server_prompt_tokens
+        return GenResult(req.rid, output_ids=list(p.output_ids) if has_ids else None, text=p.text,
+                         prompt_tokens=int(prompt_tokens or 0), completion_tokens=p.completion_tokens,
+                         finish_reason=finish, prompt_ids=None if base else prompt_ids, continued_from=base)
+
     async def _attempt_on(self, server: Server, req: GenRequest, rid: str) -> GenResult:
         """One attempt that also ends when the server is marked dead by another request, and that aborts the
-        request on the server when the caller cancels it."""
-        req.partial.clear()
+        request on the server when the caller cancels it. An answer the server finished while the cancel was under
+        way is returned (see `_grace`)."""
         with self.pool.track(server):
             if len(self.pool.servers) == 1:  # nothing to fail over to: no separate task needed to watch for death
                 try:
@@ -319,11 +367,44 @@ class HttpBackend:
                     raise Failure("connection", f"{server.url} was marked dead while the request was in flight",
                                   retry=True) from None
                 await _stop(work)  # closes the connection first, which frees it for the abort
+                if work.done() and not work.cancelled() and work.exception() is None:
+                    return work.result()  # it finished during the cancel's grace: a response, keep it
                 await self._abort_quietly(server, rid)
                 raise
             finally:
                 server.inflight.discard(work)
                 server.doomed.discard(work)
+
+    # ---- the caller's cancel: a grace to collect what the server finished or produced --------------------------- #
+    # When the caller cancels an attempt (the budget is met, Ctrl-C), the answer may be on its way: the server may
+    # have finished it already, or (told to abort) end it with every token it produced. So a cancelled attempt
+    # tells the server to stop (`_abort`) and reads on for `grace_s`: a complete answer is returned as the
+    # response, an aborted one leaves its tokens in the partial and the cancel goes on. Not for a server marked
+    # dead (its attempts are cancelled to fail over): nothing more will come from it.
+
+    async def _graceful(self, server: Server, req: GenRequest, rid: str, read: Callable[[], Awaitable[GenResult]]):
+        """Run `read` (resumable: it keeps its place when cancelled); on the caller's cancel, finish it in grace."""
+        if req.cancelled:  # the cancel came before the answer's headers (see `post`)
+            return await self._within_grace(read)
+        try:
+            return await read()
+        except asyncio.CancelledError:
+            if not await self._enter_grace(server, req, rid):
+                raise
+            return await self._within_grace(read)
+
+    async def _enter_grace(self, server: Server, req: GenRequest, rid: str) -> bool:
+        if not server.alive:
+            return False
+        req.cancelled = True
+        await self._abort_quietly(server, rid)
+        return True
+
+    async def _within_grace(self, read: Callable[[], Awaitable[GenResult]]) -> GenResult:
+        try:
+            return await asyncio.wait_for(read(), self.grace_s)
+        except (Failure, aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            raise asyncio.CancelledError() from None  # aborted, cut or silent: the cancel stands
 
     async def _classified(self, server: Server, req: GenRequest, rid: str) -> GenResult:
         """Transport errors as `Failure`s: the one place that decides what is retried."""
@@ -340,17 +421,26 @@ class HttpBackend:
             raise Failure("bad_response", f"{type(e).__name__} from {server.url}: {e}") from e
 
     async def _abort_quietly(self, server: Server, rid: str) -> None:
+        if rid in self._aborted:
+            return
+        self._aborted.add(rid)
         try:
             await asyncio.wait_for(self._abort(server, rid), ABORT_TIMEOUT_S)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             log("backend", event="abort_failed", url=server.url, rid=rid, reason=f"{type(e).__name__}: {e}")
 
     @asynccontextmanager
-    async def post(self, server: Server, path: str, body: dict) -> AsyncIterator[aiohttp.ClientResponse]:
+    async def post(self, server: Server, path: str, body: dict, req: GenRequest,
+                   rid: str) -> AsyncIterator[aiohttp.ClientResponse]:
         """POST that raises a `Failure` for a non-200 status and drops the connection when the reader stops early
         (cancelled, failed): a half-read answer cannot go back to the pool, and for OpenAI-style servers closing
-        the connection is how a request is aborted."""
-        resp = await self.session.post(server.url + path, json=body)
+        the connection is how a request is aborted. A server sends a plain answer's headers only with the answer,
+        so the request is shielded from the caller's cancel until the grace has had its chance."""
+        sending = asyncio.ensure_future(self.session.post(server.url + path, json=body))
+        try:
+            resp = await asyncio.shield(sending)
+        except asyncio.CancelledError:
+            resp = await self._headers_in_grace(server, req, rid, sending)
         try:
             if resp.status != 200:
                 raise status_failure(resp.status, await resp.text(errors="replace"), resp.headers.get("Retry-After"))
@@ -360,6 +450,22 @@ class HttpBackend:
             raise
         finally:
             resp.release()
+
+    async def _headers_in_grace(self, server: Server, req: GenRequest, rid: str, sending: asyncio.Future):
+        try:
+            if await self._enter_grace(server, req, rid):
+                return await asyncio.wait_for(asyncio.shield(sending), self.grace_s)
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            pass
+        finally:
+            if not sending.done():
+                sending.cancel()  # closes the connection: the abort of an OpenAI-style server
+        raise asyncio.CancelledError()
+
+
+def attempt_rid(rid: str) -> str:
+    """A request id for one attempt: the logical id (for the server's logs) plus a random suffix."""
+    return f"{rid}-{secrets.token_hex(6)}"
 
 
 async def _stop(task: asyncio.Future) -> None:
@@ -378,23 +484,50 @@ def parse_json(text: str):
         raise Failure("bad_response", f"not JSON ({e}): {text[:200]!r}") from e
 
 
-async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[dict]:
+class Body:
+    """A plain answer read whole; a read cancelled half-way keeps what it has and can go on (the grace)."""
+
+    def __init__(self, resp: aiohttp.ClientResponse):
+        self.resp = resp
+        self.chunks: list[bytes] = []
+
+    async def json(self):
+        while chunk := await self.resp.content.readany():
+            self.chunks.append(chunk)
+        return parse_json(b"".join(self.chunks).decode(errors="replace"))
+
+
+class EventStream:
     """The JSON payloads of a `data: {...}` server-sent-event stream, until `data: [DONE]` or the end of the body
     (`transformers serve` sends no [DONE]). Whether the answer is complete is the caller's call: a finish reason
     must have come. Lines are split here rather than by aiohttp's readline, which refuses a line over twice its read
-    buffer (128 KiB in aiohttp 3.9, 512 KiB in 3.14): SGLang's cumulative chunks of a long answer can be longer."""
-    pending = b""
-    async for chunk in resp.content.iter_any():
-        *lines, pending = (pending + chunk).split(b"\n")
-        for line in lines:
-            event = _sse_data(line)
-            if event is _DONE:
+    buffer (128 KiB in aiohttp 3.9, 512 KiB in 3.14): SGLang's cumulative chunks of a long answer can be longer.
+
+    The reader keeps its state between iterations, so a reading cancelled half-way can go on where it stopped (the
+    grace read after a cancel, `HttpBackend._grace`)."""
+
+    def __init__(self, resp: aiohttp.ClientResponse):
+        self.resp = resp
+        self.pending = b""
+        self.ended = False
+
+    async def events(self) -> AsyncIterator[dict]:
+        while not self.ended:
+            chunk = await self.resp.content.readany()
+            if not chunk:  # the end of the body
+                self.ended = True
+                event, self.pending = _sse_data(self.pending), b""
+                if event is not None and event is not _DONE:
+                    yield event
                 return
-            if event is not None:
-                yield event
-    event = _sse_data(pending)
-    if event is not None and event is not _DONE:
-        yield event
+            *lines, self.pending = (self.pending + chunk).split(b"\n")
+            for line in lines:
+                event = _sse_data(line)
+                if event is _DONE:
+                    self.ended = True
+                    return
+                if event is not None:
+                    yield event
 
 
 _DONE = object()

@@ -21,11 +21,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-import aiohttp
-
 from stages.backends import GenRequest, GenResult, Partial
-from stages.backends.http import (Failure, HttpBackend, Server, engine_error, model_matches, parse_json,
-                                  response_shape, sse_events, stream_cut)
+from stages.backends.http import (Body, EventStream, Failure, HttpBackend, Server, engine_error, model_matches,
+                                  response_shape, stream_cut)
 
 
 def finish_reason(value: Optional[str]) -> str:
@@ -42,6 +40,8 @@ class OpenAIBackend(HttpBackend):
     def __init__(self, cfg, tokenizer):
         super().__init__(cfg, tokenizer)
         self.model_ids: dict[str, str] = {}  # server url -> the `model` to send, as that server lists it
+        # only a token-id prompt can carry a partial answer on exactly (text would be re-tokenized)
+        self.takes_token_ids = self.bcfg.prompt_format == "ids"
 
     async def _served_models(self, url: str) -> list[str]:
         status, doc = await self._get_json(url + "/v1/models")
@@ -57,12 +57,16 @@ class OpenAIBackend(HttpBackend):
 
     def _request(self, server: Server, req: GenRequest) -> tuple[str, dict]:
         s = req.sampling
+        done = req.partial.completion_tokens  # > 0 only for a continuation, which needs the `ids` format
         # a server that was down at start-up and is tried in panic mode has not told its name: use another's
         model = self.model_ids.get(server.url) or next(iter(self.model_ids.values()))
-        body: dict = {"model": model, "max_tokens": req.max_tokens,
+        body: dict = {"model": model, "max_tokens": req.max_tokens - done,
                       "temperature": s["temperature"], "top_p": s["top_p"]}
         if s["top_k"] > 0:  # not an OpenAI field: strict servers reject it, and -1 means "off" anyway
             body["top_k"] = s["top_k"]
+        seed = req.attempt_seed(done)
+        if seed is not None:  # OpenAI's own field: vLLM seeds the request's sampler with it
+            body["seed"] = seed
         fmt = self.bcfg.prompt_format if req.prompt_ids is not None else "chat"
         if fmt == "chat":
             path = "/v1/chat/completions"
@@ -73,7 +77,7 @@ class OpenAIBackend(HttpBackend):
                 body["chat_template_kwargs"] = dict(self.cfg.model.template_kwargs)
         else:
             path = "/v1/completions"
-            body["prompt"] = req.prompt_ids if fmt == "ids" else self.tokenizer.decode(req.prompt_ids)
+            body["prompt"] = self._input_ids(req) if fmt == "ids" else self.tokenizer.decode(req.prompt_ids)
         if self.bcfg.return_token_ids:
             body["return_token_ids"] = True
         if req.stream:
@@ -85,34 +89,39 @@ class OpenAIBackend(HttpBackend):
     async def _attempt(self, server: Server, req: GenRequest, rid: str) -> GenResult:
         path, body = self._request(server, req)
         chat = path == "/v1/chat/completions"
-        async with self.post(server, path, body) as resp:
+        base = req.partial.completion_tokens
+        async with self.post(server, path, body, req, rid) as resp:
+            # no abort endpoint (closing the connection is the abort): the grace gets only what is on its way
             if req.stream:
-                return await self._read_stream(server, req, resp, chat)
-            doc = parse_json(await resp.text(errors="replace"))
+                stream = EventStream(resp)
+                return await self._graceful(server, req, rid, lambda: self._follow(server, req, stream, chat, base))
+            answer = Body(resp)
+            return await self._graceful(server, req, rid, lambda: self._plain(req, answer, path, chat, base))
+
+    async def _plain(self, req: GenRequest, answer: Body, path: str, chat: bool, base: int) -> GenResult:
+        doc = await answer.json()
         if isinstance(doc, dict) and "error" in doc:
             raise engine_error(doc)
         with response_shape(f"{path} answer"):
             choice = doc["choices"][0]
-            text = (choice["message"].get("content") or "") if chat else choice["text"]
             ids = _output_ids(choice)
-            res = GenResult(
-                req.rid, output_ids=[int(t) for t in ids] if ids is not None else None, text=text,
-                prompt_tokens=int(doc["usage"]["prompt_tokens"]),
-                completion_tokens=int(doc["usage"]["completion_tokens"]),
-                finish_reason=finish_reason(choice.get("finish_reason")),
-                prompt_ids=choice.get("prompt_token_ids") or doc.get("prompt_token_ids"),
-            )
+            self._take_answer(req, ids, (choice["message"].get("content") or "") if chat else choice["text"])
+            res = self._complete(req, base, int(doc["usage"]["completion_tokens"]),
+                                 finish_reason(choice.get("finish_reason")), int(doc["usage"]["prompt_tokens"]) - base,
+                                 has_ids=ids is not None,
+                                 prompt_ids=choice.get("prompt_token_ids") or doc.get("prompt_token_ids"))
         return self._with_drift(req, res)
 
-    async def _read_stream(self, server: Server, req: GenRequest, resp: aiohttp.ClientResponse,
-                           chat: bool) -> GenResult:
+    async def _follow(self, server: Server, req: GenRequest, stream: EventStream, chat: bool,
+                      base: int) -> GenResult:
+        """Read the stream into `req.partial` (after the `base` tokens it held when the attempt began)."""
         partial = req.partial
         usage: Optional[dict] = None
         finish: Optional[str] = None
         prompt_ids: Optional[list] = None
-        pieces = 0
+        pieces = partial.completion_tokens - base  # text pieces counted so far (a resumed read goes on from them)
         with response_shape("stream chunk"):  # one guard for the whole stream, not one per chunk
-            async for event in sse_events(resp):
+            async for event in stream.events():
                 if "error" in event:
                     raise engine_error(event)
                 usage = event.get("usage") or usage
@@ -125,16 +134,14 @@ class OpenAIBackend(HttpBackend):
                     partial.output_ids.extend(int(t) for t in _output_ids(choice) or [])
                     prompt_ids = choice.get("prompt_token_ids") or prompt_ids
                     finish = choice.get("finish_reason") or finish
-                _count(partial, pieces)
+                _count(partial, base, pieces)
         if finish is None:
             raise stream_cut(server.url)
         with response_shape("stream usage"):
-            res = GenResult(
-                req.rid, output_ids=list(partial.output_ids) or None, text=partial.text,
-                prompt_tokens=int(usage["prompt_tokens"]) if usage else 0,
-                completion_tokens=int(usage["completion_tokens"]) if usage else partial.completion_tokens,
-                finish_reason=finish_reason(finish), prompt_ids=prompt_ids,
-            )
+            new = int(usage["completion_tokens"]) if usage else partial.completion_tokens - base
+            res = self._complete(req, base, new, finish_reason(finish),
+                                 int(usage["prompt_tokens"]) - base if usage else None,
+                                 has_ids=len(partial.output_ids) > base, prompt_ids=prompt_ids)
         if usage is None:
             res.extra["completion_tokens_estimated"] = True
         return self._with_drift(req, res)
@@ -154,7 +161,7 @@ def _output_ids(choice: dict) -> Optional[list]:
     return ids if ids is not None else choice.get("response_token_ids")
 
 
-def _count(partial: Partial, pieces: int) -> None:
+def _count(partial: Partial, base: int, pieces: int) -> None:
     """Exact when the server streams token ids; otherwise one text piece per decode step, which is what vLLM and
     `transformers serve` send (a guide for the budget while streaming; the final count is usage's)."""
-    partial.completion_tokens = len(partial.output_ids) if partial.output_ids else pieces
+    partial.completion_tokens = len(partial.output_ids) if len(partial.output_ids) > base else base + pieces

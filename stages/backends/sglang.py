@@ -26,8 +26,8 @@ from typing import Optional
 import aiohttp
 
 from stages.backends import GenRequest, GenResult
-from stages.backends.http import (ABORT_TIMEOUT_S, Failure, HttpBackend, Server, engine_error, parse_json,
-                                  response_shape, sse_events, stream_cut)
+from stages.backends.http import (ABORT_TIMEOUT_S, Body, EventStream, Failure, HttpBackend, Server, engine_error,
+                                  response_shape, stream_cut)
 from stages.target import render_prompt_ids
 
 
@@ -45,6 +45,7 @@ def is_increment(have: int, chunk: int, total: int) -> bool:
 class SGLangBackend(HttpBackend):
     name = "sglang"
     health_path = "/health"
+    grace_s = 1.0  # after /abort_request the scheduler ends the stream within a step or two
 
     async def _served_models(self, url: str) -> list[str]:
         for path in ("/model_info", "/get_model_info"):
@@ -63,47 +64,59 @@ class SGLangBackend(HttpBackend):
             await resp.read()
 
     def _body(self, req: GenRequest, rid: str) -> dict:
-        ids = req.prompt_ids
-        if ids is None:
-            ids = render_prompt_ids(self.tokenizer, req.messages, req.tools, dict(self.cfg.model.template_kwargs))
+        if req.prompt_ids is None:
+            req.prompt_ids = render_prompt_ids(self.tokenizer, req.messages, req.tools,
+                                               dict(self.cfg.model.template_kwargs))
+        done = req.partial.completion_tokens
         s = req.sampling
-        sampling = {"max_new_tokens": req.max_tokens, "temperature": s["temperature"], "top_p": s["top_p"],
+        sampling = {"max_new_tokens": req.max_tokens - done, "temperature": s["temperature"], "top_p": s["top_p"],
                     "top_k": s["top_k"]}  # SGLang's top_k=-1 is "off", like ours
-        return {"rid": rid, "input_ids": ids, "sampling_params": sampling, "stream": req.stream}
+        seed = req.attempt_seed(done)
+        if seed is not None:  # honoured by servers started with --enable-deterministic-inference
+            sampling["sampling_seed"] = seed
+        return {"rid": rid, "input_ids": self._input_ids(req), "sampling_params": sampling, "stream": req.stream}
 
     async def _attempt(self, server: Server, req: GenRequest, rid: str) -> GenResult:
-        async with self.post(server, "/generate", self._body(req, rid)) as resp:
+        base = req.partial.completion_tokens
+        async with self.post(server, "/generate", self._body(req, rid), req, rid) as resp:
             if req.stream:
-                return await self._read_stream(server, req, resp)
-            out = parse_json(await resp.text(errors="replace"))
+                stream = EventStream(resp)
+                return await self._graceful(server, req, rid, lambda: self._follow(server, req, stream, base))
+            body = Body(resp)
+            return await self._graceful(server, req, rid, lambda: self._plain(req, body, base))
+
+    async def _plain(self, req: GenRequest, body: Body, base: int) -> GenResult:
+        return self._answer(req, await body.json(), base)
+
+    def _answer(self, req: GenRequest, out, base: int) -> GenResult:
         if isinstance(out, dict) and "error" in out:
             raise engine_error(out)
         with response_shape("/generate answer"):
-            return self._result(req, out["output_ids"], out.get("text") or "", out["meta_info"])
+            meta = out["meta_info"]
+            self._take_answer(req, out["output_ids"], out.get("text") or "")
+            return self._complete(req, base, int(meta["completion_tokens"]), finish_reason(meta["finish_reason"]),
+                                  int(meta["prompt_tokens"]) - base, has_ids=True)
 
-    async def _read_stream(self, server: Server, req: GenRequest, resp: aiohttp.ClientResponse) -> GenResult:
+    async def _follow(self, server: Server, req: GenRequest, stream: EventStream, base: int) -> GenResult:
+        """Read the stream into `req.partial` (after the `base` tokens it held when the attempt began)."""
         partial = req.partial
+        base_ids, base_text = partial.output_ids[:base], partial.text if base else ""
         meta: Optional[dict] = None
-        async for event in sse_events(resp):
+        async for event in stream.events():
             if "error" in event:
                 raise engine_error(event)
             with response_shape("/generate stream chunk"):
                 meta = event["meta_info"]
                 chunk, total = event["output_ids"], meta["completion_tokens"]
-                if is_increment(len(partial.output_ids), len(chunk), total):
+                if is_increment(len(partial.output_ids) - base, len(chunk), total):
                     partial.output_ids.extend(chunk)
                     partial.text += event.get("text") or ""
                 else:
-                    partial.output_ids = list(chunk)
-                    partial.text = event.get("text", partial.text) or ""
-                partial.completion_tokens = total
+                    partial.output_ids = base_ids + list(chunk)
+                    partial.text = base_text + (event.get("text") or "")
+                partial.completion_tokens = base + total
         if meta is None or meta.get("finish_reason") is None:
             raise stream_cut(server.url)
         with response_shape("/generate stream end"):
-            return self._result(req, partial.output_ids, partial.text, meta)
-
-    def _result(self, req: GenRequest, output_ids: list, text: str, meta: dict) -> GenResult:
-        return GenResult(
-            req.rid, output_ids=[int(t) for t in output_ids], text=text, prompt_tokens=int(meta["prompt_tokens"]),
-            completion_tokens=int(meta["completion_tokens"]), finish_reason=finish_reason(meta["finish_reason"]),
-        )
+            return self._complete(req, base, int(meta["completion_tokens"]), finish_reason(meta["finish_reason"]),
+                                  int(meta["prompt_tokens"]) - base, has_ids=True)

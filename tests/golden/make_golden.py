@@ -125,7 +125,8 @@ TOOL = {
 
 THINK = "<think>\n{}\n</think>\n\n{}"
 
-Q3_SINGLE = dict(SINGLE, completion=THINK.format("Five, seven, five syllables; the subject is BPE.", SINGLE["completion"]))
+Q3_SINGLE = dict(SINGLE, completion=THINK.format("Five, seven, five syllables; the subject is BPE.",
+                                                 SINGLE["completion"]))
 
 Q3_MULTI = {
     "messages": [
