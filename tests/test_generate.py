@@ -139,3 +139,22 @@ def test_progress_lines_when_not_on_a_terminal(project, capsys):
     fields = dict(kv.split("=", 1) for kv in lines[-1].split()[1:])
     assert {"committed", "budget", "eta_s", "responses", "req_s", "tok_s", "mean_len", "in_flight"} <= set(fields)
     assert fields["budget"] == "400"
+
+
+def test_embedded_sampling_is_reproducible(project, monkeypatch):
+    """Each request samples from its own seed, so two fresh stores get the same responses; without the seeded
+    sampler (transformers' shared generator) they differ, which is what this guards against."""
+    import stages.backends.embedded as embedded
+
+    project.run("prompts", "B3")
+
+    def outputs(store: str) -> list:
+        project.params["run"]["store_path"] = str(project.path / store)
+        project.save()
+        project.run("generate", "B3")
+        return [r["output_ids"] for r in read_jsonl(project.data("B3") / "responses.jsonl")]
+
+    first, second = outputs("a.sqlite"), outputs("b.sqlite")
+    assert first == second and len(first) >= 8
+    monkeypatch.setattr(embedded, "install_seeded_sampling", lambda manager: False)
+    assert outputs("c.sqlite") != first

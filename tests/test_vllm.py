@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.backends import GenRequest, make_backend
+from stages.backends import GenRequest, Partial, make_backend
 from stages.config import BackendConfig, BackendKind, Config, DatasetConfig, ModelConfig, TinyModelConfig
 from stages.target import load_tokenizer, render_prompt_ids
 
@@ -124,6 +124,35 @@ def test_cancel_closes_the_connection_and_vllm_aborts(vllm):
 
     reqs = asyncio.run(go())
     assert all(0 < r.partial.completion_tokens < 3000 for r in reqs)
+
+
+def test_seeded_requests_repeat_and_a_partial_is_continued(vllm):
+    """vLLM honours the per-request `seed`; a partial answer sent back as prompt + partial ids is continued with
+    the rest of max_tokens, and the whole response starts with the partial."""
+    url, model = vllm
+    cfg = config(url, model)
+    tok = load_tokenizer(cfg.model)
+    ids = render_prompt_ids(tok, [{"role": "user", "content": "Write a sort function."}], None, {})
+
+    async def go():
+        backend = make_backend(cfg, tok)
+        await backend.start()
+        try:
+            out = []
+            for seed in (7, 7, 8):
+                req = GenRequest("s", ids, [], None, 24, SAMPLING, stream=True, seed=seed)
+                out.append((await backend.generate(req)).output_ids)
+            partial = out[0][:10]
+            cont = GenRequest("c", ids, [], None, 24, SAMPLING, stream=True, seed=7,
+                              partial=Partial(list(partial), tok.decode(partial), len(partial)))
+            return out, partial, await backend.generate(cont)
+        finally:
+            await backend.close()
+
+    (a, b, c), partial, res = asyncio.run(go())
+    assert a == b and a != c  # same seed, same draw; another seed, another
+    assert res.ok and res.continued_from == 10 and res.output_ids[:10] == partial
+    assert res.completion_tokens == len(res.output_ids) and (res.completion_tokens == 24 or res.finish_reason == "stop")
 
 
 def test_pipeline_through_vllm_is_token_exact(vllm, project):
