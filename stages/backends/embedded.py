@@ -71,7 +71,7 @@ class EmbeddedBackend:
                 done.set_result(out)
 
         rid = f"{req.rid}-{next(self._attempts)}"  # unique per attempt: the manager keys its state by it
-        kwargs = {"seed": req.attempt_seed(base)} if self.seeded and req.seed is not None else {}
+        kwargs = {"seed": req.seed} if self.seeded and req.seed is not None else {}  # positions carry the offset
         self.manager.register_result_handler(rid, on_result)
         self.manager.add_request(list(req.prompt_ids) + req.partial.output_ids[:base], request_id=rid,
                                  max_new_tokens=req.max_tokens - base, streaming=req.stream, **kwargs)
@@ -162,8 +162,9 @@ def _seeded_processor(base):
             int32_tensor.fill_(0)
 
         def prepare_tensor_args(self, requests_with_new_token) -> torch.Tensor:
-            # a request's k-th token is drawn with seed + k: the same draw whatever its batch-mates
-            seeds = [(r.state.logit_processor_kwargs.get("seed", 0) + r.state.generated_len()) & 0x7FFFFFFF
+            # the token at sequence position p is drawn with seed + p: the same draw whatever its batch-mates, however
+            # often the manager evicted and re-prefilled its request, and whether it continues a parked partial
+            seeds = [(r.state.logit_processor_kwargs.get("seed", 0) + r.state.position_offset) & 0x7FFFFFFF
                      for r in requests_with_new_token]
             return torch.tensor(seeds, dtype=torch.int32, device="cpu")
 
@@ -177,3 +178,4 @@ def _seeded_processor(base):
             return torch.full_like(scores, float("-inf")).scatter_(-1, choice, 0.0)
 
     return SeededSampling
+
