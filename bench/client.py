@@ -103,7 +103,8 @@ def run_ours(url: str, n: int, concurrency: int, stream: bool) -> float:
                      backend=BackendConfig(kind=BackendKind.openai, urls=[url], prompt_format="ids", stream=stream,
                                            max_retries=0),
                      run=RunConfig(store_path=f"{tmp}/store.sqlite", progress=False, log_every_s=3600))
-        plan = [Planned({"id": f"p{i}", "messages": [{"role": "user", "content": "x"}]}, f"k{i}", PROMPT)
+        # keys are hex digests, as the store's are
+        plan = [Planned({"id": f"p{i}", "messages": [{"role": "user", "content": "x"}]}, f"{i:032x}", PROMPT)
                 for i in range(n)]
         store = ResponseStore(cfg.run.store_path)
 
@@ -116,7 +117,7 @@ def run_ours(url: str, n: int, concurrency: int, stream: bool) -> float:
             await backend.start()
             ctrl = BudgetController(ds.token_budget, ds.max_tokens, concurrency, observes_rate=stream)
             t0 = time.perf_counter()
-            stats = await Dispatcher(backend, ctrl, store, cfg, stream, Quiet()).run(plan)
+            stats = await Dispatcher(backend, ctrl, store, cfg, None, stream, {}, Quiet()).run(plan)
             wall = time.perf_counter() - t0
             await backend.close()
             assert stats.new == n and not stats.failed, (stats.new, dict(stats.failed))

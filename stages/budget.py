@@ -82,7 +82,8 @@ class LengthModel:
         to end halfway between where it is and max_tokens."""
         if self.n < _MIN_OBSERVED:
             return max(float(progress), self.max_tokens / 2)
-        self._fresh()
+        if not self._snapshot or self.n - len(self._snapshot) > len(self._snapshot) // 50:  # inline: a hot path
+            self._rebuild()
         i = bisect.bisect_right(self._snapshot, progress)
         if i == len(self._snapshot):
             return (progress + self.max_tokens) / 2

@@ -242,8 +242,10 @@ class Dispatcher:
         """Commit what finished since the last wake-up in one transaction, then tell the controller."""
         rows: list[tuple[StoredResponse, Flight]] = []
         for res, f in done:
-            self.stats.attempt_failures.update(f.req.attempt_errors)
-            self._lose(f.req.discarded_tokens)
+            if f.req.attempt_errors:
+                self.stats.attempt_failures.update(f.req.attempt_errors)
+            if f.req.discarded_tokens:
+                self._lose(f.req.discarded_tokens)
             self._recent.append(res.error)
             if res.ok:
                 rows.append((self._complete(res, f), f))
@@ -305,7 +307,7 @@ class Dispatcher:
 
     def _check_failing(self, done: list[tuple[GenResult, Flight]]) -> None:
         """Stop when the last `run.fail_fast_after` requests all failed with one cause: the next ones would too."""
-        if self.cfg.run.fail_fast_after <= 0 or len(self._recent) < self._recent.maxlen:
+        if self.cfg.run.fail_fast_after <= 0 or len(self._recent) < self._recent.maxlen or self._recent[-1] is None:
             return
         causes = set(self._recent)
         if len(causes) == 1 and None not in causes:

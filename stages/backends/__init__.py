@@ -90,8 +90,12 @@ class GenResult:
 
 
 def seed_of(key: str) -> int:
-    """A 31-bit sampling seed derived from the store key (SGLang, vLLM and torch all take it)."""
-    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "big") & 0x7FFFFFFF
+    """A 31-bit sampling seed derived from the store key (SGLang, vLLM and torch all take it). Store keys are
+    already hex digests: their first 8 digits are the seed; another key is hashed first."""
+    try:
+        return int(key[:8], 16) & 0x7FFFFFFF
+    except ValueError:
+        return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "big") & 0x7FFFFFFF
 
 
 class Backend(Protocol):

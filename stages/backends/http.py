@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import itertools
 import random
 import secrets
 import time
@@ -435,12 +436,16 @@ class HttpBackend:
         """POST that raises a `Failure` for a non-200 status and drops the connection when the reader stops early
         (cancelled, failed): a half-read answer cannot go back to the pool, and for OpenAI-style servers closing
         the connection is how a request is aborted. A server sends a plain answer's headers only with the answer,
-        so the request is shielded from the caller's cancel until the grace has had its chance."""
-        sending = asyncio.ensure_future(self.session.post(server.url + path, json=body))
-        try:
-            resp = await asyncio.shield(sending)
-        except asyncio.CancelledError:
-            resp = await self._headers_in_grace(server, req, rid, sending)
+        so a plain request is shielded from the caller's cancel until the grace has had its chance (a stream's
+        headers come before its first token: cancelled before them, it has produced nothing to collect)."""
+        if req.stream:
+            resp = await self.session.post(server.url + path, json=body)
+        else:
+            sending = asyncio.ensure_future(self.session.post(server.url + path, json=body))
+            try:
+                resp = await asyncio.shield(sending)
+            except asyncio.CancelledError:
+                resp = await self._headers_in_grace(server, req, rid, sending)
         try:
             if resp.status != 200:
                 raise status_failure(resp.status, await resp.text(errors="replace"), resp.headers.get("Retry-After"))
@@ -463,9 +468,13 @@ class HttpBackend:
         raise asyncio.CancelledError()
 
 
+_RUN_TAG = secrets.token_hex(4)  # this process's: attempt ids of different runs never meet on a server
+_attempts = itertools.count()
+
+
 def attempt_rid(rid: str) -> str:
-    """A request id for one attempt: the logical id (for the server's logs) plus a random suffix."""
-    return f"{rid}-{secrets.token_hex(6)}"
+    """A request id for one attempt: the logical id (for the server's logs), then a suffix unique to the attempt."""
+    return f"{rid}-{_RUN_TAG}{next(_attempts):x}"
 
 
 async def _stop(task: asyncio.Future) -> None:
