@@ -176,17 +176,50 @@ class TokenizeConfig:
 
 @dataclass
 class HiddenStatesConfig:
-    # Physical ids of the decoder layers whose outputs are stored; None = EAGLE-3's [1, N//2 - 1, N - 4].
+    # The layers whose outputs are kept, as physical 0-based ids (the output of decoder layer L; HF hidden_states[L+1];
+    # SGLang/SpecForge id L; vLLM/speculators id L+1). None: a draft config's, else EAGLE-3's [1, N//2 - 1, N - 4].
     layers: Optional[List[int]] = None
-    dtype: str = "bfloat16"
-    shard_max_tokens: int = 65536
-    batch_tokens: int = 4096
+    draft_config: Optional[str] = None  # a draft model's config.json with eagle_aux_hidden_state_layer_ids
+    draft_numbering: str = "auto"  # its ids: sglang (SGLang, SpecForge) | vllm (vLLM, speculators) | auto
+    dtype: str = "bfloat16"  # bfloat16 | float16 | float32 | fp8 (e4m3, a scale per token and layer)
+    # run-time: how the states are computed, not what they are (changing these reruns nothing)
+    backend: str = "hf"  # hf (transformers in-process; torchrun for data parallel) | vllm (tensor/data parallel)
+    batch_tokens: int = 4096  # padded tokens per forward
+    window_samples: int = 2048  # samples read, sorted by length and batched at a time (bounds the memory)
+    shard_max_tokens: int = 65536  # tokens per shard file
+    device_map: Optional[str] = None  # hf: e.g. "auto" spreads a target bigger than one GPU over all of them
+    tensor_parallel_size: int = 1  # vllm
+    data_parallel_size: int = 1  # vllm
+    vllm_python: Optional[str] = None  # vllm: the Python that has vLLM (its own venv); None = this one
+    vllm_kwargs: Dict[str, Any] = field(default_factory=dict)  # vllm: extra vllm.LLM options (dtype, memory, ...)
 
     def check(self, key: str) -> None:
-        if self.dtype not in ("bfloat16", "float16", "float32"):
-            raise ConfigError(f"{key}.dtype", f"must be bfloat16, float16 or float32, got {self.dtype!r}")
-        _positive(f"{key}.shard_max_tokens", self.shard_max_tokens)
-        _positive(f"{key}.batch_tokens", self.batch_tokens)
+        from stages.shards import DTYPES
+
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"{key}.dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.backend not in ("hf", "vllm"):
+            raise ConfigError(f"{key}.backend", f"must be hf or vllm, got {self.backend!r}")
+        if self.draft_numbering not in ("auto", "sglang", "vllm"):
+            raise ConfigError(f"{key}.draft_numbering", f"must be auto, sglang or vllm, got {self.draft_numbering!r}")
+        if self.layers is not None and self.draft_config is not None:
+            raise ConfigError(f"{key}.layers", "set either layers or draft_config, not both")
+        for name in ("batch_tokens", "window_samples", "shard_max_tokens", "tensor_parallel_size",
+                     "data_parallel_size"):
+            _positive(f"{key}.{name}", getattr(self, name))
+
+
+@dataclass
+class ExportConfig:
+    """`python -m stages.export`: the hidden states in a trainer's own layout (not a DVC stage: run it where you
+    train)."""
+
+    format: str = "specforge"  # specforge | speculators
+    dir: Optional[str] = None  # None: data/<dataset>/export-<format>
+
+    def check(self, key: str) -> None:
+        if self.format not in ("specforge", "speculators"):
+            raise ConfigError(f"{key}.format", f"must be specforge or speculators, got {self.format!r}")
 
 
 @dataclass
@@ -262,6 +295,7 @@ class Config:
     datasets: Dict[str, DatasetConfig] = field(default_factory=dict)
     tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
     hidden_states: HiddenStatesConfig = field(default_factory=HiddenStatesConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
@@ -286,6 +320,7 @@ def validate(cfg: Config, need_dataset: bool) -> None:
     if cfg.dataset is not None:
         cfg.ds.check(f"datasets.{cfg.dataset}")
     cfg.hidden_states.check("hidden_states")
+    cfg.export.check("export")
     cfg.backend.check("backend")
     cfg.run.check("run")
 

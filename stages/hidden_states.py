@@ -1,203 +1,415 @@
-"""Stage `hidden_states@D`: samples → EAGLE-3 training shards in `data/<D>/hidden_states/`.
+"""Stage `hidden_states@D`: samples → the target's EAGLE-3 features, in `data/<D>/hidden_states/`.
 
-For each sample the target runs once; forward hooks capture the outputs of the chosen decoder layers (physical,
-0-based ids: no +1 conventions to get wrong) and the final post-norm state. Samples are packed along the token
-axis with an offsets tensor (no pad tokens stored) into safetensors shards, each written to a temp name and
-renamed. A shard whose file already holds the same samples under the same settings is skipped, so a killed run
-resumes where it stopped.
+For every sample the target runs once and the stage keeps the outputs of the chosen decoder layers (physical 0-based
+ids) and the final state BEFORE the final norm, with the norm's parameters: SpecForge's post-norm convention and
+speculators' pre-norm one both come out exact (stages/reader.py, stages/export.py).
+
+States are computed once per (model, layers, dtype, input ids) and kept in the state store (stages/state_store.py),
+outside DVC's outputs: a budget round trip, a queued or temp experiment or a rerun after a kill reuses them. The
+output directory holds hard links to the store's shards, the list of samples (`samples.parquet`: id, shard, row,
+loss mask) and `index.json` (settings, layer ids in every trainer's numbering, the final-state convention).
+
+Work goes in windows of `window_samples` samples streamed from `samples.parquet` (memory stays bounded whatever the
+dataset's size); in a window the samples still missing are sorted by length and batched up to `batch_tokens` padded
+tokens. Under `torchrun`, ranks take disjoint samples (by key) and rank 0 writes the output once all have finished.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from stages.artifacts import atomic_path, data_dir, log, write_json
+from stages.capture import Engine, default_layers
 from stages.config import Config, ConfigError, UserError, cli
-from stages.store import hash_cache_path
-from stages.target import content_hash, load_model, model_fingerprint
+from stages.shards import FORMAT_VERSION, SampleStates, check, encode, write
+from stages.state_store import StateStore, Target, state_key
+from stages.store import hash_cache_path, resolve_store_path
+from stages.target import content_hash, model_fingerprint
 
 
-def default_layers(n_layers: int) -> list[int]:
-    """EAGLE-3's reference choice: outputs of layers 1, N//2 - 1 and N - 4 (inputs to 2, N//2, N - 3)."""
-    return [1, n_layers // 2 - 1, n_layers - 4]
+# ---- layers: which, in every numbering ------------------------------------------------------------------------- #
 
-
-def resolve_layers(configured: Optional[list[int]], n_layers: int) -> list[int]:
-    layers = list(configured) if configured is not None else default_layers(n_layers)
-    bad = [i for i in layers if not 0 <= i < n_layers]
-    if bad:
-        raise ConfigError("hidden_states.layers", f"layer ids {bad} out of range for a {n_layers}-layer model")
-    if len(set(layers)) != len(layers):
-        raise ConfigError("hidden_states.layers", f"layer ids must be distinct, got {layers}")
+def resolve_layers(cfg: Config, n_layers: int) -> list[int]:
+    """Physical 0-based ids of the layers whose outputs are kept: `hidden_states.layers`, else a draft config's
+    `eagle_aux_hidden_state_layer_ids` (in its own numbering), else EAGLE-3's default for this model."""
+    hs = cfg.hidden_states
+    if hs.layers is not None:
+        return _valid(list(hs.layers), n_layers, "hidden_states.layers")
+    if hs.draft_config is not None:
+        ids, numbering = _draft_layer_ids(Path(hs.draft_config), hs.draft_numbering)
+        return _valid([i - 1 for i in ids] if numbering == "vllm" else ids, n_layers, "hidden_states.draft_config")
+    layers = default_layers(n_layers)
+    if len(set(layers)) != 3 or min(layers) < 0:
+        raise UserError(f"model.path: the target has {n_layers} decoder layers, too few for EAGLE-3's default "
+                        f"[1, N//2-1, N-4] = {layers} to be three distinct layers; choose them in "
+                        "hidden_states.layers")
     return layers
 
 
-@dataclass
-class ShardPlan:
-    index: int
-    rows: list[int]  # row numbers in samples.parquet
-    ids: list[str]
-    n_tokens: int
+def _valid(layers: list[int], n_layers: int, key: str) -> list[int]:
+    bad = [i for i in layers if not 0 <= i < n_layers]
+    if bad:
+        raise ConfigError(key, f"layer ids {bad} out of range for the target's {n_layers} decoder layers "
+                          "(physical ids: 0 .. N-1)")
+    if len(set(layers)) != len(layers):
+        raise ConfigError(key, f"layer ids must be distinct, got {layers}")
+    return layers
 
 
-def plan_shards(ids: list[str], lengths: list[int], max_tokens: int) -> list[ShardPlan]:
-    """Pack samples in order until a shard would pass max_tokens (a longer sample gets a shard of its own)."""
-    shards: list[ShardPlan] = []
-    cur = ShardPlan(0, [], [], 0)
-    for row, (sid, n) in enumerate(zip(ids, lengths)):
-        if cur.rows and cur.n_tokens + n > max_tokens:
-            shards.append(cur)
-            cur = ShardPlan(len(shards), [], [], 0)
-        cur.rows.append(row)
-        cur.ids.append(sid)
-        cur.n_tokens += n
-    if cur.rows:
-        shards.append(cur)
-    return shards
-
-
-def shard_done(path: Path, expected: dict) -> bool:
-    """A shard counts as done only if it opens and its metadata matches this plan (never 'file exists')."""
-    if not path.exists():
-        return False
-    from safetensors import safe_open
-
+def _draft_layer_ids(path: Path, numbering: str) -> tuple[list[int], str]:
+    """The draft config's layer ids and their numbering: `sglang` (SGLang, SpecForge: id L is the output of layer
+    L) or `vllm` (vLLM, speculators: id L is the output of layer L - 1). `auto` tells them apart by the config's
+    shape: a speculators config (`speculators_config`) numbers like vLLM, a SpecForge one (an *Eagle3
+    architecture) like SGLang."""
+    key = "hidden_states.draft_config"
     try:
-        with safe_open(str(path), framework="pt") as f:
-            return f.metadata().get("draftdata") == json.dumps(expected, sort_keys=True)
-    except Exception:  # a torn or foreign file is redone, not trusted
-        return False
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(key, f"file not found: {path}") from None
+    except ValueError as e:
+        raise ConfigError(key, f"{path}: not JSON ({e})") from None
+    ids = doc.get("eagle_aux_hidden_state_layer_ids")
+    if not (isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids)):
+        raise ConfigError(key, f"{path}: no eagle_aux_hidden_state_layer_ids list of layer ids")
+    if numbering == "auto":
+        if "speculators_config" in doc or "speculators_model_type" in doc:
+            numbering = "vllm"
+        elif any("Eagle3" in a for a in doc.get("architectures") or []):
+            numbering = "sglang"
+        else:
+            raise ConfigError("hidden_states.draft_numbering", f"cannot tell which numbering {path} uses; set "
+                              "sglang (SpecForge/SGLang: L = output of layer L) or vllm (speculators/vLLM: L + 1)")
+    return ids, numbering
 
 
-class Capture:
-    """Forward hooks on the chosen layers and on the final norm."""
-
-    def __init__(self, model, layers: list[int]):
-        self.out: dict = {}
-        inner = model.model
-        self.handles = [inner.layers[i].register_forward_hook(self._hook(f"layer{i}")) for i in layers]
-        self.handles.append(inner.norm.register_forward_hook(self._hook("final")))
-
-    def _hook(self, name: str):
-        def fn(_module, _inputs, output):
-            self.out[name] = output[0] if isinstance(output, tuple) else output
-        return fn
+def layer_numberings(layers: list[int]) -> dict:
+    return {"physical": layers, "hf_hidden_states_index": [i + 1 for i in layers],
+            "sglang_specforge": layers, "vllm_speculators": [i + 1 for i in layers]}
 
 
-def run_batch(model, capture: Capture, batch: list[list[int]], layers: list[int], dtype):
-    """One padded forward; returns per-sample (aux [T, k*H], final [T, H]) without the padding."""
-    import torch
+# ---- the run ----------------------------------------------------------------------------------------------------- #
 
-    width = max(len(x) for x in batch)
-    ids = torch.zeros(len(batch), width, dtype=torch.long)
-    mask = torch.zeros(len(batch), width, dtype=torch.long)
-    for i, x in enumerate(batch):
-        ids[i, : len(x)] = torch.tensor(x)
-        mask[i, : len(x)] = 1
-    with torch.inference_mode():
-        model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), use_cache=False)
-    aux = torch.cat([capture.out[f"layer{i}"] for i in layers], dim=-1)
-    final = capture.out["final"]
-    return [(aux[i, : len(x)].to(dtype).cpu(), final[i, : len(x)].to(dtype).cpu()) for i, x in enumerate(batch)]
+@dataclass
+class Rank:
+    """This process's place in a torchrun job (rank 0 of 1 without one)."""
+
+    rank: int = 0
+    world: int = 1
+    local: int = 0
+
+    @classmethod
+    def from_env(cls) -> "Rank":
+        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+                   int(os.environ.get("LOCAL_RANK", 0)))
+
+    def owns(self, key: str) -> bool:
+        return int(key[:8], 16) % self.world == self.rank
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
 
 
-def write_shard(path: Path, ids: list[list[int]], masks: list[list[int]], states: list, meta: dict) -> None:
-    import torch
+@dataclass
+class Tally:
+    samples: int = 0
+    tokens: int = 0
+    computed: int = 0
+    computed_tokens: int = 0
+    torn: int = 0
+    seconds: float = 0.0
+    fp8_err_num: float = 0.0
+    fp8_err_den: float = 0.0
+
+
+class LazyEngine:
+    """The engine is started only when a sample is missing: a run that finds everything in the store never loads
+    the model. The target's norm and sizes are kept in the store the first time."""
+
+    def __init__(self, cfg: Config, layers: list[int], store: StateStore, settings_hash: str):
+        self.cfg, self.layers, self.store, self.settings_hash = cfg, layers, store, settings_hash
+        self.engine: Engine | None = None
+
+    def get(self) -> Engine:
+        if self.engine is None:
+            self.engine = make_engine(self.cfg, self.layers)
+            e = self.engine
+            self.store.save_target(self.settings_hash, Target(e.final_norm, e.n_layers, e.hidden_size))
+        return self.engine
+
+    @property
+    def pad_tokens(self) -> int:
+        return self.engine.pad_tokens if self.engine is not None else 0
+
+    def target(self) -> Target:
+        found = self.store.target(self.settings_hash)
+        if found is None:  # never recorded (the states came from elsewhere): the engine reads it from the model
+            self.get()
+            found = self.store.target(self.settings_hash)
+        return found
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+@dataclass
+class Computer:
+    """Computes the states of missing samples, length-sorted and batched, and writes them to the store."""
+
+    engine: LazyEngine
+    store: StateStore
+    settings: dict
+    dtype: str
+    batch_tokens: int
+    shard_max_tokens: int
+    tally: Tally
+    names: dict = field(default_factory=dict)  # key -> sample id, for error messages
+    _buffer: list = field(default_factory=list)
+
+    @property
+    def settings_hash(self) -> str:
+        return content_hash(self.settings)
+
+    def run(self, missing: list[tuple[str, list[int]]]) -> None:
+        for batch in length_batches(missing, self.batch_tokens):
+            t0 = time.perf_counter()
+            states = self.engine.get().forward([ids for _, ids in batch])
+            self.tally.seconds += time.perf_counter() - t0
+            samples = [SampleStates(k, ids, aux, final) for (k, ids), (aux, final) in zip(batch, states)]
+            check(samples, self.names)
+            self._fp8_error(samples)
+            self._buffer += samples
+            self.tally.computed += len(samples)
+            self.tally.computed_tokens += sum(len(ids) for _, ids in batch)
+            if sum(len(s.input_ids) for s in self._buffer) >= self.shard_max_tokens:
+                self.flush()
+
+    def flush(self) -> None:
+        if not self._buffer:
+            return
+        name = self.store.new_shard_name(self.settings_hash)
+        size = write(self.store.path(name), self._buffer, self.dtype, self.settings)
+        self.store.add_shard(name, self.settings_hash, [s.key for s in self._buffer],
+                             [len(s.input_ids) for s in self._buffer], size)
+        self._buffer = []
+
+    def _fp8_error(self, samples: list[SampleStates]) -> None:
+        """fp8 against what bf16 would have stored: the error the metrics report."""
+        if self.dtype != "fp8":
+            return
+        from stages.shards import dequantize_fp8
+
+        for s in samples:
+            for x in (s.aux, s.final):
+                q = encode(x, "fp8")
+                ref = x.bfloat16().float()
+                self.tally.fp8_err_num += float((dequantize_fp8(q[""], q["_scale"]) - ref).pow(2).sum())
+                self.tally.fp8_err_den += float(ref.pow(2).sum())
+
+
+def length_batches(samples: list[tuple[str, list[int]]], batch_tokens: int, max_pad_share: float = 0.02):
+    """Samples sorted by length, cut into batches whose padded size stays within batch_tokens (a sample longer than
+    that goes alone) and whose padding stays under max_pad_share: a batch is for throughput, and padding is compute
+    thrown away, so a sample that would pad its batch too much starts the next one. Sorting keeps the padding small
+    wherever the window holds many samples of similar lengths."""
+    batch: list = []
+    real = 0
+    for s in sorted(samples, key=lambda s: len(s[1])):
+        n = len(s[1])
+        padded = n * (len(batch) + 1)
+        if batch and (padded > batch_tokens or 1 - (real + n) / padded > max_pad_share):
+            yield batch
+            batch, real = [], 0
+        batch.append(s)
+        real += n
+    if batch:
+        yield batch
+
+
+def windows(src: Path, size: int):
+    """(ids, input_ids, loss_masks) of `size` samples at a time, streamed from samples.parquet."""
+    import pyarrow.parquet as pq
+
+    for batch in pq.ParquetFile(src).iter_batches(batch_size=size, columns=["id", "input_ids", "loss_mask"]):
+        yield tuple(batch.column(i).to_pylist() for i in range(3))
+
+
+def compute(cfg: Config, src: Path, engine: LazyEngine, store: StateStore, settings: dict, rank: Rank,
+            tally: Tally) -> None:
+    """Pass 1 (every rank): compute what the store lacks."""
+    hs = cfg.hidden_states
+    computer = Computer(engine, store, settings, hs.dtype, hs.batch_tokens, hs.shard_max_tokens, tally)
+    sh = computer.settings_hash
+    checked: set[str] = set()
+    for ids, input_ids, _ in windows(src, hs.window_samples):
+        keys = [state_key(sh, x) for x in input_ids]
+        found = store.lookup(keys)
+        unchecked = {loc.shard for loc in found.values()} - checked
+        dropped = store.drop_torn(unchecked)  # a shard cut short: its samples are computed again
+        tally.torn += len(dropped)
+        checked |= unchecked - set(dropped)
+        if dropped:
+            found = store.lookup(keys)
+        missing = {k: x for k, x in zip(keys, input_ids) if k not in found and rank.owns(k)}
+        computer.names.update(zip(keys, ids))
+        computer.run(list(missing.items()))
+    computer.flush()
+
+
+def materialise(cfg: Config, src: Path, out: Path, store: StateStore, settings: dict, target: Target,
+                tally: Tally) -> dict:
+    """Pass 2 (rank 0): the output directory, rebuilt from the store: shard links, the sample list, the index."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
     from safetensors.torch import save_file
 
-    aux = torch.cat([a for a, _ in states])
-    final = torch.cat([f for _, f in states])
-    lengths = torch.tensor([len(x) for x in ids])
-    offsets = torch.zeros(len(ids) + 1, dtype=torch.int64)
-    offsets[1:] = torch.cumsum(lengths, 0)
-    tensors = {
-        "input_ids": torch.tensor([t for x in ids for t in x], dtype=torch.int32),
-        "loss_mask": torch.tensor([t for x in masks for t in x], dtype=torch.int8),
-        "offsets": offsets,
-        "aux_hidden_states": aux.contiguous(),
-        "hidden_states": final.contiguous(),
-    }
-    check_shard(tensors)
-    with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata={"draftdata": json.dumps(meta, sort_keys=True)})
+    if out.exists():
+        shutil.rmtree(out)  # an earlier run's view: it is rebuilt whole, from the store
+    (out / "shards").mkdir(parents=True)
+    sh = content_hash(settings)
+    linked: dict[str, str] = {}
+    how = "hardlink"
+    schema = pa.schema([("id", pa.string()), ("shard", pa.string()), ("row", pa.int32()), ("n_tokens", pa.int32()),
+                        ("loss_mask", pa.list_(pa.int8()))])
+    with atomic_path(out / "samples.parquet") as tmp, pq.ParquetWriter(tmp, schema) as writer:
+        for ids, input_ids, masks in windows(src, cfg.hidden_states.window_samples):
+            keys = [state_key(sh, x) for x in input_ids]
+            found = store.lookup(keys)
+            lost = [i for i, k in zip(ids, keys) if k not in found]
+            if lost:
+                raise UserError(f"hidden_states: {len(lost)} samples have no states in the store (first: {lost[0]})"
+                                "; a rank failed, or the store was changed meanwhile: run again")
+            for loc in {found[k].shard for k in keys} - set(linked):
+                linked[loc], how = _link(store.path(loc), out / "shards", how)
+            rows = [found[k] for k in keys]
+            writer.write_table(pa.table({
+                "id": ids, "shard": [linked[r.shard] for r in rows], "row": [r.row for r in rows],
+                "n_tokens": [r.n_tokens for r in rows], "loss_mask": masks}, schema=schema))
+            tally.samples += len(ids)
+            tally.tokens += sum(r.n_tokens for r in rows)
+    norm = target.norm
+    tensors = {"weight": norm.weight.contiguous()}
+    if norm.bias is not None:
+        tensors["bias"] = norm.bias.contiguous()
+    with atomic_path(out / "final_norm.safetensors") as tmp:
+        save_file(tensors, str(tmp))
+    return {"link": how, "shards": sorted(linked.values())}
 
 
-def check_shard(t: dict) -> None:
-    """Before writing: ids and states agree in length, and every value is finite."""
+def _link(src: Path, dest_dir: Path, how: str) -> tuple[str, str]:
+    """Hard-link a store shard into the output (one copy on disk); copy where the file systems differ."""
+    dest = dest_dir / src.name
+    if how == "hardlink":
+        try:
+            os.link(src, dest)
+            return src.name, how
+        except OSError:
+            log("hidden_states", warning="the state store is on another file system than the output: shards "
+                "are copied (twice the disk); keep run.store_path on the same file system")
+    shutil.copyfile(src, dest)
+    return src.name, "copy"
+
+
+def make_engine(cfg: Config, layers: list[int]) -> Engine:
+    hs = cfg.hidden_states
+    if hs.backend == "vllm":
+        from stages.capture_vllm import VLLMEngine
+
+        # vLLM packs sequences (no padding): a batch must hold the longest sample the tokenize stage lets through
+        return VLLMEngine(cfg.model, layers, python=hs.vllm_python, tensor_parallel_size=hs.tensor_parallel_size,
+                          data_parallel_size=hs.data_parallel_size, llm_kwargs=dict(hs.vllm_kwargs),
+                          max_batch_tokens=max(hs.batch_tokens, cfg.tokenize.max_seq_len + 1))
+    from stages.capture import HFEngine
+
+    return HFEngine(cfg.model, layers, device_map=hs.device_map)
+
+
+def _join_group(rank: Rank) -> None:
     import torch
+    import torch.distributed as dist
 
-    n = t["input_ids"].shape[0]
-    for name in ("loss_mask", "aux_hidden_states", "hidden_states"):
-        if t[name].shape[0] != n:
-            raise RuntimeError(f"shard check: {name} has {t[name].shape[0]} rows, input_ids {n}")
-    if int(t["offsets"][-1]) != n:
-        raise RuntimeError("shard check: offsets do not cover the tokens")
-    for name in ("aux_hidden_states", "hidden_states"):
-        if not torch.isfinite(t[name].float()).all():
-            raise RuntimeError(f"shard check: non-finite values in {name}")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank.local)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def n_layers_of(cfg: Config) -> int:
+    """From the model's config alone, before any weight is loaded."""
+    from transformers import AutoConfig
+
+    try:
+        conf = AutoConfig.from_pretrained(cfg.model.path, revision=cfg.model.revision)
+    except (OSError, ValueError) as e:
+        raise ConfigError("model.path", f"cannot load a model config from {cfg.model.path!r}: {e}") from None
+    return conf.get_text_config().num_hidden_layers
 
 
 def main(cfg: Config) -> None:
-    import pyarrow.parquet as pq
-    import torch
-
-    out = data_dir(cfg.dataset)
-    src = out / "samples.parquet"
+    out_dir = data_dir(cfg.dataset)
+    src = out_dir / "samples.parquet"
     if not src.exists():
         raise UserError(f"{src}: not found; run the tokenize stage first (dvc repro tokenize@{cfg.dataset})")
-    hs = cfg.hidden_states
-    table = pq.read_table(src)
-    ids, input_ids, masks = (table.column(c).to_pylist() for c in ("id", "input_ids", "loss_mask"))
-    model = load_model(cfg.model)
-    n_layers = model.config.num_hidden_layers
-    layers = resolve_layers(hs.layers, n_layers)
-    dtype = getattr(torch, hs.dtype)
-    capture = Capture(model, layers)
-    model_fp = model_fingerprint(cfg.model.path, cfg.model.revision, hash_cache_path(cfg.run.store_path))
-    settings = {"model": model_fp, "layers": layers,
-                "dtype": hs.dtype, "final_state": "post_norm", "hidden_size": model.config.hidden_size}
-    shard_dir = out / "hidden_states"
-    shard_dir.mkdir(parents=True, exist_ok=True)
-    shards = plan_shards(ids, [len(x) for x in input_ids], hs.shard_max_tokens)
-    index, reused = [], 0
-    for sp in shards:
-        name = f"shard-{sp.index:05d}.safetensors"
-        meta = dict(settings, samples=content_hash(sp.ids), n_samples=len(sp.ids), n_tokens=sp.n_tokens)
-        if shard_done(shard_dir / name, meta):
-            reused += 1
-        else:
-            states = []
-            for batch in _batches([input_ids[r] for r in sp.rows], hs.batch_tokens):
-                states += run_batch(model, capture, batch, layers, dtype)
-            write_shard(shard_dir / name, [input_ids[r] for r in sp.rows], [masks[r] for r in sp.rows], states, meta)
-        index.append({"file": name, "sample_ids": sp.ids, "n_tokens": sp.n_tokens})
-    keep = {e["file"] for e in index}
-    for stale in shard_dir.glob("shard-*.safetensors"):  # shards of an earlier, larger plan
-        if stale.name not in keep:
-            stale.unlink()
-    write_json(shard_dir / "index.json", {**settings, "layer_convention": "physical 0-based decoder layer outputs",
-                                          "shards": index})
-    metrics = {"samples": len(ids), "tokens": sum(len(x) for x in input_ids), "shards": len(shards),
-               "shards_reused": reused, "layers": layers, "bytes": sum(p.stat().st_size for p in shard_dir.iterdir())}
-    write_json(out / "hidden_states_metrics.json", metrics)
-    log("hidden_states", dataset=cfg.dataset, samples=len(ids), shards=len(shards), reused=reused, layers=layers)
+    hs, rank, tally = cfg.hidden_states, Rank.from_env(), Tally()
+    layers = resolve_layers(cfg, n_layers_of(cfg))
+    settings = {"version": FORMAT_VERSION, "layers": layers, "dtype": hs.dtype,
+                "model": model_fingerprint(cfg.model.path, cfg.model.revision, hash_cache_path(cfg.run.store_path))}
+    if rank.world > 1:
+        _join_group(rank)
+    store = StateStore(resolve_store_path(cfg.run.store_path).parent / "states")
+    engine = LazyEngine(cfg, layers, store, content_hash(settings))
+    try:
+        compute(cfg, src, engine, store, settings, rank, tally)
+        rank.barrier()
+        if rank.rank == 0:
+            target = engine.target()
+            view = materialise(cfg, src, out_dir / "hidden_states", store, settings, target, tally)
+            write_json(out_dir / "hidden_states" / "index.json", _index(cfg, target, settings, layers, view))
+            write_json(out_dir / "hidden_states_metrics.json",
+                       _metrics(out_dir / "hidden_states", engine, target, hs, layers, tally))
+    finally:
+        engine.close()
+        store.close()
+    log("hidden_states", dataset=cfg.dataset, rank=rank.rank, samples=tally.samples, computed=tally.computed,
+        reused=tally.samples - tally.computed, layers=layers, dtype=hs.dtype)
 
 
-def _batches(seqs: list[list[int]], batch_tokens: int):
-    """Consecutive samples whose padded size stays under batch_tokens (one long sample may exceed it alone)."""
-    batch: list[list[int]] = []
-    width = 0
-    for s in seqs:
-        if batch and max(width, len(s)) * (len(batch) + 1) > batch_tokens:
-            yield batch
-            batch, width = [], 0
-        batch.append(s)
-        width = max(width, len(s))
-    if batch:
-        yield batch
+def _index(cfg: Config, target: Target, settings: dict, layers: list[int], view: dict) -> dict:
+    return {
+        "format": "draftdata-hidden-states", "version": FORMAT_VERSION,
+        "model": {"path": cfg.model.path, "revision": cfg.model.revision, "fingerprint": settings["model"],
+                  "n_layers": target.n_layers, "hidden_size": target.hidden_size},
+        "layers": layer_numberings(layers),
+        "layer_convention": "physical id L = output of decoder layer L (0-based) = HF hidden_states[L + 1] = "
+                            "SGLang/SpecForge id L = vLLM/speculators id L + 1",
+        "final_state": "pre_norm", "final_norm": {"file": "final_norm.safetensors", **target.norm.describe()},
+        "dtype": settings["dtype"], "shards": view["shards"], "link": view["link"],
+        "tensors": {"aux_hidden_states": "[T, k, H]", "final_hidden_states": "[T, H], before the final norm"},
+    }
+
+
+def _metrics(out: Path, engine: LazyEngine, target: Target, hs, layers: list[int], tally: Tally) -> dict:
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    shard_bytes = sum(p.stat().st_size for p in (out / "shards").iterdir())
+    computed = tally.computed_tokens
+    m = {"samples": tally.samples, "tokens": tally.tokens, "computed_samples": tally.computed,
+         "computed_tokens": computed, "reused_samples": tally.samples - tally.computed,
+         "torn_shards_redone": tally.torn, "dtype": hs.dtype, "bytes": size,
+         "bytes_per_token": round(shard_bytes / tally.tokens, 2) if tally.tokens else 0.0,
+         "limit_bytes_per_token": 2 * (len(layers) + 1) * target.hidden_size,  # bf16, k aux layers + final
+         "padded_compute_share": round(engine.pad_tokens / (computed + engine.pad_tokens), 4) if computed else 0.0,
+         "tok_s": round(computed / tally.seconds, 1) if tally.seconds else 0.0}
+    if hs.dtype == "fp8" and tally.fp8_err_den:
+        m["fp8_rel_err"] = round((tally.fp8_err_num / tally.fp8_err_den) ** 0.5, 5)
+    return m
 
 
 if __name__ == "__main__":

@@ -53,16 +53,20 @@ def load_tokenizer(model: ModelConfig):
     return tok
 
 
-def load_model(model: ModelConfig):
-    """The target's weights on the GPU when there is one, in eval mode."""
+def load_model(model: ModelConfig, device_map: str | None = None):
+    """The target's weights, in eval mode and their own dtype: spread over the GPUs by `device_map` (e.g. "auto")
+    for a target bigger than one, else on the GPU when there is one."""
     import torch
     from transformers import AutoModelForCausalLM
 
     try:
-        net = AutoModelForCausalLM.from_pretrained(model.path, revision=model.revision)
+        net = AutoModelForCausalLM.from_pretrained(model.path, revision=model.revision, dtype="auto",
+                                                   **({"device_map": device_map} if device_map else {}))
     except (OSError, ValueError) as e:
         raise ConfigError("model.path", f"cannot load a model from {model.path!r}: {e}") from None
-    return net.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+    if not device_map:
+        net = net.to("cuda" if torch.cuda.is_available() else "cpu")
+    return net.eval()
 
 
 def render_prompt_ids(tok, messages: list[dict], tools: list[dict] | None, template_kwargs: dict) -> list[int]:

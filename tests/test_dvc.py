@@ -71,6 +71,12 @@ def test_repro_noop_and_budget_edit_reruns_one_chain(repo):
     second = dvc("repro", cwd=repo)
     assert ran(second) == set()
 
+    # the hidden states are on disk once: the output's shards, the state store's and DVC's cache share an inode
+    for shard in (repo / "data" / "B1_glaive" / "hidden_states" / "shards").iterdir():
+        in_store = list((repo / ".draftdata" / "states").rglob(shard.name))
+        assert len(in_store) == 1 and in_store[0].stat().st_ino == shard.stat().st_ino
+        assert shard.stat().st_nlink == 3
+
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["datasets"]["B3_magicoder"]["token_budget"] = 500
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
@@ -113,3 +119,12 @@ def test_temp_experiment_shares_the_workspace_store(repo):
     assert "generate@B3_magicoder" in out
     assert count() > before
     assert not list((repo / ".dvc" / "tmp").rglob("store.sqlite"))
+    # the experiment's states went to the workspace's state store too: here, the same budget computes nothing
+    # (DVC restores the stages from its run cache; forced, the stage finds every state in the store)
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["datasets"]["B3_magicoder"]["token_budget"] = 900
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    dvc("repro", cwd=repo)
+    assert "hidden_states@B3_magicoder" in ran(dvc("repro", "-s", "-f", "hidden_states@B3_magicoder", cwd=repo))
+    metrics = yaml.safe_load((repo / "data" / "B3_magicoder" / "hidden_states_metrics.json").read_text())
+    assert metrics["computed_samples"] == 0 and metrics["samples"] > 0

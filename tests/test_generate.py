@@ -142,19 +142,22 @@ def test_progress_lines_when_not_on_a_terminal(project, capsys):
 
 
 def test_embedded_sampling_is_reproducible(project, monkeypatch):
-    """Each request samples from its own seed, so two fresh stores get the same responses; without the seeded
-    sampler (transformers' shared generator) they differ, which is what this guards against."""
+    """Each request samples from its own seed, so two fresh stores get the same response for every prompt both
+    answered (which prompts a run reaches before its budget depends on timing); without the seeded sampler
+    (transformers' shared generator) they differ, which is what this guards against."""
     import stages.backends.embedded as embedded
 
     project.run("prompts", "B3")
 
-    def outputs(store: str) -> list:
+    def outputs(store: str) -> dict:
         project.params["run"]["store_path"] = str(project.path / store)
         project.save()
         project.run("generate", "B3")
-        return [r["output_ids"] for r in read_jsonl(project.data("B3") / "responses.jsonl")]
+        return {r["id"]: r["output_ids"] for r in read_jsonl(project.data("B3") / "responses.jsonl")}
 
     first, second = outputs("a.sqlite"), outputs("b.sqlite")
-    assert first == second and len(first) >= 8
+    common = set(first) & set(second)
+    assert len(common) >= 8 and all(first[i] == second[i] for i in common)
     monkeypatch.setattr(embedded, "install_seeded_sampling", lambda manager: False)
-    assert outputs("c.sqlite") != first
+    third = outputs("c.sqlite")
+    assert any(first[i] != third[i] for i in set(first) & set(third))

@@ -166,3 +166,202 @@ def test_pipeline_through_vllm_is_token_exact(vllm, project):
     assert m["budget_met"]
     t = json.loads((project.data("B3") / "tokenize_metrics.json").read_text())
     assert t["text_path_samples"] == 0 and t["samples"] == m["responses"] - t["skipped"].get("empty_output", 0)
+
+
+# --- the `vllm` hidden-states engine (stages/capture_vllm.py) ---------------------------------------------------
+
+CAPTURE_LAYERS = [1, 3, 4, 7]  # EAGLE-3's default for 8 layers, and the last layer (its output is the final pre-norm)
+CAPTURE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def capture_batch(vocab_size: int) -> list[list[int]]:
+    """Three samples of different lengths, 520 tokens in all: more than one vLLM step at max_batch_tokens=512."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab_size, (n,), generator=g).tolist() for n in (300, 180, 40)]
+
+
+@pytest.fixture(scope="module")
+def capture_target(tmp_path_factory) -> Path:
+    """The head_dim-64 tiny target, float32 weights (vLLM's CPU build runs float32 when asked: exact comparisons)."""
+    return build(tmp_path_factory.mktemp("capture") / "tiny-capture", mean_response_tokens=24)
+
+
+@pytest.fixture(scope="module", params=["aux", "hooks"])
+def vllm_engine(request, capture_target):
+    """A VLLMEngine per capture path: vLLM's own EAGLE-3 aux hidden states, and forward hooks on the layers."""
+    from stages.capture_vllm import VLLMEngine
+
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in CAPTURE_ENV.items():
+            mp.setenv(k, v)
+        engine = VLLMEngine(ModelConfig(path=str(capture_target)), CAPTURE_LAYERS, python=VLLM_PYTHON,
+                            max_batch_tokens=512, llm_kwargs={"dtype": "float32"}, capture=request.param)
+    try:
+        yield engine
+    finally:
+        engine.close()
+
+
+def test_vllm_engine_matches_transformers(vllm_engine, capture_target):
+    """Per sample and token: the chosen layers' outputs and the final pre-norm state equal transformers'
+    (`hidden_states[L + 1]`; the last entry is post-norm in transformers 5, so it is compared after FinalNorm) and
+    the reference HFEngine's."""
+    import torch
+
+    from stages.capture import HFEngine
+    from stages.target import load_model
+
+    cfg = ModelConfig(path=str(capture_target))
+    model = load_model(cfg)
+    assert vllm_engine.n_layers == 8 and vllm_engine.hidden_size == 128 and vllm_engine.pad_tokens == 0
+    batch = capture_batch(model.config.vocab_size)
+    start = time.perf_counter()
+    got = vllm_engine.forward(batch)
+    print(f"\nVLLMEngine.forward ({vllm_engine.capture}), {sum(map(len, batch))} tokens: "
+          f"{time.perf_counter() - start:.3f}s")
+    reference = HFEngine(cfg, CAPTURE_LAYERS)
+    want = reference.forward(batch)
+    reference.close()
+    close = {"rtol": 1e-3, "atol": 1e-3}
+    for ids, (aux, final), (ref_aux, ref_final) in zip(batch, got, want):
+        assert aux.dtype == final.dtype == torch.float32
+        assert aux.shape == (len(ids), len(CAPTURE_LAYERS), 128) and final.shape == (len(ids), 128)
+        torch.testing.assert_close(aux, ref_aux, **close)
+        torch.testing.assert_close(final, ref_final, **close)
+        with torch.no_grad():
+            hs = model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+        for j, layer in enumerate(CAPTURE_LAYERS[:-1]):
+            torch.testing.assert_close(aux[:, j], hs[layer + 1][0], **close)
+        torch.testing.assert_close(aux[:, -1], final)  # the last layer's output is the final norm's input
+        torch.testing.assert_close(vllm_engine.final_norm.apply(final), hs[-1][0], **close)
+
+
+def test_vllm_engine_final_norm_is_the_models(vllm_engine, capture_target):
+    import torch
+
+    from stages.target import load_model
+
+    norm = load_model(ModelConfig(path=str(capture_target))).model.norm
+    spec = vllm_engine.final_norm
+    assert spec.kind == "rms" and spec.weight_offset == 0.0 and spec.bias is None
+    assert spec.eps == norm.variance_epsilon
+    torch.testing.assert_close(spec.weight, norm.weight.detach().float(), rtol=0, atol=0)
+
+
+def test_vllm_engine_refuses_what_would_break_vllm(vllm_engine):
+    """Too long for one step, or an id outside the vocabulary (which kills vLLM's engine): one line, and the engine
+    still answers afterwards."""
+    import torch
+
+    from stages.config import UserError
+
+    for bad in ([1] * 600, [1, 10**6], []):
+        with pytest.raises(UserError) as e:
+            vllm_engine.forward([[1, 2, 3], bad])
+        assert "\n" not in str(e.value)
+    # A duplicate and a sample that extends another: rows are found by ids and positions, so each gets a whole
+    # prefill of its own tokens (a prefix's states are the same in both, attention being causal).
+    (a, fa), (b, fb), (c, fc) = vllm_engine.forward([[5, 6, 7], [5, 6, 7], [5, 6, 7, 8]])
+    assert a.shape == (3, len(CAPTURE_LAYERS), 128) and fa.shape == (3, 128) and c.shape[0] == 4
+    assert torch.equal(a, b) and torch.equal(fa, fb)
+    torch.testing.assert_close(c[:3], a, rtol=1e-5, atol=1e-5)
+
+
+def test_vllm_engine_bad_model_path_is_one_line(tmp_path, monkeypatch):
+    from stages.capture_vllm import VLLMEngine
+    from stages.config import UserError
+
+    for k, v in CAPTURE_ENV.items():
+        monkeypatch.setenv(k, v)
+    missing = tmp_path / "no-such-model"
+    start = time.monotonic()
+    with pytest.raises(UserError) as e:
+        VLLMEngine(ModelConfig(path=str(missing)), CAPTURE_LAYERS, python=VLLM_PYTHON, startup_timeout_s=300)
+    message = str(e.value)
+    assert "\n" not in message and str(missing) in message, message
+    assert time.monotonic() - start < 300
+    kept = Path(re.search(r"log: (\S+?)\)", message).group(1))  # the worker's log outlives the engine's temp dir
+    assert kept.exists()
+    kept.unlink()
+
+
+# A stand-in worker for the failure paths the real one cannot be made to take on demand: it answers start-up as
+# stages/vllm_worker.py does, then dies on the first batch.
+FAKE_WORKER = """
+import json, os, sys, torch
+from safetensors.torch import save_file
+settings = json.loads(sys.argv[-1])
+x = torch.randn(4, 8)
+save_file({"weight": torch.ones(8), "probe_in": x,
+           "probe_out": x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)}, settings["norm_file"])
+print(json.dumps({"ok": True, "n_layers": 8, "hidden_size": 8, "max_len": 64, "vocab_size": 100, "mode": "hooks",
+                  "norm": {"kind": "rms", "eps": 1e-6, "weight_offset": 0.0}, "norm_file": settings["norm_file"]}),
+      flush=True)
+sys.stdin.readline()
+print("RuntimeError: CUDA error: an illegal memory access was encountered", file=sys.stderr)
+os._exit(3)
+"""
+
+
+@pytest.mark.parametrize("behaviour", ["silent", "exits", "dies_in_batch"])
+def test_vllm_engine_never_hangs_on_a_dead_worker(tmp_path, behaviour):
+    """A worker that never answers, exits at start-up, or dies during a batch: one UserError line, promptly."""
+    import sys
+
+    from stages.capture_vllm import VLLMEngine
+    from stages.config import UserError
+
+    script = {"silent": "import time; time.sleep(600)",
+              "exits": "import sys; print('RuntimeError: CUDA out of memory', file=sys.stderr); sys.exit(3)",
+              "dies_in_batch": FAKE_WORKER}[behaviour]
+    (tmp_path / "fake.py").write_text(script)
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} {tmp_path / "fake.py"} "$@"\n')
+    python.chmod(0o755)
+    start = time.monotonic()
+    with pytest.raises(UserError) as e:
+        engine = VLLMEngine(ModelConfig(path=str(tmp_path)), [1], python=str(python), startup_timeout_s=5)
+        engine.forward([[1, 2, 3]])
+    message = str(e.value)
+    assert "\n" not in message and time.monotonic() - start < 30, message
+    expected = {"silent": "no answer from the worker in 5s",
+                "exits": "status 3) while loading the model: RuntimeError: CUDA out of memory",
+                "dies_in_batch": "status 3) while running a batch: RuntimeError: CUDA error"}[behaviour]
+    assert expected in message, message
+    Path(re.search(r"log: (\S+?)\)", message).group(1)).unlink()
+
+
+def test_hidden_states_stage_gives_the_same_states_on_both_backends(project, tmp_path, monkeypatch):
+    """The stage end to end: the vllm backend's shards equal the hf backend's within bf16 tolerance, sample by
+    sample, and a store filled by one backend serves the other (the backend is how, not what)."""
+    import torch
+
+    from stages.reader import HiddenStates
+
+    for k, v in CAPTURE_ENV.items():
+        monkeypatch.setenv(k, v)
+    model = build(tmp_path / "tiny-vllm", mean_response_tokens=24)
+    project.params["model"]["path"] = str(model)
+    project.params["hidden_states"]["dtype"] = "bfloat16"
+    project.save()
+    for stage in ("prompts", "generate", "tokenize", "hidden_states"):
+        project.run(stage, "B3")
+    hf = [(s.id, s.aux, s.final_pre_norm) for s in HiddenStates(project.data("B3") / "hidden_states")]
+    assert len(hf) > 5
+    project.run("hidden_states", "B3", "hidden_states.backend=vllm", f"hidden_states.vllm_python={VLLM_PYTHON}")
+    metrics = json.loads((project.data("B3") / "hidden_states_metrics.json").read_text())
+    assert metrics["computed_samples"] == 0  # the store already had them: nothing recomputed for a backend switch
+
+    project.params["run"]["store_path"] = str(tmp_path / "other" / "store.sqlite")
+    project.params["hidden_states"]["vllm_kwargs"] = {"dtype": "float32"}
+    project.save()
+    project.run("hidden_states", "B3", "hidden_states.backend=vllm", f"hidden_states.vllm_python={VLLM_PYTHON}")
+    metrics = json.loads((project.data("B3") / "hidden_states_metrics.json").read_text())
+    assert metrics["computed_samples"] == len(hf) and metrics["padded_compute_share"] == 0
+    vl = [(s.id, s.aux, s.final_pre_norm) for s in HiddenStates(project.data("B3") / "hidden_states")]
+    for (i, a, f), (j, b, g) in zip(hf, vl):
+        assert i == j
+        torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2)  # both stored in bf16
+        torch.testing.assert_close(g, f, atol=2e-2, rtol=2e-2)

@@ -1,0 +1,548 @@
+"""Throughput, padding, bytes and memory of the hidden_states stage against the loop most pipelines write.
+
+    python -m bench.hidden_states [--quick] [--samples 300] [--rounds 3] [--naive-batch N] [--threads N]
+        [--device cpu|cuda] [--hidden 256] [--layers 8] [--heads] [--kv-heads] [--intermediate] [--vocab 8192]
+
+The target is a random-weight Llama built from a config here (default: hidden 256, 8 layers, 4 heads of 64, MLP 688,
+vocab 8,192, bf16 weights) and saved with `save_pretrained` into a temp dir: the cost of a forward depends on the
+shapes, not on the weights. Samples are random token ids with lognormal lengths (mean 1,000, sigma 0.8, capped at
+4,096; seeded). Kept per token: the outputs of EAGLE-3's default layers ([1, 3, 4] for 8 layers) and the final
+state. Side by side, in one run:
+
+- ours: the stage's own path, `stages.hidden_states.Computer` (length-sorted batches of at most `batch_tokens`
+  padded tokens from `length_batches`; `stages.capture.HFEngine`: hooks on the decoder, no LM head) writing bf16
+  shards into a `StateStore` in a temp dir, the sample keys hashed as the stage hashes them;
+- naive: fixed-size padded batches in dataset order through the full CausalLM with `output_hidden_states=True`
+  (logits computed), the three layers and the last hidden state picked, one `torch.save` per sample of a dict of
+  the unpadded tensors in bf16. Its batch size is the one whose padded batches (batch size x longest sample in the
+  batch, averaged over batches) come closest to ours' average padded batch, so both run batches of about the same
+  size and differ in what they compute and pad (`--naive-batch` sets it instead: 1 is a loop that pads nothing);
+- ours again with dtype fp8, for its bytes and its error against the bf16 states (both stores read back with
+  `ShardReader`; relative L2 over every sample, aux and final together).
+
+Each path lives in its own spawned process (the same `--threads` torch threads in each) that loads the model once;
+the parent cuts the samples into `rounds` consecutive slices and has ours and naive take turns on each (ours first
+in even rounds, naive first in odd ones), so a slow spell of the machine hits both. A round's time runs from the
+token ids to the files on disk (ours flushes its shard at the end of each round); the process's CPU time is kept
+beside the wall time, as a check on a shared machine. A slice is ours' window (`window_samples`): the stage sorts
+within a window, so ours pads a little more than it would over the whole set. tok/s count real tokens; `ratio` is
+the median of the rounds' ours/naive ratios (`ratio_total` the ratio of the totals, `ratio_cpu` by CPU time).
+Peak RSS is each process's own `ru_maxrss`, so the naive run cannot inflate ours'; `rss_after_load_mb` is the
+same reading before the first timed round (imports, weights, a warm-up forward). The fp8 run comes after the
+comparison, alone.
+
+Writes bench/results/hidden_states.json (with `--device cuda`, as bench/hidden_states_gpu.sh runs it:
+hidden_states_gpu.json). Goals: ratio >= 2; bytes_per_token within 1 % of 2 * 4 * H (bf16, 3 aux layers + the
+final state; ids, offsets and keys are the rest); fp8 bytes_per_token <= 0.55 of bf16's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import random
+import resource
+import statistics
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+MEAN_LEN, SIGMA, MAX_LEN = 1000.0, 0.8, 4096
+HEAD_DIM = 64
+WARMUP_TOKENS = 256  # per sample of the untimed warm-up batch (one-time kernel and allocator setup)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Everything a worker process needs; it rebuilds the samples from the seed rather than receive them."""
+
+    model_dir: str
+    out_dir: str
+    device: str
+    threads: int
+    samples: int
+    seed: int
+    mean_len: float
+    max_len: int
+    vocab: int
+    rounds: int
+    batch_tokens: int
+    shard_max_tokens: int
+    naive_batch: int
+    layers: tuple
+
+
+# ---- the data ----------------------------------------------------------------------------------------------------- #
+
+def lengths(n: int, seed: int, mean: float, max_len: int) -> list[int]:
+    rng = random.Random(seed)
+    mu = math.log(mean) - SIGMA**2 / 2
+    return [max(1, min(max_len, round(rng.lognormvariate(mu, SIGMA)))) for _ in range(n)]
+
+
+def make_samples(spec: Spec) -> list[list[int]]:
+    """Random token ids: the forward's cost does not depend on which ids."""
+    rng = random.Random(f"ids/{spec.seed}")
+    return [[rng.randrange(spec.vocab) for _ in range(n)]
+            for n in lengths(spec.samples, spec.seed, spec.mean_len, spec.max_len)]
+
+
+def round_slices(n: int, rounds: int) -> list[tuple[int, int]]:
+    bounds = [round(i * n / rounds) for i in range(rounds + 1)]
+    return list(zip(bounds, bounds[1:]))
+
+
+def fixed_batches(lens: list[int], size: int) -> list[list[int]]:
+    return [lens[i : i + size] for i in range(0, len(lens), size)]
+
+
+def mean_padded(batches: list[list[int]]) -> float:
+    return statistics.fmean(len(b) * max(b) for b in batches)
+
+
+def choose_naive_batch(lens: list[int], rounds: int, batch_tokens: int, given: int | None = None):
+    """(naive batch size, ours' and naive's average padded batch in tokens): the size whose padded batches come
+    closest to ours on average, unless one is given. Both are cut per round, as they run."""
+    from stages.hidden_states import length_batches
+
+    slices = [lens[a:b] for a, b in round_slices(len(lens), rounds)]
+    ours = [[len(ids) for _, ids in batch] for part in slices
+            for batch in length_batches([(str(i), range(n)) for i, n in enumerate(part)], batch_tokens)]
+    target = mean_padded(ours)
+
+    def naive(size: int) -> float:
+        return mean_padded([b for part in slices for b in fixed_batches(part, size)])
+
+    size = given or min(range(1, 65), key=lambda s: abs(naive(s) - target))
+    return size, target, naive(size)
+
+
+# ---- the model ---------------------------------------------------------------------------------------------------- #
+
+def model_config(args) -> dict:
+    heads = args.heads or max(1, args.hidden // HEAD_DIM)
+    # Llama's MLP width: 8/3 of the hidden size, rounded up to a multiple of 16 (688 for 256)
+    intermediate = args.intermediate or 16 * math.ceil(8 * args.hidden / 3 / 16)
+    return {"hidden_size": args.hidden, "num_hidden_layers": args.layers, "num_attention_heads": heads,
+            "num_key_value_heads": args.kv_heads or heads, "head_dim": args.hidden // heads,
+            "intermediate_size": intermediate, "vocab_size": args.vocab,
+            "max_position_embeddings": max(4096, args.max_len), "tie_word_embeddings": False}
+
+
+def build_model(config: dict, path: str, device: str) -> None:
+    """Random bf16 weights, saved as a checkpoint. Run in its own process: on a GPU it is built there (initialising
+    billions of weights on the CPU takes minutes) and the parent never holds a CUDA context."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(LlamaConfig(**config), dtype=torch.bfloat16)
+    model.save_pretrained(path)
+
+
+# ---- the two paths, each in its own process ----------------------------------------------------------------------- #
+
+class Clock:
+    """Wall time, and the process's CPU time: on a shared machine another job's burst stretches the wall time of
+    whichever path runs then, while the CPU time the path itself needs stays put (on a GPU it means little)."""
+
+    def __init__(self):
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def read(self) -> dict:
+        return {"seconds": time.perf_counter() - self.wall, "cpu_seconds": time.process_time() - self.cpu}
+
+
+def state_settings(spec: Spec, dtype: str) -> dict:
+    """What the stage hashes into every sample's key; the model is named, not fingerprinted (it is random)."""
+    from stages.shards import FORMAT_VERSION
+
+    return {"version": FORMAT_VERSION, "layers": list(spec.layers), "dtype": dtype, "model": "bench-random-llama"}
+
+
+class Started:
+    """The stage's Computer takes its engine from a holder (the stage's own starts the model on first use); this
+    one hands over a model already loaded and warmed up, so loading stays out of the timed rounds."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def get(self):
+        return self.engine
+
+    @property
+    def pad_tokens(self) -> int:
+        return self.engine.pad_tokens
+
+
+class Ours:
+    """The stage's compute pass, one window per round."""
+
+    def __init__(self, spec: Spec, dtype: str):
+        from stages.capture import HFEngine
+        from stages.config import ModelConfig
+        from stages.hidden_states import Computer, Tally
+        from stages.state_store import StateStore
+
+        self.spec, self.samples = spec, make_samples(spec)
+        self.root = Path(spec.out_dir) / f"ours-{dtype}"
+        self.engine = HFEngine(ModelConfig(path=spec.model_dir), list(spec.layers))
+        self.store = StateStore(self.root)
+        self.computer = Computer(Started(self.engine), self.store, state_settings(spec, dtype), dtype,
+                                 spec.batch_tokens, spec.shard_max_tokens, Tally())
+
+    def warm_up(self) -> None:
+        self.engine.forward([[1] * WARMUP_TOKENS] * 2)
+        self.engine.pad_tokens = 0
+
+    def run(self, rnd: int) -> dict:
+        from stages.state_store import state_key
+
+        a, b = round_slices(len(self.samples), self.spec.rounds)[rnd]
+        pad0, clock = self.engine.pad_tokens, Clock()
+        sh = self.computer.settings_hash
+        self.computer.run([(state_key(sh, ids), ids) for ids in self.samples[a:b]])
+        self.computer.flush()  # the window's states on disk, as naive's are
+        return {**clock.read(), "tokens": sum(map(len, self.samples[a:b])), "padded": self.engine.pad_tokens - pad0}
+
+    def finish(self) -> dict:
+        tally = self.computer.tally
+        shards = list(self.root.rglob("*.safetensors"))
+        out = {"bytes": sum(p.stat().st_size for p in shards), "files": len(shards)}
+        if tally.fp8_err_den:
+            out["fp8_rel_err_stage"] = (tally.fp8_err_num / tally.fp8_err_den) ** 0.5
+        self.engine.close()
+        self.store.close()
+        return out
+
+
+class Naive:
+    """The loop as commonly written: padded batches in dataset order, the CausalLM's own hidden_states tuple."""
+
+    def __init__(self, spec: Spec):
+        from transformers import AutoModelForCausalLM
+
+        self.spec, self.samples = spec, make_samples(spec)
+        self.model = AutoModelForCausalLM.from_pretrained(spec.model_dir, dtype="auto").to(spec.device).eval()
+        self.dir = Path(spec.out_dir) / "naive"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.bytes = 0
+
+    def warm_up(self) -> None:
+        self.forward([[1] * WARMUP_TOKENS] * 2)
+
+    def forward(self, batch: list[list[int]]):
+        import torch
+
+        width = max(map(len, batch))
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for i, x in enumerate(batch):
+            ids[i, : len(x)] = torch.tensor(x)
+            mask[i, : len(x)] = 1
+        with torch.inference_mode():
+            out = self.model(input_ids=ids.to(self.spec.device), attention_mask=mask.to(self.spec.device),
+                             output_hidden_states=True)
+        return ids, out.hidden_states
+
+    def run(self, rnd: int) -> dict:
+        import torch
+
+        a, b = round_slices(len(self.samples), self.spec.rounds)[rnd]
+        tokens = padded = 0
+        clock = Clock()
+        for start in range(a, b, self.spec.naive_batch):
+            batch = self.samples[start : min(start + self.spec.naive_batch, b)]
+            ids, hs = self.forward(batch)
+            padded += ids.numel() - sum(map(len, batch))
+            for i, x in enumerate(batch):
+                n = len(x)
+                # hidden_states[L + 1] is the output of layer L; the last entry is after the final norm in HF
+                # (the stage keeps the pre-norm state and the norm's weights instead: the same bytes).
+                # torch.cat and the explicit copy give each file its own storage: saving a view of the batch
+                # would write the whole padded batch into every file.
+                torch.save({"input_ids": ids[i, :n].clone(),
+                            "aux_hidden_states": torch.cat([hs[layer + 1][i, :n] for layer in self.spec.layers],
+                                                           dim=-1).to("cpu", torch.bfloat16),
+                            "hidden_state": hs[-1][i, :n].to("cpu", torch.bfloat16, copy=True)},
+                           self.dir / f"{start + i}.pt")
+                tokens += n
+        times = clock.read()
+        self._count_and_clear()
+        return {**times, "tokens": tokens, "padded": padded}
+
+    def _count_and_clear(self) -> None:
+        """Untimed: the round's files are measured and removed, so a big model's run fits on the disk."""
+        for p in self.dir.iterdir():
+            self.bytes += p.stat().st_size
+            p.unlink()
+
+    def finish(self) -> dict:
+        return {"bytes": self.bytes, "files": len(self.samples)}
+
+
+def peak_memory(device: str) -> dict:
+    out = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # KiB on Linux
+    if device == "cuda":
+        import torch
+
+        out["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    return out
+
+
+def serve(conn, kind: str, spec: Spec) -> None:
+    """A worker's loop: build the path, then answer ("run", round) and ("finish",) until finished."""
+    if spec.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the stage's loader would otherwise take a GPU if there is one
+    try:
+        import torch
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()  # one bar per process and checkpoint would bury the table
+        torch.set_num_threads(spec.threads)
+        path = Naive(spec) if kind == "naive" else Ours(spec, "fp8" if kind == "fp8" else "bfloat16")
+        path.warm_up()
+        conn.send(("ok", {"rss_after_load_mb": peak_memory(spec.device)["peak_rss_mb"]}))
+        while (msg := conn.recv())[0] == "run":
+            conn.send(("ok", path.run(msg[1])))
+        conn.send(("ok", {**path.finish(), **peak_memory(spec.device)}))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+class Worker:
+    def __init__(self, kind: str, spec: Spec):
+        ctx = mp.get_context("spawn")  # a fresh interpreter: its RSS is this path's alone
+        self.kind = kind
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=serve, args=(child, kind, spec), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def answer(self) -> dict:
+        try:
+            status, value = self.conn.recv()
+        except EOFError:  # killed without a word: out of memory, most likely
+            self.proc.join()
+            raise RuntimeError(f"{self.kind} worker died (exit code {self.proc.exitcode})") from None
+        if status != "ok":
+            raise RuntimeError(f"{self.kind} worker failed:\n{value}")
+        return value
+
+    def call(self, *msg) -> dict:
+        self.conn.send(msg)
+        return self.answer()
+
+    def close(self) -> None:
+        self.proc.join()
+
+
+# ---- the comparison ----------------------------------------------------------------------------------------------- #
+
+def interleaved(spec: Spec) -> dict:
+    """ours and naive take turns on each round's slice; then fp8 alone."""
+    ours, naive = Worker("ours", spec), Worker("naive", spec)
+    loaded = {w.kind: w.answer() for w in (ours, naive)}
+    rounds: dict = {"ours": [], "naive": []}
+    for r in range(spec.rounds):
+        for w in ((ours, naive) if r % 2 == 0 else (naive, ours)):
+            rounds[w.kind].append(w.call("run", r))
+    final = {w.kind: {**loaded[w.kind], **w.call("finish")} for w in (ours, naive)}
+    for w in (ours, naive):
+        w.close()
+    fp8 = Worker("fp8", spec)
+    loaded["fp8"] = fp8.answer()
+    rounds["fp8"] = [fp8.call("run", r) for r in range(spec.rounds)]
+    final["fp8"] = {**loaded["fp8"], **fp8.call("finish")}
+    fp8.close()
+    return {"rounds": rounds, "final": final}
+
+
+def fp8_rel_err(spec: Spec) -> float:
+    """Relative L2 error of the fp8 states against the bf16 ones, both read back from their stores."""
+    from stages.state_store import StateStore, state_key
+    from stages.target import content_hash
+
+    stores = {d: StateStore(Path(spec.out_dir) / f"ours-{d}") for d in ("bfloat16", "fp8")}
+    hashes = {d: content_hash(state_settings(spec, d)) for d in stores}
+    readers: dict = {}
+    num = den = 0.0
+    for ids in make_samples(spec):
+        (ref_ids, *ref), (q_ids, *q) = (_read(stores[d], readers, state_key(hashes[d], ids)) for d in stores)
+        assert ref_ids.tolist() == ids == q_ids.tolist()
+        for x, y in zip(q, ref):
+            num += float((x - y).pow(2).sum())
+            den += float(y.pow(2).sum())
+    for s in stores.values():
+        s.close()
+    return (num / den) ** 0.5
+
+
+def _read(store, readers: dict, key: str):
+    from stages.shards import ShardReader
+
+    loc = store.lookup([key])[key]
+    if loc.shard not in readers:
+        readers[loc.shard] = ShardReader(store.path(loc.shard))
+    return readers[loc.shard].sample(loc.row)
+
+
+def path_stats(rounds: list[dict], final: dict, device: str) -> dict:
+    """One path's totals over its rounds: tok/s of real tokens by wall and by CPU time, the padded share."""
+    tokens, padded = sum(r["tokens"] for r in rounds), sum(r["padded"] for r in rounds)
+    out = {"tok_s": tokens / sum(r["seconds"] for r in rounds),
+           "cpu_tok_s": tokens / sum(r["cpu_seconds"] for r in rounds),
+           "pad_share": padded / (padded + tokens), "bytes_per_token": final["bytes"] / tokens,
+           "peak_rss_mb": final["peak_rss_mb"], "rss_after_load_mb": final["rss_after_load_mb"],
+           "seconds": [round(r["seconds"], 2) for r in rounds], "tokens": tokens, "files": final["files"]}
+    if device == "cuda":
+        out["peak_gpu_mb"] = final["peak_gpu_mb"]
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
+
+
+def round_ratios(ours: list[dict], naive: list[dict], clock: str) -> list[float]:
+    """ours/naive tok/s on each round's slice: both ran the same samples, one right after the other."""
+    return [round(n[clock] / o[clock], 3) for o, n in zip(ours, naive)]  # same tokens: the ratio of times
+
+
+def summarise(spec: Spec, runs: dict, fp8_err: float, hidden: int, naive_choice: tuple) -> dict:
+    paths = {k: path_stats(runs["rounds"][k], runs["final"][k], spec.device) for k in ("ours", "naive", "fp8")}
+    ours, naive, fp8 = paths["ours"], paths["naive"], paths["fp8"]
+    per_round = round_ratios(runs["rounds"]["ours"], runs["rounds"]["naive"], "seconds")
+    per_round_cpu = round_ratios(runs["rounds"]["ours"], runs["rounds"]["naive"], "cpu_seconds")
+    res = {
+        "ours_tok_s": round(ours["tok_s"], 1), "naive_tok_s": round(naive["tok_s"], 1),
+        "ratio": statistics.median(per_round), "ratio_per_round": per_round,
+        "ratio_total": round(ours["tok_s"] / naive["tok_s"], 3),
+        "ratio_cpu": statistics.median(per_round_cpu), "ratio_cpu_per_round": per_round_cpu,
+        "pad_share_ours": ours["pad_share"], "pad_share_naive": naive["pad_share"],
+        "bytes_per_token": round(ours["bytes_per_token"], 2),
+        "limit_bytes_per_token": 2 * (len(spec.layers) + 1) * hidden,  # bf16, 3 aux layers + the final state
+        "fp8_bytes_per_token": round(fp8["bytes_per_token"], 2),
+        "fp8_rel_err": round(fp8_err, 5),
+        "fp8_rel_err_stage": round(runs["final"]["fp8"].get("fp8_rel_err_stage", 0.0), 5),
+        "peak_rss_mb": round(ours["peak_rss_mb"], 1),
+        "peak_rss_how": "ru_maxrss of the process that ran ours alone (spawned; naive ran in another)",
+        "naive_batch": spec.naive_batch,
+        "avg_padded_batch_tokens": {"ours": round(naive_choice[1]), "naive": round(naive_choice[2])},
+        "paths": paths,
+    }
+    if spec.device == "cuda":
+        res["peak_gpu_mb"] = round(ours["peak_gpu_mb"], 1)
+    res["goals"] = {
+        "ratio_ge_2": res["ratio"] >= 2,
+        "bytes_per_token_within_1pct_of_limit": abs(res["bytes_per_token"] / res["limit_bytes_per_token"] - 1) <= 0.01,
+        "fp8_le_0.55_of_bf16": res["fp8_bytes_per_token"] <= 0.55 * res["bytes_per_token"],
+    }
+    res["all_goals_met"] = all(res["goals"].values())
+    return res
+
+
+def print_table(res: dict) -> None:
+    gpu = "peak_gpu_mb" in res["paths"]["ours"]
+    print(f"{'path':<9} {'tok/s':>9} {'CPU tok/s':>10} {'pad %':>6} {'bytes/tok':>10} {'RSS MB':>8}"
+          + (f" {'GPU MB':>8}" if gpu else "") + "  wall s per round")
+    for name, kind in (("ours", "ours"), ("naive", "naive"), ("ours fp8", "fp8")):
+        p = res["paths"][kind]
+        print(f"{name:<9} {p['tok_s']:>9,.0f} {p['cpu_tok_s']:>10,.0f} {100 * p['pad_share']:>6.2f} "
+              f"{p['bytes_per_token']:>10,.1f} {p['peak_rss_mb']:>8,.0f}"
+              + (f" {p['peak_gpu_mb']:>8,.0f}" if gpu else "") + f"  {' '.join(f'{s:.1f}' for s in p['seconds'])}")
+    print(f"ratio ours/naive: {res['ratio']} (median of rounds {res['ratio_per_round']}; totals "
+          f"{res['ratio_total']}; by CPU time {res['ratio_cpu']}, rounds {res['ratio_cpu_per_round']})")
+    print(f"naive batch {res['naive_batch']}: padded batch {res['avg_padded_batch_tokens']['naive']:,} tokens on "
+          f"average, ours {res['avg_padded_batch_tokens']['ours']:,}")
+    print(f"bytes/token {res['bytes_per_token']} vs limit {res['limit_bytes_per_token']}; fp8/bf16 bytes "
+          f"{res['fp8_bytes_per_token'] / res['bytes_per_token']:.3f}; fp8_rel_err {res['fp8_rel_err']} (read back; "
+          f"the stage's own metric {res['fp8_rel_err_stage']})")
+    print(f"ours' RSS: {res['paths']['ours']['rss_after_load_mb']:,.0f} MB after load, {res['peak_rss_mb']:,.0f} MB "
+          "peak (its own process)")
+    print("goals: " + ", ".join(f"{k}={'ok' if v else 'MISSED'}" for k, v in res["goals"].items()))
+
+
+def parse_args(argv=None):
+    from stages.config import HiddenStatesConfig
+
+    hs = HiddenStatesConfig()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a fast check: 60 samples")
+    ap.add_argument("--samples", type=int, default=None, help="default 300 (60 with --quick)")
+    ap.add_argument("--rounds", type=int, default=3, help="slices on which ours and naive take turns")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mean-len", type=float, default=MEAN_LEN)
+    ap.add_argument("--max-len", type=int, default=MAX_LEN)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads, the same in every path")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=None, help=f"default hidden / {HEAD_DIM}")
+    ap.add_argument("--kv-heads", type=int, default=None, help="default: as many as heads")
+    ap.add_argument("--intermediate", type=int, default=None, help="default 8/3 hidden, to a multiple of 16")
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--batch-tokens", type=int, default=hs.batch_tokens, help="ours: padded tokens per forward")
+    ap.add_argument("--shard-max-tokens", type=int, default=hs.shard_max_tokens)
+    ap.add_argument("--naive-batch", type=int, default=None,
+                    help="naive's batch size; default: the one whose padded batches match ours on average")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    args.samples = args.samples or (60 if args.quick else 300)
+    args.out = args.out or RESULTS / ("hidden_states_gpu.json" if args.device == "cuda" else "hidden_states.json")
+    return args
+
+
+def build(config: dict, path: str, device: str) -> None:
+    builder = mp.get_context("spawn").Process(target=build_model, args=(config, path, device))
+    builder.start()
+    builder.join()
+    if builder.exitcode:
+        raise SystemExit(f"building the model failed (exit code {builder.exitcode})")
+
+
+def settings(args, spec: Spec, config: dict, tokens: int) -> dict:
+    from importlib.metadata import version
+
+    return {**{k: v for k, v in asdict(spec).items() if k not in ("model_dir", "out_dir")},
+            "layers": list(spec.layers), "model": config, "model_dtype": "bfloat16", "sigma": SIGMA,
+            "naive_batch_rule": "given" if args.naive_batch else "matched to ours' average padded batch",
+            "window_samples": math.ceil(args.samples / args.rounds), "store_dtype": "bfloat16",
+            "mean_tokens_per_sample": round(tokens / args.samples, 1),
+            "torch": version("torch"), "transformers": version("transformers")}
+
+
+def main(argv=None) -> None:
+    from stages.capture import default_layers
+
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    config = model_config(args)
+    lens = lengths(args.samples, args.seed, args.mean_len, args.max_len)
+    naive_choice = choose_naive_batch(lens, args.rounds, args.batch_tokens, args.naive_batch)
+    with tempfile.TemporaryDirectory(prefix="bench-hidden-states-") as tmp:
+        model_dir = str(Path(tmp) / "model")
+        build(config, model_dir, args.device)
+        spec = Spec(model_dir=model_dir, out_dir=tmp, device=args.device, threads=args.threads, samples=args.samples,
+                    seed=args.seed, mean_len=args.mean_len, max_len=args.max_len, vocab=args.vocab,
+                    rounds=args.rounds, batch_tokens=args.batch_tokens, shard_max_tokens=args.shard_max_tokens,
+                    naive_batch=naive_choice[0], layers=tuple(default_layers(args.layers)))
+        runs = interleaved(spec)
+        res = summarise(spec, runs, fp8_rel_err(spec), args.hidden, naive_choice)
+    res["settings"] = settings(args, spec, config, res["paths"]["ours"]["tokens"])
+    res["wall_s"] = round(time.perf_counter() - t0, 1)
+    print_table(res)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=2, sort_keys=True) + "\n")
+    print(f"all goals met: {res['all_goals_met']}; wrote {args.out} in {res['wall_s']}s")
+
+
+if __name__ == "__main__":
+    main()

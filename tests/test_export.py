@@ -1,0 +1,320 @@
+"""`python -m stages.export`: the hidden-states stage's output in SpecForge's and speculators' layouts.
+
+The fast tests run the real stages on the tiny model (prompts → generate → tokenize → hidden_states, bf16 states),
+export both formats and check every file against `HiddenStates`, sample by sample: SpecForge gets the post-norm final
+state, speculators the pre-norm one, the aux layers in index order, bf16 values equal to the stored ones.
+
+The `trainers` test loads the exports with the trainers' own readers, in a Python that has them
+(`DRAFTDATA_TRAINERS_PYTHON`; they pin their own torch, so they live in a venv of their own:
+`python -m venv .trainers && .trainers/bin/pip install torch==2.13.0 speculators==0.9.0 && .trainers/bin/pip
+uninstall -y torchvision torchaudio && .trainers/bin/pip install specforge==0.2.0 --no-deps`), dumps what the
+readers return and compares it value for value with `HiddenStates`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from stages.config import ConfigError, UserError
+from stages.export import MARKER, specforge_path
+from stages.reader import HiddenStates
+
+TRAINERS_PYTHON = os.environ.get("DRAFTDATA_TRAINERS_PYTHON")
+
+
+@pytest.fixture
+def states(project):
+    """The project with data/B3/hidden_states/ built by the real stages."""
+    for stage in ("prompts", "generate", "tokenize", "hidden_states"):
+        project.run(stage, "B3")
+    return project
+
+
+def export(project, fmt: str, *overrides: str) -> Path:
+    project.run("export", "B3", f"export.format={fmt}", *overrides)
+    return project.data("B3") / f"export-{fmt}"
+
+
+def token_freq(hs: HiddenStates) -> Counter:
+    freq: Counter = Counter()
+    for s in hs:
+        freq.update(s.input_ids[s.loss_mask.bool()].tolist())
+    return freq
+
+
+def exact_bf16(got: torch.Tensor, want: torch.Tensor) -> None:
+    """States stored in bf16 come back unchanged; a value computed in float32 (the post-norm state) is rounded once."""
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, want.to(torch.bfloat16))
+
+
+# ---- fast: the files ------------------------------------------------------------------------------------------- #
+
+def test_specforge_files_match_the_reader(states):
+    out = export(states, "specforge")
+    hs = HiddenStates(states.data("B3") / "hidden_states")
+    k, h = len(hs.layers["physical"]), hs.hidden_size
+    files = sorted(out.rglob("*.ckpt"))
+    assert len(files) == len(hs) > 0
+    for i, s in enumerate(hs):
+        assert s.aux.shape[1] == k
+        rec = torch.load(out / specforge_path(i), weights_only=True)
+        assert set(rec) == {"input_ids", "loss_mask", "aux_hidden_state", "hidden_state"}
+        n = s.input_ids.shape[0]
+        assert rec["input_ids"].dtype == rec["loss_mask"].dtype == torch.int64
+        assert torch.equal(rec["input_ids"], s.input_ids) and torch.equal(rec["loss_mask"], s.loss_mask)
+        assert rec["aux_hidden_state"].shape == (1, n, k * h) and rec["hidden_state"].shape == (1, n, h)
+        # aux: the layers concatenated in index order, exactly the stored bf16 values
+        for j in range(k):
+            assert torch.equal(rec["aux_hidden_state"][0, :, j * h:(j + 1) * h].float(), s.aux[:, j])
+        exact_bf16(rec["hidden_state"][0], s.final_post_norm)  # post-norm, not the stored pre-norm state
+        assert not torch.equal(rec["hidden_state"][0].float(), s.final_pre_norm)
+    meta = json.loads((out / MARKER).read_text())
+    assert meta["format"] == "specforge" and meta["samples"] == len(hs) and meta["final_state"] == "post_norm"
+    assert meta["aux_layer_ids"] == hs.layers["sglang_specforge"]
+    assert not list(out.parent.glob(".export-specforge*")), "staging left behind"
+
+
+def test_speculators_files_match_the_reader(states):
+    from datasets import load_from_disk
+    from safetensors.torch import load_file
+
+    out = export(states, "speculators")
+    hs = HiddenStates(states.data("B3") / "hidden_states")
+    k, h = len(hs.layers["physical"]), hs.hidden_size
+    ds = load_from_disk(str(out))
+    assert len(ds) == len(hs) > 0 and ds.format["type"] == "torch"
+    assert set(ds.column_names) == {"input_ids", "loss_mask", "seq_len"}
+    for i, s in enumerate(hs):
+        row = ds[i]
+        n = s.input_ids.shape[0]
+        assert row["input_ids"].dtype == row["loss_mask"].dtype == torch.int64
+        assert torch.equal(row["input_ids"], s.input_ids) and torch.equal(row["loss_mask"], s.loss_mask)
+        assert int(row["seq_len"]) == n
+        t = load_file(out / "hidden_states" / f"hs_{i}.safetensors")
+        assert set(t) == {"token_ids", "hidden_states"}
+        assert t["token_ids"].dtype == torch.int64 and torch.equal(t["token_ids"], s.input_ids)
+        assert t["hidden_states"].shape == (n, k + 1, h) and t["hidden_states"].dtype == torch.bfloat16
+        assert torch.equal(t["hidden_states"][:, :k].float(), s.aux)  # aux layers, index order, exact
+        assert torch.equal(t["hidden_states"][:, k].float(), s.final_pre_norm)  # last: the PRE-norm state
+    assert torch.load(out / "token_freq.pt", weights_only=True) == dict(token_freq(hs))
+    meta = json.loads((out / MARKER).read_text())
+    assert meta["final_state"] == "pre_norm" and meta["aux_layer_ids"] == hs.layers["vllm_speculators"]
+
+
+def test_rerun_replaces_an_export_and_a_custom_dir(states):
+    out = export(states, "specforge")
+    (out / "rows_0-2000" / "stale.ckpt").write_bytes(b"x")  # a leftover an earlier export never wrote
+    export(states, "specforge")
+    assert not (out / "rows_0-2000" / "stale.ckpt").exists() and (out / MARKER).exists()
+    custom = states.path / "elsewhere" / "sf"
+    states.run("export", "B3", "export.format=specforge", f"export.dir={custom}")
+    assert (custom / MARKER).exists() and len(list(custom.rglob("*.ckpt"))) == len(list(out.rglob("*.ckpt")))
+
+
+def test_an_interrupted_export_is_never_at_the_export_path(states, monkeypatch):
+    import stages.export as export_mod
+
+    def dies(hs, staging, tally):
+        (staging / "rows_0-2000").mkdir()
+        (staging / "rows_0-2000" / "data_0.ckpt").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
+        m.setitem(export_mod.WRITERS, "specforge", dies)
+        export(states, "specforge")
+    assert not (states.data("B3") / "export-specforge").exists()
+    assert not list(states.data("B3").glob(".export-specforge*"))
+    # a killed run's staging (no cleanup ran) is cleared by the next run, which completes
+    staging = states.data("B3") / ".export-specforge.partial"
+    staging.mkdir()
+    (staging / "junk.ckpt").write_bytes(b"")
+    out = export(states, "specforge")
+    assert (out / MARKER).exists() and not (out / "junk.ckpt").exists() and not staging.exists()
+
+
+# ---- fast: the refusals ---------------------------------------------------------------------------------------- #
+
+def test_refusals(project):
+    with pytest.raises(ConfigError, match=r"^export\.format: .*'tensorflow'"):
+        project.run("export", "B3", "export.format=tensorflow")
+    with pytest.raises(UserError, match=r"hidden_states/index\.json: not found; run the hidden_states stage"):
+        project.run("export", "B3", "export.format=specforge")
+
+
+def test_refuses_a_file_or_a_foreign_directory(states):
+    a_file = states.path / "a_file"
+    a_file.write_text("mine")
+    with pytest.raises(ConfigError, match=r"^export\.dir: .*a_file is a file"):
+        states.run("export", "B3", "export.format=speculators", f"export.dir={a_file}")
+    foreign = states.path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=rf"^export\.dir: .*foreign is a non-empty directory without {MARKER}"):
+        states.run("export", "B3", "export.format=specforge", f"export.dir={foreign}")
+    assert a_file.read_text() == "mine" and (foreign / "notes.txt").read_text() == "mine"
+
+
+def test_cli_reports_one_line(states):
+    env = dict(os.environ, DRAFTDATA_PARAMS=str(states.path / "params.yaml"),
+               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    (states.path / "a_file").write_text("")
+    r = subprocess.run([sys.executable, "-m", "stages.export", "dataset=B3", "export.format=specforge",
+                        "export.dir=a_file"], cwd=states.path, env=env, capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()]
+    assert r.stderr.startswith("error: export.dir: a_file is a file")
+
+
+# ---- the real readers ------------------------------------------------------------------------------------------ #
+
+# Runs under DRAFTDATA_TRAINERS_PYTHON: loads the exports with the trainers' own code and dumps what it returns.
+READERS = textwrap.dedent('''
+    import json, re, sys
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import save_file
+
+    sf_dir, sp_dir, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    BIG = 1 << 20  # max_len: no truncation
+
+    def index(path):
+        return int(re.search(r"data_(\\d+)\\.ckpt$", str(path)).group(1))
+
+    def dump(name, items):
+        save_file({f"{key}/{k}": v.contiguous() for key, d in items for k, v in d.items()
+                   if isinstance(v, torch.Tensor)}, str(out / f"{name}.safetensors"))
+
+    # SpecForge 0.2.0, what `specforge train` runs offline: the eagle3 provider's reader, normalizer and collator
+    # over a LocalFeatureStore, through the FeatureDataLoader
+    from specforge.algorithms.builtin import builtin_algorithm_registry
+    from specforge.runtime.data_plane.feature_dataloader import FeatureDataLoader
+    from specforge.runtime.data_plane.feature_store import LocalFeatureStore
+
+    eagle3 = builtin_algorithm_registry().resolve("eagle3")
+    provider = eagle3.providers.offline_for("text")
+    refs = provider.build_reader(sf_dir, run_id="t", ttt_length=1, max_len=BIG).read()
+    path_of = {r.sample_id: r.feature_store_uri[len("file://"):] for r in refs}
+    loader = FeatureDataLoader(LocalFeatureStore("t"), refs=refs, batch_size=1, drop_last=False,
+                               collate_fn=provider.build_collator(),
+                               per_sample_transform=provider.build_normalizer(BIG), strategy=eagle3.name)
+    dump("specforge_loader", [(index(path_of[b.sample_ids[0]]), b.tensors) for b in loader])
+
+    # SpecForge's dataset class (specforge.data.preprocessing), the same files
+    from specforge.data.preprocessing import build_offline_eagle3_dataset
+    ds = build_offline_eagle3_dataset(sf_dir, max_len=BIG)
+    dump("specforge_dataset", [(index(ds.datapaths[j]), ds[j]) for j in range(len(ds))])
+
+    # SpecForge's own token count for its vocab mapping
+    from specforge.training.vocab_mapping import count_effective_feature_tokens
+    counts = {"specforge": dict(count_effective_feature_tokens(sf_dir))}
+
+    # speculators 0.9.0: its ArrowDataset, item by item, and its train/val loaders (packed batches)
+    from speculators.train.data import ArrowDataset
+    from speculators.train.dataloader import create_train_val_loaders
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    ds = ArrowDataset(max_len=BIG, datapath=sp_dir, on_missing="raise")
+    dump("speculators_dataset", [(i, ds[i]) for i in range(len(ds))])
+    meta = json.loads((Path(sp_dir) / "draftdata_export.json").read_text())
+    total = max(ds.approx_lengths) * 2
+    train, val = create_train_val_loaders(
+        data_path=sp_dir, total_seq_len=total, hidden_states_dtype=torch.bfloat16, vllm_endpoint="unused",
+        on_missing="raise", verifier_name_or_path=None, request_timeout=1.0, max_retries=0,
+        generation_validation_retries=0, max_consecutive_generation_failures=1, hidden_size=meta["hidden_size"],
+        num_target_layers=len(meta["aux_layer_ids"]), num_workers=0, prefetch_factor=None, preprocess=None,
+        train_data_ratio=0.5)
+    dump("speculators_loader", [(b, batch) for b, batch in enumerate([*train, *val])])
+    freq = torch.load(Path(sp_dir) / "token_freq.pt", weights_only=True)
+    counts["speculators"] = freq
+    d2t, t2d = build_vocab_mappings_from_distribution(freq, draft_vocab_size=32, target_vocab_size=4096)
+    counts["speculators_d2t_size"] = int(d2t.shape[0])
+    (out / "counts.json").write_text(json.dumps(counts))
+''')
+
+
+def read_dump(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    out: dict = {}
+    for key, t in load_file(path).items():
+        item, name = key.split("/", 1)
+        out.setdefault(int(item), {})[name] = t
+    return out
+
+
+@pytest.mark.trainers
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not TRAINERS_PYTHON, reason="set DRAFTDATA_TRAINERS_PYTHON to a Python with specforge and "
+                    "speculators")
+def test_trainers_own_readers_load_the_exports(states, tmp_path):
+    sf, sp = export(states, "specforge"), export(states, "speculators")
+    hs = HiddenStates(states.data("B3") / "hidden_states")
+    samples = list(hs)
+    k, h = len(hs.layers["physical"]), hs.hidden_size
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    (tmp_path / "readers.py").write_text(READERS)
+    r = subprocess.run([TRAINERS_PYTHON, str(tmp_path / "readers.py"), str(sf), str(sp), str(dumps)],
+                       capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr[-4000:]
+
+    # SpecForge, both paths: draft input = the aux layers concatenated, target = the post-norm state (bf16, exact),
+    # loss mask with its last position zeroed (the reader's own rule), batch dim 1
+    for name in ("specforge_loader", "specforge_dataset"):
+        got = read_dump(dumps / f"{name}.safetensors")
+        assert sorted(got) == list(range(len(samples))), name
+        for i, s in enumerate(samples):
+            g, n = got[i], s.input_ids.shape[0]
+            assert torch.equal(g["input_ids"], s.input_ids[None]), (name, i)
+            mask = s.loss_mask.clone()
+            mask[-1] = 0
+            assert torch.equal(g["loss_mask"], mask[None]) and torch.equal(g["attention_mask"], torch.ones(1, n).long())
+            assert g["hidden_state"].shape == (1, n, k * h) and g["target"].shape == (1, n, h)
+            assert torch.equal(g["hidden_state"][0].float(), s.aux.reshape(n, k * h)), (name, i)
+            exact_bf16(g["target"][0], s.final_post_norm)
+
+    # speculators' dataset, item by item: aux flattened in index order, the pre-norm state as the verifier's
+    got = read_dump(dumps / "speculators_dataset.safetensors")
+    assert sorted(got) == list(range(len(samples)))
+    for i, s in enumerate(samples):
+        g, n = got[i], s.input_ids.shape[0]
+        assert torch.equal(g["input_ids"], s.input_ids) and torch.equal(g["loss_mask"], s.loss_mask)
+        assert g["hidden_states"].dtype == g["verifier_last_hidden_states"].dtype == torch.bfloat16
+        assert torch.equal(g["hidden_states"].float(), s.aux.reshape(n, k * h))
+        assert torch.equal(g["verifier_last_hidden_states"].float(), s.final_pre_norm)
+        assert torch.equal(g["lengths"], torch.tensor([n])) and torch.equal(g["position_ids"], torch.arange(n))
+
+    # speculators' loaders: packed batches; every sample comes back once (train + val), found by its tokens
+    by_ids = {tuple(s.input_ids.tolist()): s for s in samples}
+    seen = []
+    for b in read_dump(dumps / "speculators_loader.safetensors").values():
+        docs = b["document_ids"][0]
+        for d in range(int(docs.max()) + 1):
+            rows = docs == d
+            ids = b["input_ids"][0][rows]
+            s = by_ids[tuple(ids.tolist())]
+            n = ids.shape[0]
+            assert torch.equal(b["loss_mask"][0][rows], s.loss_mask)
+            assert torch.equal(b["hidden_states"][0][rows].float(), s.aux.reshape(n, k * h))
+            assert torch.equal(b["verifier_last_hidden_states"][0][rows].float(), s.final_pre_norm)
+            seen.append(tuple(ids.tolist()))
+    assert sorted(seen) == sorted(tuple(s.input_ids.tolist()) for s in samples)
+
+    # token frequencies: SpecForge's own recount of the .ckpt files and speculators' token_freq.pt agree with ours
+    counts = json.loads((dumps / "counts.json").read_text())
+    want = {str(t): c for t, c in token_freq(hs).items()}
+    assert counts["specforge"] == want and counts["speculators"] == want
+    assert counts["speculators_d2t_size"] == 32
+    # SpecForge's dataset class zeroes the last loss-mask entry in place on a memory-mapped load: the file keeps its
+    # own (a private mapping)
+    assert torch.equal(torch.load(sf / specforge_path(0), weights_only=True)["loss_mask"], samples[0].loss_mask)

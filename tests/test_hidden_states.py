@@ -1,0 +1,288 @@
+"""The hidden_states stage on the tiny target: values against transformers' own forward, both final-state
+conventions, the shard format, the state store (computed once, torn shards, kills), NaN checks, torchrun ranks,
+layer choices and fp8."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from stages.config import ConfigError, UserError
+from stages.reader import HiddenStates
+
+from conftest import ROOT, Project, free_port
+
+
+@pytest.fixture(scope="module")
+def samples_dir(tmp_path_factory, tiny_model) -> Path:
+    """A project whose B3 chain has run up to samples.parquet (shared; each test copies it)."""
+    from conftest import dataset_params
+
+    root = tmp_path_factory.mktemp("chain")
+    params = {
+        "model": {"path": str(tiny_model), "revision": None, "chat_template": None, "template_kwargs": {}},
+        "tokenize": {"max_seq_len": 1024, "on_too_long": "drop", "train_on": "last_turn"},
+        "hidden_states": {"layers": None, "dtype": "float32", "batch_tokens": 2048, "shard_max_tokens": 2048},
+        "run": {"store_path": "store/store.sqlite", "log_every_s": 5.0},
+        "datasets": {"B3": dataset_params("B3_magicoder", "magicoder_oss", token_budget=1500, max_prompts=None)},
+    }
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        project = Project(root, params)
+        for stage in ("prompts", "generate", "tokenize"):
+            project.run(stage, "B3")
+    finally:
+        os.chdir(cwd)
+    return root
+
+
+@pytest.fixture
+def hs_project(samples_dir, tmp_path, monkeypatch) -> Project:
+    shutil.copytree(samples_dir / "data", tmp_path / "data")
+    shutil.copytree(samples_dir / "store", tmp_path / "store")  # the responses (no states yet)
+    monkeypatch.chdir(tmp_path)
+    params = json.loads(json.dumps(__import__("yaml").safe_load((samples_dir / "params.yaml").read_text())))
+    params["run"]["store_path"] = str(tmp_path / "store" / "store.sqlite")
+    return Project(tmp_path, params)
+
+
+def hs_metrics(project: Project) -> dict:
+    return json.loads((project.data("B3") / "hidden_states_metrics.json").read_text())
+
+
+def read_all(path: Path) -> list:
+    return [(s.id, s.input_ids, s.loss_mask, s.aux, s.final_pre_norm) for s in HiddenStates(path)]
+
+
+def test_states_equal_transformers_and_both_conventions_are_exact(hs_project, tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    hs_project.run("hidden_states", "B3")
+    out = hs_project.data("B3") / "hidden_states"
+    index = json.loads((out / "index.json").read_text())
+    assert index["layers"] == {"physical": [1, 3, 4], "hf_hidden_states_index": [2, 4, 5],
+                               "sglang_specforge": [1, 3, 4], "vllm_speculators": [2, 4, 5]}
+    assert index["final_state"] == "pre_norm" and index["model"]["hidden_size"] == 64
+    samples = pq.read_table(hs_project.data("B3") / "samples.parquet").to_pylist()
+    reader = HiddenStates(out)
+    assert [s.id for s in reader] == [r["id"] for r in samples]  # the dataset's order
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    for row, s in list(zip(samples, reader))[:6]:
+        assert s.input_ids.tolist() == row["input_ids"] and s.loss_mask.tolist() == row["loss_mask"]
+        with torch.inference_mode():
+            hs = model(input_ids=s.input_ids.unsqueeze(0), output_hidden_states=True).hidden_states
+            own_norm = model.model.norm(s.final_pre_norm)
+        expected = torch.stack([hs[layer + 1][0] for layer in (1, 3, 4)], dim=1)
+        torch.testing.assert_close(s.aux, expected, atol=1e-5, rtol=1e-5)
+        # hidden_states[-1] is the post-norm state: the stored pre-norm one plus the norm gives it back
+        torch.testing.assert_close(s.final_post_norm, hs[-1][0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(s.final_post_norm, own_norm, atol=1e-6, rtol=1e-6)  # the model's own norm
+
+
+def test_fp8_halves_the_bytes_and_reports_its_error(hs_project):
+    hs_project.set("hidden_states.dtype", "bfloat16")
+    hs_project.run("hidden_states", "B3")
+    bf16 = hs_metrics(hs_project)
+    ref = read_all(hs_project.data("B3") / "hidden_states")
+    hs_project.set("hidden_states.dtype", "fp8")
+    hs_project.run("hidden_states", "B3")
+    fp8 = hs_metrics(hs_project)
+    assert fp8["computed_samples"] == fp8["samples"] == bf16["samples"]  # another dtype: other states
+    assert fp8["bytes_per_token"] <= 0.55 * bf16["bytes_per_token"]
+    assert bf16["bytes_per_token"] <= 1.02 * bf16["limit_bytes_per_token"]
+    assert 0 < fp8["fp8_rel_err"] < 0.05
+    for (_, _, _, aux, final), s in zip(ref, HiddenStates(hs_project.data("B3") / "hidden_states")):
+        assert torch.linalg.vector_norm(s.aux - aux) / torch.linalg.vector_norm(aux) < 0.05
+        assert torch.linalg.vector_norm(s.final_pre_norm - final) / torch.linalg.vector_norm(final) < 0.05
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "fp8"])
+def test_shard_pack_unpack_round_trip(tmp_path, dtype):
+    from stages.shards import SampleStates, ShardReader, torn, write
+
+    g = torch.Generator().manual_seed(0)
+    samples = [SampleStates(f"k{i}", list(range(n)), torch.randn(n, 3, 16, generator=g) * 5,
+                            torch.randn(n, 16, generator=g)) for i, n in enumerate([3, 17, 1, 40])]
+    path = tmp_path / "s.safetensors"
+    write(path, samples, dtype, {"x": 1})
+    assert not torn(path)
+    reader = ShardReader(path)
+    assert reader.meta["keys"] == ["k0", "k1", "k2", "k3"] and reader.meta["settings"] == {"x": 1}
+    tol = {"float32": 0.0, "bfloat16": 1e-2, "fp8": 7e-2}[dtype]
+    for row, s in enumerate(samples):
+        ids, aux, final = reader.sample(row)
+        assert ids.tolist() == s.input_ids and aux.shape == s.aux.shape and final.shape == s.final.shape
+        for got, want in ((aux, s.aux), (final, s.final)):
+            assert torch.linalg.vector_norm(got - want) <= tol * torch.linalg.vector_norm(want)
+    with open(path, "r+b") as f:  # cut short, as by a kill in the middle of a copy
+        f.truncate(path.stat().st_size - 10)
+    assert torn(path)
+
+
+def test_a_budget_round_trip_recomputes_nothing(hs_project):
+    hs_project.run("hidden_states", "B3")
+    first = hs_metrics(hs_project)
+    assert first["computed_samples"] == first["samples"] > 5
+    # the budget goes down and back up: generate reuses its store, hidden_states its own
+    before = read_all(hs_project.data("B3") / "hidden_states")
+    hs_project.set("datasets.B3.token_budget", 600)  # fewer samples
+    for stage in ("generate", "tokenize", "hidden_states"):
+        hs_project.run(stage, "B3")
+    lower = hs_metrics(hs_project)
+    assert lower["computed_samples"] == 0 and 0 < lower["samples"] < first["samples"]
+    hs_project.set("datasets.B3.token_budget", 1500)  # and back
+    for stage in ("generate", "tokenize", "hidden_states"):
+        hs_project.run(stage, "B3")
+    again = hs_metrics(hs_project)
+    assert again["computed_samples"] == 0 and again["samples"] == first["samples"]
+    after = read_all(hs_project.data("B3") / "hidden_states")
+    for a, b in zip(before, after):
+        assert a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1:], b[1:]))
+    # the output holds hard links into the store: the states are on disk once
+    shard = next((hs_project.data("B3") / "hidden_states" / "shards").iterdir())
+    assert shard.stat().st_nlink >= 2
+
+
+def store_shards(project: Project) -> int:
+    db = project.path / "store" / "states" / "index.sqlite"
+    if not db.exists():
+        return 0
+    try:
+        with sqlite3.connect(db, timeout=1) as con:
+            return con.execute("SELECT COUNT(*) FROM shards").fetchone()[0]
+    except sqlite3.OperationalError:
+        return 0
+
+
+def test_kill_mid_run_then_resume(hs_project, samples_dir, tmp_path):
+    hs_project.set("hidden_states.shard_max_tokens", 1)  # a shard per sample: a kill lands between shards
+    hs_project.set("hidden_states.batch_tokens", 1)  # and a forward per sample: slow enough to land at all
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "stages.hidden_states", "dataset=B3"], cwd=hs_project.path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while store_shards(hs_project) < 3:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=30)
+    done = store_shards(hs_project)
+    total = pq.read_metadata(hs_project.data("B3") / "samples.parquet").num_rows
+    assert 3 <= done < total  # killed mid-run
+    hs_project.run("hidden_states", "B3")
+    m = hs_metrics(hs_project)
+    assert m["computed_samples"] == total - done and m["reused_samples"] == done
+    # equal to a run that was never killed
+    (tmp_path / "clean").mkdir()
+    clean = Project(tmp_path / "clean", json.loads(json.dumps(hs_project.params)))
+    shutil.copytree(hs_project.path / "data", clean.path / "data", ignore=shutil.ignore_patterns("hidden_states*"))
+    clean.params["run"]["store_path"] = str(clean.path / "store" / "store.sqlite")
+    clean.save()
+    os.chdir(clean.path)
+    clean.run("hidden_states", "B3")
+    for a, b in zip(read_all(hs_project.data("B3") / "hidden_states"), read_all(clean.data("B3") / "hidden_states")):
+        assert a[0] == b[0] and all(torch.allclose(x.float(), y.float(), atol=1e-5) for x, y in zip(a[1:], b[1:]))
+
+
+def test_a_torn_shard_is_detected_and_redone(hs_project):
+    hs_project.run("hidden_states", "B3")
+    before = read_all(hs_project.data("B3") / "hidden_states")
+    store_files = sorted((hs_project.path / "store" / "states").rglob("*.safetensors"))
+    victim = store_files[0]
+    data = victim.read_bytes()
+    victim.unlink()  # the output's hard link keeps the old inode: write a torn file in the store's place
+    victim.write_bytes(data[: len(data) // 2])
+    hs_project.run("hidden_states", "B3")
+    m = hs_metrics(hs_project)
+    assert m["torn_shards_redone"] == 1 and 0 < m["computed_samples"] < m["samples"]
+    after = read_all(hs_project.data("B3") / "hidden_states")
+    for a, b in zip(before, after):
+        assert a[0] == b[0] and all(torch.allclose(x, y, atol=1e-5) for x, y in zip(a[1:], b[1:]))
+
+
+def test_non_finite_states_stop_with_the_sample_id(hs_project, monkeypatch):
+    from stages.capture import HFEngine
+
+    real = HFEngine.forward
+
+    def poisoned(self, batch):
+        out = real(self, batch)
+        out[-1][0][0, 0, 0] = float("nan")
+        return out
+
+    monkeypatch.setattr(HFEngine, "forward", poisoned)
+    with pytest.raises(UserError) as err:
+        hs_project.run("hidden_states", "B3")
+    ids = set(pq.read_table(hs_project.data("B3") / "samples.parquet", columns=["id"]).column(0).to_pylist())
+    message = str(err.value)
+    assert "non-finite" in message and "\n" not in message
+    assert any(f"sample {i}:" in message for i in ids)
+    assert store_shards(hs_project) == 0  # nothing of that batch was written
+
+
+def test_two_torchrun_ranks_equal_one_process(hs_project, samples_dir, tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), "-m", "stages.hidden_states", "dataset=B3"]
+    proc = subprocess.run(cmd, cwd=hs_project.path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("hidden_states dataset=B3")]
+    assert {line.split()[2] for line in lines} == {"rank=0", "rank=1"}
+    computed = [int(line.split("computed=")[1].split()[0]) for line in lines]
+    total = pq.read_metadata(hs_project.data("B3") / "samples.parquet").num_rows
+    assert sum(computed) == total and all(c > 0 for c in computed)  # disjoint halves, all covered
+    two = read_all(hs_project.data("B3") / "hidden_states")
+    # one process, another store
+    hs_project.params["run"]["store_path"] = str(tmp_path / "one" / "store.sqlite")
+    hs_project.save()
+    hs_project.run("hidden_states", "B3")
+    one = read_all(hs_project.data("B3") / "hidden_states")
+    assert len(one) == len(two) == total
+    for a, b in zip(one, two):
+        assert a[0] == b[0] and all(torch.allclose(x.float(), y.float(), atol=1e-5) for x, y in zip(a[1:], b[1:]))
+
+
+def test_layers_from_a_draft_config_in_either_numbering(hs_project, tmp_path):
+    from stages.config import load_config
+    from stages.hidden_states import resolve_layers
+
+    def layers(doc: dict, numbering: str = "auto"):
+        path = tmp_path / "draft.json"
+        path.write_text(json.dumps(doc))
+        cfg = load_config("B3", [f"hidden_states.draft_config={path}", f"hidden_states.draft_numbering={numbering}"],
+                          params_path=hs_project.path / "params.yaml")
+        return resolve_layers(cfg, 8)
+
+    speculators = {"speculators_config": {}, "eagle_aux_hidden_state_layer_ids": [2, 4, 5]}
+    specforge = {"architectures": ["LlamaForCausalLMEagle3"], "eagle_aux_hidden_state_layer_ids": [1, 3, 4]}
+    assert layers(speculators) == layers(specforge) == [1, 3, 4]  # vLLM numbering is physical + 1
+    assert layers({"eagle_aux_hidden_state_layer_ids": [2, 4, 6]}, "vllm") == [1, 3, 5]
+    with pytest.raises(ConfigError, match="hidden_states.draft_numbering"):
+        layers({"eagle_aux_hidden_state_layer_ids": [2, 4, 6]})
+    with pytest.raises(ConfigError, match="out of range"):
+        layers({"eagle_aux_hidden_state_layer_ids": [1, 3, 9]}, "sglang")
+
+
+def test_default_layers_that_collide_are_refused_about_the_model(hs_project):
+    from stages.config import load_config
+    from stages.hidden_states import resolve_layers
+
+    cfg = load_config("B3", [], params_path=hs_project.path / "params.yaml")
+    with pytest.raises(UserError) as err:
+        resolve_layers(cfg, 5)
+    message = str(err.value)
+    assert message.startswith("model.path:") and "5 decoder layers" in message and "hidden_states.layers" in message
+    assert resolve_layers(cfg, 8) == [1, 3, 4]
