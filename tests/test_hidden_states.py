@@ -286,3 +286,22 @@ def test_default_layers_that_collide_are_refused_about_the_model(hs_project):
     message = str(err.value)
     assert message.startswith("model.path:") and "5 decoder layers" in message and "hidden_states.layers" in message
     assert resolve_layers(cfg, 8) == [1, 3, 4]
+
+
+def test_the_decoder_is_found_inside_a_multimodal_wrapper():
+    """A vision-language wrapper (as large targets often are) exposes its text decoder through get_decoder(): its
+    layers and final norm are found, and the norm's formula is checked against the module itself."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    from stages.capture import final_norm_of, find_decoder
+
+    text = LlamaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128,
+                       vocab_size=512)
+    vision = CLIPVisionConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                              image_size=32, patch_size=16)
+    model = LlavaForConditionalGeneration(LlavaConfig(text_config=text, vision_config=vision)).eval()
+    decoder = find_decoder(model)
+    assert len(decoder.layers) == 4 and decoder is model.get_decoder()
+    norm = final_norm_of(decoder.norm)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(norm.apply(x), decoder.norm(x), atol=1e-6, rtol=1e-6)
