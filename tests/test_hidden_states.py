@@ -305,3 +305,16 @@ def test_the_decoder_is_found_inside_a_multimodal_wrapper():
     norm = final_norm_of(decoder.norm)
     x = torch.randn(3, 64)
     torch.testing.assert_close(norm.apply(x), decoder.norm(x), atol=1e-6, rtol=1e-6)
+
+
+def test_device_map_gives_the_same_states(tiny_model):
+    """`hidden_states.device_map` (accelerate's dispatch, for a target bigger than one GPU) computes the same states;
+    on the CPU "auto" places every layer there."""
+    from stages.capture import HFEngine
+    from stages.config import ModelConfig
+
+    batch = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    plain = HFEngine(ModelConfig(path=str(tiny_model)), [1, 3, 4]).forward(batch)
+    mapped = HFEngine(ModelConfig(path=str(tiny_model)), [1, 3, 4], device_map="auto").forward(batch)
+    for (a, f), (b, g) in zip(plain, mapped):
+        assert torch.equal(a, b) and torch.equal(f, g)
