@@ -241,9 +241,6 @@ class BudgetController:
         reached. Near the end it has none: the batch commits about `full` tokens per second, so the budget is
         (budget - committed) / full seconds away, in which a new request decodes full / batch tokens per second.
         A refill that cannot finish would only be cancelled, its tokens wasted, at no gain in time."""
-        full = self.throughput.full_rate
-        if not full:
-            return True
         reach = (self.budget - self.committed) / max(batch, 1)  # tokens a new request decodes before the budget
         return self.lengths.share_within(reach) >= MIN_FINISH_CHANCE
 

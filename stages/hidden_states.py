@@ -171,7 +171,7 @@ class Computer:
     batch_tokens: int
     shard_max_tokens: int
     tally: Tally
-    names: dict = field(default_factory=dict)  # key -> sample id, for error messages
+    names: dict = field(default_factory=dict)  # key -> sample id of the current window, for error messages
     _buffer: list = field(default_factory=list)
 
     @property
@@ -259,7 +259,7 @@ def compute(cfg: Config, src: Path, engine: LazyEngine, store: StateStore, setti
         if dropped:
             found = store.lookup(keys)
         missing = {k: x for k, x in zip(keys, input_ids) if k not in found and rank.owns(k)}
-        computer.names.update(zip(keys, ids))
+        computer.names = dict(zip(keys, ids))  # this window's: memory stays bounded
         computer.run(list(missing.items()))
     computer.flush()
 
@@ -301,7 +301,7 @@ def materialise(cfg: Config, src: Path, out: Path, store: StateStore, settings: 
         tensors["bias"] = norm.bias.contiguous()
     with atomic_path(out / "final_norm.safetensors") as tmp:
         save_file(tensors, str(tmp))
-    return {"link": how, "shards": sorted(linked.values())}
+    return {"link": how, "shards": sorted(linked.values()), "sizes": store.sizes(linked)}
 
 
 def _link(src: Path, dest_dir: Path, how: str) -> tuple[str, str]:
@@ -374,7 +374,7 @@ def main(cfg: Config) -> None:
             view = materialise(cfg, src, out_dir / "hidden_states", store, settings, target, tally)
             write_json(out_dir / "hidden_states" / "index.json", _index(cfg, target, settings, layers, view))
             write_json(out_dir / "hidden_states_metrics.json",
-                       _metrics(out_dir / "hidden_states", engine, target, hs, layers, tally))
+                       _metrics(out_dir / "hidden_states", engine, target, hs, layers, view, tally))
     finally:
         engine.close()
         store.close()
@@ -396,14 +396,15 @@ def _index(cfg: Config, target: Target, settings: dict, layers: list[int], view:
     }
 
 
-def _metrics(out: Path, engine: LazyEngine, target: Target, hs, layers: list[int], tally: Tally) -> dict:
+def _metrics(out: Path, engine: LazyEngine, target: Target, hs, layers: list[int], view: dict, tally: Tally) -> dict:
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    shard_bytes = sum(p.stat().st_size for p in (out / "shards").iterdir())
+    # over the shards' own bytes and tokens: a linked shard may also hold other datasets' samples
+    shard_bytes, shard_tokens = view["sizes"]
     computed = tally.computed_tokens
     m = {"samples": tally.samples, "tokens": tally.tokens, "computed_samples": tally.computed,
          "computed_tokens": computed, "reused_samples": tally.samples - tally.computed,
          "torn_shards_redone": tally.torn, "dtype": hs.dtype, "bytes": size,
-         "bytes_per_token": round(shard_bytes / tally.tokens, 2) if tally.tokens else 0.0,
+         "bytes_per_token": round(shard_bytes / shard_tokens, 2) if shard_tokens else 0.0,
          "limit_bytes_per_token": 2 * (len(layers) + 1) * target.hidden_size,  # bf16, k aux layers + final
          "padded_compute_share": round(engine.pad_tokens / (computed + engine.pad_tokens), 4) if computed else 0.0,
          "tok_s": round(computed / tally.seconds, 1) if tally.seconds else 0.0}

@@ -10,7 +10,8 @@
         s.final_pre_norm                 # float32 [T, H]: the last layer's output (speculators' hidden state)
         s.final_post_norm                # float32 [T, H]: after the target's final norm (SpecForge's hidden state)
 
-Shards are opened lazily and read a sample at a time, so iterating a dataset of any size holds one sample in memory.
+Shards are opened lazily and read a sample at a time, so iterating a dataset of any size holds one sample's states in
+memory (and the sample list, columnar).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ class HiddenStates:
         spec = self.index["final_norm"]
         params = load_file(str(self.path / spec["file"]))
         self.norm = FinalNorm(spec["kind"], spec["eps"], params["weight"], params.get("bias"), spec["weight_offset"])
-        self._rows = pq.read_table(self.path / "samples.parquet", columns=["id", "shard", "row"]).to_pylist()
+        # kept columnar (a few dozen bytes a sample), not as Python objects: datasets run to millions of samples
+        self._rows = pq.read_table(self.path / "samples.parquet", columns=["id", "shard", "row"])
         self._shards: dict[str, ShardReader] = {}
         # loss masks are read a row group at a time, when asked for
         self._pf = pq.ParquetFile(self.path / "samples.parquet")
@@ -60,7 +62,7 @@ class HiddenStates:
         self._group: tuple[int, list] = (-1, [])
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return self._rows.num_rows
 
     def __iter__(self) -> Iterator[Sample]:
         for i in range(len(self)):
@@ -69,12 +71,13 @@ class HiddenStates:
     def __getitem__(self, i: int) -> Sample:
         import torch
 
-        r = self._rows[i]
-        shard = self._shards.get(r["shard"])
+        name, row = self._rows["shard"][i].as_py(), self._rows["row"][i].as_py()
+        shard = self._shards.get(name)
         if shard is None:
-            shard = self._shards[r["shard"]] = ShardReader(self.path / "shards" / r["shard"])
-        ids, aux, final = shard.sample(r["row"])
-        return Sample(r["id"], ids, torch.tensor(self._mask(i), dtype=torch.long), aux, final, self.norm)
+            shard = self._shards[name] = ShardReader(self.path / "shards" / name)
+        ids, aux, final = shard.sample(row)
+        return Sample(self._rows["id"][i].as_py(), ids, torch.tensor(self._mask(i), dtype=torch.long), aux, final,
+                      self.norm)
 
     def _mask(self, i: int) -> list[int]:
         g = bisect.bisect_right(self._group_starts, i) - 1

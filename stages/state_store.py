@@ -99,6 +99,17 @@ class StateStore:
             raise
         self.db.execute("COMMIT")
 
+    def sizes(self, shards: Iterable[str]) -> tuple[int, int]:
+        """(bytes, tokens) of these shards, as recorded when they were written."""
+        shards = list(shards)
+        total_bytes = total_tokens = 0
+        for i in range(0, len(shards), 500):
+            chunk = shards[i : i + 500]
+            b, t = self.db.execute(f"SELECT COALESCE(SUM(bytes), 0), COALESCE(SUM(n_tokens), 0) FROM shards "
+                                   f"WHERE name IN ({','.join('?' * len(chunk))})", chunk).fetchone()
+            total_bytes, total_tokens = total_bytes + b, total_tokens + t
+        return total_bytes, total_tokens
+
     def save_target(self, settings_hash: str, target: "Target") -> None:
         """What the output needs of the target besides its states (its final norm, sizes), kept with the states so
         that a run that computes nothing never loads the model."""

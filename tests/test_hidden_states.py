@@ -142,6 +142,8 @@ def test_a_budget_round_trip_recomputes_nothing(hs_project):
         hs_project.run(stage, "B3")
     lower = hs_metrics(hs_project)
     assert lower["computed_samples"] == 0 and 0 < lower["samples"] < first["samples"]
+    # the shards now hold more samples than this output uses: bytes per token is still the shards' own
+    assert lower["bytes_per_token"] == first["bytes_per_token"]
     hs_project.set("datasets.B3.token_budget", 1500)  # and back
     for stage in ("generate", "tokenize", "hidden_states"):
         hs_project.run(stage, "B3")

@@ -14,6 +14,7 @@ import os
 import re
 import time
 import urllib.request
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,16 @@ def config(url: str, model: Path) -> Config:
                                         return_token_ids=True, request_timeout_s=120))
 
 
+@asynccontextmanager
+async def started(cfg: Config, tok):
+    backend = make_backend(cfg, tok)
+    await backend.start()
+    try:
+        yield backend
+    finally:
+        await backend.close()
+
+
 def running(url: str) -> float:
     text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
     return sum(float(v) for v in re.findall(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)$", text, re.M))
@@ -77,13 +88,9 @@ def test_token_id_prompt_and_returned_ids(vllm, stream):
     ids = render_prompt_ids(tok, [{"role": "user", "content": "Write a sort function."}], None, {})
 
     async def go():
-        backend = make_backend(cfg, tok)
-        await backend.start()
-        try:
+        async with started(cfg, tok) as backend:
             req = GenRequest("r1", ids, [], None, 32, SAMPLING, stream=stream)
             return req, await backend.generate(req)
-        finally:
-            await backend.close()
 
     req, res = asyncio.run(go())
     assert res.ok, res.detail
@@ -101,9 +108,7 @@ def test_cancel_closes_the_connection_and_vllm_aborts(vllm):
     ids = render_prompt_ids(tok, [{"role": "user", "content": "Count."}], None, {})
 
     async def go():
-        backend = make_backend(cfg, tok)
-        await backend.start()
-        try:
+        async with started(cfg, tok) as backend:
             reqs = [GenRequest(f"c{i}", ids, [], None, 3000, SAMPLING, stream=True) for i in range(4)]
             tasks = [asyncio.create_task(backend.generate(r)) for r in reqs]
             deadline = time.monotonic() + 60
@@ -119,8 +124,6 @@ def test_cancel_closes_the_connection_and_vllm_aborts(vllm):
                 assert time.monotonic() < deadline, "vLLM kept generating after the client disconnected"
                 await asyncio.sleep(0.2)
             return reqs
-        finally:
-            await backend.close()
 
     reqs = asyncio.run(go())
     assert all(0 < r.partial.completion_tokens < 3000 for r in reqs)
@@ -135,9 +138,7 @@ def test_seeded_requests_repeat_and_a_partial_is_continued(vllm):
     ids = render_prompt_ids(tok, [{"role": "user", "content": "Write a sort function."}], None, {})
 
     async def go():
-        backend = make_backend(cfg, tok)
-        await backend.start()
-        try:
+        async with started(cfg, tok) as backend:
             out = []
             for seed in (7, 7, 8):
                 req = GenRequest("s", ids, [], None, 24, SAMPLING, stream=True, seed=seed)
@@ -146,8 +147,6 @@ def test_seeded_requests_repeat_and_a_partial_is_continued(vllm):
             cont = GenRequest("c", ids, [], None, 24, SAMPLING, stream=True, seed=7,
                               partial=Partial(list(partial), tok.decode(partial), len(partial)))
             return out, partial, await backend.generate(cont)
-        finally:
-            await backend.close()
 
     (a, b, c), partial, res = asyncio.run(go())
     assert a == b and a != c  # same seed, same draw; another seed, another

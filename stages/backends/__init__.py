@@ -110,7 +110,8 @@ class Backend(Protocol):
 
 
 def takes_token_ids(cfg: Config) -> bool:
-    """Whether the configured backend sends token-id prompts, so a partial response can be continued."""
+    """Whether the configured backend sends token-id prompts, so a partial response can be continued exactly (a text
+    prompt would be re-tokenized, and a chat one rendered by the server)."""
     return cfg.backend.kind != BackendKind.openai or cfg.backend.prompt_format == "ids"
 
 

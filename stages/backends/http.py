@@ -154,7 +154,7 @@ class HttpBackend:
     name = "http"
     health_path = "/health"
     takes_token_ids = True
-    # How long a cancelled request reads on for the answer's end (`_grace`). A server that is told to abort ends
+    # How long a cancelled request reads on for the answer's end (`_graceful`). A server that is told to abort ends
     # the stream with what it produced; without an abort endpoint only what is already on its way can come.
     grace_s = 0.05
 
@@ -350,7 +350,7 @@ class HttpBackend:
     async def _attempt_on(self, server: Server, req: GenRequest, rid: str) -> GenResult:
         """One attempt that also ends when the server is marked dead by another request, and that aborts the
         request on the server when the caller cancels it. An answer the server finished while the cancel was under
-        way is returned (see `_grace`)."""
+        way is returned (see `_graceful`)."""
         with self.pool.track(server):
             if len(self.pool.servers) == 1:  # nothing to fail over to: no separate task needed to watch for death
                 try:
@@ -513,7 +513,7 @@ class EventStream:
     buffer (128 KiB in aiohttp 3.9, 512 KiB in 3.14): SGLang's cumulative chunks of a long answer can be longer.
 
     The reader keeps its state between iterations, so a reading cancelled half-way can go on where it stopped (the
-    grace read after a cancel, `HttpBackend._grace`)."""
+    grace read after a cancel, `HttpBackend._graceful`)."""
 
     def __init__(self, resp: aiohttp.ClientResponse):
         self.resp = resp

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from stages.backends import GenRequest, GenResult, Partial
+from stages.backends import GenRequest, GenResult, Partial, takes_token_ids
 from stages.backends.http import (Body, EventStream, Failure, HttpBackend, Server, engine_error, model_matches,
                                   response_shape, stream_cut)
 
@@ -40,8 +40,7 @@ class OpenAIBackend(HttpBackend):
     def __init__(self, cfg, tokenizer):
         super().__init__(cfg, tokenizer)
         self.model_ids: dict[str, str] = {}  # server url -> the `model` to send, as that server lists it
-        # only a token-id prompt can carry a partial answer on exactly (text would be re-tokenized)
-        self.takes_token_ids = self.bcfg.prompt_format == "ids"
+        self.takes_token_ids = takes_token_ids(cfg)
 
     async def _served_models(self, url: str) -> list[str]:
         status, doc = await self._get_json(url + "/v1/models")
