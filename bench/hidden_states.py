@@ -212,10 +212,11 @@ class Ours:
         pad0, clock = self.engine.pad_tokens, Clock()
         sh = self.computer.settings_hash
         self.computer.run([(state_key(sh, ids), ids) for ids in self.samples[a:b]])
-        self.computer.flush()  # the window's states on disk, as naive's are
+        self.computer.sync()  # the window's states on disk, as naive's are
         return {**clock.read(), "tokens": sum(map(len, self.samples[a:b])), "padded": self.engine.pad_tokens - pad0}
 
     def finish(self) -> dict:
+        self.computer.close()
         tally = self.computer.tally
         shards = list(self.root.rglob("*.safetensors"))
         out = {"bytes": sum(p.stat().st_size for p in shards), "files": len(shards)}

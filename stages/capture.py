@@ -136,11 +136,12 @@ class HFEngine:
         device = self.decoder.layers[0].parameters().__next__().device
         with torch.inference_mode():
             self.decoder(input_ids=ids.to(device), use_cache=False)
-        aux = torch.stack([self._out[i] for i in self.layers], dim=2)  # [B, W, k, H]
-        final = self._out["final"]
+        # one copy to the host per batch, not one per sample (each is a device sync); in the model's own dtype: a
+        # bf16 target's states stored as bf16 need no float32 round trip
+        aux = torch.stack([self._out[i] for i in self.layers], dim=2).cpu()  # [B, W, k, H]
+        final = self._out["final"].cpu()
         self._out.clear()
-        # in the model's own dtype: a bf16 target's states stored as bf16 need no float32 round trip
-        return [(aux[i, : len(x)].cpu(), final[i, : len(x)].cpu()) for i, x in enumerate(batch)]
+        return [(aux[i, : len(x)], final[i, : len(x)]) for i, x in enumerate(batch)]
 
     def close(self) -> None:
         for h in self._handles:

@@ -437,3 +437,6 @@ def cli(main: Callable[[Config], Any], need_dataset: bool = True) -> None:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted: what was finished is kept; run again to go on", file=sys.stderr)
+        sys.exit(130)

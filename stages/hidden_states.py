@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,6 +161,41 @@ class LazyEngine:
             self.engine.close()
 
 
+class ShardWriter:
+    """Writes shards on a background thread while the target computes the next batches: on a GPU, packing and
+    writing a shard (tens of GB per million tokens for a large target) would otherwise leave the GPU idle. One shard
+    is in flight at a time, so memory holds at most two. A shard enters the store's index (SQLite, on the calling
+    thread) only once its file is complete; a kill before that leaves an unindexed temp file, never a bad entry."""
+
+    def __init__(self, store: StateStore, settings: dict, dtype: str):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.store, self.settings, self.dtype = store, settings, dtype
+        self.settings_hash = content_hash(settings)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="shard-writer")
+        self._pending: tuple | None = None
+
+    def submit(self, samples: list[SampleStates]) -> None:
+        self.wait()
+        name = self.store.new_shard_name(self.settings_hash)
+        job = self._pool.submit(write, self.store.path(name), samples, self.dtype, self.settings)
+        self._pending = (job, name, [s.key for s in samples], [len(s.input_ids) for s in samples])
+
+    def wait(self) -> None:
+        """The shard in flight, written and indexed (a write's error is raised here)."""
+        if self._pending is None:
+            return
+        job, name, keys, lengths = self._pending
+        self._pending = None
+        self.store.add_shard(name, self.settings_hash, keys, lengths, job.result())
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown()
+
+
 @dataclass
 class Computer:
     """Computes the states of missing samples, length-sorted and batched, and writes them to the store."""
@@ -173,6 +209,10 @@ class Computer:
     tally: Tally
     names: dict = field(default_factory=dict)  # key -> sample id of the current window, for error messages
     _buffer: list = field(default_factory=list)
+    _writer: ShardWriter | None = None
+
+    def __post_init__(self):
+        self._writer = ShardWriter(self.store, self.settings, self.dtype)
 
     @property
     def settings_hash(self) -> str:
@@ -193,13 +233,22 @@ class Computer:
                 self.flush()
 
     def flush(self) -> None:
-        if not self._buffer:
-            return
-        name = self.store.new_shard_name(self.settings_hash)
-        size = write(self.store.path(name), self._buffer, self.dtype, self.settings)
-        self.store.add_shard(name, self.settings_hash, [s.key for s in self._buffer],
-                             [len(s.input_ids) for s in self._buffer], size)
-        self._buffer = []
+        """The buffered samples to a shard (written in the background)."""
+        if self._buffer:
+            self._writer.submit(self._buffer)
+            self._buffer = []
+
+    def sync(self) -> None:
+        """Everything computed so far on disk and indexed."""
+        self.flush()
+        self._writer.wait()
+
+    def close(self) -> None:
+        """Keep what was computed (also after Ctrl-C or a bad sample: the buffer holds only checked samples)."""
+        try:
+            self.flush()
+        finally:
+            self._writer.close()
 
     def _fp8_error(self, samples: list[SampleStates]) -> None:
         """fp8 against what bf16 would have stored: the error the metrics report."""
@@ -247,9 +296,17 @@ def compute(cfg: Config, src: Path, engine: LazyEngine, store: StateStore, setti
     """Pass 1 (every rank): compute what the store lacks."""
     hs = cfg.hidden_states
     computer = Computer(engine, store, settings, hs.dtype, hs.batch_tokens, hs.shard_max_tokens, tally)
+    try:
+        _compute_windows(src, hs.window_samples, computer, store, rank, tally)
+    finally:
+        computer.close()
+
+
+def _compute_windows(src: Path, window_samples: int, computer: "Computer", store: StateStore, rank: Rank,
+                     tally: Tally) -> None:
     sh = computer.settings_hash
     checked: set[str] = set()
-    for ids, input_ids, _ in windows(src, hs.window_samples):
+    for ids, input_ids, _ in windows(src, window_samples):
         keys = [state_key(sh, x) for x in input_ids]
         found = store.lookup(keys)
         unchecked = {loc.shard for loc in found.values()} - checked
@@ -261,7 +318,6 @@ def compute(cfg: Config, src: Path, engine: LazyEngine, store: StateStore, setti
         missing = {k: x for k, x in zip(keys, input_ids) if k not in found and rank.owns(k)}
         computer.names = dict(zip(keys, ids))  # this window's: memory stays bounded
         computer.run(list(missing.items()))
-    computer.flush()
 
 
 def materialise(cfg: Config, src: Path, out: Path, store: StateStore, settings: dict, target: Target,
@@ -366,6 +422,9 @@ def main(cfg: Config) -> None:
         _join_group(rank)
     store = StateStore(resolve_store_path(cfg.run.store_path).parent / "states")
     engine = LazyEngine(cfg, layers, store, content_hash(settings))
+    # SIGTERM (a scheduler's, torchrun's when another rank failed) unwinds like Ctrl-C: the states computed so far
+    # are written and indexed on the way out instead of dying with the process
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         compute(cfg, src, engine, store, settings, rank, tally)
         rank.barrier()
@@ -376,10 +435,15 @@ def main(cfg: Config) -> None:
             write_json(out_dir / "hidden_states_metrics.json",
                        _metrics(out_dir / "hidden_states", engine, target, hs, layers, view, tally))
     finally:
+        signal.signal(signal.SIGTERM, previous)
         engine.close()
         store.close()
     log("hidden_states", dataset=cfg.dataset, rank=rank.rank, samples=tally.samples, computed=tally.computed,
         reused=tally.samples - tally.computed, layers=layers, dtype=hs.dtype)
+
+
+def _terminated(signum, _frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _index(cfg: Config, target: Target, settings: dict, layers: list[int], view: dict) -> dict:

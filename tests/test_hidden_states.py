@@ -199,6 +199,59 @@ def test_kill_mid_run_then_resume(hs_project, samples_dir, tmp_path):
         assert a[0] == b[0] and all(torch.allclose(x.float(), y.float(), atol=1e-5) for x, y in zip(a[1:], b[1:]))
 
 
+def store_samples(project: Project) -> int:
+    with sqlite3.connect(project.path / "store" / "states" / "index.sqlite") as con:
+        return con.execute("SELECT COUNT(*) FROM states").fetchone()[0]
+
+
+def test_sigterm_keeps_every_sample_computed_before_it(hs_project, monkeypatch):
+    """A real SIGTERM in the middle of the third forward: the two batches before it were in memory only (the shard
+    was far from full), and are written and indexed on the way out; the rerun computes just the rest."""
+    from stages.capture import HFEngine
+
+    hs_project.set("hidden_states.batch_tokens", 1)  # a forward per sample
+    hs_project.set("hidden_states.shard_max_tokens", 10**9)  # no shard fills up: all would be in memory
+    real, calls = HFEngine.forward, []
+
+    def forward(self, batch):
+        calls.append(len(batch))
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler interrupts this
+        return real(self, batch)
+
+    monkeypatch.setattr(HFEngine, "forward", forward)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        hs_project.run("hidden_states", "B3")
+    assert signal.getsignal(signal.SIGTERM) is before  # the stage's handler does not outlive it
+    assert store_samples(hs_project) == 2 and store_shards(hs_project) == 1
+    monkeypatch.setattr(HFEngine, "forward", real)
+    hs_project.run("hidden_states", "B3")
+    m = hs_metrics(hs_project)
+    assert m["reused_samples"] == 2 and m["computed_samples"] == m["samples"] - 2
+
+
+def test_an_interrupted_stage_says_so_in_one_line(hs_project):
+    """From the command line, SIGINT while the target computes: one line, exit status 130, what was computed kept."""
+    hs_project.set("hidden_states.batch_tokens", 1)
+    hs_project.set("hidden_states.shard_max_tokens", 1)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "stages.hidden_states", "dataset=B3"], cwd=hs_project.path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while store_shards(hs_project) < 2:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1].startswith("interrupted: ")
+    assert "Traceback" not in err
+    assert store_samples(hs_project) >= 2
+
+
 def test_a_torn_shard_is_detected_and_redone(hs_project):
     hs_project.run("hidden_states", "B3")
     before = read_all(hs_project.data("B3") / "hidden_states")
