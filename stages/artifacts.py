@@ -11,6 +11,17 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+# mkstemp creates files 0600; an output must get the mode any other new file gets (0644 under the usual umask,
+# 0664 under a group's 002), or teammates sharing a cluster's project directory cannot read it
+FILE_MODE = 0o666 & ~_umask()
+
+
 @contextmanager
 def atomic_path(path: Path | str) -> Iterator[Path]:
     """Yield a temp path beside `path`; rename it over `path` only if the block succeeds."""
@@ -20,6 +31,7 @@ def atomic_path(path: Path | str) -> Iterator[Path]:
     os.close(fd)
     try:
         yield Path(tmp)
+        os.chmod(tmp, FILE_MODE)  # after the block: a writer may have replaced the file (safetensors makes it 0600)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

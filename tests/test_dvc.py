@@ -61,7 +61,8 @@ def repo(tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_repro_noop_and_budget_edit_reruns_one_chain(repo):
     first = dvc("repro", cwd=repo)
-    expected = {"tiny_model"} | {f"{s}@{d}" for s in ("prompts", "generate", "tokenize", "hidden_states") for d in KEEP}
+    chain = ("prompts", "generate", "tokenize", "hidden_states")
+    expected = {"check_params", "tiny_model"} | {f"{s}@{d}" for s in chain for d in KEEP}
     assert ran(first) == expected
     for d in KEEP:
         assert (repo / "data" / d / "samples.parquet").exists()
@@ -82,10 +83,11 @@ def test_repro_noop_and_budget_edit_reruns_one_chain(repo):
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     status = dvc("status", cwd=repo)
     changed = set(re.findall(r"^(\S+):\s*$", status, flags=re.M))
-    assert changed == {"generate@B3_magicoder"}, status
+    assert changed == {"check_params", "generate@B3_magicoder"}, status
 
     third = dvc("repro", cwd=repo)
-    assert ran(third) == {"generate@B3_magicoder", "tokenize@B3_magicoder", "hidden_states@B3_magicoder"}
+    assert ran(third) == {"check_params", "generate@B3_magicoder", "tokenize@B3_magicoder",
+                          "hidden_states@B3_magicoder"}
 
     shown = dvc("metrics", "show", cwd=repo)
     for d in KEEP:
@@ -99,7 +101,26 @@ def test_run_time_knob_reruns_nothing(repo):
     params["datasets"]["B1_glaive"]["concurrency"] = 3
     params["backend"] = {"kind": "embedded", "request_timeout_s": 5.0}
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    assert ran(dvc("repro", cwd=repo)) == set()
+    assert ran(dvc("repro", cwd=repo)) == {"check_params"}  # checked, nothing recomputed
+
+
+@pytest.mark.slow
+def test_a_typo_in_a_run_time_key_stops_repro_even_when_nothing_reruns(repo):
+    dvc("repro", cwd=repo)
+    good = (repo / "params.yaml").read_text()
+    params = yaml.safe_load(good)
+    params["datasets"]["B1_glaive"]["concurency"] = 3
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=repo, capture_output=True, text=True,
+                              env=dict(os.environ, DVC_NO_ANALYTICS="1"))
+    finally:
+        (repo / "params.yaml").write_text(good)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "datasets.B1_glaive.concurency" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not ran(proc.stdout + proc.stderr) - {"check_params"}  # stopped before any chain stage
 
 
 @pytest.mark.slow
@@ -128,3 +149,56 @@ def test_temp_experiment_shares_the_workspace_store(repo):
     assert "hidden_states@B3_magicoder" in ran(dvc("repro", "-s", "-f", "hidden_states@B3_magicoder", cwd=repo))
     metrics = yaml.safe_load((repo / "data" / "B3_magicoder" / "hidden_states_metrics.json").read_text())
     assert metrics["computed_samples"] == 0 and metrics["samples"] > 0
+
+
+def stage_imports(module: str) -> set[Path]:
+    """The project files a stage's code can load: `module` and every `stages.*` module it imports, anywhere in its
+    code (also inside functions), or runs (`python -m stages.x` in a string), transitively; a package counts with its
+    __init__."""
+    import ast
+
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        path = ROOT / Path(*name.split("."))
+        src = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+        for node in ast.walk(ast.parse(src.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                names = re.findall(r"^stages\.\w+$", node.value)
+            for n in names:
+                p = ROOT / Path(*n.split("."))
+                if n.startswith("stages") and (p.is_dir() or p.with_suffix(".py").exists()):
+                    todo.append(n)
+    files = set()
+    for name in seen:
+        path = ROOT / Path(*name.split("."))
+        files.add((path / "__init__.py" if path.is_dir() else path.with_suffix(".py")).relative_to(ROOT))
+    return files
+
+
+@pytest.mark.parametrize("stage", ["tiny_model", "prompts", "generate", "tokenize", "hidden_states", "check_params"])
+def test_every_module_a_stage_imports_is_a_dependency(stage):
+    """Editing any module a stage's code imports must rerun the stage: dvc.yaml lists each one (or its directory)."""
+    spec = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"][stage]
+    deps = [Path(d) for d in (spec.get("do", spec)["deps"])]
+    missing = sorted(str(f) for f in stage_imports(f"stages.{stage}")
+                     if f.name != "__init__.py" or f.parent != Path("stages")  # the empty package marker
+                     if not any(f == d or d in f.parents for d in deps))
+    assert not missing, f"dvc.yaml stage {stage} lacks deps: {missing}"
+
+
+def test_the_import_walk_finds_lazy_imports():
+    """The walk above must see imports inside functions, or the test would pass on a stage that lacks them."""
+    files = stage_imports("stages.hidden_states")
+    assert Path("stages/capture_vllm.py") in files  # imported only inside make_engine
+    assert Path("stages/vllm_worker.py") in files  # run as `python -m stages.vllm_worker`
+    assert Path("stages/export.py") not in files  # nothing the stage runs imports it

@@ -373,3 +373,18 @@ def test_device_map_gives_the_same_states(tiny_model):
     mapped = HFEngine(ModelConfig(path=str(tiny_model)), [1, 3, 4], device_map="auto").forward(batch)
     for (a, f), (b, g) in zip(plain, mapped):
         assert torch.equal(a, b) and torch.equal(f, g)
+
+
+def test_every_file_produced_gets_the_umask_mode(hs_project):
+    """Outputs on a shared cluster must be readable by whoever the umask lets read them (temp files start 0600)."""
+    from stages.artifacts import FILE_MODE
+
+    hs_project.run("hidden_states", "B3")
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert FILE_MODE == 0o666 & ~umask
+    files = [p for root in (hs_project.data("B3"), hs_project.path / "store") for p in root.rglob("*") if p.is_file()]
+    assert any(p.suffix == ".safetensors" for p in files) and any(p.name == "index.json" for p in files)
+    wrong = {str(p.relative_to(hs_project.path)): oct(p.stat().st_mode & 0o777) for p in files
+             if p.stat().st_mode & 0o777 != FILE_MODE}
+    assert not wrong

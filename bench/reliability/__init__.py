@@ -1,0 +1,1 @@
+"""Reliability suites: kills, server faults and bad inputs (see __main__.py)."""

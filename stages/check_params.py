@@ -1,0 +1,28 @@
+"""Stage `check_params`: params.yaml checked whole (every dataset, every run-time key) whenever it changes.
+
+Each chain stage checks the schema and its own dataset's values when it runs, and DVC reruns only the stages whose
+declared params changed; so a typo in a run-time key (`concurency`) or a bad value in a dataset that nothing reruns
+would pass `dvc repro` unnoticed until that stage next ran, perhaps hours into a run. This stage depends on
+params.yaml itself, so DVC runs it on every edit; it loads the config as every stage does and checks the values of
+every dataset. It writes nothing.
+"""
+
+from __future__ import annotations
+
+from stages.artifacts import log
+from stages.config import Config, cli
+
+
+def check_all(cfg: Config) -> None:
+    """The values of every dataset (the schema, types, enums and unknown keys were checked on loading)."""
+    for name, ds in cfg.datasets.items():
+        ds.check(f"datasets.{name}")
+
+
+def main(cfg: Config) -> None:
+    check_all(cfg)
+    log("check_params", datasets=len(cfg.datasets), ok=True)
+
+
+if __name__ == "__main__":
+    cli(main, need_dataset=False)
