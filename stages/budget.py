@@ -196,7 +196,10 @@ class BudgetController:
     admit_slack: float = 1.0  # in full batches of mean-length responses, used while the server is unobserved
     observes_rate: bool = False  # True when the caller feeds observe_rate (streaming backends)
     committed: int = 0  # tokens counted toward the budget: stored responses + new ones
-    lengths: LengthModel = None  # type: ignore[assignment]
+    lengths: LengthModel = None  # type: ignore[assignment]  # completion lengths, whatever the budget's unit
+    # budget_unit total: the prompt tokens a new request adds to the budget, on average (0 when only completions
+    # count); prompts and completions are kept apart, as only completions are bounded by max_tokens
+    prompt_mean: float = 0.0
 
     def __post_init__(self) -> None:
         if self.lengths is None:
@@ -208,25 +211,26 @@ class BudgetController:
         reading's interval)."""
         self.throughput.observe(tokens_per_s, in_flight)
 
-    def reached(self, progress: Sequence[int] = ()) -> bool:
+    def reached(self, progress: Sequence[int] = (), prompts: Sequence[int] = ()) -> bool:
         """True once the budget is met; with keep_partial the tokens in flight count too."""
-        in_flight = sum(progress) if self.keep_partial else 0
+        in_flight = sum(progress) + sum(prompts) if self.keep_partial else 0
         return self.committed + in_flight >= self.budget
 
-    def can_admit(self, progress: Sequence[int] = ()) -> bool:
-        """`progress`: tokens generated so far by each request in flight (zeros when the backend does not stream)."""
-        return self.admit_count(progress) > 0
+    def can_admit(self, progress: Sequence[int] = (), prompts: Sequence[int] = ()) -> bool:
+        """`progress`: completion tokens generated so far by each request in flight (zeros when the backend does not
+        stream); `prompts`: the prompt tokens each one counts toward the budget (budget_unit total; else none)."""
+        return self.admit_count(progress, prompts) > 0
 
-    def admit_count(self, progress: Sequence[int] = ()) -> int:
+    def admit_count(self, progress: Sequence[int] = (), prompts: Sequence[int] = ()) -> int:
         """How many requests may be admitted now. One pass over the requests in flight per call, so a loop that
         admits a batch at once does not pay for it once per request."""
         room = self.concurrency - len(progress)
-        if room <= 0 or self.reached(progress):
+        if room <= 0 or self.reached(progress, prompts):
             return 0
         if self.keep_partial:
             return room
-        mean = self.lengths.mean()
-        expected = self.committed + sum(self.lengths.expected_final(p) for p in progress)
+        mean = self.lengths.mean() + self.prompt_mean  # what a new request adds to the budget
+        expected = self.committed + sum(prompts) + sum(self.lengths.expected_final(p) for p in progress)
         fit = int((self.budget - expected) // mean) if expected < self.budget else 0  # each new one adds `mean`
         if fit > 0:
             return min(room, fit)
@@ -241,12 +245,16 @@ class BudgetController:
         reached. Near the end it has none: the batch commits about `full` tokens per second, so the budget is
         (budget - committed) / full seconds away, in which a new request decodes full / batch tokens per second.
         A refill that cannot finish would only be cancelled, its tokens wasted, at no gain in time."""
-        reach = (self.budget - self.committed) / max(batch, 1)  # tokens a new request decodes before the budget
+        left = self.budget - self.committed
+        if self.prompt_mean:  # budget_unit total: only the completions' share of what is left is decoded
+            completion = self.lengths.mean()
+            left *= completion / (completion + self.prompt_mean)
+        reach = left / max(batch, 1)  # tokens a new request decodes before the budget
         return self.lengths.share_within(reach) >= MIN_FINISH_CHANCE
 
     def finished(self, tokens: int, counted: bool, length: int | None = None) -> None:
         """A response completed. `tokens` (in the budget's unit) count when the policies keep it; `length` is its
-        completion length for the running statistics (defaults to `tokens`)."""
+        completion length for the running statistics (defaults to `tokens`, as when only completions count)."""
         self.lengths.add(tokens if length is None else length)
         if counted:
             self.committed += tokens

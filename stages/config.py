@@ -172,6 +172,14 @@ class TokenizeConfig:
     max_seq_len: int = 4096
     on_too_long: OnTooLong = OnTooLong.drop
     train_on: TrainOn = TrainOn.last_turn
+    # the stage fails, naming the top reason, when more than this share of responses is skipped: a template or
+    # settings problem should stop the chain, not quietly shrink the training data
+    max_skip_pct: float = 5.0
+
+    def check(self, key: str) -> None:
+        _positive(f"{key}.max_seq_len", self.max_seq_len)
+        if not isinstance(self.max_skip_pct, (int, float)) or not 0 <= self.max_skip_pct <= 100:
+            raise ConfigError(f"{key}.max_skip_pct", f"must be a percentage in [0, 100], got {self.max_skip_pct!r}")
 
 
 @dataclass
@@ -319,6 +327,7 @@ def validate(cfg: Config, need_dataset: bool) -> None:
     # value checks (which also look for the source file) apply to the dataset this stage runs on.
     if cfg.dataset is not None:
         cfg.ds.check(f"datasets.{cfg.dataset}")
+    cfg.tokenize.check("tokenize")
     cfg.hidden_states.check("hidden_states")
     cfg.export.check("export")
     cfg.backend.check("backend")

@@ -155,8 +155,14 @@ class Dispatcher:
         self._rate_mark = (now, 0, 0.0)  # (time, tokens generated, area) at the last reading
 
     def in_flight_progress(self) -> list[int]:
-        unit = self.ds.budget_unit
-        return [tokens_of(len(f.p.prompt_ids), f.req.partial.completion_tokens, unit) for f in self.flights.values()]
+        """Completion tokens of each request in flight so far."""
+        return [f.req.partial.completion_tokens for f in self.flights.values()]
+
+    def in_flight_prompts(self) -> list[int]:
+        """The prompt tokens each request in flight counts toward the budget (budget_unit total; else none)."""
+        if self.ds.budget_unit != BudgetUnit.total:
+            return []
+        return [len(f.p.prompt_ids) for f in self.flights.values()]
 
     async def run(self, todo: list[Planned]) -> RunStats:
         ticker = asyncio.create_task(self._tick())
@@ -172,9 +178,9 @@ class Dispatcher:
         return self.stats
 
     async def _loop(self, queue) -> None:
-        progress = self.in_flight_progress()
+        progress, prompts = self.in_flight_progress(), self.in_flight_prompts()
         while not self.stop.is_set():
-            for _ in range(self.ctrl.admit_count(progress)):
+            for _ in range(self.ctrl.admit_count(progress, prompts)):
                 if (p := next(queue, None)) is None:
                     break
                 self._admit(p)
@@ -185,13 +191,13 @@ class Dispatcher:
             self._observe_rate()
             finished, self._finished = self._finished, []
             self._record_all([(task.result(), self.flights.pop(task)) for task in finished])
-            progress = self.in_flight_progress()
-            if self.ctrl.reached(progress):
+            progress, prompts = self.in_flight_progress(), self.in_flight_prompts()
+            if self.ctrl.reached(progress, prompts):
                 await self._cancel_all(CUT)
                 if self.ctrl.reached():
                     return
                 # keep_partial: some cut partials were unusable (e.g. nothing but whitespace), so go on
-                progress = []
+                progress, prompts = [], []
             self.progress.update(self)
 
     async def _tick(self) -> None:
@@ -299,7 +305,7 @@ class Dispatcher:
                 continue
             self.stats.new += 1
             self.stats.kept += new
-            self.ctrl.finished(tokens, counted=unusable_reason(r, self.ds) is None)
+            self.ctrl.finished(tokens, counted=unusable_reason(r, self.ds) is None, length=r.completion_tokens)
 
     def _lose(self, tokens: int) -> None:
         self.stats.generated += tokens
@@ -473,8 +479,10 @@ def _run(cfg: Config, tok, plan: list[Planned], stored: dict[str, StoredResponse
                             committed=sum(tokens_of(r.prompt_tokens, r.completion_tokens, ds.budget_unit)
                                           for r in complete))
     for r in complete:
-        ctrl.lengths.add(tokens_of(r.prompt_tokens, r.completion_tokens, ds.budget_unit))
+        ctrl.lengths.add(r.completion_tokens)  # completion lengths only: bounded by max_tokens, whatever the unit
     todo = [p for p in plan if needs_request(stored.get(p.key))]
+    if ds.budget_unit == BudgetUnit.total and todo:
+        ctrl.prompt_mean = sum(len(p.prompt_ids) for p in todo) / len(todo)
     parked = {k: r for k, r in stored.items() if r.partial}
     log("generate", dataset=cfg.dataset, committed=ctrl.committed, budget=ds.token_budget, stored=len(complete),
         parked=sum(p.key in parked for p in todo), to_send=len(todo), backend=cfg.backend.kind.value,

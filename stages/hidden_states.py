@@ -30,7 +30,7 @@ from stages.config import Config, ConfigError, UserError, cli
 from stages.shards import FORMAT_VERSION, SampleStates, check, encode, write
 from stages.state_store import StateStore, Target, state_key
 from stages.store import hash_cache_path, resolve_store_path
-from stages.target import content_hash, model_fingerprint
+from stages.target import check_model_path, content_hash, model_fingerprint
 
 
 # ---- layers: which, in every numbering ------------------------------------------------------------------------- #
@@ -402,6 +402,7 @@ def n_layers_of(cfg: Config) -> int:
     """From the model's config alone, before any weight is loaded."""
     from transformers import AutoConfig
 
+    check_model_path(cfg.model.path)
     try:
         conf = AutoConfig.from_pretrained(cfg.model.path, revision=cfg.model.revision)
     except (OSError, ValueError) as e:

@@ -292,6 +292,8 @@ def _conversations(row: Mapping, options: SourceOptions) -> Prompt:
 # last observation, never a chain of regenerated actions.
 
 _SWE_ROLES = {"system": "system", "user": "user", "ai": "assistant"}
+# An action is a thought and one command, fenced (```\nsubmit\n```) or, in some agents' formats, on the last line.
+_SWE_SUBMIT = re.compile(r"```[^\n]*\n\s*submit\s*\n\s*```|(?:^|\n)\s*submit\s*$")
 
 
 @_shape("swe_agent")
@@ -302,6 +304,8 @@ def _swe_agent(row: Mapping, options: SourceOptions) -> Prompt:
         turn = _turn(turn, where)
         role = _role(_key(turn, "role", where), _SWE_ROLES, f"{where}.role")
         messages.append({"role": role, "content": _text(_key(turn, "text", where), f"{where}.text")})
+        if role == "assistant" and _SWE_SUBMIT.search(messages[-1]["content"]):
+            break  # the episode ends at `submit`: what follows (the patch shown back) asks for no further turn
     return _finish(messages, None, options, "column 'trajectory'")
 
 

@@ -11,7 +11,6 @@ same settings reuses it, whatever DVC did to the output directory.
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
 import uuid
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Iterable
 
 from stages.shards import torn
+from stages.store import open_db
 from stages.target import content_hash
 
 SCHEMA = """
@@ -61,9 +61,7 @@ class StateStore:
     def __init__(self, root: Path):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        # WAL and a busy timeout: ranks of a torchrun job commit their shards side by side
-        self.db = sqlite3.connect(self.root / "index.sqlite", isolation_level=None, timeout=600)
-        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db = open_db(self.root / "index.sqlite", "states")
         self.db.executescript(SCHEMA)
 
     def close(self) -> None:

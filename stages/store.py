@@ -89,14 +89,55 @@ _PUT = (
 )
 
 
+# File systems where SQLite's WAL is unsafe: its index lives in shared memory that only processes on one host share,
+# and these mounts may be written from several (SQLite's docs: "WAL does not work over a network filesystem").
+NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "afs", "ceph", "glusterfs", "lustre", "gpfs", "beegfs", "9p",
+              "panfs", "wekafs", "fuse.sshfs", "fuse.glusterfs", "fuse.ceph", "fuse.s3fs", "fuse.gcsfuse")
+
+
+def fs_type(path: Path) -> str:
+    """The type of the file system `path` is on, from the kernel's mount table ("" where it cannot tell)."""
+    try:
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return ""
+    target = str(Path(path).resolve())
+    best, kind = "", ""
+    for line in mounts:
+        fields_ = line.split()
+        if len(fields_) < 3:
+            continue
+        point = fields_[1].replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields_[2]
+    return kind
+
+
+def open_db(path: Path, what: str) -> sqlite3.Connection:
+    """A store's SQLite database: WAL on a local disk; a rollback journal, with a warning, on a network file system.
+    A busy timeout lets several processes (torchrun ranks, two generate runs on one store) commit side by side.
+    isolation_level=None: no implicit transactions; writers open and commit their own."""
+    db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=600)
+    kind = fs_type(path.parent)
+    if kind in NETWORK_FS:
+        from stages.artifacts import log
+
+        log(what, warning=f"{path} is on a network file system ({kind}), where SQLite's WAL is not safe: using a "
+            "rollback journal (slower, and one machine at a time). Put run.store_path on a local disk.")
+        db.execute("PRAGMA journal_mode=DELETE")
+        db.execute("PRAGMA synchronous=FULL")
+    else:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a crash never corrupts, may lose the last commit
+    return db
+
+
 class ResponseStore:
     def __init__(self, path: Path | str):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        # isolation_level=None: no implicit transactions; put_many opens and commits its own.
-        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a crash never corrupts, may lose the last commit
+        self.db = open_db(path, "store")
         self.db.executescript(SCHEMA)
 
     def close(self) -> None:

@@ -36,9 +36,78 @@ def content_hash(obj: Any, n: int = 16) -> str:
     return hashlib.sha256(blob).hexdigest()[:n]
 
 
+def looks_local(path: str) -> bool:
+    """Whether `model.path` names a local directory: a hub id is `name` or `org/name`; a path that starts with `.`,
+    `/` or `~`, has more than one `/`, or whose first component is a directory here, is meant as a local one."""
+    parts = Path(path).parts
+    return (path.startswith((".", "/", "~")) or path.count("/") > 1
+            or (len(parts) > 1 and Path(parts[0]).expanduser().is_dir()))
+
+
+def check_model_path(path: str) -> None:
+    """A mistyped local path fails here, at once, instead of after the hub's retries (tens of seconds) with an
+    error about connecting to it."""
+    if looks_local(path) and not Path(path).expanduser().exists():
+        raise ConfigError("model.path", f"{path}: no such directory (a local path; a hub id is 'org/name')")
+
+
+# Tokens that end an assistant turn in the templates of common targets (ChatML, Llama 3 incl. 3.1's ipython
+# <|eom_id|>, Phi, gpt-oss's <|return|> and <|call|>, Gemma); counted only where the vocabulary has them.
+KNOWN_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>")
+
+
+def end_of_turn_ids(tok, model: ModelConfig | None, template_kwargs: dict | None = None) -> set[int]:
+    """Every token that ends the target's turn: the tokenizer's eos, the generation config's eos list (Llama 3.1
+    lists <|end_of_text|>, <|eom_id|> and <|eot_id|>), the token the chat template writes right after an assistant
+    message, and the known end-of-turn specials the vocabulary has. Without a model, no generation config."""
+    ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    if model is not None:
+        ids |= _generation_config_eos(model)
+    template_end = _template_end_token(tok, template_kwargs or {})
+    if template_end is not None:
+        ids.add(template_end)
+    for token in KNOWN_END_OF_TURN:
+        tid = tok.convert_tokens_to_ids(token)
+        if isinstance(tid, int) and tid != tok.unk_token_id:
+            ids.add(tid)
+    return ids
+
+
+def _generation_config_eos(model: ModelConfig) -> set[int]:
+    from transformers import GenerationConfig
+
+    try:
+        gen = GenerationConfig.from_pretrained(model.path, revision=model.revision)
+    except (OSError, ValueError):  # no generation_config.json: the tokenizer's eos is all there is
+        return set()
+    eos = gen.eos_token_id
+    return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
+def _template_end_token(tok, template_kwargs: dict) -> int | None:
+    """The first token the template writes after an assistant message's content (a probe conversation), if it is
+    a special token: what a turn ends with, in this template's own words."""
+    probe = "draftdata end-of-turn probe"
+    user = [{"role": "user", "content": "Hello"}]
+    try:
+        prompt = tok.apply_chat_template(user, add_generation_prompt=True, tokenize=False, **template_kwargs)
+        full = tok.apply_chat_template(user + [{"role": "assistant", "content": probe}], tokenize=False,
+                                       **template_kwargs)
+    except Exception:  # noqa: BLE001 - a template that rejects the probe says nothing about its end token
+        return None
+    at = full.find(probe, len(prompt) if full.startswith(prompt) else 0)
+    if at < 0:
+        return None
+    after = tok.backend_tokenizer.encode(full[at + len(probe):], add_special_tokens=False).ids
+    if after and after[0] in set(tok.all_special_ids) | set(tok.added_tokens_decoder):
+        return after[0]
+    return None
+
+
 def load_tokenizer(model: ModelConfig):
     from transformers import AutoTokenizer
 
+    check_model_path(model.path)
     try:
         tok = AutoTokenizer.from_pretrained(model.path, revision=model.revision)
     except (OSError, ValueError) as e:
@@ -59,6 +128,7 @@ def load_model(model: ModelConfig, device_map: str | None = None):
     import torch
     from transformers import AutoModelForCausalLM
 
+    check_model_path(model.path)
     try:
         net = AutoModelForCausalLM.from_pretrained(model.path, revision=model.revision, dtype="auto",
                                                    **({"device_map": device_map} if device_map else {}))
@@ -109,6 +179,7 @@ def model_fingerprint(path: str, revision: str | None, cache_path: Path | None =
     sha256 of each weight file is already on disk and nothing is read. Otherwise each file is read once, the same
     price DVC already pays to hash `model.path` as a dependency, and its hash is kept in `cache_path` until the
     file's size, mtime, ctime or inode changes. Without a `cache_path` such files are read on every call."""
+    check_model_path(path)  # a mistyped local path must not pass for a hub id
     root = Path(path)
     if not root.is_dir():
         return content_hash({"hub_id": path, "revision": revision})

@@ -19,9 +19,11 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Optional
 
+from jinja2.exceptions import TemplateError
+
 from stages.artifacts import atomic_path, data_dir, log, read_jsonl, write_json
 from stages.config import Config, OnTooLong, UserError, cli
-from stages.target import load_tokenizer, template_messages, tokenizer_fingerprint
+from stages.target import end_of_turn_ids, load_tokenizer, template_messages, tokenizer_fingerprint
 
 SCHEMA_VERSION = 1
 # Above this many text-path records, on a machine with this many cores, rendering (Python-bound Jinja) is spread
@@ -73,9 +75,11 @@ def assemble(prompt_ids: list[int], text_ids: list[int], suffix_ids: list[int], 
     """prompt + response + its end-of-turn token, each encoded on its own as a server would (a prompt's trailing
     whitespace tokenizes differently when text follows it). `ended`: the target ended its turn (finish_reason
     stop); a response cut by max_tokens or the budget never produced the end-of-turn token, so it is left out."""
-    end = next((t for t in suffix_ids if t in end_ids), None)
-    if end is None:
+    if not suffix_ids or not any(t in end_ids for t in suffix_ids):
         raise Skip("no_end_of_turn")
+    end = suffix_ids[0]
+    if end not in end_ids:  # the template writes something between the response and its end of turn: that text
+        raise Skip("text_before_end_of_turn")  # is neither in the response nor a token the target ends with
     out = text_ids + ([end] if ended else [])
     return prompt_ids + out, [0] * len(prompt_ids) + [1] * len(out)
 
@@ -84,21 +88,14 @@ def _ended(rec: dict) -> bool:
     return rec.get("finish_reason", "stop") == "stop"
 
 
-def from_text(tok, rec: dict, template_kwargs: dict) -> tuple[list[int], list[int]]:
-    """One record through the text path; raises the Skip that explains a record it cannot use."""
-    result = text_samples(tok, [rec], template_kwargs)[0]
+def from_text(tok, rec: dict, template_kwargs: dict, ends: Optional[set[int]] = None) -> tuple[list[int], list[int]]:
+    """One record through the text path; raises the Skip that explains a record it cannot use. `ends`: the target's
+    end-of-turn ids (default: the tokenizer's and its template's)."""
+    ends = ends if ends is not None else end_of_turn_ids(tok, None, template_kwargs)
+    result = text_samples(tok, [rec], template_kwargs, ends)[0]
     if isinstance(result, Skip):
         raise result
     return result
-
-
-def end_of_turn_ids(tok) -> set[int]:
-    ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-    for token in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
-        tid = tok.convert_tokens_to_ids(token)
-        if isinstance(tid, int) and tid != tok.unk_token_id:
-            ids.add(tid)
-    return ids
 
 
 def rendered_parts(tok, recs: list[dict], template_kwargs: dict) -> list:
@@ -110,19 +107,19 @@ def rendered_parts(tok, recs: list[dict], template_kwargs: dict) -> list:
             out.append((prompt, check_rendering(prompt, full, rec["text"])))
         except Skip as e:
             out.append(e)
-        except Exception as e:  # a template that raises on this conversation (e.g. a role it does not accept)
-            out.append(Skip(f"template_error:{type(e).__name__}"))
+        except TemplateError as e:  # the template refuses this conversation (e.g. a role it does not accept);
+            out.append(Skip(f"template_error:{type(e).__name__}"))  # any other exception is a bug: it stops here
     return out
 
 
-def text_samples(tok, recs: list[dict], template_kwargs: dict, parts: Optional[list] = None) -> list:
+def text_samples(tok, recs: list[dict], template_kwargs: dict, ends: set[int], parts: Optional[list] = None) -> list:
     """Encode prompts, responses and suffixes in three batches (the Rust tokenizer uses every core) and assemble.
     Returns, per record, (ids, mask) or the Skip that explains it."""
     out = parts if parts is not None else rendered_parts(tok, recs, template_kwargs)
     ok = [i for i, r in enumerate(out) if not isinstance(r, Skip)]
     if not ok:
         return out
-    backend, ends = tok.backend_tokenizer, end_of_turn_ids(tok)
+    backend = tok.backend_tokenizer
     prompts = backend.encode_batch([out[i][0] for i in ok], add_special_tokens=False)
     texts = backend.encode_batch([recs[i]["text"] for i in ok], add_special_tokens=False)
     suffixes = backend.encode_batch([out[i][1] for i in ok], add_special_tokens=False)
@@ -151,18 +148,19 @@ def text_samples_parallel(tok, recs: list[dict], cfg: Config) -> list:
     """Large inputs render (Python-bound Jinja) in worker processes, which send back only the rendered prompt and
     suffix strings; encoding stays one batch here, where the Rust tokenizer already uses every core."""
     kwargs = dict(cfg.model.template_kwargs)
+    ends = end_of_turn_ids(tok, cfg.model, kwargs)
     workers = min(os.cpu_count() or 1, 16)
     # With few cores the Rust encode already fills them and rendering is ~10 % of the work: a pool's start-up and
     # pickling cost more than it saves (measured with bench/tokenize.py on 2 cores). With many, rendering in one
     # process becomes the bottleneck.
     if len(recs) < PARALLEL_MIN_RECORDS or workers < PARALLEL_MIN_CPUS:
-        return text_samples(tok, recs, kwargs)
+        return text_samples(tok, recs, kwargs, ends)
     size = -(-len(recs) // (workers * 4))
     chunks = [([{k: r.get(k) for k in ("messages", "tools", "text")} for r in recs[i : i + size]], kwargs)
               for i in range(0, len(recs), size)]
     with ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(cfg.model,)) as pool:
         parts = [p for part in pool.map(_worker_render, chunks) for p in part]
-    return text_samples(tok, recs, kwargs, parts)
+    return text_samples(tok, recs, kwargs, ends, parts)
 
 
 def limit_length(s: Sample, max_len: int, policy: OnTooLong) -> Sample:
@@ -217,6 +215,16 @@ def build_samples(recs: list[dict], tok, cfg: Config) -> tuple[list[Sample], Tal
     return samples, tally
 
 
+def check_skips(skipped: Counter, responses: int, max_pct: float) -> None:
+    """Too many skips stop the stage before anything is written, naming the top reason."""
+    n = sum(skipped.values())
+    if responses and 100.0 * n / responses > max_pct:
+        reason, count = skipped.most_common(1)[0]
+        raise UserError(f"tokenize: {n} of {responses} responses skipped ({100.0 * n / responses:.1f} % > "
+                        f"tokenize.max_skip_pct {max_pct:g}); top reason: {reason} ({count}); see the reasons in "
+                        "the README, or raise tokenize.max_skip_pct")
+
+
 def write_parquet(path, samples: list[Sample], meta: dict) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -251,6 +259,7 @@ def main(cfg: Config) -> None:
     tok = load_tokenizer(cfg.model)
     recs = list(read_jsonl(src))
     samples, tally = build_samples(recs, tok, cfg)
+    check_skips(tally.skipped, len(recs), cfg.tokenize.max_skip_pct)
     meta = {"schema_version": SCHEMA_VERSION, "dataset": cfg.dataset,
             "tokenizer": tokenizer_fingerprint(tok, cfg.model),
             "max_seq_len": cfg.tokenize.max_seq_len, "train_on": cfg.tokenize.train_on.value,

@@ -502,6 +502,35 @@ def test_embedded_streams_the_partial_and_keeps_it_on_cancel(endless_model):
     assert cut.partial.text == tok.decode(cut.partial.output_ids, skip_special_tokens=True)
 
 
+def test_embedded_stops_on_every_end_of_turn_of_the_generation_config(endless_model, tmp_path):
+    """A target whose generation config lists several end-of-turn ids (Llama 3.1: <|eot_id|> and <|eom_id|>) must
+    stop on each, and call it a stop: the same request, with the token it first produced made an end of turn."""
+    import json
+    import shutil
+
+    def first_answer(model: Path):
+        cfg = Config(model=ModelConfig(path=str(model)), datasets={"d": DatasetConfig()}, dataset="d")
+        tok = load_tokenizer(cfg.model)
+
+        async def go():
+            async with started(cfg, tok) as backend:
+                req = request(ids=render_prompt_ids(tok, MESSAGES, None, {}), max_tokens=8)
+                req.seed = 7
+                return await backend.generate(req)
+
+        return run(go(), timeout=60), tok
+
+    plain, tok = first_answer(endless_model)
+    assert plain.ok and plain.finish_reason == "length" and len(plain.output_ids) == 8
+    first = plain.output_ids[0]
+    assert first != tok.eos_token_id
+    model = tmp_path / endless_model.name
+    shutil.copytree(endless_model, model)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_token_id, first]}))
+    ended, _ = first_answer(model)
+    assert ended.ok and ended.output_ids == [first] and ended.finish_reason == "stop"
+
+
 # ---- openai: a real `transformers serve` --------------------------------------------------------------------------- #
 
 

@@ -178,3 +178,27 @@ def test_cli_refuses_unknown_backend_before_any_work(project):
     assert proc.stderr.strip().splitlines() == [
         "error: backend: unknown backend 'foo'; known: embedded, openai, sglang [from command line]"]
     assert not (project.path / "data").exists()
+
+
+@pytest.mark.parametrize("path", ["./models/tiny-lama", "models/tiny-lama", "/nowhere/tiny-llama", "a/b/c",
+                                  "~/no-such-model-dir"])
+def test_a_mistyped_local_model_path_fails_at_once(tmp_path, monkeypatch, path):
+    """Not after the hub's retries with an error about connecting: the path is named as a missing directory."""
+    from stages.config import ModelConfig
+    from stages.target import load_model, load_tokenizer, model_fingerprint
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()  # `models/x` then names a local directory, not a hub org
+    for call in (lambda: load_tokenizer(ModelConfig(path=path)), lambda: load_model(ModelConfig(path=path)),
+                 lambda: model_fingerprint(path, None)):
+        with pytest.raises(ConfigError) as err:
+            call()
+        assert err.value.key == "model.path" and "no such directory" in str(err.value)
+
+
+def test_hub_ids_still_look_like_hub_ids(tmp_path, monkeypatch):
+    from stages.target import looks_local
+
+    monkeypatch.chdir(tmp_path)
+    assert not looks_local("Qwen/Qwen3-8B") and not looks_local("gpt2")
+    assert looks_local("./gpt2") and looks_local("/models/x") and looks_local("org/name/sub")

@@ -86,3 +86,17 @@ def test_truncation_policy_drop_counts_and_excludes(project):
     assert m["skipped"].get("truncated_dropped", 0) > 0
     rows = list(read_jsonl(project.data("B3") / "responses.jsonl"))
     assert all(r["finish_reason"] != "length" for r in rows)
+
+
+def test_total_unit_budget_counts_prompts_and_completions(project):
+    project.set("datasets.B3.budget_unit", "total")
+    project.set("datasets.B3.token_budget", 3000)
+    project.run("prompts", "B3")
+    project.run("generate", "B3")
+    m = metrics(project, "B3", "generate")
+    rows = list(read_jsonl(project.data("B3") / "responses.jsonl"))
+    totals = [r["prompt_tokens"] + r["completion_tokens"] for r in rows]
+    assert m["budget_met"] and sum(totals) == m["budget_tokens"] >= 3000
+    assert m["overshoot_tokens"] < max(totals)  # the last response may cross the budget, by less than itself
+    # the prompts count: fewer responses than the same budget in completion tokens would take
+    assert sum(r["completion_tokens"] for r in rows) < 3000

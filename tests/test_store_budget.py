@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import sqlite3
+from pathlib import Path
 
 from stages.budget import BudgetController, LengthModel
 from stages.store import ResponseStore, StoredResponse
@@ -161,3 +162,42 @@ def test_store_parked_partials_give_way_to_longer_or_complete_answers(tmp_path):
     assert store.get_many(["c"])["c"].continuable()
     put("c", 9, "stop")
     assert got("c") == ("stop", 9) and store.count() == 3
+
+
+def test_total_unit_keeps_prompts_and_completions_apart():
+    """budget_unit total: completion lengths (bounded by max_tokens) feed the length model, and each request's
+    prompt is added on top. Fed totals, the model would expect 450-token completions from a 100-token limit."""
+    ctrl = BudgetController(budget=10_000, max_tokens=100, concurrency=100, prompt_mean=400.0)
+    for _ in range(20):
+        ctrl.finished(450, counted=False, length=50)  # a 400-token prompt and a 50-token completion
+    assert ctrl.lengths.mean() == 50
+    assert ctrl.admit_count() == 10_000 // 450  # 22 requests of 450 budget tokens, not 100 of 50
+    # in flight: 10 requests 20 tokens into their completions, each with its 400-token prompt counted
+    expected = 10 * (400 + ctrl.lengths.expected_final(20))
+    assert ctrl.admit_count([20] * 10, [400] * 10) == int((10_000 - expected) // 450)
+    # keep_partial counts the prompts of the requests in flight toward the budget
+    keep = BudgetController(budget=1_000, max_tokens=100, concurrency=8, keep_partial=True, prompt_mean=400.0)
+    assert not keep.reached([50], [0]) and keep.reached([50, 50], [400, 500])
+
+
+def test_fs_type_reads_the_mount_table():
+    from stages.store import fs_type
+
+    assert fs_type(Path("/proc/self")) == "proc"  # the longest mount point that holds the path wins over "/"
+    assert fs_type(Path("/")) not in ("", "proc")
+
+
+def test_a_store_on_a_network_file_system_leaves_wal_with_a_warning(tmp_path, monkeypatch, capsys):
+    import stages.store
+    from stages.state_store import StateStore
+
+    local = ResponseStore(tmp_path / "local" / "store.sqlite")
+    assert local.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    local.close()
+    assert "network file system" not in capsys.readouterr().out
+    monkeypatch.setattr(stages.store, "fs_type", lambda path: "nfs4")
+    for db in (ResponseStore(tmp_path / "nfs" / "store.sqlite").db, StateStore(tmp_path / "nfs" / "states").db):
+        assert db.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+        db.close()
+    out = capsys.readouterr().out
+    assert out.count("network file system (nfs4)") == 2 and "run.store_path" in out

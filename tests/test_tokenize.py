@@ -8,7 +8,7 @@ import json
 import pytest
 
 from stages.artifacts import write_jsonl
-from stages.config import ModelConfig
+from stages.config import ModelConfig, UserError
 from stages.target import load_tokenizer, render_prompt_ids, tokenizer_fingerprint
 from stages.tokenize import from_ids, from_text, read_metadata
 
@@ -91,6 +91,7 @@ def test_every_skip_reason_is_counted(project, tok, tiny_model):
     long = response(tok, "long", HISTORY, "word " * 1200, ids=True)
     long_prompt = response(tok, "long_prompt", [{"role": "user", "content": "number " * 1500}], "Two.", ids=True)
     text_only = response(tok, "text_only", HISTORY, "Three.", ids=False)
+    project.set("tokenize.max_skip_pct", 100)  # every reason counted, whatever the share
     rows, m = run_tokenize(project, [ok, empty, long, text_only])
     assert [r["id"] for r in rows] == ["ok", "text_only"]
     assert m["skipped"] == {"empty_output": 1, "over_max_seq_len": 1} and m["responses"] == 4
@@ -113,11 +114,15 @@ def test_every_skip_reason_is_counted(project, tok, tiny_model):
     altering = tiny_model.parent / "altering.jinja"
     altering.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | upper }}<|im_end|>\n"
                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    before_end = tiny_model.parent / "before_end.jinja"  # writes text between the response and its end of turn
+    before_end.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                          "{% if m.role == 'assistant' %} [done]{% endif %}<|im_end|>\n{% endfor %}"
+                          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     raising = tiny_model.parent / "raising.jinja"
     raising.write_text("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system') }}"
                        "{% endif %}{{ m.content }}{% endfor %}")
     for template, reason in ((unstable, "template_not_prefix_stable"), (altering, "template_alters_response"),
-                             (no_end, "no_end_of_turn"),
+                             (no_end, "no_end_of_turn"), (before_end, "text_before_end_of_turn"),
                              (raising, "template_error:TemplateError")):
         project.set("model.chat_template", str(template))
         _, m = run_tokenize(project, [text_only])
@@ -150,3 +155,48 @@ def test_process_pool_gives_the_same_samples(project, tok, monkeypatch):
     parallel, tally = tz.build_samples(recs, tok, cfg)
     assert [(s.id, s.input_ids, s.loss_mask) for s in parallel] == [(s.id, s.input_ids, s.loss_mask) for s in serial]
     assert tally.text_path == 40
+
+
+def test_too_many_skips_stop_the_stage_naming_the_top_reason(project, tok):
+    ok = [response(tok, f"ok{i}", HISTORY, "Five.", ids=True) for i in range(18)]
+    empty = [dict(response(tok, f"e{i}", HISTORY, "", ids=True), completion_tokens=0, output_ids=[]) for i in range(2)]
+    with pytest.raises(UserError) as err:
+        run_tokenize(project, ok + empty)  # 2 of 20: 10 % > the default 5 %
+    message = str(err.value)
+    assert "2 of 20" in message and "empty_output (2)" in message and "tokenize.max_skip_pct" in message
+    assert "\n" not in message
+    assert not (project.data("B3") / "samples.parquet").exists()  # nothing written from a run that failed
+    project.set("tokenize.max_skip_pct", 10)
+    rows, m = run_tokenize(project, ok + empty)
+    assert len(rows) == 18 and m["skipped"] == {"empty_output": 2}
+
+
+def test_only_template_errors_become_skips(project, tok, monkeypatch):
+    """A template that refuses a conversation is a skip; an error anywhere else is a bug and stops the stage."""
+    import stages.tokenize
+
+    def broken(messages):
+        raise KeyError("content")
+
+    monkeypatch.setattr(stages.tokenize, "template_messages", broken)
+    with pytest.raises(KeyError):
+        run_tokenize(project, [response(tok, "a", HISTORY, "Three.", ids=False)])
+
+
+def test_end_of_turn_ids_come_from_tokenizer_generation_config_and_template(tiny_model, tmp_path):
+    import shutil
+
+    from stages.target import end_of_turn_ids
+
+    tok = load_tokenizer(ModelConfig(path=str(tiny_model)))
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    model = tmp_path / "m"
+    shutil.copytree(tiny_model, model)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [im_end, 42]}))
+    assert end_of_turn_ids(tok, ModelConfig(path=str(model))) >= {im_end, 42}
+    assert 42 not in end_of_turn_ids(tok, None)
+    # a template's own end of turn counts, though neither the eos nor a known name
+    tok.add_special_tokens({"additional_special_tokens": ["<|turn_done|>"]})
+    tok.chat_template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}<|turn_done|>{% endfor %}"
+                         "{% if add_generation_prompt %}assistant: {% endif %}")
+    assert tok.convert_tokens_to_ids("<|turn_done|>") in end_of_turn_ids(tok, None)

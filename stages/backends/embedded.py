@@ -18,7 +18,7 @@ import time
 from stages.artifacts import log
 from stages.backends import GenRequest, GenResult
 from stages.config import Config
-from stages.target import load_model
+from stages.target import end_of_turn_ids, load_model
 
 
 class EmbeddedBackend:
@@ -30,6 +30,7 @@ class EmbeddedBackend:
         self.tokenizer = tokenizer
         self.manager = None
         self.seeded = False
+        self.stop_ids: set[int] = set()
         self._attempts = itertools.count()
 
     async def start(self) -> None:
@@ -40,8 +41,11 @@ class EmbeddedBackend:
         model = load_model(self.cfg.model)
         eos = self.tokenizer.eos_token_id
         sampling = ds.sampling
+        # the turn ends on any of the target's end-of-turn tokens (its generation config may list several)
+        self.stop_ids = end_of_turn_ids(self.tokenizer, self.cfg.model, dict(self.cfg.model.template_kwargs))
         gen = GenerationConfig(
-            max_new_tokens=ds.max_tokens, eos_token_id=eos, pad_token_id=self.tokenizer.pad_token_id or eos,
+            max_new_tokens=ds.max_tokens, eos_token_id=sorted(self.stop_ids),
+            pad_token_id=self.tokenizer.pad_token_id or eos,
             do_sample=sampling.temperature > 0, temperature=sampling.temperature or None,
             top_p=sampling.top_p, top_k=sampling.top_k if sampling.top_k > 0 else None,
         )
@@ -86,7 +90,7 @@ class EmbeddedBackend:
             return GenResult(req.rid, error="engine_error", detail=str(out.error), server=self.name,
                              latency_s=time.perf_counter() - t0)
         ids = list(out.generated_tokens)
-        finish = "stop" if ids and ids[-1] == self.tokenizer.eos_token_id else "length"
+        finish = "stop" if ids and ids[-1] in self.stop_ids else "length"
         return self._result(req, base, ids, finish, t0)
 
     def _result(self, req: GenRequest, base: int, new_ids: list[int], finish: str, t0: float) -> GenResult:
