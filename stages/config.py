@@ -10,6 +10,7 @@ Every bad value ends in one `ConfigError` line that names the key, raised before
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from enum import Enum
@@ -152,6 +153,9 @@ class ModelConfig:
     chat_template: Optional[str] = None
     # Passed to apply_chat_template (e.g. enable_thinking); identical in generate and tokenize.
     template_kwargs: Dict[str, Any] = field(default_factory=dict)
+    # Run the Python code a model repository ships (its own config, tokenizer or model classes). Off: code from a
+    # checkpoint runs only when asked for, as transformers itself decides.
+    trust_remote_code: bool = False
 
 
 @dataclass
@@ -267,8 +271,10 @@ class BackendConfig:
         if not self.urls:
             raise ConfigError(f"{key}.urls", f"backend.kind={self.kind.value} needs at least one server URL")
         for i, url in enumerate(self.urls):
-            if not url.startswith(("http://", "https://")):
-                raise ConfigError(f"{key}.urls[{i}]", f"must start with http:// or https://, got {url!r}")
+            problem = _url_problem(url)
+            if problem:
+                raise ConfigError(f"{key}.urls[{i}]", f"{problem}, got {url!r}")
+        self._check_api_key_env(f"{key}.api_key_env")
         if self.prompt_format not in ("ids", "text", "chat"):
             raise ConfigError(f"{key}.prompt_format", f"must be ids, text or chat, got {self.prompt_format!r}")
         if not isinstance(self.max_retries, int) or self.max_retries < 0:
@@ -277,6 +283,38 @@ class BackendConfig:
                      "startup_timeout_s", "probe_interval_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{key}.{name}", f"must be > 0, got {getattr(self, name)!r}")
+
+
+    def _check_api_key_env(self, key: str) -> None:
+        """The key is read from the environment variable this names (unset: no key is sent, as a local server
+        wants) and never written anywhere: a value that is not a variable's name (a pasted key, most likely) is
+        refused without being echoed."""
+        name = self.api_key_env
+        if name is None:
+            return
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(name)):
+            raise ConfigError(key, "must be the NAME of an environment variable holding the API key (e.g. "
+                              "OPENAI_API_KEY), not the key itself; remove the key from params.yaml")
+
+
+def _url_problem(url: str) -> str | None:
+    """What is wrong with a server URL, or None: http(s), a host, a numeric port, no spaces."""
+    from urllib.parse import urlsplit
+
+    if not isinstance(url, str) or any(c.isspace() for c in url):
+        return "must be an http:// or https:// URL without spaces"
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        return "must start with http:// or https://"
+    if not parts.hostname:
+        return "has no host"
+    try:
+        parts.port
+    except ValueError:
+        return "has a port that is not a number in 1-65535"
+    if parts.query or parts.fragment:
+        return "must be the server's base URL (no ?query or #fragment)"
+    return None
 
 
 @dataclass

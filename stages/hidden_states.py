@@ -30,7 +30,7 @@ from stages.config import Config, ConfigError, UserError, cli
 from stages.shards import FORMAT_VERSION, SampleStates, check, encode, write
 from stages.state_store import StateStore, Target, state_key
 from stages.store import hash_cache_path, resolve_store_path
-from stages.target import check_model_path, content_hash, model_fingerprint
+from stages.target import check_model_path, content_hash, load_error, model_fingerprint
 
 
 # ---- layers: which, in every numbering ------------------------------------------------------------------------- #
@@ -404,9 +404,10 @@ def n_layers_of(cfg: Config) -> int:
 
     check_model_path(cfg.model.path)
     try:
-        conf = AutoConfig.from_pretrained(cfg.model.path, revision=cfg.model.revision)
+        conf = AutoConfig.from_pretrained(cfg.model.path, revision=cfg.model.revision,
+                                          trust_remote_code=cfg.model.trust_remote_code)
     except (OSError, ValueError) as e:
-        raise ConfigError("model.path", f"cannot load a model config from {cfg.model.path!r}: {e}") from None
+        raise load_error(e, "a model config", cfg.model.path) from None
     return conf.get_text_config().num_hidden_layers
 
 

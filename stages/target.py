@@ -77,7 +77,8 @@ def _generation_config_eos(model: ModelConfig) -> set[int]:
     from transformers import GenerationConfig
 
     try:
-        gen = GenerationConfig.from_pretrained(model.path, revision=model.revision)
+        gen = GenerationConfig.from_pretrained(model.path, revision=model.revision,
+                                               trust_remote_code=model.trust_remote_code)
     except (OSError, ValueError):  # no generation_config.json: the tokenizer's eos is all there is
         return set()
     eos = gen.eos_token_id
@@ -104,14 +105,23 @@ def _template_end_token(tok, template_kwargs: dict) -> int | None:
     return None
 
 
+def load_error(e: Exception, what: str, path: str) -> ConfigError:
+    if "trust_remote_code" in str(e):  # the checkpoint ships its own Python: run only when the user says so
+        return ConfigError("model.trust_remote_code", f"{path!r} ships its own code for {what}; set "
+                           "model.trust_remote_code: true if you trust it (it runs on this machine)")
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return ConfigError("model.path", f"cannot load {what} from {path!r}: {first}")
+
+
 def load_tokenizer(model: ModelConfig):
     from transformers import AutoTokenizer
 
     check_model_path(model.path)
     try:
-        tok = AutoTokenizer.from_pretrained(model.path, revision=model.revision)
+        tok = AutoTokenizer.from_pretrained(model.path, revision=model.revision,
+                                            trust_remote_code=model.trust_remote_code)
     except (OSError, ValueError) as e:
-        raise ConfigError("model.path", f"cannot load a tokenizer from {model.path!r}: {e}") from None
+        raise load_error(e, "a tokenizer", model.path) from None
     if model.chat_template is not None:
         path = Path(model.chat_template)
         if not path.exists():
@@ -131,9 +141,10 @@ def load_model(model: ModelConfig, device_map: str | None = None):
     check_model_path(model.path)
     try:
         net = AutoModelForCausalLM.from_pretrained(model.path, revision=model.revision, dtype="auto",
+                                                   trust_remote_code=model.trust_remote_code,
                                                    **({"device_map": device_map} if device_map else {}))
     except (OSError, ValueError) as e:
-        raise ConfigError("model.path", f"cannot load a model from {model.path!r}: {e}") from None
+        raise load_error(e, "a model", model.path) from None
     if not device_map:
         net = net.to("cuda" if torch.cuda.is_available() else "cpu")
     return net.eval()

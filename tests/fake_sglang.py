@@ -93,6 +93,7 @@ class FakeSGLang:
     # what the server saw
     generate_calls: list = field(default_factory=list)  # request bodies, in order
     generate_times: list = field(default_factory=list)  # time.monotonic() of each /generate arrival
+    authorizations: list = field(default_factory=list)  # the Authorization header of each /generate (None: none)
     aborts: list = field(default_factory=list)  # rids named by /abort_request
     disconnects: list = field(default_factory=list)  # rids whose client went away mid-request
     finished: dict = field(default_factory=dict)  # rid -> finish_reason.type it ended with
@@ -173,6 +174,7 @@ class FakeSGLang:
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.generate_calls.append(body)
+        self.authorizations.append(request.headers.get("Authorization"))  # SGLang's --api-key checks this header
         self.generate_times.append(time.monotonic())
         problem = _invalid(body)
         if problem:

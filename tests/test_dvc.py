@@ -202,3 +202,23 @@ def test_the_import_walk_finds_lazy_imports():
     assert Path("stages/capture_vllm.py") in files  # imported only inside make_engine
     assert Path("stages/vllm_worker.py") in files  # run as `python -m stages.vllm_worker`
     assert Path("stages/export.py") not in files  # nothing the stage runs imports it
+
+
+@pytest.mark.slow
+def test_two_repros_at_once_the_second_stops_on_dvc_s_lock(repo):
+    dvc("repro", cwd=repo)
+    env = dict(os.environ, DVC_NO_ANALYTICS="1")
+    first = subprocess.Popen([sys.executable, "-m", "dvc", "repro", "-f", "-s", "generate@B1_glaive"], cwd=repo,
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in first.stdout:  # DVC holds its lock from here until the stage is done
+            if "Running stage" in line:
+                break
+        second = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=repo, env=env, capture_output=True,
+                                text=True, timeout=120)
+    finally:
+        rest, _ = first.communicate(timeout=300)
+    assert first.returncode == 0, rest
+    assert second.returncode != 0 and "lock" in (second.stdout + second.stderr).lower()
+    assert "Traceback" not in second.stderr
+    assert ran(dvc("repro", cwd=repo)) == set()  # and nothing was left half-done

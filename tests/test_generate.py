@@ -161,3 +161,27 @@ def test_embedded_sampling_is_reproducible(project, monkeypatch):
     monkeypatch.setattr(embedded, "install_seeded_sampling", lambda manager: False)
     third = outputs("c.sqlite")
     assert any(first[i] != third[i] for i in set(first) & set(third))
+
+
+def test_two_generate_processes_on_one_store_share_it_safely(project, tiny_model):
+    """Two datasets with the same prompts, generated at the same time by two processes on one store: the store
+    stays intact with one row per key, and both outputs hold the same answers."""
+    from conftest import dataset_params
+
+    for name in ("A", "B"):
+        project.params["datasets"][name] = dataset_params("B3_magicoder", "magicoder_oss", token_budget=600)
+    project.save()
+    for name in ("A", "B"):
+        project.run("prompts", name)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "stages.generate", f"dataset={name}"], cwd=project.path,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for name in ("A", "B")]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    with sqlite3.connect(project.params["run"]["store_path"]) as db:
+        assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        rows, keys = db.execute("SELECT COUNT(*), COUNT(DISTINCT key) FROM responses").fetchone()
+    assert rows == keys > 0
+    a, b = ([(r["key"], r["text"]) for r in read_jsonl(project.data(n) / "responses.jsonl")] for n in ("A", "B"))
+    assert a == b and len(a) > 0

@@ -130,6 +130,8 @@ class OpenAIBackend(HttpBackend):
                     if piece:
                         partial.text += piece
                         pieces += 1
+                    elif choice.get("finish_reason") == "stop":  # the end-of-turn step: a token with no text
+                        pieces += 1
                     partial.output_ids.extend(int(t) for t in _output_ids(choice) or [])
                     prompt_ids = choice.get("prompt_token_ids") or prompt_ids
                     finish = choice.get("finish_reason") or finish
