@@ -370,8 +370,13 @@ class Dispatcher:
 
 
 class Progress:
-    """A tqdm bar toward the budget on a terminal (its ETA is the ETA to the budget); key=value log lines
-    every `run.log_every_s` otherwise."""
+    """A tqdm bar toward the budget on a terminal, a log line every `run.log_every_s` otherwise, both in the form
+    users read elsewhere: `8,353/9,000 tok (93%) | 61 resp (0 err) 0.5 req/s | 68 tok/s | avg_comp=137tok | ETA 12s`.
+    Rates are measured over the last RATE_WINDOW_S of generation, and there is no ETA before there is a rate (the
+    first seconds, loading and the first tokens, would otherwise predict hours for a run of minutes)."""
+
+    RATE_WINDOW_S = 30.0
+    MIN_RATE_SPAN_S = 3.0
 
     def __init__(self, cfg: Config, committed: int):
         from tqdm import tqdm
@@ -379,31 +384,69 @@ class Progress:
         self.cfg, self.ds = cfg, cfg.ds
         self.t0 = time.monotonic()
         self.last_log = self.t0
+        self.marks: deque = deque()  # (time, tokens generated, responses) of recent updates
         self.tty = cfg.run.progress and sys.stderr.isatty()
         self.bar = tqdm(total=self.ds.token_budget, initial=min(committed, self.ds.token_budget), unit="tok",
-                        desc=f"generate {cfg.dataset}", disable=not self.tty, dynamic_ncols=True)
+                        desc=f"generate {cfg.dataset}", disable=not self.tty, dynamic_ncols=True,
+                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} tok {postfix}")
 
-    def update(self, d: Dispatcher) -> None:
+    def update(self, d: Dispatcher, final: bool = False) -> None:
         now = time.monotonic()
-        if now - self.last_log < (0.2 if self.tty else self.cfg.run.log_every_s):
+        s = d.stats
+        self._mark(now, s.generated, s.new)
+        if not final and now - self.last_log < (0.2 if self.tty else self.cfg.run.log_every_s):
             return
         self.last_log = now
-        elapsed = max(now - self.t0, 1e-9)
-        s = d.stats
-        fields = {"responses": s.new, "req_s": round(s.new / elapsed, 2), "tok_s": round(s.generated / elapsed),
-                  "mean_len": round(s.kept / s.new) if s.new else 0, "in_flight": len(d.flights),
-                  "failed": sum(s.failed.values())}
+        line = self.line(d.ctrl.committed, s, len(d.flights))
         if self.tty:
-            self.bar.n = min(d.ctrl.committed, self.ds.token_budget)
-            self.bar.set_postfix(fields, refresh=True)
+            if d.ctrl.committed > self.bar.total:  # the last response may cross the budget: the bar ends there
+                self.bar.total = d.ctrl.committed
+            self.bar.n = d.ctrl.committed
+            self.bar.set_postfix_str(line.split(" | ", 1)[1], refresh=True)
         else:
-            left = max(0, self.ds.token_budget - d.ctrl.committed)
-            eta = left / (s.generated / elapsed) if s.generated else float("nan")
-            log("generate", dataset=self.cfg.dataset, committed=d.ctrl.committed, budget=self.ds.token_budget,
-                eta_s=round(eta, 1), **fields)
+            print(f"generate {self.cfg.dataset}: {line}", flush=True)
 
-    def close(self) -> None:
+    def _mark(self, now: float, generated: int, responses: int) -> None:
+        if generated == 0:
+            return  # the rate starts with the first token, not with loading
+        self.marks.append((now, generated, responses))
+        while len(self.marks) > 2 and now - self.marks[1][0] >= self.RATE_WINDOW_S:
+            self.marks.popleft()
+
+    def rates(self) -> tuple[float, float] | None:
+        """(tokens/s, responses/s) over the window, or None until it spans MIN_RATE_SPAN_S."""
+        if len(self.marks) < 2 or self.marks[-1][0] - self.marks[0][0] < self.MIN_RATE_SPAN_S:
+            return None
+        (t0, g0, r0), (t1, g1, r1) = self.marks[0], self.marks[-1]
+        return (g1 - g0) / (t1 - t0), (r1 - r0) / (t1 - t0)
+
+    def line(self, committed: int, s: RunStats, in_flight: int) -> str:
+        budget = self.ds.token_budget
+        rates = self.rates()
+        errors = sum(s.failed.values())
+        parts = [f"{committed:,}/{budget:,} tok ({100 * committed / budget:.0f}%)",
+                 f"{s.new} resp ({errors} err)" + (f" {rates[1]:.1f} req/s" if rates else "")]
+        if rates:
+            parts.append(f"{rates[0]:,.0f} tok/s")
+        if s.new:
+            parts.append(f"avg_comp={s.kept / s.new:,.0f}tok")
+        parts.append(f"in_flight={in_flight}")
+        if rates and rates[0] > 0 and committed < budget:
+            parts.append(f"ETA {_duration((budget - committed) / rates[0])}")
+        return " | ".join(parts)
+
+    def close(self, d: Dispatcher | None = None) -> None:
+        if d is not None:
+            self.update(d, final=True)  # the last figures, not the last throttled ones
         self.bar.close()
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f}s"
+    if seconds < 5400:
+        return f"{seconds / 60:.1f}min"
+    return f"{seconds / 3600:.1f}h"
 
 
 def plan_requests(cfg: Config, prompts: list[dict], tok) -> list[Planned]:
@@ -433,7 +476,7 @@ async def _generate(cfg: Config, tok, todo: list[Planned], ctrl: BudgetControlle
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         dispatcher.stats.server = ctrl.throughput.summary() if stream else {}
-        progress.close()
+        progress.close(dispatcher)
         await backend.close()
         s = dispatcher.stats
         log("generate", dataset=cfg.dataset, new=s.new, parked=s.parked, continued=s.continued,
