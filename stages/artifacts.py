@@ -3,6 +3,7 @@ leaves a half-written output that a later run would take as done."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -22,6 +23,17 @@ def _umask() -> int:
 FILE_MODE = 0o666 & ~_umask()
 
 
+class DiskFull(OSError):
+    """Out of disk while writing: one line naming the file (a UserError for `cli`)."""
+
+
+def disk_full(e: BaseException) -> bool:
+    """ENOSPC from the OS, from pyarrow (its OSError carries the errno only in the text) or from SQLite."""
+    text = str(e).lower()
+    return (getattr(e, "errno", None) == errno.ENOSPC or "no space left" in text or "errno 28" in text
+            or "database or disk is full" in text)
+
+
 @contextmanager
 def atomic_path(path: Path | str) -> Iterator[Path]:
     """Yield a temp path beside `path`; rename it over `path` only if the block succeeds."""
@@ -33,8 +45,11 @@ def atomic_path(path: Path | str) -> Iterator[Path]:
         yield Path(tmp)
         os.chmod(tmp, FILE_MODE)  # after the block: a writer may have replaced the file (safetensors makes it 0600)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if disk_full(e):
+            raise DiskFull(f"{path}: No space left on device; the earlier {path.name}, if any, is kept: free space "
+                           "and run again") from None
         raise
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 # Before this many responses have completed, lengths are assumed to be max_tokens / 2.
-_MIN_OBSERVED = 16
+MIN_OBSERVED = 16
 # Throughput readings (ThroughputModel): how many recent full-batch readings make the reference, how many it needs
 # at least, the smallest relative noise assumed (a noise-free simulation must not divide by zero), how strong the
 # evidence of a loss must be (in noise standard deviations) and how wide the knee's confidence interval is.
@@ -73,14 +73,14 @@ class LengthModel:
         return len(self._lengths)
 
     def mean(self) -> float:
-        if self.n < _MIN_OBSERVED:
+        if self.n < MIN_OBSERVED:
             return self.max_tokens / 2
         return self._sum / self.n
 
     def expected_final(self, progress: int) -> float:
         """Mean of the observed lengths longer than `progress`; a request past every observed length is assumed
         to end halfway between where it is and max_tokens."""
-        if self.n < _MIN_OBSERVED:
+        if self.n < MIN_OBSERVED:
             return max(float(progress), self.max_tokens / 2)
         if not self._snapshot or self.n - len(self._snapshot) > len(self._snapshot) // 50:  # inline: a hot path
             self._rebuild()
@@ -91,7 +91,7 @@ class LengthModel:
 
     def share_within(self, length: float) -> float:
         """The share of responses no longer than `length` (0.5 before enough have been seen: no opinion)."""
-        if self.n < _MIN_OBSERVED:
+        if self.n < MIN_OBSERVED:
             return 0.5
         self._fresh()
         return bisect.bisect_right(self._snapshot, length) / len(self._snapshot)

@@ -110,6 +110,8 @@ class SamplingConfig:
             raise ConfigError(f"{key}.temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"{key}.top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:  # -1 (and 0, as vLLM and SGLang read it) keep every token
+            raise ConfigError(f"{key}.top_k", f"must be -1 (off) or a number of tokens >= 1, got {self.top_k}")
 
     def as_dict(self) -> dict:
         return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
@@ -361,6 +363,8 @@ def validate(cfg: Config, need_dataset: bool) -> None:
             raise ConfigError("dataset", f"not set; pass dataset=<name> (one of: {', '.join(cfg.datasets)})")
         if cfg.dataset not in cfg.datasets:
             raise ConfigError("dataset", f"unknown dataset {cfg.dataset!r}; known: {', '.join(cfg.datasets)}")
+    if cfg.dataset is not None and cfg.dataset not in cfg.datasets:
+        raise ConfigError("dataset", f"unknown dataset {cfg.dataset!r}; known: {', '.join(cfg.datasets)}")
     # Types, enums and unknown keys of every dataset were checked by the schema during composition; the
     # value checks (which also look for the source file) apply to the dataset this stage runs on.
     if cfg.dataset is not None:
@@ -386,6 +390,22 @@ def _read_params(path: Path) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(str(path), "must be a mapping at the top level")
     return data
+
+
+def _check_sections(params: dict, source: str) -> None:
+    """Sections the schema reads as mappings, checked before composition: OmegaConf's merge error for a list or a
+    string in their place names no key."""
+    def mapping(key: str, value: Any) -> None:
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(key, f"must be a mapping of keys, got a {type(value).__name__} [from {source}]")
+
+    for name in Config.__dataclass_fields__:
+        if name != "dataset":
+            mapping(name, params.get(name))
+    for name, ds in (params.get("datasets") or {}).items():
+        mapping(f"datasets.{name}", ds)
+        for section in ("source", "sampling"):
+            mapping(f"datasets.{name}.{section}", (ds or {}).get(section))
 
 
 def _omegaconf_error(e: BaseException, source: str) -> ConfigError:
@@ -460,6 +480,7 @@ def load_config(dataset: Optional[str], overrides: Optional[List[str]] = None, p
 
     params_path = params_path or Path(os.environ.get("DRAFTDATA_PARAMS", "params.yaml"))
     params = _read_params(params_path)
+    _check_sections(params, str(params_path))
     overrides = _select_backend(params, list(overrides or []), params_path)
     cs = ConfigStore.instance()
     cs.store(name="draftdata_schema", node=Config)
@@ -477,13 +498,49 @@ def load_config(dataset: Optional[str], overrides: Optional[List[str]] = None, p
     return cfg
 
 
+def _print_help(overrides: List[str], need_dataset: bool) -> None:
+    """`--help`: how to call the stage, then the config it would run with (params.yaml and the overrides given,
+    composed over conf/ and the schema's defaults) as YAML. Nothing runs and nothing is written."""
+    from omegaconf import OmegaConf
+
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    module = spec.name if spec is not None else f"stages.{Path(sys.argv[0]).stem}"
+    print(f"usage: python -m {module}{' dataset=<D>' if need_dataset else ''} [key=value ...]")
+    print("Overrides in Hydra's grammar; last wins: schema defaults < conf/ preset < params.yaml < command line.\n"
+          "Every key is explained in README.md, \"Configuration reference\". The config with these overrides:\n")
+    try:  # the keys, not one dataset's run: a dataset= override is left out and no source file is looked for
+        cfg: Any = load_config(None, [o for o in overrides if not o.startswith("dataset=")], need_dataset=False)
+    except UserError as e:
+        print(f"note: {e}; showing the schema's defaults", file=sys.stderr)
+        cfg = Config()
+    print(OmegaConf.to_yaml(OmegaConf.structured(cfg)), end="")
+
+
 def cli(main: Callable[[Config], Any], need_dataset: bool = True) -> None:
-    """Entry point of every stage: `python -m stages.<name> dataset=<D> [hydra overrides]`."""
+    """Entry point of every stage: `python -m stages.<name> dataset=<D> [hydra overrides]`; `--help` (`-h`) shows
+    the config and its defaults instead of running."""
+    args = sys.argv[1:]
+    if "--help" in args or "-h" in args:
+        _print_help([a for a in args if a not in ("--help", "-h")], need_dataset)
+        return
     try:
-        main(load_config(dataset=None, overrides=sys.argv[1:], need_dataset=need_dataset))
+        main(load_config(dataset=None, overrides=args, need_dataset=need_dataset))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted: what was finished is kept; run again to go on", file=sys.stderr)
         sys.exit(130)
+    except Exception as e:  # out of disk anywhere (a shard, the store's SQLite): one line, not a traceback
+        from stages.artifacts import DiskFull, disk_full
+
+        if not disk_full(e):
+            raise
+        if isinstance(e, DiskFull):  # already names the file
+            print(f"error: {e}", file=sys.stderr)
+        else:
+            where = getattr(e, "filename", None) or ("the store (run.store_path)" if "database" in str(e) else None)
+            print(f"error: No space left on device{f' writing {where}' if where else ''} ({str(e).splitlines()[0]});"
+                  " what was produced before is kept: free space (or move run.store_path / data) and run again",
+                  file=sys.stderr)
+        sys.exit(2)

@@ -23,14 +23,17 @@ import sys
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 from stages.artifacts import data_dir, log, read_jsonl, write_json, write_jsonl
 from stages.backends import Backend, GenRequest, GenResult, Partial, make_backend, seed_of, takes_token_ids
 from stages.budget import BudgetController
-from stages.config import BudgetUnit, Config, DatasetConfig, OnBudget, OnTruncation, UserError, cli
+from stages.config import BudgetUnit, Config, ConfigError, DatasetConfig, OnBudget, OnTruncation, UserError, cli
+from stages.plots import histogram, write_csv
 from stages.store import CUT, INTERRUPTED, ResponseStore, StoredResponse, hash_cache_path, resolve_store_path
-from stages.target import content_hash, load_tokenizer, model_fingerprint, render_prompt_ids
+from stages.target import (check_tokenizer_fits, content_hash, load_tokenizer, model_fingerprint, model_limits,
+                           render_prompt_ids)
 
 TICK_S = 0.05  # how often the loop looks at streamed progress between completions
 READING_S = 1.0  # the interval of one throughput reading for the controller
@@ -81,6 +84,7 @@ class RunStats:
     attempt_failures: Counter = field(default_factory=Counter)  # failed attempts (retried or not), by reason
     new_by_key: dict = field(default_factory=dict)  # key -> tokens this run generated for it
     server: dict = field(default_factory=dict)  # what the controller learned of the server's throughput
+    fill: list = field(default_factory=list)  # (seconds since generation began, tokens counted) about every second
 
 
 def request_key(model_fp: str, prompt_ids: list[int], sampling: dict, max_tokens: int) -> str:
@@ -169,6 +173,9 @@ class Dispatcher:
         ticker = asyncio.create_task(self._tick())
         try:
             await self._loop(iter(todo))
+        except BaseException:  # e.g. the store cannot take a commit (disk full): stop what is in flight first
+            await self._abandon()
+            raise
         finally:
             ticker.cancel()
         if self.stop.is_set():
@@ -360,6 +367,15 @@ class Dispatcher:
         self._record_all(done)
         self._commit(rows)
 
+    async def _abandon(self) -> None:
+        """Cancel every request in flight and wait for them, committing nothing: the run is failing, and requests
+        left running would outlive the backend's connections (and bury the one line that says why)."""
+        tasks = list(self.flights)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.flights.clear()
+
     def _lose_unseen(self, f: Flight) -> None:
         """A plain request cancelled on a server that does not answer an abort with its tokens: estimate what it had
         generated from the decode speed of the requests that completed."""
@@ -394,6 +410,8 @@ class Progress:
         now = time.monotonic()
         s = d.stats
         self._mark(now, s.generated, s.new)
+        if final or not s.fill or now - self.t0 - s.fill[-1][0] >= 1.0:  # the budget-fill plot's points
+            s.fill.append((round(now - self.t0, 2), d.ctrl.committed))
         if not final and now - self.last_log < (0.2 if self.tty else self.cfg.run.log_every_s):
             return
         self.last_log = now
@@ -449,6 +467,25 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f}h"
 
 
+def check_context(plan: list[Planned], cfg: Config, context: int | None) -> None:
+    """Before any request: a prompt and its max_tokens must fit the target's context, or every such request would
+    come back an error (or be cut short) after costing a round trip."""
+    if context is None:
+        return
+    key = f"datasets.{cfg.dataset}"
+    if cfg.ds.max_tokens >= context:
+        raise ConfigError(f"{key}.max_tokens", f"{cfg.ds.max_tokens:,} leaves no room for a prompt in the target's "
+                          f"context of {context:,} tokens")
+    room = context - cfg.ds.max_tokens
+    over = [p for p in plan if len(p.prompt_ids) > room]
+    if over:
+        first = over[0]
+        raise UserError(f"{first.prompt.get('where', first.prompt['id'])}: a prompt of {len(first.prompt_ids):,} "
+                        f"tokens + max_tokens {cfg.ds.max_tokens:,} exceeds the target's context of {context:,} "
+                        f"({len(over)} prompts like it); set {key}.max_prompt_tokens to at most {room:,} (the "
+                        "prompts stage then drops them) or lower max_tokens")
+
+
 def plan_requests(cfg: Config, prompts: list[dict], tok) -> list[Planned]:
     ds, kwargs = cfg.ds, dict(cfg.model.template_kwargs)
     fp = model_fingerprint(cfg.model.path, cfg.model.revision, hash_cache_path(cfg.run.store_path))
@@ -490,7 +527,10 @@ def main(cfg: Config) -> None:
     if not prompts_path.exists():
         raise UserError(f"{prompts_path}: not found; run the prompts stage first (dvc repro prompts@{cfg.dataset})")
     tok = load_tokenizer(cfg.model)
+    limits = model_limits(cfg.model)
+    check_tokenizer_fits(tok, cfg.model, limits)
     plan = plan_requests(cfg, list(read_jsonl(prompts_path)), tok)
+    check_context(plan, cfg, limits.context)
     store = ResponseStore(resolve_store_path(cfg.run.store_path))
     try:
         stored = store.get_many(p.key for p in plan)
@@ -505,6 +545,8 @@ def main(cfg: Config) -> None:
             stored = store.get_many(p.key for p in plan)
         selected, total, skipped = select(plan, stored, ds)
         write_jsonl(out / "responses.jsonl", (_output_record(p, r) for p, r in selected))
+        write_plots(out / "plots", [r.completion_tokens for _, r in selected], ds.max_tokens,
+                    stats.fill or [(0.0, total)])
         write_json(out / "generate_metrics.json", _metrics(ds, selected, total, skipped, stats, len(usable),
                                                            time.time() - t0))
     finally:
@@ -573,10 +615,16 @@ def _metrics(ds: DatasetConfig, selected, total: int, skipped: Counter, stats: R
         "completion_tokens_estimated": stats.estimated,  # responses counted from streamed text (no usage, no ids)
         # generated by this run but not in the output: parked, lost, or past the budget (kept in the store)
         "wasted_tokens": stats.generated - in_output,
+        "new_in_output_tokens": in_output,  # the output's completion tokens this run generated (the rest reused)
         "server": stats.server,
         "wall_s": round(wall, 2),
         "new_tok_per_s": round(stats.generated / wall, 1) if wall > 0 else 0.0,
     }
+
+
+def write_plots(out: Path, lengths: list[int], max_tokens: int, fill: list[tuple[float, int]]) -> None:
+    write_csv(out / "completion_lengths.csv", histogram(lengths, max_tokens), ["length", "responses"])
+    write_csv(out / "budget_fill.csv", [{"seconds": t, "tokens": n} for t, n in fill], ["seconds", "tokens"])
 
 
 def _output_record(p: Planned, r: StoredResponse) -> dict:

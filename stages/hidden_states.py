@@ -30,7 +30,7 @@ from stages.config import Config, ConfigError, UserError, cli
 from stages.shards import FORMAT_VERSION, SampleStates, check, encode, write
 from stages.state_store import StateStore, Target, state_key
 from stages.store import hash_cache_path, resolve_store_path
-from stages.target import check_model_path, content_hash, load_error, model_fingerprint
+from stages.target import check_tokenizer_fits, content_hash, load_tokenizer, model_fingerprint, model_limits
 
 
 # ---- layers: which, in every numbering ------------------------------------------------------------------------- #
@@ -399,15 +399,13 @@ def _join_group(rank: Rank) -> None:
 
 
 def n_layers_of(cfg: Config) -> int:
-    """From the model's config alone, before any weight is loaded."""
+    """From the model's config alone, before any weight is loaded; its tokenizer must fit its embeddings."""
     from transformers import AutoConfig
 
-    check_model_path(cfg.model.path)
-    try:
-        conf = AutoConfig.from_pretrained(cfg.model.path, revision=cfg.model.revision,
-                                          trust_remote_code=cfg.model.trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise load_error(e, "a model config", cfg.model.path) from None
+    limits = model_limits(cfg.model)
+    check_tokenizer_fits(load_tokenizer(cfg.model, need_template=False), cfg.model, limits)
+    conf = AutoConfig.from_pretrained(cfg.model.path, revision=cfg.model.revision,
+                                      trust_remote_code=cfg.model.trust_remote_code)
     return conf.get_text_config().num_hidden_layers
 
 

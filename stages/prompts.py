@@ -32,7 +32,7 @@ def adapt_rows(rows: Iterable[Row], ds: DatasetConfig, drops: Counter) -> Iterat
     for row in rows:
         try:
             if row.error is not None:
-                raise BadRecord("bad_json", row.error)
+                raise BadRecord(row.reason, row.error)
             p = to_prompt(ds.source.shape, row.value, options)
         except BadRecord as e:
             if ds.on_bad_record == OnBadRecord.fail:

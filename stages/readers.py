@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -21,6 +22,7 @@ class Row:
     where: str  # "path:line" or "hf:name/config/split:row"
     value: Any = None
     error: str | None = None  # set when the raw line itself could not be parsed
+    reason: str = "bad_json"  # the drop reason of such a line
 
 
 def iter_rows(src: SourceConfig) -> Iterator[Row]:
@@ -51,29 +53,50 @@ def iter_local(path: Path) -> Iterator[Row]:
         raise ValueError(f"unsupported file type {path.name!r}: use .jsonl, .json or .parquet (.gz ok)")
 
 
-def _open_text(path: Path):
-    return gzip.open(path, "rt", encoding="utf-8") if path.name.endswith(".gz") else open(path, encoding="utf-8")
+def _open_binary(path: Path):
+    return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")
+
+
+def _unreadable(path: Path, e: Exception) -> SourceError:
+    """A file that cannot be read at all (a cut-short or corrupt .gz, bytes that are not text): one line."""
+    if isinstance(e, UnicodeDecodeError):
+        return SourceError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})")
+    return SourceError(f"{path}: cannot be read to the end, the file is cut short or corrupt ({type(e).__name__}: "
+                       f"{e})")
 
 
 def _iter_jsonl(path: Path) -> Iterator[Row]:
-    with _open_text(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                yield Row(where, json.loads(line))
-            except json.JSONDecodeError as e:
-                yield Row(where, error=f"invalid JSON: {e.msg} at column {e.colno}")
+    """Line by line as bytes, so a line that is not UTF-8 is one bad row (file:line), not the end of the file."""
+    try:
+        with _open_binary(path) as f:
+            for lineno, raw in enumerate(f, 1):
+                where = f"{path}:{lineno}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield Row(where, error=f"not UTF-8 ({e.reason} at column {e.start + 1})", reason="not_utf8")
+                    continue
+                if not line.strip():
+                    continue
+                try:
+                    yield Row(where, json.loads(line))
+                except json.JSONDecodeError as e:
+                    yield Row(where, error=f"invalid JSON: {e.msg} at column {e.colno}")
+    except (EOFError, OSError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
+        raise _unreadable(path, e) from None
 
 
 def _iter_json(path: Path) -> Iterator[Row]:
-    with _open_text(path) as f:
-        try:
-            data = json.load(f)
-        except json.JSONDecodeError as e:
-            yield Row(f"{path}:{e.lineno}", error=f"invalid JSON: {e.msg} at column {e.colno}")
-            return
+    try:
+        with _open_binary(path) as f:
+            text = f.read().decode("utf-8")
+    except (EOFError, OSError, zlib.error, UnicodeDecodeError) as e:
+        raise _unreadable(path, e) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        yield Row(f"{path}:{e.lineno}", error=f"invalid JSON: {e.msg} at column {e.colno}")
+        return
     if isinstance(data, dict):  # {"data": [...]} or similar single-key wrappers
         lists = [v for v in data.values() if isinstance(v, list)]
         data = lists[0] if len(lists) == 1 else [data]
@@ -82,13 +105,17 @@ def _iter_json(path: Path) -> Iterator[Row]:
 
 
 def _iter_parquet(path: Path) -> Iterator[Row]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     i = 0
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
-        for value in batch.to_pylist():
-            yield Row(f"{path}:row {i}", value)
-            i += 1
+    try:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
+            for value in batch.to_pylist():
+                yield Row(f"{path}:row {i}", value)
+                i += 1
+    except (pa.ArrowException, OSError) as e:
+        raise _unreadable(path, e) from None
 
 
 def iter_hf(src: SourceConfig) -> Iterator[Row]:

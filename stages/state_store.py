@@ -60,8 +60,7 @@ def state_key(settings_hash: str, input_ids: list[int]) -> str:
 class StateStore:
     def __init__(self, root: Path):
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.db = open_db(self.root / "index.sqlite", "states")
+        self.db = open_db(self.root / "index.sqlite", "hidden-state store")  # creates the directory
         self.db.executescript(SCHEMA)
 
     def close(self) -> None:

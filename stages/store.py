@@ -118,7 +118,14 @@ def open_db(path: Path, what: str) -> sqlite3.Connection:
     """A store's SQLite database: WAL on a local disk; a rollback journal, with a warning, on a network file system.
     A busy timeout lets several processes (torchrun ranks, two generate runs on one store) commit side by side.
     isolation_level=None: no implicit transactions; writers open and commit their own."""
-    db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=600)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=600)
+        db.execute("PRAGMA schema_version").fetchone()  # opens the file: a directory or a non-database fails here
+    except (OSError, sqlite3.Error) as e:
+        from stages.config import ConfigError
+
+        raise ConfigError("run.store_path", f"cannot open the {what} at {path}: {e}") from None
     kind = fs_type(path.parent)
     if kind in NETWORK_FS:
         from stages.artifacts import log
@@ -136,8 +143,7 @@ def open_db(path: Path, what: str) -> sqlite3.Connection:
 class ResponseStore:
     def __init__(self, path: Path | str):
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = open_db(path, "store")
+        self.db = open_db(path, "response store")
         self.db.executescript(SCHEMA)
 
     def close(self) -> None:

@@ -9,6 +9,7 @@ import os
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -113,7 +114,42 @@ def load_error(e: Exception, what: str, path: str) -> ConfigError:
     return ConfigError("model.path", f"cannot load {what} from {path!r}: {first}")
 
 
-def load_tokenizer(model: ModelConfig):
+@dataclass(frozen=True)
+class ModelLimits:
+    context: int | None  # max_position_embeddings of the text model
+    vocab: int | None  # rows of its embedding matrix
+
+
+def model_limits(model: ModelConfig) -> ModelLimits:
+    """The target's context length and vocabulary size, from its config alone (no weights). Unknown (None) where
+    there is no config to read: a directory holding only the tokenizer, for a model that lives on the server."""
+    check_model_path(model.path)
+    local = Path(model.path).expanduser() / "config.json"
+    if local.is_file():
+        conf = json.loads(local.read_text())
+        conf = conf.get("text_config") or conf  # a multimodal wrapper's language model
+        return ModelLimits(conf.get("max_position_embeddings"), conf.get("vocab_size"))
+    if looks_local(model.path) or Path(model.path).expanduser().is_dir():
+        return ModelLimits(None, None)
+    from transformers import AutoConfig
+
+    try:  # a hub id: its config is cached beside the tokenizer just loaded
+        conf = AutoConfig.from_pretrained(model.path, revision=model.revision,
+                                          trust_remote_code=model.trust_remote_code).get_text_config()
+    except (OSError, ValueError):
+        return ModelLimits(None, None)
+    return ModelLimits(getattr(conf, "max_position_embeddings", None), getattr(conf, "vocab_size", None))
+
+
+def check_tokenizer_fits(tok, model: ModelConfig, limits: ModelLimits) -> None:
+    """A tokenizer with ids the model has no embedding for is another model's: refused before any work (the
+    target would index past its embeddings, or a server would answer for ids that mean something else)."""
+    if limits.vocab is not None and len(tok) > limits.vocab:
+        raise ConfigError("model.path", f"the tokenizer at {model.path!r} has {len(tok):,} tokens but the model's "
+                          f"embeddings only {limits.vocab:,}: they are not a pair (a tokenizer from another model?)")
+
+
+def load_tokenizer(model: ModelConfig, need_template: bool = True):
     from transformers import AutoTokenizer
 
     check_model_path(model.path)
@@ -127,7 +163,7 @@ def load_tokenizer(model: ModelConfig):
         if not path.exists():
             raise ConfigError("model.chat_template", f"file not found: {path}")
         tok.chat_template = path.read_text()
-    if not tok.chat_template:
+    if need_template and not tok.chat_template:
         raise ConfigError("model.chat_template", f"the tokenizer at {model.path!r} has no chat template; set one")
     return tok
 

@@ -23,9 +23,14 @@ from jinja2.exceptions import TemplateError
 
 from stages.artifacts import atomic_path, data_dir, log, read_jsonl, write_json
 from stages.config import Config, OnTooLong, UserError, cli
+from stages.plots import write_csv
 from stages.target import end_of_turn_ids, load_tokenizer, template_messages, tokenizer_fingerprint
 
 SCHEMA_VERSION = 1
+# Every reason a response is skipped for (template_error:<type> adds the exception's name); the skips plot lists
+# them all, zeros included, so runs line up.
+SKIP_REASONS = ("empty_output", "over_max_seq_len", "no_trained_tokens_after_truncation", "template_not_prefix_stable",
+                "template_alters_response", "no_end_of_turn", "text_before_end_of_turn")
 # Above this many text-path records, on a machine with this many cores, rendering (Python-bound Jinja) is spread
 # over processes (see text_samples_parallel).
 PARALLEL_MIN_RECORDS = 4000
@@ -265,6 +270,9 @@ def main(cfg: Config) -> None:
             "max_seq_len": cfg.tokenize.max_seq_len, "train_on": cfg.tokenize.train_on.value,
             "loss_mask": "int8 list: 0 prompt and history, 1 tokens the target generated (end-of-turn included)"}
     write_parquet(out / "samples.parquet", samples, meta)
+    write_csv(out / "plots" / "skips.csv", [{"reason": r, "responses": tally.skipped.get(r, 0)}
+                                            for r in sorted(set(SKIP_REASONS) | set(tally.skipped))],
+              ["reason", "responses"])
     metrics = {
         "responses": len(recs),
         "samples": len(samples),

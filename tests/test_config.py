@@ -202,3 +202,72 @@ def test_hub_ids_still_look_like_hub_ids(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert not looks_local("Qwen/Qwen3-8B") and not looks_local("gpt2")
     assert looks_local("./gpt2") and looks_local("/models/x") and looks_local("org/name/sub")
+
+
+def test_a_section_that_is_not_a_mapping_is_named(tmp_path):
+    import yaml
+
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    for section, value, key in (("datasets", ["B"], "datasets"), ("tokenize", "drop", "tokenize")):
+        bad = dict(params, **{section: value})
+        (tmp_path / "params.yaml").write_text(yaml.safe_dump(bad))
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [], params_path=tmp_path / "params.yaml", need_dataset=False)
+        assert err.value.key == key and "mapping" in str(err.value)
+
+
+def test_top_k_below_minus_one_is_refused():
+    from stages.config import SamplingConfig
+
+    with pytest.raises(ConfigError) as err:
+        SamplingConfig(top_k=-7).check("datasets.D.sampling")
+    assert err.value.key == "datasets.D.sampling.top_k"
+    for ok in (-1, 0, 50):
+        SamplingConfig(top_k=ok).check("datasets.D.sampling")
+
+
+def test_a_store_path_that_cannot_be_a_store_is_named(tmp_path):
+    from stages.store import ResponseStore
+
+    (tmp_path / "file").write_text("x")
+    for path in (tmp_path / "file" / "store.sqlite", tmp_path):  # under a file; a directory
+        with pytest.raises(ConfigError) as err:
+            ResponseStore(path)
+        assert err.value.key == "run.store_path"
+
+
+def test_out_of_disk_is_one_line_naming_the_file(tmp_path, capsys):
+    import errno
+    import sqlite3
+
+    from stages.artifacts import DiskFull, atomic_path
+    from stages.config import cli
+
+    target = tmp_path / "samples.parquet"
+    target.write_text("earlier")
+    with pytest.raises(DiskFull) as err:
+        with atomic_path(target) as tmp:
+            tmp.write_text("partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert str(target) in str(err.value) and target.read_text() == "earlier"
+    assert [p.name for p in tmp_path.iterdir()] == ["samples.parquet"]  # no temp file left
+
+    def full(_cfg):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    import os
+    import sys
+
+    cwd, argv = os.getcwd(), sys.argv
+    os.chdir(tmp_path)
+    sys.argv = ["stage"]
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            cli(full, need_dataset=False)
+    finally:
+        os.chdir(cwd)
+        sys.argv = argv
+    err_lines = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err_lines) == 1
+    assert "No space left on device" in err_lines[0] and "run.store_path" in err_lines[0]

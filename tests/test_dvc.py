@@ -61,7 +61,7 @@ def repo(tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_repro_noop_and_budget_edit_reruns_one_chain(repo):
     first = dvc("repro", cwd=repo)
-    chain = ("prompts", "generate", "tokenize", "hidden_states")
+    chain = ("prompts", "generate", "tokenize", "hidden_states", "summary")
     expected = {"check_params", "tiny_model"} | {f"{s}@{d}" for s in chain for d in KEEP}
     assert ran(first) == expected
     for d in KEEP:
@@ -87,11 +87,12 @@ def test_repro_noop_and_budget_edit_reruns_one_chain(repo):
 
     third = dvc("repro", cwd=repo)
     assert ran(third) == {"check_params", "generate@B3_magicoder", "tokenize@B3_magicoder",
-                          "hidden_states@B3_magicoder"}
+                          "hidden_states@B3_magicoder", "summary@B3_magicoder"}
 
     shown = dvc("metrics", "show", cwd=repo)
-    for d in KEEP:
-        assert f"data/{d}/generate_metrics.json" in shown
+    for d in KEEP:  # the summaries only: the detailed metrics are outputs, not DVC metrics
+        assert f"data/{d}/summary.json" in shown and "generate_metrics.json" not in shown
+    assert max(len(line) for line in shown.splitlines()) <= 120, shown
 
 
 @pytest.mark.slow
@@ -185,7 +186,8 @@ def stage_imports(module: str) -> set[Path]:
     return files
 
 
-@pytest.mark.parametrize("stage", ["tiny_model", "prompts", "generate", "tokenize", "hidden_states", "check_params"])
+@pytest.mark.parametrize("stage", ["tiny_model", "prompts", "generate", "tokenize", "hidden_states", "check_params",
+                                   "summary"])
 def test_every_module_a_stage_imports_is_a_dependency(stage):
     """Editing any module a stage's code imports must rerun the stage: dvc.yaml lists each one (or its directory)."""
     spec = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"][stage]

@@ -205,3 +205,45 @@ def test_two_generate_processes_on_one_store_share_it_safely(project, tiny_model
     assert rows == keys > 0
     a, b = ([(r["key"], r["text"]) for r in read_jsonl(project.data(n) / "responses.jsonl")] for n in ("A", "B"))
     assert a == b and len(a) > 0
+
+
+def test_prompts_that_cannot_fit_the_context_are_refused_before_any_request(project, tiny_model):
+    from stages.config import ConfigError, UserError
+
+    project.run("prompts", "B3")
+    context = json.loads((tiny_model / "config.json").read_text())["max_position_embeddings"]
+    project.set("datasets.B3.max_tokens", context)
+    with pytest.raises(ConfigError) as err:
+        project.run("generate", "B3")
+    assert err.value.key == "datasets.B3.max_tokens"
+    longest = max(r["prompt_tokens"] for r in read_jsonl(project.data("B3") / "prompts.jsonl"))
+    project.set("datasets.B3.max_tokens", context - longest + 1)  # the longest prompt no longer fits
+    with pytest.raises(UserError) as err:
+        project.run("generate", "B3")
+    message = str(err.value)
+    assert ".jsonl" in message and f"{longest:,} tokens" in message and "datasets.B3.max_prompt_tokens" in message
+    assert not (project.data("B3") / "responses.jsonl").exists()
+
+
+def test_a_tokenizer_from_another_model_is_refused(project, tiny_model, tmp_path):
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from stages.config import ConfigError
+
+    model = tmp_path / "mixed"
+    shutil.copytree(tiny_model, model)
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.add_tokens([f"extra{i}" for i in range(4000)])  # more ids than the model has embeddings
+    tok.save_pretrained(model)
+    project.set("model.path", str(model))
+    project.run("prompts", "B3")
+    from stages.config import load_config
+    from stages.hidden_states import n_layers_of
+
+    cfg = load_config("B3", [], params_path=project.path / "params.yaml")
+    for check in (lambda: project.run("generate", "B3"), lambda: n_layers_of(cfg)):  # hidden_states' first look
+        with pytest.raises(ConfigError) as err:
+            check()
+        assert err.value.key == "model.path" and "not a pair" in str(err.value)

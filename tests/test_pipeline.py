@@ -100,3 +100,36 @@ def test_total_unit_budget_counts_prompts_and_completions(project):
     assert m["overshoot_tokens"] < max(totals)  # the last response may cross the budget, by less than itself
     # the prompts count: fewer responses than the same budget in completion tokens would take
     assert sum(r["completion_tokens"] for r in rows) < 3000
+
+
+def test_plot_files_and_the_summary(project):
+    import csv
+
+    from stages.plots import HISTOGRAM_BINS
+    from stages.summary import main as summary
+
+    for stage in ("prompts", "generate", "tokenize", "hidden_states"):
+        project.run(stage, "B3")
+    plots = project.data("B3") / "plots"
+    m = metrics(project, "B3", "generate")
+    hist = list(csv.DictReader((plots / "completion_lengths.csv").open()))
+    assert len(hist) == HISTOGRAM_BINS and sum(int(r["responses"]) for r in hist) == m["responses"]
+    assert [r["length"] for r in hist] == sorted(r["length"] for r in hist)  # labels sort as the bins do
+    fill = [(float(r["seconds"]), int(r["tokens"])) for r in csv.DictReader((plots / "budget_fill.csv").open())]
+    assert fill[-1][1] == m["budget_tokens"] and fill == sorted(fill)  # time and tokens only grow
+    skips = {r["reason"]: int(r["responses"]) for r in csv.DictReader((plots / "skips.csv").open())}
+    t = metrics(project, "B3", "tokenize")
+    assert "no_end_of_turn" in skips and sum(skips.values()) == sum(t["skipped"].values())
+
+    summary("B3")
+    s = json.loads((project.data("B3") / "summary.json").read_text())
+    h = metrics(project, "B3", "hidden_states")
+    assert s["tokens"] == m["budget_tokens"] and s["budget"] == 400 and s["samples"] == t["samples"]
+    assert s["new"] + s["reused"] == m["completion_tokens"] and s["new"] > 0
+    assert s["samples"] + s["skipped"] == m["responses"]
+    assert s["hs_gb"] == round(h["bytes"] / 1e9, 3)
+    # a second run reuses every token
+    project.run("generate", "B3")
+    summary("B3")
+    again = json.loads((project.data("B3") / "summary.json").read_text())
+    assert again["new"] == 0 and again["reused"] == m["completion_tokens"]

@@ -60,6 +60,44 @@ def test_bad_rows_are_counted_when_skipped(project):
         m["dropped"] == {"bad_json": 1, "missing_field": 1, "empty_prompt": 1}
 
 
+def test_a_line_that_is_not_utf8_is_one_bad_row(project):
+    src = project.path / "src.jsonl"
+    good = "\n".join(json.dumps(r) for r in problems(3)).encode()
+    src.write_bytes(good + b'\n{"problem": "Caf\xe9 au lait"}\n' + json.dumps(problems(5)[4]).encode() + b"\n")
+    use_source(project, src)
+    with pytest.raises(BadInput, match=r"src\.jsonl:4: not UTF-8 .*reason=not_utf8"):
+        project.run("prompts", "B3")
+    use_source(project, src, on_bad_record="skip", max_prompt_tokens=None)
+    project.run("prompts", "B3")
+    assert metrics(project)["dropped"] == {"not_utf8": 1} and len(output(project)) == 4  # the line after it too
+
+
+@pytest.mark.parametrize("kind", ["jsonl.gz", "json.gz", "parquet"])
+def test_a_file_cut_short_is_one_line_naming_it(project, kind):
+    """Rows read before the cut are not taken as the whole file: the stage stops, the earlier output intact."""
+    from stages.readers import SourceError
+
+    whole = project.path / f"whole.{kind}"
+    rows = problems(400)
+    if kind == "jsonl.gz":
+        write_jsonl_gz(whole, rows)
+    elif kind == "json.gz":
+        with gzip.open(whole, "wt", encoding="utf-8") as f:
+            json.dump(rows, f)
+    else:
+        pq.write_table(pa.Table.from_pylist(rows), whole)
+    use_source(project, whole, max_prompt_tokens=None)
+    project.run("prompts", "B3")
+    before = (project.data("B3") / "prompts.jsonl").read_bytes()
+    cut = project.path / f"cut.{kind}"
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    use_source(project, cut, max_prompt_tokens=None)
+    with pytest.raises(SourceError) as err:
+        project.run("prompts", "B3")
+    assert str(cut) in str(err.value) and "\n" not in str(err.value)
+    assert (project.data("B3") / "prompts.jsonl").read_bytes() == before
+
+
 def test_json_parquet_and_hf_datasets_agree_with_jsonl(project, monkeypatch):
     rows = problems(40)
     write_jsonl_gz(project.path / "a.jsonl.gz", rows)

@@ -1,0 +1,195 @@
+"""`python -m stages.plan`: what the budgets will cost, read from the store and the model's config, nothing sent."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import os
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from stages.artifacts import read_jsonl
+from stages.config import ConfigError, load_config
+
+from conftest import DEMO, ROOT, dataset_params
+
+
+def plan(project, *overrides, opts=None):
+    from stages.plan import main
+
+    cfg = load_config(None, list(overrides), params_path=project.path / "params.yaml", need_dataset=False)
+    return main(cfg, opts)
+
+
+def one(project, *overrides, opts=None):
+    (p,) = plan(project, *overrides, opts=opts)
+    return p
+
+
+def stored_usable(project) -> list[int]:
+    """Completion lengths of the complete, non-empty responses in the store (the test store holds B3 only)."""
+    with sqlite3.connect(project.path / "store.sqlite") as db:
+        rows = db.execute("SELECT completion_tokens, text FROM responses WHERE finish_reason IN ('stop', 'length')")
+        return [n for n, text in rows if n > 0 and text.strip()]
+
+
+def test_before_generation_every_token_is_still_to_generate(project, capsys):
+    p = one(project)
+    with gzip.open(DEMO / "B3_magicoder.jsonl.gz", "rt") as f:
+        records = sum(1 for line in f if line.strip())
+    assert (p.prompts, p.prompts_left) == (records, None) and "not run" in p.prompts_from
+    assert (p.reusable, p.parked, p.to_generate) == (0, 0, 400)
+    assert p.mean_completion_from == "max_tokens/2" and p.requests == math.ceil(400 / 24)
+    assert "prompts stage not run" in capsys.readouterr().out
+
+    project.run("prompts", "B3")
+    n_prompts = len(list(read_jsonl(project.data("B3") / "prompts.jsonl")))
+    p = one(project)
+    assert (p.prompts, p.prompts_left, p.prompts_from) == (n_prompts, n_prompts, "prompts.jsonl")
+    assert (p.reusable, p.to_generate) == (0, 400)
+    assert p.tok_s is None and p.gpu_s is None  # nothing measured, nothing given
+    assert not (project.path / "store.sqlite").exists()  # planning creates no store
+
+
+def test_reusable_tokens_are_what_the_store_holds(project, capsys, tiny_model):
+    project.set("datasets.B3.token_budget", 500)
+    project.run("prompts", "B3")
+    project.run("generate", "B3")
+    gm = json.loads((project.data("B3") / "generate_metrics.json").read_text())
+    lengths = stored_usable(project)
+    held = sum(lengths)
+    assert held >= 500 and gm["budget_met"]
+    assert len(lengths) >= 16  # enough for the mean of the stored lengths (the controller's rule) to be used
+
+    capsys.readouterr()  # the stages' own logs
+    p = one(project)
+    assert (p.reusable, p.reusable_responses, p.to_generate, p.requests) == (held, len(lengths), 0, 0)
+    assert p.mean_completion_from == f"{len(lengths)} stored"
+    assert p.mean_completion == round(held / len(lengths), 1)
+    assert (p.tok_s, p.tok_s_from, p.gpu_s) == (gm["new_tok_per_s"], "measured", 0.0)
+    # disk: responses.jsonl measured; hidden states 2·(k+1)·H + the int32 id, k = 3 EAGLE-3 layers of the target
+    hidden = json.loads((tiny_model / "config.json").read_text())["hidden_size"]
+    per_token = (project.data("B3") / "responses.jsonl").stat().st_size / (gm["prompt_tokens"] +
+                                                                             gm["completion_tokens"])
+    assert p.responses_from == "measured" and p.responses_bytes == round(p.sequence_tokens * per_token)
+    assert p.hidden_bytes == p.sequence_tokens * (2 * 4 * hidden + 4)
+    assert p.sequence_tokens > 500  # the prompts come along with a completion budget
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "plan: 1 dataset(s); nothing is sent to any server"
+    assert max(len(line) for line in out if not line.startswith("target: ")) <= 120  # the path's line may not
+
+    # a raised budget: what is stored counts, the difference is to generate
+    project.set("datasets.B3.token_budget", held + 500)
+    p = one(project, opts=_opts(tok_s=250.0))
+    assert (p.reusable, p.to_generate) == (held, 500)
+    assert p.requests == math.ceil(500 / (held / len(lengths)))
+    assert (p.tok_s_from, p.gpu_s) == ("given", 2.0)
+    fp8 = one(project, "hidden_states.dtype=fp8")
+    assert 0.5 < fp8.hidden_bytes / p.hidden_bytes < 0.55
+
+    # far more than the prompts hold: said in a note; plan.out writes the same numbers as JSON
+    project.set("datasets.B3.token_budget", 100_000)
+    capsys.readouterr()
+    p = one(project, opts=_opts(out=str(project.path / "plan.json")))
+    assert p.requests > p.prompts_left
+    assert f"B3: about {p.requests:,} requests needed, {p.prompts_left} prompts left" in capsys.readouterr().out
+    doc = json.loads((project.path / "plan.json").read_text())
+    assert doc["datasets"][0]["to_generate"] == doc["total"]["to_generate"] == 100_000 - held
+
+
+def _opts(**kw):
+    from stages.plan import Options
+
+    return Options(**kw)
+
+
+class ConnectionCounter:
+    """A loopback socket that accepts and counts every connection made to it."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.sock.settimeout(0.05)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.connections = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self):
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except socket.timeout:
+                continue
+            self.connections += 1
+            conn.close()
+
+    def close(self):
+        self._stop.set()
+        self._thread.join()
+        self.sock.close()
+
+
+def test_nothing_is_sent_and_no_weights_are_loaded(project, monkeypatch):
+    import stages.backends.embedded
+    import stages.target
+    import transformers
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("the plan loaded the model's weights")
+
+    for owner in (stages.target, stages.backends.embedded):
+        monkeypatch.setattr(owner, "load_model", no_weights)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
+    server = ConnectionCounter()
+    try:
+        project.params["backend"] = {"kind": "sglang", "urls": [server.url]}
+        project.save()
+        project.run("prompts", "B3")
+        p = one(project, opts=_opts(tok_s=100.0))
+        assert p.to_generate == 400 and p.gpu_s == 4.0
+        assert server.connections == 0
+        socket.create_connection(server.sock.getsockname(), timeout=5).close()  # the counter does count
+        for _ in range(100):
+            if server.connections:
+                break
+            threading.Event().wait(0.05)
+        assert server.connections == 1
+    finally:
+        server.close()
+
+
+def test_bad_params_stop_the_plan_with_one_line(project):
+    project.params["datasets"]["B1"] = dataset_params("B1_glaive", "glaive", token_budget=-1)
+    project.save()
+    # checked whole: a bad value in a dataset that is not planned still stops it
+    with pytest.raises(ConfigError, match=r"^datasets\.B1\.token_budget: must be a positive integer"):
+        plan(project, "dataset=B3")
+
+    project.params["datasets"]["B1"]["token_budget"] = 100
+    project.params["datasets"]["B3"]["concurency"] = 8
+    project.save()
+    res = subprocess.run([sys.executable, "-m", "stages.plan", "plan.tok_s=100"], cwd=project.path,
+                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.startswith("error: datasets.B3.concurency: unknown key") and res.stderr.count("\n") == 1
+
+
+def test_plan_options_are_checked():
+    from stages.plan import parse_options, split_options
+
+    raw, rest = split_options(["dataset=B3", "plan.tok_s=1500", "plan.out=p.json", "datasets.B3.max_tokens=9"])
+    assert rest == ["dataset=B3", "datasets.B3.max_tokens=9"]
+    assert parse_options(raw) == _opts(tok_s=1500.0, out="p.json")
+    with pytest.raises(ConfigError, match=r"^plan\.tok_s: must be a positive number"):
+        parse_options({"plan.tok_s": "0"})
+    with pytest.raises(ConfigError, match=r"^plan\.tokens: unknown key"):
+        parse_options({"plan.tokens": "1"})
