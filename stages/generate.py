@@ -75,6 +75,7 @@ class RunStats:
     cancelled: int = 0  # requests in flight when the run stopped
     generated: int = 0
     kept: int = 0  # in complete responses
+    completed_len: int = 0  # the full completion lengths of this run's complete responses (continued ones whole)
     parked_tokens: int = 0  # in parked partials (reusable: a later run continues them)
     continued_tokens: int = 0  # parked by earlier runs and carried on by this one (not generated here)
     lost: int = 0  # generated but neither kept nor parked
@@ -314,6 +315,7 @@ class Dispatcher:
                 continue
             self.stats.new += 1
             self.stats.kept += new
+            self.stats.completed_len += r.completion_tokens
             self.ctrl.finished(tokens, counted=unusable_reason(r, self.ds) is None, length=r.completion_tokens)
 
     def _lose(self, tokens: int) -> None:
@@ -447,7 +449,7 @@ class Progress:
         if rates:
             parts.append(f"{rates[0]:,.0f} tok/s")
         if s.new:
-            parts.append(f"avg_comp={s.kept / s.new:,.0f}tok")
+            parts.append(f"avg_comp={s.completed_len / s.new:,.0f}tok")
         parts.append(f"in_flight={in_flight}")
         if rates and rates[0] > 0 and committed < budget:
             parts.append(f"ETA {_duration((budget - committed) / rates[0])}")

@@ -151,7 +151,7 @@ def test_progress_eta_comes_from_the_recent_rate():
 
     cfg = SimpleNamespace(ds=SimpleNamespace(token_budget=10_000), dataset="D", run=SimpleNamespace(progress=False))
     prog = Progress(cfg, 0)
-    stats = RunStats(new=10, kept=1_000)
+    stats = RunStats(new=10, kept=400, completed_len=1_000)  # 600 of their tokens continued from parked partials
     prog._mark(100.0, 0, 0)  # loading: no tokens yet, no mark
     prog._mark(101.0, 1_000, 5)
     assert prog.rates() is None and "ETA" not in prog.line(1_000, stats, 4)  # one reading spans no time
