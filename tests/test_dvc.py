@@ -94,6 +94,14 @@ def test_repro_noop_and_budget_edit_reruns_one_chain(repo):
         assert f"data/{d}/summary.json" in shown and "generate_metrics.json" not in shown
     assert max(len(line) for line in shown.splitlines()) <= 120, shown
 
+    # the plots page: three plots per dataset, titled with it, on vega libraries current browsers run
+    dvc("plots", "show", "-o", str(repo / "page"), cwd=repo)
+    html = (repo / "page" / "index.html").read_text()
+    assert "vega@5.33.1" in html and "vega@5.20.2" not in html
+    assert html.count("vegaEmbed(") == 3 * len(KEEP)
+    for d in KEEP:
+        assert f"{d}: completion lengths" in html and f"{d}: budget fill" in html and f"{d}: responses skipped" in html
+
 
 @pytest.mark.slow
 def test_run_time_knob_reruns_nothing(repo):
@@ -150,6 +158,14 @@ def test_temp_experiment_shares_the_workspace_store(repo):
     assert "hidden_states@B3_magicoder" in ran(dvc("repro", "-s", "-f", "hidden_states@B3_magicoder", cwd=repo))
     metrics = yaml.safe_load((repo / "data" / "B3_magicoder" / "hidden_states_metrics.json").read_text())
     assert metrics["computed_samples"] == 0 and metrics["samples"] > 0
+
+    # the sweep at a glance: one short row per experiment, in 120 columns
+    shown = sh([sys.executable, "-m", "stages.compare", "dataset=B3_magicoder"], repo)
+    lines = shown.strip().splitlines()
+    assert lines[0] == "B3_magicoder" and lines[1].split()[:3] == ["experiment", "budget", "tokens"]
+    rows = {line.split()[0]: line.split()[1:] for line in lines[2:]}
+    assert rows["workspace"][0] == "900" and len(rows) >= 2 and max(map(len, lines)) <= 120
+    assert any(r[0] == "900" for name, r in rows.items() if name != "workspace")  # the experiment's own row
 
 
 def stage_imports(module: str) -> set[Path]:
