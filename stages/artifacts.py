@@ -4,6 +4,7 @@ leaves a half-written output that a later run would take as done."""
 from __future__ import annotations
 
 import errno
+import glob
 import json
 import os
 import tempfile
@@ -39,6 +40,8 @@ def atomic_path(path: Path | str) -> Iterator[Path]:
     """Yield a temp path beside `path`; rename it over `path` only if the block succeeds."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):  # left by a writer that was killed
+        stale.unlink(missing_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:

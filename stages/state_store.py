@@ -62,6 +62,18 @@ class StateStore:
         self.root = Path(root)
         self.db = open_db(self.root / "index.sqlite", "hidden-state store")  # creates the directory
         self.db.executescript(SCHEMA)
+        self._sweep_temp_files()
+
+    def _sweep_temp_files(self, older_than_s: float = 3600.0) -> None:
+        """Shards half-written by a killed run (temp names, never indexed). Only old ones: a torchrun job's other
+        ranks may be writing theirs right now."""
+        now = time.time()
+        for tmp in self.root.glob(".*.safetensors.*.tmp"):
+            try:
+                if now - tmp.stat().st_mtime > older_than_s:
+                    tmp.unlink()
+            except FileNotFoundError:
+                pass
 
     def close(self) -> None:
         self.db.close()

@@ -388,3 +388,28 @@ def test_every_file_produced_gets_the_umask_mode(hs_project):
     wrong = {str(p.relative_to(hs_project.path)): oct(p.stat().st_mode & 0o777) for p in files
              if p.stat().st_mode & 0o777 != FILE_MODE}
     assert not wrong
+
+
+def test_temp_files_of_killed_writers_are_swept(tmp_path):
+    """A kill mid-write leaves a temp file: the next write of that output removes it, and the state store removes
+    old half-written shards (recent ones may belong to a rank still writing)."""
+    from stages.artifacts import atomic_path
+    from stages.state_store import StateStore
+
+    out = tmp_path / "responses.jsonl"
+    left = tmp_path / ".responses.jsonl.abc123.tmp"
+    left.write_text("half")
+    other = tmp_path / ".samples.parquet.abc123.tmp"
+    other.write_text("another output's")
+    with atomic_path(out) as tmp:
+        tmp.write_text("whole")
+    assert out.read_text() == "whole" and not left.exists() and other.exists()
+
+    root = tmp_path / "states"
+    root.mkdir()
+    old, recent = root / ".aa.safetensors.x1.tmp", root / ".bb.safetensors.x2.tmp"
+    for f in (old, recent):
+        f.write_bytes(b"half")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    StateStore(root).close()
+    assert not old.exists() and recent.exists()

@@ -1,0 +1,620 @@
+"""SIGKILL at random moments in every stage, restart it, and check nothing was lost, duplicated or left stale.
+
+    python -m bench.reliability kill [--trials 50] [--seed 0] [--scenarios generate,hidden_states] [--workdir DIR]
+
+Every trial is one real stage process (`python -m stages.<stage> dataset=D`, as dvc.yaml runs it) in a project
+directory of its own: a demo-like dataset (150 magicoder prompts, a 600-token budget) on the tiny demo target,
+built once per run, with the stage's inputs copied from a clean run and its stores empty, as DVC leaves a stage
+it reruns. The process gets SIGKILL at a seeded random moment, is restarted and runs to completion, and then:
+
+- every SQLite file (the response store, the state store's index) passes `PRAGMA integrity_check` and holds no key
+  twice, after the kill and after the restart;
+- no half-written file is taken as done: every output present at its final name after the kill reads completely,
+  and every sample the state store indexes points at a whole shard that holds it;
+- nothing committed is lost: every response stored before the kill is still there, unchanged, after the restart;
+  on a server, every answer the server delivered before the kill is stored or was in flight (a logging proxy in
+  front of a real `transformers serve` sees the wire); in process, the restart's metrics account for the store
+  (it reused everything stored, and what it says it generated landed);
+- the final outputs equal the clean (never killed) run's: prompts.jsonl, samples.parquet and the hidden states
+  value for value; responses.jsonl is exactly the store's selection, and every stored response has the clean
+  run's tokens for its key (sampling is seeded per request; which prompts fill the budget depends on which
+  requests were in flight when it was reached, so the clean run's own reruns differ in a row or two, by design).
+  On the server the responses are text sampled without a per-request seed, so there the store itself is the
+  reference.
+
+Scenarios (one table row each): the four stages with kill moments uniform over the clean run's duration (so they
+land in start-up, in the work and in the writing of outputs alike), generate on the server, two that aim at the
+work (generate's generation, hidden_states' compute pass: uniform from the creation of the stage's store to the
+first sign of its output, so kills fall between and during commits), and two that aim at the writing of outputs
+(generate's responses.jsonl after its last response; hidden_states' second pass that links the shards and writes
+samples.parquet and index.json), the moment uniform over the clean run's time from the first sign of the output
+until every output was in place. A draw past the end of the run is drawn again.
+
+Figures: kill_trials (trials whose kill landed), kill_lost, kill_duplicated, kill_stale (problems of each kind,
+summed over trials; bench/reliability/kill_checks.py says what each kind covers). Goal: all three 0 over at least
+50 trials. The table also says where the kills landed (before any work showed, working, writing outputs, or after
+the outputs were complete), restarts that failed, and the temp files the killed writes left behind (never read as
+outputs, never removed either).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from bench.reliability import kill_checks as checks
+from bench.reliability.kill_checks import Problem
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "sources" / "demo"
+DATASET = "D"
+BUDGET = 600
+# How often a run is looked at: often enough to see the writing of a small output (a few ms) begin.
+POLL_S = 0.0005
+MAX_DRAWS = 5  # kill moments drawn for one trial before it counts as a failure (each past the end of its run)
+RESTART_TIMEOUT_S = 600  # a restart that hangs is a failure, not a stuck suite
+
+# Per stage: its input (copied from the clean run), its outputs, and the one whose appearance (or temp file) marks
+# the start of its writing.
+INPUTS = {"prompts": [], "generate": ["prompts.jsonl"], "tokenize": ["responses.jsonl"],
+          "hidden_states": ["samples.parquet"]}
+OUTPUTS = {"prompts": ["prompts.jsonl", "prompts_metrics.json"],
+           "generate": ["responses.jsonl", "generate_metrics.json"],
+           "tokenize": ["samples.parquet", "tokenize_metrics.json"],
+           "hidden_states": ["hidden_states", "hidden_states_metrics.json"]}
+DONE_MARK = {"prompts": "prompts.jsonl", "generate": "responses.jsonl", "tokenize": "samples.parquet",
+             "hidden_states": "hidden_states/index.json"}
+# The store a stage's work goes to (relative to the project): its creation marks the start of that work.
+WORK_MARK = {"generate": ".draftdata/store.sqlite", "hidden_states": ".draftdata/states/index.sqlite"}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    stage: str
+    backend: str = "embedded"  # embedded | openai (a real `transformers serve` behind the logging proxy)
+    # run: over the clean run's duration | work: from the creation of its store to its first output | write: over
+    # its writing of outputs
+    moment: str = "run"
+
+    @property
+    def label(self) -> str:
+        what = self.stage + ("" if self.stage != "generate" else f"/{self.backend}")
+        return what + {"run": "", "work": " (working)", "write": " (writing outputs)"}[self.moment]
+
+
+SCENARIOS = [
+    Scenario("prompts", "prompts"),
+    Scenario("generate", "generate"),
+    Scenario("generate_openai", "generate", backend="openai"),
+    Scenario("generate_work", "generate", moment="work"),
+    Scenario("generate_write", "generate", moment="write"),
+    Scenario("tokenize", "tokenize"),
+    Scenario("hidden_states", "hidden_states"),
+    Scenario("hidden_states_work", "hidden_states", moment="work"),
+    Scenario("hidden_states_write", "hidden_states", moment="write"),
+]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trials", type=int, default=50, help="kills in all, spread over the scenarios in turn")
+    p.add_argument("--seed", type=int, default=0, help="seeds the kill moments")
+    p.add_argument("--scenarios", default=",".join(s.name for s in SCENARIOS),
+                   help="comma-separated subset of: " + ", ".join(s.name for s in SCENARIOS))
+    p.add_argument("--workdir", type=Path, default=None,
+                   help="keep the projects here (default: a temp directory, removed at the end)")
+    p.add_argument("--model", type=Path, default=None,
+                   help="the demo target, already built as the tests build it (default: built here)")
+
+
+# ---- projects and runs ------------------------------------------------------------------------------------------ #
+
+class Project:
+    """A project directory: params.yaml, data/D/, and the stores under .draftdata/ (run.store_path's default)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.data = path / "data" / DATASET
+        self.store = path / ".draftdata" / "store.sqlite"
+        self.states = path / ".draftdata" / "states"
+        self.log = path / "stage.log"
+
+    def create(self, params: dict) -> "Project":
+        self.data.mkdir(parents=True, exist_ok=True)
+        (self.path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        return self
+
+    def spawn(self, stage: str) -> subprocess.Popen:
+        env = {k: v for k, v in os.environ.items() if k not in ("DRAFTDATA_STORE", "DRAFTDATA_PARAMS")}
+        env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")  # 2 cores: threads would only contend
+        with open(self.log, "a") as log:
+            return subprocess.Popen([sys.executable, "-m", f"stages.{stage}", f"dataset={DATASET}"], cwd=self.path,
+                                    env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def writing(self, stage: str) -> bool:
+        """Whether the stage has begun writing its main output: the output or its temp file is there."""
+        name = OUTPUTS[stage][0]
+        try:
+            return any(n == name or n.startswith(f".{name}.") for n in os.listdir(self.data))
+        except FileNotFoundError:
+            return False
+
+    def working(self, stage: str) -> bool:
+        """Whether the stage has created the store its work goes to."""
+        return stage in WORK_MARK and (self.path / WORK_MARK[stage]).exists()
+
+    def written(self, stage: str) -> bool:
+        """Whether every output of the stage is in place."""
+        return (self.data / DONE_MARK[stage]).exists() and all((self.data / n).exists() for n in OUTPUTS[stage])
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-1500:] if self.log.exists() else ""
+
+
+def dataset_params() -> dict:
+    return {"source": {"shape": "magicoder_oss", "path": str(DEMO / "B3_magicoder.jsonl.gz")},
+            "max_prompts": 150, "max_prompt_tokens": 512, "shuffle_seed": 0, "on_bad_record": "fail",
+            "token_budget": BUDGET, "budget_unit": "completion", "max_tokens": 48,
+            "sampling": {"temperature": 0.8, "top_p": 0.95, "top_k": -1}, "on_budget": "cancel",
+            "on_truncation": "keep", "concurrency": 8}
+
+
+def project_params(model: Path, backend: Optional[dict] = None) -> dict:
+    params = {
+        "model": {"path": str(model), "revision": None, "chat_template": None, "template_kwargs": {}},
+        "tokenize": {"max_seq_len": 1024, "on_too_long": "drop", "train_on": "last_turn"},
+        # a forward per sample and several shards: the compute pass commits shard by shard, and every sample's
+        # arithmetic is the same whichever samples a restart has left to compute
+        "hidden_states": {"layers": None, "dtype": "bfloat16", "batch_tokens": 256, "shard_max_tokens": 512},
+        "run": {"log_every_s": 5.0},
+        "datasets": {DATASET: dataset_params()},
+    }
+    if backend:
+        params["backend"] = backend
+    return params
+
+
+def build_model(out: Path) -> Path:
+    """The demo target as the tests build it (shorter responses than the demo's, so a run takes seconds)."""
+    from stages.config import TinyModelConfig
+    from stages.tiny_model import build_model as build, build_tokenizer, iter_demo_texts
+
+    cfg = TinyModelConfig(path=str(out), corpus_dir=str(DEMO), mean_response_tokens=24)
+    tok = build_tokenizer(iter_demo_texts(DEMO), cfg.vocab_size)
+    eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
+    model = build(cfg, len(tok), eos, pad)
+    tok.save_pretrained(out)
+    model.save_pretrained(out)
+    return out
+
+
+@dataclass
+class Timing:
+    """A clean run's duration, how long it worked (from the creation of its store to the first sign of its main
+    output) and how long it wrote (from there until every output was in place)."""
+
+    seconds: float
+    work_s: float
+    write_s: float
+
+
+def clean_run(project: Project, stage: str) -> Timing:
+    t0 = time.monotonic()
+    proc = project.spawn(stage)
+    work_at = write_at = done_at = None
+    while proc.poll() is None:
+        now = time.monotonic() - t0
+        if work_at is None and project.working(stage):
+            work_at = now
+        if write_at is None and project.writing(stage):
+            write_at = now
+        if write_at is not None and done_at is None and project.written(stage):
+            done_at = now
+        time.sleep(POLL_S)
+    seconds = time.monotonic() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"clean run of {stage} failed ({proc.returncode}): {project.tail()}")
+    write_at = seconds if write_at is None else write_at  # written between two looks just before the exit
+    work_at = write_at if work_at is None else work_at
+    return Timing(seconds, max(POLL_S, write_at - work_at), max(POLL_S, (done_at or seconds) - write_at))
+
+
+# ---- the server ------------------------------------------------------------------------------------------------- #
+
+@contextmanager
+def transformers_serve(model: Path, log_path: Path, timeout: float = 180.0):
+    """A real `transformers serve` (OpenAI-compatible) on a free loopback port, healthy before it is used."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(model), "--host", "127.0.0.1",
+            "--port", str(port), "--device", "cpu"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"transformers serve exited: {log_path.read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"transformers serve not healthy in {timeout:g}s: {log_path.read_text()[-2000:]}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# ---- the bench: what every trial shares -------------------------------------------------------------------------- #
+
+@dataclass
+class Clean:
+    """The clean run's outputs, read once."""
+
+    prompts: list
+    prompts_metrics: dict
+    responses: list
+    store: dict
+    samples: list
+    samples_meta: dict
+    tokenize_metrics: dict
+    hs_dir: Path
+    hs_samples: list
+    hs_index: dict
+    hs_norm: bytes
+
+
+class Bench:
+    def __init__(self, root: Path, scenarios: list[Scenario], stack: ExitStack, model: Optional[Path] = None):
+        self.root = root
+        self.model = model or build_model(root / "model")
+        self.base = Project(root / "clean").create(project_params(self.model))
+        self.timing: dict[str, Timing] = {}
+        for stage in ("prompts", "generate", "tokenize", "hidden_states"):
+            self.timing[stage] = clean_run(self.base, stage)
+        self.clean = read_clean(self.base)
+        self.proxy = None
+        self.openai: Optional[dict] = None  # the backend params of the server scenario
+        self.key_of_seed: dict[int, str] = {}
+        if any(s.backend == "openai" for s in scenarios):
+            self._start_server(stack)
+
+    def _start_server(self, stack: ExitStack) -> None:
+        from bench.reliability.kill_proxy import LoggingProxy
+
+        url = stack.enter_context(transformers_serve(self.model, self.root / "serve.log"))
+        self.proxy = LoggingProxy(url)
+        proxy_url = self.proxy.start()
+        stack.callback(self.proxy.stop)
+        self.key_of_seed = seeds_to_keys(self.base)
+        # text back, no ids: `transformers serve` takes string prompts and rejects unknown fields
+        self.openai = {"kind": "openai", "urls": [proxy_url], "prompt_format": "chat", "return_token_ids": False,
+                       "request_timeout_s": 60.0}
+        on_server = next(s for s in SCENARIOS if s.backend == "openai")
+        self.timing["generate_openai"] = clean_run(self.new_project("clean_openai", on_server), "generate")
+
+    def new_project(self, name: str, scenario: Scenario) -> Project:
+        """A fresh project for one run of `scenario`'s stage: its inputs from the clean run, empty stores."""
+        path = self.root / name
+        if path.exists():
+            shutil.rmtree(path)
+        backend = self.openai if scenario.backend == "openai" else None
+        project = Project(path).create(project_params(self.model, backend))
+        for name in INPUTS[scenario.stage]:
+            shutil.copy(self.base.data / name, project.data / name)
+        return project
+
+    def timing_of(self, scenario: Scenario) -> Timing:
+        return self.timing["generate_openai" if scenario.backend == "openai" else scenario.stage]
+
+
+def read_clean(base: Project) -> Clean:
+    import pyarrow.parquet as pq
+
+    d = base.data
+    hs = d / "hidden_states"
+    return Clean(
+        prompts=read_jsonl(d / "prompts.jsonl"), prompts_metrics=read_json(d / "prompts_metrics.json"),
+        responses=read_jsonl(d / "responses.jsonl"), store=checks.stored_responses(base.store),
+        samples=pq.read_table(d / "samples.parquet").to_pylist(),
+        samples_meta=pq.read_schema(d / "samples.parquet").metadata,
+        tokenize_metrics=read_json(d / "tokenize_metrics.json"),
+        hs_dir=hs, hs_samples=hs_sample_list(hs), hs_index=read_json(hs / "index.json"),
+        hs_norm=(hs / "final_norm.safetensors").read_bytes())
+
+
+def seeds_to_keys(base: Project) -> dict[int, str]:
+    """Every request's sampling seed -> its store key: the seed a request carries on the wire names its response."""
+    from stages.backends import seed_of
+    from stages.config import load_config
+    from stages.generate import plan_requests
+    from stages.target import load_tokenizer
+
+    # an absolute store path: the model's file hashes are cached beside it, not in this process's directory
+    cfg = load_config(DATASET, [f"run.store_path={base.store}"], params_path=base.path / "params.yaml")
+    plan = plan_requests(cfg, read_jsonl(base.data / "prompts.jsonl"), load_tokenizer(cfg.model))
+    return {seed_of(p.key): p.key for p in plan}
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def hs_sample_list(hs: Path) -> list[dict]:
+    """The hidden-state output's sample list, less where each sample sits (shard names are random per run)."""
+    import pyarrow.parquet as pq
+
+    return [{k: v for k, v in r.items() if k not in ("shard", "row")}
+            for r in pq.read_table(hs / "samples.parquet").to_pylist()]
+
+
+# ---- one trial -------------------------------------------------------------------------------------------------- #
+
+def kill_once(project: Project, scenario: Scenario, timing: Timing, rng: random.Random) -> Optional[float]:
+    """Start the stage and SIGKILL it at a drawn moment; the moment (seconds from the start), or None when the run
+    ended before it."""
+    t0 = time.monotonic()
+    proc = project.spawn(scenario.stage)
+    if scenario.moment == "run":
+        deadline = t0 + rng.uniform(0.0, timing.seconds)
+    else:
+        started = project.working if scenario.moment == "work" else project.writing
+        while not started(scenario.stage) and proc.poll() is None:
+            time.sleep(POLL_S)
+        window = timing.work_s if scenario.moment == "work" else timing.write_s
+        deadline = time.monotonic() + rng.uniform(0.0, window)
+    while proc.poll() is None and (left := deadline - time.monotonic()) > 0:
+        time.sleep(min(POLL_S, left))
+    if proc.poll() is not None:
+        return None
+    proc.kill()
+    proc.wait()
+    return round(deadline - t0, 4)
+
+
+def phase_at_kill(project: Project, stage: str) -> str:
+    """Where the kill landed: before any work showed, working (a store held some), writing outputs, or after the
+    output was complete (on the way out)."""
+    if project.written(stage):
+        return "written"
+    if project.writing(stage):
+        return "writing"
+    if stored(project, stage):
+        return "working"
+    return "before"
+
+
+def stored(project: Project, stage: str) -> int:
+    """What the stage's store holds: responses (generate) or indexed samples (hidden_states)."""
+    if stage == "generate":
+        return count_rows(project.store, "responses")
+    if stage == "hidden_states":
+        return count_rows(project.states / "index.sqlite", "states")
+    return 0
+
+
+def listing(data: Path) -> list[str]:
+    """The dataset's files (temp files included) and the hidden-state output's, less its shards."""
+    return sorted(str(p.relative_to(data)) for p in data.rglob("*") if p.is_file() and p.parent.name != "shards")
+
+
+def count_rows(path: Path, table: str) -> int:
+    import sqlite3
+
+    if not path.exists():
+        return 0
+    con = sqlite3.connect(path)
+    try:  # killed before the schema was created: nothing stored yet
+        return con.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0] if checks.has_table(con, table) else 0
+    finally:
+        con.close()
+
+
+def store_problems(project: Project) -> list[Problem]:
+    return (checks.sqlite_problems(project.store, {"responses": "key"})
+            + checks.sqlite_problems(project.states / "index.sqlite", {"states": "key", "shards": "name"})
+            + checks.state_store_problems(project.states))
+
+
+def outputs_of(project: Project, stage: str) -> list[Path]:
+    return [project.data / name for name in OUTPUTS[stage]]
+
+
+def after_restart(bench: Bench, project: Project, scenario: Scenario, snapshot: dict, killed: list,
+                  restart: list) -> list[Problem]:
+    problems = store_problems(project) + checks.file_problems(outputs_of(project, scenario.stage))
+    missing = [p.name for p in outputs_of(project, scenario.stage) if not p.exists()]
+    if missing:
+        return problems + [Problem("lost", len(missing), f"no {', '.join(missing)} after the restart")]
+    if problems:
+        return problems  # a store or an output that does not read: comparing it would only fail to read it again
+    compare = {"prompts": compare_prompts, "generate": compare_generate, "tokenize": compare_tokenize,
+               "hidden_states": compare_hidden_states}[scenario.stage]
+    try:
+        return compare(bench, project, scenario, snapshot, killed, restart)
+    except Exception as e:  # an output the comparisons cannot read (a missing column, a broken link) is wrong too
+        return [Problem("stale", 1, f"outputs unreadable: {type(e).__name__}: {e}")]
+
+
+def compare_prompts(bench: Bench, project: Project, *_) -> list[Problem]:
+    c = bench.clean
+    return (checks.compare_rows("prompts.jsonl", read_jsonl(project.data / "prompts.jsonl"), c.prompts, "id")
+            + checks.compare_json("prompts_metrics.json", read_json(project.data / "prompts_metrics.json"),
+                                  c.prompts_metrics))
+
+
+def compare_tokenize(bench: Bench, project: Project, *_) -> list[Problem]:
+    import pyarrow.parquet as pq
+
+    c, path = bench.clean, project.data / "samples.parquet"
+    problems = checks.compare_rows("samples.parquet", pq.read_table(path).to_pylist(), c.samples, "id")
+    if pq.read_schema(path).metadata != c.samples_meta:
+        problems.append(Problem("stale", 1, "samples.parquet: metadata differs from the clean run's"))
+    return problems + checks.compare_json("tokenize_metrics.json", read_json(project.data / "tokenize_metrics.json"),
+                                          c.tokenize_metrics)
+
+
+def compare_hidden_states(bench: Bench, project: Project, *_) -> list[Problem]:
+    c, hs = bench.clean, project.data / "hidden_states"
+    problems = checks.compare_rows("hidden_states/samples.parquet", hs_sample_list(hs), c.hs_samples, "id")
+    # shard names are random per run: the rest of the index is the clean run's
+    problems += checks.compare_json("hidden_states/index.json", read_json(hs / "index.json"), c.hs_index,
+                                    ignore=("shards",))
+    if (hs / "final_norm.safetensors").read_bytes() != c.hs_norm:
+        problems.append(Problem("stale", 1, "final_norm.safetensors differs from the clean run's"))
+    return problems + checks.compare_states(hs, c.hs_dir)
+
+
+def compare_generate(bench: Bench, project: Project, scenario: Scenario, snapshot: dict, killed: list,
+                     restart: list) -> list[Problem]:
+    rows = read_jsonl(project.data / "responses.jsonl")
+    final = checks.stored_responses(project.store)
+    problems = checks.output_vs_store(rows, bench.clean.prompts, final, DATASET, BUDGET)
+    problems += checks.committed_kept(snapshot, final)
+    if scenario.backend == "openai":
+        return problems + checks.wire_problems(killed, restart, snapshot, final, bench.key_of_seed)
+    problems += checks.same_as_clean(final, bench.clean.store)
+    problems += checks.compare_common("responses.jsonl", rows, bench.clean.responses, "key")
+    return problems + checks.accounting(snapshot, final, read_json(project.data / "generate_metrics.json"))
+
+
+def trial(bench: Bench, scenario: Scenario, index: int, rng: random.Random) -> dict:
+    t0 = time.monotonic()
+    row = {"trial": index, "scenario": scenario.name, "stage": scenario.stage, "backend": scenario.backend,
+           "moment": scenario.moment, "killed": False, "kill_s": None, "draws": 0, "phase": None,
+           "failure": None, "problems": [], "tmp_left": 0, **dict.fromkeys(checks.KINDS, 0)}
+    for draw in range(1, MAX_DRAWS + 1):
+        project = bench.new_project(f"trial_{index:03d}", scenario)
+        if bench.proxy:
+            bench.proxy.clear()
+        row["draws"], row["kill_s"] = draw, kill_once(project, scenario, bench.timing_of(scenario), rng)
+        if row["kill_s"] is not None:
+            break
+    else:
+        row["failure"] = f"the run ended before each of {MAX_DRAWS} kill moments"
+        return row
+    row["killed"] = True
+    try:
+        problems = restart_and_check(bench, project, scenario, row)
+    except Exception as e:  # a check that cannot read what the kill left: the trial says so, the suite goes on
+        row["failure"] = f"check failed: {type(e).__name__}: {e}"
+        problems = []
+    row.update(checks.tally(problems))
+    row["problems"] = [str(p) for p in problems]
+    row["tmp_left"] = len(checks.temp_files(project.path))
+    row["seconds"] = round(time.monotonic() - t0, 1)
+    return row
+
+
+def restart_and_check(bench: Bench, project: Project, scenario: Scenario, row: dict) -> list[Problem]:
+    """What the kill left, then the restart to completion and what it left."""
+    row["phase"] = phase_at_kill(project, scenario.stage)
+    row["files_at_kill"] = listing(project.data)
+    row["stored_at_kill"] = stored(project, scenario.stage)
+    problems = store_problems(project) + checks.file_problems(outputs_of(project, scenario.stage))
+    snapshot = checks.stored_responses(project.store) if scenario.stage == "generate" else {}
+    killed = bench.proxy.exchanges() if bench.proxy else []
+    if bench.proxy:
+        bench.proxy.clear()
+    row["delivered_before_kill"] = sum(e.complete and e.seed is not None for e in killed)
+    proc = project.spawn(scenario.stage)
+    try:
+        rc = proc.wait(timeout=RESTART_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = proc.wait()
+    if rc != 0:
+        row["failure"] = f"restart exited {rc}: {project.tail()[-300:]}"
+    restart = bench.proxy.exchanges() if bench.proxy else []
+    return problems + after_restart(bench, project, scenario, snapshot, killed, restart)
+
+
+# ---- the suite -------------------------------------------------------------------------------------------------- #
+
+def run(args) -> dict:
+    chosen = [s for name in args.scenarios.split(",") for s in SCENARIOS if s.name == name.strip()]
+    if not chosen:
+        raise SystemExit(f"--scenarios: none of {args.scenarios!r}; choose from {[s.name for s in SCENARIOS]}")
+    rng = random.Random(args.seed)
+    with ExitStack() as stack:
+        root = args.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="draftdata-kill-")))
+        root.mkdir(parents=True, exist_ok=True)
+        bench = Bench(root, chosen, stack, args.model)
+        rows = []
+        for i in range(args.trials):
+            rows.append(trial(bench, chosen[i % len(chosen)], i, rng))
+            print_row(rows[-1])
+        timing = {k: {"seconds": round(t.seconds, 2), "work_s": round(t.work_s, 3), "write_s": round(t.write_s, 3)}
+                  for k, t in bench.timing.items()}
+    summary = summarise(rows, chosen)
+    print_table(summary)
+    figures = {"kill_trials": sum(r["killed"] for r in rows)}
+    figures.update({f"kill_{k}": sum(r[k] for r in rows) for k in checks.KINDS})
+    goal = figures["kill_trials"] >= 50 and not any(figures[f"kill_{k}"] for k in checks.KINDS)
+    return {"figures": figures, "rows": rows, "goal_met": goal, "summary": summary, "clean_runs": timing,
+            "seed": args.seed, "dataset": dataset_params()}
+
+
+def summarise(rows: list[dict], scenarios: list[Scenario]) -> list[dict]:
+    out = []
+    for s in scenarios:
+        mine = [r for r in rows if r["scenario"] == s.name]
+        phases = Counter(r["phase"] for r in mine if r["killed"])
+        out.append({"scenario": s.name, "label": s.label, "trials": sum(r["killed"] for r in mine),
+                    **{k: sum(r[k] for r in mine) for k in checks.KINDS},
+                    "failures": sum(r["failure"] is not None for r in mine),
+                    "tmp_left": sum(r["tmp_left"] for r in mine),
+                    "phases": {p: phases[p] for p in ("before", "working", "writing", "written")}})
+    return out
+
+
+def print_row(r: dict) -> None:
+    counts = " ".join(f"{k}={r[k]}" for k in checks.KINDS)
+    print(f"kill trial={r['trial']} scenario={r['scenario']} kill_s={r['kill_s']} phase={r['phase']} {counts}"
+          + (f" failure={r['failure']!r}" if r["failure"] else "")
+          + "".join(f"\n  {p}" for p in r["problems"]), flush=True)
+
+
+def print_table(summary: list[dict]) -> None:
+    head = ["stage/backend", "trials", "lost", "duplicated", "stale", "failures", "killed: before/working/writing/"
+            "written", "temp files left"]
+    lines = [[s["label"], s["trials"], s["lost"], s["duplicated"], s["stale"], s["failures"],
+              "/".join(str(n) for n in s["phases"].values()), s["tmp_left"]] for s in summary]
+    total = ["all", *(sum(s[k] for s in summary) for k in ("trials", *checks.KINDS, "failures")),
+             "/".join(str(sum(s["phases"][p] for s in summary)) for p in summary[0]["phases"]),
+             sum(s["tmp_left"] for s in summary)]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *lines, total)]
+    for line in (head, *lines, total):
+        print("  ".join(str(x).ljust(w) if i == 0 else str(x).rjust(w) for i, (x, w) in enumerate(zip(line, widths))))

@@ -1,0 +1,225 @@
+"""The kill suite (bench/reliability/kill.py) on two trials: a SIGKILL while generate generates and one while
+hidden_states writes its outputs, each restarted, leave nothing lost, duplicated or stale
+(`python -m bench.reliability kill` runs 50+).
+
+The checks are then shown able to fail: each is given a planted problem in a copy of the real artifacts the trials
+left (a key stored twice, a corrupt store, half-written outputs, a torn shard the index points at, an output that
+is not the store's, states that differ, an answer delivered and dropped, a response generated twice), and the
+logging proxy tells an answer that ended from one cut short."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sqlite3
+
+import pytest
+
+from bench.reliability import kill
+from bench.reliability import kill_checks as checks
+from bench.reliability.kill_proxy import Exchange
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory, tiny_model):
+    """Kills while generate generates and while hidden_states writes its outputs; the projects are kept."""
+    root = tmp_path_factory.mktemp("kill")
+    parser = argparse.ArgumentParser()
+    kill.add_arguments(parser)
+    args = parser.parse_args(["--trials", "2", "--seed", "1", "--scenarios", "generate_work,hidden_states_write",
+                              "--workdir", str(root), "--model", str(tiny_model)])
+    return kill.run(args), kill.Project(root / "clean")
+
+
+def test_killed_stages_restart_with_nothing_lost_duplicated_or_stale(suite):
+    res, _ = suite
+    assert res["figures"] == {"kill_trials": 2, "kill_lost": 0, "kill_duplicated": 0, "kill_stale": 0}, res["rows"]
+    assert [r["failure"] for r in res["rows"]] == [None, None]
+    assert not res["goal_met"]  # the goal asks for 50 trials
+
+
+def kinds(problems) -> dict:
+    return {k: v for k, v in checks.tally(problems).items() if v}
+
+
+def copy_store(src, dest):
+    """A consistent copy of a live SQLite file (its WAL included)."""
+    with sqlite3.connect(src) as a, sqlite3.connect(dest) as b:
+        a.backup(b)
+    return dest
+
+
+def test_a_key_stored_twice_is_found(suite, tmp_path):
+    _, clean = suite
+    store = copy_store(clean.store, tmp_path / "store.sqlite")
+    assert checks.sqlite_problems(store, {"responses": "key"}) == []
+    with sqlite3.connect(store) as db:  # the same table without its primary key, one row twice
+        db.executescript("CREATE TABLE plain AS SELECT * FROM responses; DROP TABLE responses; "
+                         "ALTER TABLE plain RENAME TO responses; "
+                         "INSERT INTO responses SELECT * FROM responses LIMIT 1;")
+    assert kinds(checks.sqlite_problems(store, {"responses": "key"})) == {"duplicated": 1}
+
+
+def test_a_corrupt_store_is_found(suite, tmp_path):
+    _, clean = suite
+    store = copy_store(clean.store, tmp_path / "store.sqlite")
+    data = bytearray(store.read_bytes())
+    data[4096:3 * 4096] = b"\xff" * (2 * 4096)  # pages 2 and 3 overwritten
+    store.write_bytes(bytes(data))
+    assert kinds(checks.sqlite_problems(store, {"responses": "key"})) == {"lost": 1}
+
+
+def test_half_written_outputs_are_found(suite, tmp_path):
+    _, clean = suite
+    outputs = [clean.data / "responses.jsonl", clean.data / "samples.parquet", clean.data / "hidden_states"]
+    assert checks.file_problems(outputs) == []
+    cut = tmp_path / "cut"
+    shutil.copytree(clean.data, cut)
+    planted = [cut / "responses.jsonl", cut / "samples.parquet", cut / "hidden_states" / "samples.parquet",
+               next((cut / "hidden_states" / "shards").iterdir())]
+    for path in planted:
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2].rstrip(b"\n"))  # cut inside a line, not after one
+    found = checks.file_problems([cut / "responses.jsonl", cut / "samples.parquet", cut / "hidden_states"])
+    assert kinds(found) == {"stale": len(planted)}
+
+
+def test_an_index_entry_for_a_torn_shard_is_found(suite, tmp_path):
+    _, clean = suite
+    states = tmp_path / "states"
+    shutil.copytree(clean.states, states)
+    assert checks.state_store_problems(states) == []
+    shard = next(states.glob("*/*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-100])
+    assert kinds(checks.state_store_problems(states)) == {"stale": 1}
+
+
+def test_an_output_that_is_not_the_stores_selection_is_found(suite):
+    _, clean = suite
+    rows = kill.read_jsonl(clean.data / "responses.jsonl")
+    prompts = kill.read_jsonl(clean.data / "prompts.jsonl")
+    store = checks.stored_responses(clean.store)
+    assert checks.output_vs_store(rows, prompts, store, kill.DATASET, kill.BUDGET) == []
+    # written from an older state of the store: the last response is missing
+    assert kinds(checks.output_vs_store(rows[:-1], prompts, store, kill.DATASET, kill.BUDGET)) == {"lost": 1}
+    # a row whose text is not the stored one
+    changed = [dict(rows[0], text=rows[0]["text"] + "!")] + rows[1:]
+    assert kinds(checks.output_vs_store(changed, prompts, store, kill.DATASET, kill.BUDGET)) == {"stale": 1}
+
+
+def test_responses_that_differ_from_the_clean_run_are_found(suite):
+    _, clean = suite
+    store = checks.stored_responses(clean.store)
+    assert checks.same_as_clean(store, store) == []
+    key = next(k for k, r in store.items() if r["finish_reason"] in checks.COMPLETE)
+    other = dict(store, **{key: dict(store[key], output_ids=store[key]["output_ids"][:-1] + [-1])})
+    assert kinds(checks.same_as_clean(other, store)) == {"stale": 1}
+    # a response committed before a kill and gone after the restart, another rewritten
+    before, after = store, dict(other)
+    del after[next(k for k in store if k != key and store[k]["finish_reason"] in checks.COMPLETE)]
+    assert kinds(checks.committed_kept(before, after)) == {"lost": 1, "stale": 1}
+
+
+def test_hidden_states_that_differ_from_the_clean_run_are_found(suite, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    _, clean = suite
+    hs = tmp_path / "hidden_states"
+    shutil.copytree(clean.data / "hidden_states", hs)  # copies: the store's shards stay as they are
+    assert checks.compare_states(hs, clean.data / "hidden_states") == []
+    shard = next((hs / "shards").iterdir())
+    with safe_open(str(shard), framework="pt") as f:
+        meta = f.metadata()
+    tensors = load_file(str(shard))
+    tensors["final_hidden_states"][0, 0] += 1  # the first sample of the shard, one value
+    shard.unlink()
+    save_file(tensors, str(shard), metadata=meta)
+    assert kinds(checks.compare_states(hs, clean.data / "hidden_states")) == {"stale": 1}
+
+
+def test_the_restarts_accounting_is_checked(suite):
+    _, clean = suite
+    store = checks.stored_responses(clean.store)
+    usable = sum(checks.usable(r) for r in store.values())
+    assert checks.accounting(store, store, {"reused_from_store": usable, "newly_generated": 0}) == []
+    # a restart that sent two stored responses again, and one that says it generated a response that never landed
+    assert kinds(checks.accounting(store, store, {"reused_from_store": usable - 2, "newly_generated": 0})) == {
+        "duplicated": 2}
+    assert kinds(checks.accounting(store, store, {"reused_from_store": usable, "newly_generated": 1})) == {"lost": 1}
+
+
+def test_the_wire_is_checked_against_the_store():
+    """Answers a and b delivered before the kill (a first), c during the restart."""
+    keys = {1: "a", 2: "b", 3: "c"}
+    row = {"finish_reason": "stop"}
+    killed = [Exchange("/v1/chat/completions", 1, 0.0, 200, 10.0), Exchange("/v1/chat/completions", 2, 0.0, 200, 11.0)]
+    restart = [Exchange("/v1/chat/completions", 3, 20.0, 200, 21.0)]
+    # b was still in flight (delivered after the last commit): a restart that generated it again is fine
+    ok = checks.wire_problems(killed, restart + [Exchange("/v1/chat/completions", 2, 20.0, 200, 22.0)],
+                              {"a": row}, {"a": row, "b": row, "c": row}, keys)
+    assert ok == []
+    # a was delivered before b, which was committed: a was no longer in flight, and it is gone
+    assert kinds(checks.wire_problems(killed, restart + [Exchange("/v1/chat/completions", 1, 20.0, 200, 22.0)],
+                                      {"b": row}, {"a": row, "b": row, "c": row}, keys)) == {"lost": 1}
+    # the restart asked again for a, stored before the kill; c delivered but never stored
+    assert kinds(checks.wire_problems(killed, restart + [Exchange("/v1/chat/completions", 1, 20.0, 200, 22.0)],
+                                      {"a": row, "b": row}, {"a": row, "b": row}, keys)) == {"duplicated": 1,
+                                                                                             "lost": 1}
+    # a stored response no server delivered
+    assert kinds(checks.wire_problems(killed, restart, {"a": row, "b": row},
+                                      {"a": row, "b": row, "c": row, "d": row}, keys)) == {"stale": 1}
+
+
+def test_rows_against_the_clean_run():
+    want = [{"id": i, "x": i} for i in range(4)]
+    assert checks.compare_rows("out", list(want), want, "id") == []
+    assert kinds(checks.compare_rows("out", want[:3], want, "id")) == {"lost": 1}
+    assert kinds(checks.compare_rows("out", want + want[:1], want, "id")) == {"duplicated": 1}
+    assert kinds(checks.compare_rows("out", [want[1], want[0], *want[2:]], want, "id")) == {"stale": 2}
+    assert kinds(checks.compare_json("m", json.loads('{"a": 1}'), {"a": 2})) == {"stale": 1}
+
+
+def test_the_proxy_marks_an_answer_delivered_only_when_it_ended():
+    """A streamed answer that ends with a finish reason is delivered; one cut short is not; the seed is read."""
+    import asyncio
+    import socket
+    import threading
+    import urllib.request
+
+    from aiohttp import web
+
+    from bench.reliability.kill_proxy import LoggingProxy
+
+    async def answer(request):
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"text": "a", "finish_reason": null}]}\n\n')
+        if request.path == "/ended":
+            await resp.write(b'data: {"choices": [{"text": "b", "finish_reason": "stop"}]}\n\n')
+        return resp
+
+    loop = asyncio.new_event_loop()
+    app = web.Application()
+    app.router.add_post("/{tail:.*}", answer)
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    loop.run_until_complete(web.SockSite(runner, sock).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    proxy = LoggingProxy(f"http://127.0.0.1:{sock.getsockname()[1]}")
+    url = proxy.start()
+    try:
+        for path, seed in (("/ended", 7), ("/cut", 8)):
+            req = urllib.request.Request(url + path, data=json.dumps({"seed": seed}).encode(), method="POST")
+            urllib.request.urlopen(req).read()
+    finally:
+        proxy.stop()  # every request's handler has finished
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+    assert [(e.path, e.seed, e.status, e.complete) for e in proxy.exchanges()] == [
+        ("/ended", 7, 200, True), ("/cut", 8, 200, False)]
