@@ -199,7 +199,8 @@ class Ours:
         self.engine = HFEngine(ModelConfig(path=spec.model_dir), list(spec.layers))
         self.store = StateStore(self.root)
         self.computer = Computer(Started(self.engine), self.store, state_settings(spec, dtype), dtype,
-                                 spec.batch_tokens, spec.shard_max_tokens, Tally())
+                                 spec.batch_tokens, spec.shard_max_tokens, Tally(),
+                                 background_writes=spec.device != "cpu")  # as the stage chooses
 
     def warm_up(self) -> None:
         self.engine.forward([[1] * WARMUP_TOKENS] * 2)

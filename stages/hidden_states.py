@@ -165,20 +165,23 @@ class ShardWriter:
     """Writes shards on a background thread while the target computes the next batches: on a GPU, packing and
     writing a shard (tens of GB per million tokens for a large target) would otherwise leave the GPU idle. One shard
     is in flight at a time, so memory holds at most two. A shard enters the store's index (SQLite, on the calling
-    thread) only once its file is complete; a kill before that leaves an unindexed temp file, never a bad entry."""
+    thread) only once its file is complete; a kill before that leaves an unindexed temp file, never a bad entry.
+    When the target computes on the CPU (`background=False`) there is nothing to overlap: a writer thread would
+    only take cores from the compute threads, so shards are written in line."""
 
-    def __init__(self, store: StateStore, settings: dict, dtype: str):
+    def __init__(self, store: StateStore, settings: dict, dtype: str, background: bool = True):
         from concurrent.futures import ThreadPoolExecutor
 
         self.store, self.settings, self.dtype = store, settings, dtype
         self.settings_hash = content_hash(settings)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="shard-writer")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="shard-writer") if background else None
         self._pending: tuple | None = None
 
     def submit(self, samples: list[SampleStates]) -> None:
         self.wait()
         name = self.store.new_shard_name(self.settings_hash)
-        job = self._pool.submit(write, self.store.path(name), samples, self.dtype, self.settings)
+        args = (self.store.path(name), samples, self.dtype, self.settings)
+        job = self._pool.submit(write, *args) if self._pool is not None else _Done(write(*args))
         self._pending = (job, name, [s.key for s in samples], [len(s.input_ids) for s in samples])
 
     def wait(self) -> None:
@@ -193,7 +196,18 @@ class ShardWriter:
         try:
             self.wait()
         finally:
-            self._pool.shutdown()
+            if self._pool is not None:
+                self._pool.shutdown()
+
+
+@dataclass
+class _Done:
+    """A write already made (in line), with the interface of a future's result."""
+
+    size: int
+
+    def result(self) -> int:
+        return self.size
 
 
 @dataclass
@@ -208,11 +222,12 @@ class Computer:
     shard_max_tokens: int
     tally: Tally
     names: dict = field(default_factory=dict)  # key -> sample id of the current window, for error messages
+    background_writes: bool = True  # see ShardWriter: True where the target computes off the CPU
     _buffer: list = field(default_factory=list)
     _writer: ShardWriter | None = None
 
     def __post_init__(self):
-        self._writer = ShardWriter(self.store, self.settings, self.dtype)
+        self._writer = ShardWriter(self.store, self.settings, self.dtype, self.background_writes)
 
     @property
     def settings_hash(self) -> str:
@@ -283,6 +298,13 @@ def length_batches(samples: list[tuple[str, list[int]]], batch_tokens: int, max_
         yield batch
 
 
+def computes_off_cpu(hs) -> bool:
+    """Whether the target runs on an accelerator (vLLM's workers, or a GPU for the hf backend)."""
+    import torch
+
+    return hs.backend == "vllm" or torch.cuda.is_available()
+
+
 def windows(src: Path, size: int):
     """(ids, input_ids, loss_masks) of `size` samples at a time, streamed from samples.parquet."""
     import pyarrow.parquet as pq
@@ -295,7 +317,8 @@ def compute(cfg: Config, src: Path, engine: LazyEngine, store: StateStore, setti
             tally: Tally) -> None:
     """Pass 1 (every rank): compute what the store lacks."""
     hs = cfg.hidden_states
-    computer = Computer(engine, store, settings, hs.dtype, hs.batch_tokens, hs.shard_max_tokens, tally)
+    computer = Computer(engine, store, settings, hs.dtype, hs.batch_tokens, hs.shard_max_tokens, tally,
+                        background_writes=computes_off_cpu(hs))
     try:
         _compute_windows(src, hs.window_samples, computer, store, rank, tally)
     finally:
