@@ -261,14 +261,20 @@ def next_check(s: Server, ctrl: BudgetController, budget: int) -> float:
     return max(after, math.ceil(crossing / CHECK_EVERY_S - 1e-9)) * CHECK_EVERY_S
 
 
-def run_controlled(s: Server, lens: Iterator[int], budget: int, noise: float, rng: random.Random,
-                   keep_partial: bool, slack: float | None = None) -> Outcome:
+def run_controlled(
+    s: Server,
+    lens: Iterator[int],
+    budget: int,
+    noise: float,
+    rng: random.Random,
+    keep_partial: bool,
+    slack: float | None = None,
+) -> Outcome:
     """The generate loop around BudgetController: wake at completions, readings and (keep_partial) ticks. A
     controller that stalls (nothing in flight, nothing admitted) ends the run short of the budget: a negative
     overshoot says so."""
     out = Outcome()
-    ctrl = BudgetController(budget=budget, max_tokens=MAX_TOKENS, concurrency=s.concurrency,
-                            keep_partial=keep_partial)
+    ctrl = BudgetController(budget=budget, max_tokens=MAX_TOKENS, concurrency=s.concurrency, keep_partial=keep_partial)
     ctrl.observes_rate = slack is None
     if slack is not None:
         ctrl.admit_slack = slack
@@ -310,8 +316,9 @@ def stop(s: Server, ctrl: BudgetController, out: Outcome, progress: list[int]) -
     out.lost += s.abort_all(streamed)
 
 
-def run_scenario(model: str, budget: int, noise_pct: float, seed: int, strategy: str,
-                 concurrency: int = CONCURRENCY) -> dict:
+def run_scenario(
+    model: str, budget: int, noise_pct: float, seed: int, strategy: str, concurrency: int = CONCURRENCY
+) -> dict:
     """Metrics of one run. The noise draws come from their own generator, so a noise level changes the
     readings, never the lengths."""
     s, lens = Server(model, concurrency), lengths(seed)
@@ -377,8 +384,16 @@ def run_scenarios(models, budgets, noises, seeds: int) -> list[dict]:
     for model, budget, noise_pct in itertools.product(models, budgets, noises):
         n = seeds_for(budget, seeds)
         strategies = {name: averaged(model, budget, noise_pct, name, n) for name in SCENARIO_STRATEGIES}
-        rows.append({"model": model, "budget": budget, "noise_pct": noise_pct, "seeds": n, "strategies": strategies,
-                     "goals": scenario_goals(model, noise_pct, strategies)})
+        rows.append(
+            {
+                "model": model,
+                "budget": budget,
+                "noise_pct": noise_pct,
+                "seeds": n,
+                "strategies": strategies,
+                "goals": scenario_goals(model, noise_pct, strategies),
+            }
+        )
     return rows
 
 
@@ -395,11 +410,24 @@ def run_legacy(rows: list[dict], models, seeds: int) -> dict:
 
 
 def settings(args) -> dict:
-    return {"budget": LEGACY_BUDGET, "concurrency": CONCURRENCY, "seeds": args.seeds, "mean_len": MEAN_LEN,
-            "sigma": SIGMA, "max_tokens": MAX_TOKENS, "knee": KNEE, "cap_samples": CAP_SAMPLES,
-            "check_every_s": CHECK_EVERY_S, "rate_per_request": RATE, "reading_s": READING_S,
-            "abort_latency_s": ABORT_LATENCY_S, "saturation_h": SATURATION_H,
-            "scenario_models": list(args.models), "budgets": list(args.budgets), "noise_pct": list(args.noise)}
+    return {
+        "budget": LEGACY_BUDGET,
+        "concurrency": CONCURRENCY,
+        "seeds": args.seeds,
+        "mean_len": MEAN_LEN,
+        "sigma": SIGMA,
+        "max_tokens": MAX_TOKENS,
+        "knee": KNEE,
+        "cap_samples": CAP_SAMPLES,
+        "check_every_s": CHECK_EVERY_S,
+        "rate_per_request": RATE,
+        "reading_s": READING_S,
+        "abort_latency_s": ABORT_LATENCY_S,
+        "saturation_h": SATURATION_H,
+        "scenario_models": list(args.models),
+        "budgets": list(args.budgets),
+        "noise_pct": list(args.noise),
+    }
 
 
 def fmt_budget(budget: int) -> str:
@@ -414,8 +442,9 @@ def print_scenarios(rows: list[dict]) -> None:
         cells = []
         for name in SCENARIO_STRATEGIES:
             m = r["strategies"][name]
-            cells.append(f"{m['overshoot_pct']:>6.2f}{m['waste_pct']:>6.2f}{m['lost_pct']:>6.2f}"
-                         f"{m['time_vs_ideal']:>7.4f}")
+            cells.append(
+                f"{m['overshoot_pct']:>6.2f}{m['waste_pct']:>6.2f}{m['lost_pct']:>6.2f}{m['time_vs_ideal']:>7.4f}"
+            )
         missed = ", ".join(k for k, ok in r["goals"].items() if not ok) or "-"
         print(f"{r['model']:<17}{fmt_budget(r['budget']):>7}{r['noise_pct']:>5g}%   {' '.join(cells)}  {missed}")
 
@@ -423,8 +452,9 @@ def print_scenarios(rows: list[dict]) -> None:
 def print_legacy(models: dict, goals: dict) -> None:
     print(f"\nnoise-free, budget {fmt_budget(LEGACY_BUDGET)}: overshoot % / waste % / time vs ideal")
     for model, rows in models.items():
-        line = "  ".join(f"{name} {m['overshoot_pct']:.2f}/{m['waste_pct']:.2f}/{m['time_vs_ideal']:.4f}"
-                         for name, m in rows.items())
+        line = "  ".join(
+            f"{name} {m['overshoot_pct']:.2f}/{m['waste_pct']:.2f}/{m['time_vs_ideal']:.4f}" for name, m in rows.items()
+        )
         missed = ", ".join(k for k, ok in goals[model].items() if not ok) or "-"
         print(f"  {model}: {line}\n    missed goals: {missed}")
 

@@ -35,12 +35,16 @@ PROMPT = list(range(100, 164))  # a 64-token prompt
 
 # ---- the zero-latency server (its own process, so it does not share the client's event loop) ---------------- #
 
+
 def serve(port: int) -> None:
     from aiohttp import web
 
     choice_text = " tok" * OUTPUT_TOKENS
-    usage = {"prompt_tokens": len(PROMPT), "completion_tokens": OUTPUT_TOKENS,
-             "total_tokens": len(PROMPT) + OUTPUT_TOKENS}
+    usage = {
+        "prompt_tokens": len(PROMPT),
+        "completion_tokens": OUTPUT_TOKENS,
+        "total_tokens": len(PROMPT) + OUTPUT_TOKENS,
+    }
 
     async def models(_request):
         return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
@@ -88,24 +92,35 @@ def start_server() -> tuple[subprocess.Popen, str]:
 
 # ---- the three clients -------------------------------------------------------------------------------------- #
 
+
 def run_ours(url: str, n: int, concurrency: int, stream: bool) -> float:
-    from stages.config import (BackendConfig, BackendKind, Config, DatasetConfig, ModelConfig, RunConfig,
-                               SourceConfig)
+    from stages.config import BackendConfig, BackendKind, Config, DatasetConfig, ModelConfig, RunConfig, SourceConfig
     from stages.generate import Dispatcher, Planned
     from stages.budget import BudgetController
     from stages.backends import make_backend
     from stages.store import ResponseStore
 
-    ds = DatasetConfig(source=SourceConfig(shape="messages", path="-"), token_budget=10**12, max_tokens=OUTPUT_TOKENS,
-                       concurrency=concurrency)
+    ds = DatasetConfig(
+        source=SourceConfig(shape="messages", path="-"),
+        token_budget=10**12,
+        max_tokens=OUTPUT_TOKENS,
+        concurrency=concurrency,
+    )
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = Config(dataset="bench", datasets={"bench": ds}, model=ModelConfig(path=MODEL),
-                     backend=BackendConfig(kind=BackendKind.openai, urls=[url], prompt_format="ids", stream=stream,
-                                           max_retries=0),
-                     run=RunConfig(store_path=f"{tmp}/store.sqlite", progress=False, log_every_s=3600))
+        cfg = Config(
+            dataset="bench",
+            datasets={"bench": ds},
+            model=ModelConfig(path=MODEL),
+            backend=BackendConfig(
+                kind=BackendKind.openai, urls=[url], prompt_format="ids", stream=stream, max_retries=0
+            ),
+            run=RunConfig(store_path=f"{tmp}/store.sqlite", progress=False, log_every_s=3600),
+        )
         # keys are hex digests, as the store's are
-        plan = [Planned({"id": f"p{i}", "messages": [{"role": "user", "content": "x"}]}, f"{i:032x}", PROMPT)
-                for i in range(n)]
+        plan = [
+            Planned({"id": f"p{i}", "messages": [{"role": "user", "content": "x"}]}, f"{i:032x}", PROMPT)
+            for i in range(n)
+        ]
         store = ResponseStore(cfg.run.store_path)
 
         class Quiet:
@@ -175,8 +190,12 @@ def measure(fn, *args) -> dict:
     wall = fn(*args)
     cpu = time.process_time() - cpu0
     n = args[1]
-    return {"requests": n, "wall_s": round(wall, 3), "rps": round(n / wall, 1),
-            "cpu_s_per_1k": round(1000 * cpu / n, 3)}
+    return {
+        "requests": n,
+        "wall_s": round(wall, 3),
+        "rps": round(n / wall, 1),
+        "cpu_s_per_1k": round(1000 * cpu / n, 3),
+    }
 
 
 def median_run(runs: list[dict]) -> dict:
@@ -208,11 +227,18 @@ def main() -> None:
         proc.wait()
     raw, ours, ours_plain = (median_run(runs[k]) for k in ("raw", "ours", "ours_unstreamed"))
     result = {
-        "ours_rps": ours["rps"], "ours_unstreamed_rps": ours_plain["rps"], "baseline_rps": baseline["rps"],
-        "raw_rps": raw["rps"], "ratio": round(ours["rps"] / baseline["rps"], 2),
+        "ours_rps": ours["rps"],
+        "ours_unstreamed_rps": ours_plain["rps"],
+        "baseline_rps": baseline["rps"],
+        "raw_rps": raw["rps"],
+        "ratio": round(ours["rps"] / baseline["rps"], 2),
         "raw_ratio": round(ours["rps"] / raw["rps"], 3),
-        "cpu_s_per_1k": {"ours": ours["cpu_s_per_1k"], "ours_unstreamed": ours_plain["cpu_s_per_1k"],
-                         "baseline": baseline["cpu_s_per_1k"], "raw": raw["cpu_s_per_1k"]},
+        "cpu_s_per_1k": {
+            "ours": ours["cpu_s_per_1k"],
+            "ours_unstreamed": ours_plain["cpu_s_per_1k"],
+            "baseline": baseline["cpu_s_per_1k"],
+            "raw": raw["cpu_s_per_1k"],
+        },
         "runs": {"ours": ours, "ours_unstreamed": ours_plain, "baseline": baseline, "raw": raw},
         "rounds": runs,
         "settings": {"concurrency": args.concurrency, "output_tokens": OUTPUT_TOKENS, "prompt_tokens": len(PROMPT)},

@@ -81,6 +81,7 @@ class Spec:
 
 # ---- the data ----------------------------------------------------------------------------------------------------- #
 
+
 def lengths(n: int, seed: int, mean: float, max_len: int) -> list[int]:
     rng = random.Random(seed)
     mu = math.log(mean) - SIGMA**2 / 2
@@ -90,8 +91,10 @@ def lengths(n: int, seed: int, mean: float, max_len: int) -> list[int]:
 def make_samples(spec: Spec) -> list[list[int]]:
     """Random token ids: the forward's cost does not depend on which ids."""
     rng = random.Random(f"ids/{spec.seed}")
-    return [[rng.randrange(spec.vocab) for _ in range(n)]
-            for n in lengths(spec.samples, spec.seed, spec.mean_len, spec.max_len)]
+    return [
+        [rng.randrange(spec.vocab) for _ in range(n)]
+        for n in lengths(spec.samples, spec.seed, spec.mean_len, spec.max_len)
+    ]
 
 
 def round_slices(n: int, rounds: int) -> list[tuple[int, int]]:
@@ -113,8 +116,11 @@ def choose_naive_batch(lens: list[int], rounds: int, batch_tokens: int, given: i
     from stages.hidden_states import length_batches
 
     slices = [lens[a:b] for a, b in round_slices(len(lens), rounds)]
-    ours = [[len(ids) for _, ids in batch] for part in slices
-            for batch in length_batches([(str(i), range(n)) for i, n in enumerate(part)], batch_tokens)]
+    ours = [
+        [len(ids) for _, ids in batch]
+        for part in slices
+        for batch in length_batches([(str(i), range(n)) for i, n in enumerate(part)], batch_tokens)
+    ]
     target = mean_padded(ours)
 
     def naive(size: int) -> float:
@@ -126,14 +132,22 @@ def choose_naive_batch(lens: list[int], rounds: int, batch_tokens: int, given: i
 
 # ---- the model ---------------------------------------------------------------------------------------------------- #
 
+
 def model_config(args) -> dict:
     heads = args.heads or max(1, args.hidden // HEAD_DIM)
     # Llama's MLP width: 8/3 of the hidden size, rounded up to a multiple of 16 (688 for 256)
     intermediate = args.intermediate or 16 * math.ceil(8 * args.hidden / 3 / 16)
-    return {"hidden_size": args.hidden, "num_hidden_layers": args.layers, "num_attention_heads": heads,
-            "num_key_value_heads": args.kv_heads or heads, "head_dim": args.hidden // heads,
-            "intermediate_size": intermediate, "vocab_size": args.vocab,
-            "max_position_embeddings": max(4096, args.max_len), "tie_word_embeddings": False}
+    return {
+        "hidden_size": args.hidden,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": args.kv_heads or heads,
+        "head_dim": args.hidden // heads,
+        "intermediate_size": intermediate,
+        "vocab_size": args.vocab,
+        "max_position_embeddings": max(4096, args.max_len),
+        "tie_word_embeddings": False,
+    }
 
 
 def build_model(config: dict, path: str, device: str) -> None:
@@ -151,6 +165,7 @@ def build_model(config: dict, path: str, device: str) -> None:
 
 
 # ---- the two paths, each in its own process ----------------------------------------------------------------------- #
+
 
 class Clock:
     """Wall time, and the process's CPU time: on a shared machine another job's burst stretches the wall time of
@@ -198,9 +213,16 @@ class Ours:
         self.root = Path(spec.out_dir) / f"ours-{dtype}"
         self.engine = HFEngine(ModelConfig(path=spec.model_dir), list(spec.layers))
         self.store = StateStore(self.root)
-        self.computer = Computer(Started(self.engine), self.store, state_settings(spec, dtype), dtype,
-                                 spec.batch_tokens, spec.shard_max_tokens, Tally(),
-                                 background_writes=spec.device != "cpu")  # as the stage chooses
+        self.computer = Computer(
+            Started(self.engine),
+            self.store,
+            state_settings(spec, dtype),
+            dtype,
+            spec.batch_tokens,
+            spec.shard_max_tokens,
+            Tally(),
+            background_writes=spec.device != "cpu",
+        )  # as the stage chooses
 
     def warm_up(self) -> None:
         self.engine.forward([[1] * WARMUP_TOKENS] * 2)
@@ -253,8 +275,9 @@ class Naive:
             ids[i, : len(x)] = torch.tensor(x)
             mask[i, : len(x)] = 1
         with torch.inference_mode():
-            out = self.model(input_ids=ids.to(self.spec.device), attention_mask=mask.to(self.spec.device),
-                             output_hidden_states=True)
+            out = self.model(
+                input_ids=ids.to(self.spec.device), attention_mask=mask.to(self.spec.device), output_hidden_states=True
+            )
         return ids, out.hidden_states
 
     def run(self, rnd: int) -> dict:
@@ -273,11 +296,16 @@ class Naive:
                 # (the stage keeps the pre-norm state and the norm's weights instead: the same bytes).
                 # torch.cat and the explicit copy give each file its own storage: saving a view of the batch
                 # would write the whole padded batch into every file.
-                torch.save({"input_ids": ids[i, :n].clone(),
-                            "aux_hidden_states": torch.cat([hs[layer + 1][i, :n] for layer in self.spec.layers],
-                                                           dim=-1).to("cpu", torch.bfloat16),
-                            "hidden_state": hs[-1][i, :n].to("cpu", torch.bfloat16, copy=True)},
-                           self.dir / f"{start + i}.pt")
+                torch.save(
+                    {
+                        "input_ids": ids[i, :n].clone(),
+                        "aux_hidden_states": torch.cat([hs[layer + 1][i, :n] for layer in self.spec.layers], dim=-1).to(
+                            "cpu", torch.bfloat16
+                        ),
+                        "hidden_state": hs[-1][i, :n].to("cpu", torch.bfloat16, copy=True),
+                    },
+                    self.dir / f"{start + i}.pt",
+                )
                 tokens += n
         times = clock.read()
         self._count_and_clear()
@@ -353,13 +381,14 @@ class Worker:
 
 # ---- the comparison ----------------------------------------------------------------------------------------------- #
 
+
 def interleaved(spec: Spec) -> dict:
     """ours and naive take turns on each round's slice; then fp8 alone."""
     ours, naive = Worker("ours", spec), Worker("naive", spec)
     loaded = {w.kind: w.answer() for w in (ours, naive)}
     rounds: dict = {"ours": [], "naive": []}
     for r in range(spec.rounds):
-        for w in ((ours, naive) if r % 2 == 0 else (naive, ours)):
+        for w in (ours, naive) if r % 2 == 0 else (naive, ours):
             rounds[w.kind].append(w.call("run", r))
     final = {w.kind: {**loaded[w.kind], **w.call("finish")} for w in (ours, naive)}
     for w in (ours, naive):
@@ -404,11 +433,17 @@ def _read(store, readers: dict, key: str):
 def path_stats(rounds: list[dict], final: dict, device: str) -> dict:
     """One path's totals over its rounds: tok/s of real tokens by wall and by CPU time, the padded share."""
     tokens, padded = sum(r["tokens"] for r in rounds), sum(r["padded"] for r in rounds)
-    out = {"tok_s": tokens / sum(r["seconds"] for r in rounds),
-           "cpu_tok_s": tokens / sum(r["cpu_seconds"] for r in rounds),
-           "pad_share": padded / (padded + tokens), "bytes_per_token": final["bytes"] / tokens,
-           "peak_rss_mb": final["peak_rss_mb"], "rss_after_load_mb": final["rss_after_load_mb"],
-           "seconds": [round(r["seconds"], 2) for r in rounds], "tokens": tokens, "files": final["files"]}
+    out = {
+        "tok_s": tokens / sum(r["seconds"] for r in rounds),
+        "cpu_tok_s": tokens / sum(r["cpu_seconds"] for r in rounds),
+        "pad_share": padded / (padded + tokens),
+        "bytes_per_token": final["bytes"] / tokens,
+        "peak_rss_mb": final["peak_rss_mb"],
+        "rss_after_load_mb": final["rss_after_load_mb"],
+        "seconds": [round(r["seconds"], 2) for r in rounds],
+        "tokens": tokens,
+        "files": final["files"],
+    }
     if device == "cuda":
         out["peak_gpu_mb"] = final["peak_gpu_mb"]
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
@@ -425,12 +460,16 @@ def summarise(spec: Spec, runs: dict, fp8_err: float, hidden: int, naive_choice:
     per_round = round_ratios(runs["rounds"]["ours"], runs["rounds"]["naive"], "seconds")
     per_round_cpu = round_ratios(runs["rounds"]["ours"], runs["rounds"]["naive"], "cpu_seconds")
     res = {
-        "ours_tok_s": round(ours["tok_s"], 1), "naive_tok_s": round(naive["tok_s"], 1),
+        "ours_tok_s": round(ours["tok_s"], 1),
+        "naive_tok_s": round(naive["tok_s"], 1),
         # ours_tok_s / naive_tok_s, over all rounds; the median of the paired rounds is beside it, for the noise
-        "ratio": round(ours["tok_s"] / naive["tok_s"], 3), "ratio_per_round": per_round,
+        "ratio": round(ours["tok_s"] / naive["tok_s"], 3),
+        "ratio_per_round": per_round,
         "ratio_median_of_rounds": statistics.median(per_round),
-        "ratio_cpu": statistics.median(per_round_cpu), "ratio_cpu_per_round": per_round_cpu,
-        "pad_share_ours": ours["pad_share"], "pad_share_naive": naive["pad_share"],
+        "ratio_cpu": statistics.median(per_round_cpu),
+        "ratio_cpu_per_round": per_round_cpu,
+        "pad_share_ours": ours["pad_share"],
+        "pad_share_naive": naive["pad_share"],
         "bytes_per_token": round(ours["bytes_per_token"], 2),
         "limit_bytes_per_token": 2 * (len(spec.layers) + 1) * hidden,  # bf16, 3 aux layers + the final state
         "fp8_bytes_per_token": round(fp8["bytes_per_token"], 2),
@@ -455,22 +494,36 @@ def summarise(spec: Spec, runs: dict, fp8_err: float, hidden: int, naive_choice:
 
 def print_table(res: dict) -> None:
     gpu = "peak_gpu_mb" in res["paths"]["ours"]
-    print(f"{'path':<9} {'tok/s':>9} {'CPU tok/s':>10} {'pad %':>6} {'bytes/tok':>10} {'RSS MB':>8}"
-          + (f" {'GPU MB':>8}" if gpu else "") + "  wall s per round")
+    print(
+        f"{'path':<9} {'tok/s':>9} {'CPU tok/s':>10} {'pad %':>6} {'bytes/tok':>10} {'RSS MB':>8}"
+        + (f" {'GPU MB':>8}" if gpu else "")
+        + "  wall s per round"
+    )
     for name, kind in (("ours", "ours"), ("naive", "naive"), ("ours fp8", "fp8")):
         p = res["paths"][kind]
-        print(f"{name:<9} {p['tok_s']:>9,.0f} {p['cpu_tok_s']:>10,.0f} {100 * p['pad_share']:>6.2f} "
-              f"{p['bytes_per_token']:>10,.1f} {p['peak_rss_mb']:>8,.0f}"
-              + (f" {p['peak_gpu_mb']:>8,.0f}" if gpu else "") + f"  {' '.join(f'{s:.1f}' for s in p['seconds'])}")
-    print(f"ratio ours/naive: {res['ratio']} (tokens/s over all rounds; rounds {res['ratio_per_round']}, median "
-          f"{res['ratio_median_of_rounds']}; by CPU time {res['ratio_cpu']}, rounds {res['ratio_cpu_per_round']})")
-    print(f"naive batch {res['naive_batch']}: padded batch {res['avg_padded_batch_tokens']['naive']:,} tokens on "
-          f"average, ours {res['avg_padded_batch_tokens']['ours']:,}")
-    print(f"bytes/token {res['bytes_per_token']} vs limit {res['limit_bytes_per_token']}; fp8/bf16 bytes "
-          f"{res['fp8_bytes_per_token'] / res['bytes_per_token']:.3f}; fp8_rel_err {res['fp8_rel_err']} (read back; "
-          f"the stage's own metric {res['fp8_rel_err_stage']})")
-    print(f"ours' RSS: {res['paths']['ours']['rss_after_load_mb']:,.0f} MB after load, {res['peak_rss_mb']:,.0f} MB "
-          "peak (its own process)")
+        print(
+            f"{name:<9} {p['tok_s']:>9,.0f} {p['cpu_tok_s']:>10,.0f} {100 * p['pad_share']:>6.2f} "
+            f"{p['bytes_per_token']:>10,.1f} {p['peak_rss_mb']:>8,.0f}"
+            + (f" {p['peak_gpu_mb']:>8,.0f}" if gpu else "")
+            + f"  {' '.join(f'{s:.1f}' for s in p['seconds'])}"
+        )
+    print(
+        f"ratio ours/naive: {res['ratio']} (tokens/s over all rounds; rounds {res['ratio_per_round']}, median "
+        f"{res['ratio_median_of_rounds']}; by CPU time {res['ratio_cpu']}, rounds {res['ratio_cpu_per_round']})"
+    )
+    print(
+        f"naive batch {res['naive_batch']}: padded batch {res['avg_padded_batch_tokens']['naive']:,} tokens on "
+        f"average, ours {res['avg_padded_batch_tokens']['ours']:,}"
+    )
+    print(
+        f"bytes/token {res['bytes_per_token']} vs limit {res['limit_bytes_per_token']}; fp8/bf16 bytes "
+        f"{res['fp8_bytes_per_token'] / res['bytes_per_token']:.3f}; fp8_rel_err {res['fp8_rel_err']} (read back; "
+        f"the stage's own metric {res['fp8_rel_err_stage']})"
+    )
+    print(
+        f"ours' RSS: {res['paths']['ours']['rss_after_load_mb']:,.0f} MB after load, {res['peak_rss_mb']:,.0f} MB "
+        "peak (its own process)"
+    )
     print("goals: " + ", ".join(f"{k}={'ok' if v else 'MISSED'}" for k, v in res["goals"].items()))
 
 
@@ -495,8 +548,12 @@ def parse_args(argv=None):
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--batch-tokens", type=int, default=hs.batch_tokens, help="ours: padded tokens per forward")
     ap.add_argument("--shard-max-tokens", type=int, default=hs.shard_max_tokens)
-    ap.add_argument("--naive-batch", type=int, default=None,
-                    help="naive's batch size; default: the one whose padded batches match ours on average")
+    ap.add_argument(
+        "--naive-batch",
+        type=int,
+        default=None,
+        help="naive's batch size; default: the one whose padded batches match ours on average",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     args.samples = args.samples or (60 if args.quick else 300)
@@ -515,12 +572,19 @@ def build(config: dict, path: str, device: str) -> None:
 def settings(args, spec: Spec, config: dict, tokens: int) -> dict:
     from importlib.metadata import version
 
-    return {**{k: v for k, v in asdict(spec).items() if k not in ("model_dir", "out_dir")},
-            "layers": list(spec.layers), "model": config, "model_dtype": "bfloat16", "sigma": SIGMA,
-            "naive_batch_rule": "given" if args.naive_batch else "matched to ours' average padded batch",
-            "window_samples": math.ceil(args.samples / args.rounds), "store_dtype": "bfloat16",
-            "mean_tokens_per_sample": round(tokens / args.samples, 1),
-            "torch": version("torch"), "transformers": version("transformers")}
+    return {
+        **{k: v for k, v in asdict(spec).items() if k not in ("model_dir", "out_dir")},
+        "layers": list(spec.layers),
+        "model": config,
+        "model_dtype": "bfloat16",
+        "sigma": SIGMA,
+        "naive_batch_rule": "given" if args.naive_batch else "matched to ours' average padded batch",
+        "window_samples": math.ceil(args.samples / args.rounds),
+        "store_dtype": "bfloat16",
+        "mean_tokens_per_sample": round(tokens / args.samples, 1),
+        "torch": version("torch"),
+        "transformers": version("transformers"),
+    }
 
 
 def main(argv=None) -> None:
@@ -534,10 +598,22 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="bench-hidden-states-") as tmp:
         model_dir = str(Path(tmp) / "model")
         build(config, model_dir, args.device)
-        spec = Spec(model_dir=model_dir, out_dir=tmp, device=args.device, threads=args.threads, samples=args.samples,
-                    seed=args.seed, mean_len=args.mean_len, max_len=args.max_len, vocab=args.vocab,
-                    rounds=args.rounds, batch_tokens=args.batch_tokens, shard_max_tokens=args.shard_max_tokens,
-                    naive_batch=naive_choice[0], layers=tuple(default_layers(args.layers)))
+        spec = Spec(
+            model_dir=model_dir,
+            out_dir=tmp,
+            device=args.device,
+            threads=args.threads,
+            samples=args.samples,
+            seed=args.seed,
+            mean_len=args.mean_len,
+            max_len=args.max_len,
+            vocab=args.vocab,
+            rounds=args.rounds,
+            batch_tokens=args.batch_tokens,
+            shard_max_tokens=args.shard_max_tokens,
+            naive_batch=naive_choice[0],
+            layers=tuple(default_layers(args.layers)),
+        )
         runs = interleaved(spec)
         res = summarise(spec, runs, fp8_rel_err(spec), args.hidden, naive_choice)
     res["settings"] = settings(args, spec, config, res["paths"]["ours"]["tokens"])

@@ -73,8 +73,17 @@ def make_records(tok, n: int, seed: int) -> list[dict]:
         ]
         text = text_of(rng, words, min(10_000, max(1, round(rng.lognormvariate(mu, 0.8)))), per_word)
         served = len(tok.backend_tokenizer.encode(text, add_special_tokens=False).ids) + 1  # + end of turn
-        recs.append({"id": f"s{i}", "messages": messages, "text": text, "completion_tokens": served,
-                     "finish_reason": "stop", "prompt_ids": None, "output_ids": None})
+        recs.append(
+            {
+                "id": f"s{i}",
+                "messages": messages,
+                "text": text,
+                "completion_tokens": served,
+                "finish_reason": "stop",
+                "prompt_ids": None,
+                "output_ids": None,
+            }
+        )
     return recs
 
 
@@ -107,7 +116,7 @@ def main() -> None:
         # The id path: the same samples as the server would have returned them.
         for rec, s in zip(recs, samples):
             rec["prompt_ids"] = render_prompt_ids(tok, rec["messages"], None, {})
-            rec["output_ids"] = s.input_ids[len(rec["prompt_ids"]):]
+            rec["output_ids"] = s.input_ids[len(rec["prompt_ids"]) :]
         t0 = time.perf_counter()
         id_samples, _ = build_samples(recs, tok, cfg)
         id_s = time.perf_counter() - t0
@@ -129,8 +138,10 @@ def main() -> None:
     print(f"{'stage (text)':<14} {result['stage_tok_s']:>12,} {stage_s:>8.2f}")
     print(f"{'raw encode':<14} {result['raw_tok_s']:>12,} {raw_s:>8.2f}")
     print(f"{'stage (ids)':<14} {result['id_path_tok_s']:>12,} {id_s:>8.2f}")
-    print(f"ratio (stage/raw) = {result['ratio']}  drift_pct = {result['drift_pct']}  "
-          f"samples = {len(samples)}, {result['mean_tokens_per_sample']} tokens each")
+    print(
+        f"ratio (stage/raw) = {result['ratio']}  drift_pct = {result['drift_pct']}  "
+        f"samples = {len(samples)}, {result['mean_tokens_per_sample']} tokens each"
+    )
     print("goals: " + ", ".join(f"{k}={'ok' if v else 'MISSED'}" for k, v in result["goals"].items()))
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "tokenize.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")

@@ -24,8 +24,11 @@ LIBS = {"vega": "vega.min.js", "vega-lite": "vega-lite.min.js", "vega-embed": "v
 
 
 def render_page(dvc_args: list[str], out_dir: Path) -> Path:
-    subprocess.run([sys.executable, "-m", "dvc", "plots", *(dvc_args or ["show"]), "-o", str(out_dir)], check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "dvc", "plots", *(dvc_args or ["show"]), "-o", str(out_dir)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     return out_dir / "index.html"
 
 
@@ -45,10 +48,22 @@ def screenshot(page: Path, out: Path, width: int, height: int) -> None:
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
         sys.exit("error: no chromium on the PATH (Debian: apt-get install chromium)")
-    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                    f"--window-size={width},{height}", "--virtual-time-budget=15000",
-                    f"--screenshot={out.resolve()}", page.resolve().as_uri()],
-                   check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            browser,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            f"--window-size={width},{height}",
+            "--virtual-time-budget=15000",
+            f"--screenshot={out.resolve()}",
+            page.resolve().as_uri(),
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def main() -> None:

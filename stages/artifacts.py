@@ -31,8 +31,12 @@ class DiskFull(OSError):
 def disk_full(e: BaseException) -> bool:
     """ENOSPC from the OS, from pyarrow (its OSError carries the errno only in the text) or from SQLite."""
     text = str(e).lower()
-    return (getattr(e, "errno", None) == errno.ENOSPC or "no space left" in text or "errno 28" in text
-            or "database or disk is full" in text)
+    return (
+        getattr(e, "errno", None) == errno.ENOSPC
+        or "no space left" in text
+        or "errno 28" in text
+        or "database or disk is full" in text
+    )
 
 
 @contextmanager
@@ -51,8 +55,9 @@ def atomic_path(path: Path | str) -> Iterator[Path]:
     except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
         if disk_full(e):
-            raise DiskFull(f"{path}: No space left on device; the earlier {path.name}, if any, is kept: free space "
-                           "and run again") from None
+            raise DiskFull(
+                f"{path}: No space left on device; the earlier {path.name}, if any, is kept: free space and run again"
+            ) from None
         raise
 
 

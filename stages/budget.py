@@ -150,8 +150,13 @@ class ThroughputModel:
         """What was learned of the server, for the run's metrics."""
         full = self.full_rate
         noise = statistics.median(abs(r - full) for r in self._full) * 1.4826 / full if full else 0.0
-        return {"full_batch_tok_s": round(full, 1), "noise_pct": round(100 * noise, 2),
-                "full_readings": len(self._full), "drain_readings": len(self._drain_n), "floor": self.floor()}
+        return {
+            "full_batch_tok_s": round(full, 1),
+            "noise_pct": round(100 * noise, 2),
+            "full_readings": len(self._full),
+            "drain_readings": len(self._drain_n),
+            "floor": self.floor(),
+        }
 
     def floor(self) -> float:
         """The smallest batch to keep the server at while the batch drains (refill below it)."""

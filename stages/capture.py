@@ -43,8 +43,12 @@ class FinalNorm:
         return y + self.bias.float() if self.bias is not None else y
 
     def describe(self) -> dict:
-        return {"kind": self.kind, "eps": self.eps, "weight_offset": self.weight_offset,
-                "has_bias": self.bias is not None}
+        return {
+            "kind": self.kind,
+            "eps": self.eps,
+            "weight_offset": self.weight_offset,
+            "has_bias": self.bias is not None,
+        }
 
 
 class Engine(Protocol):
@@ -91,8 +95,10 @@ def final_norm_of(norm) -> FinalNorm:
     with torch.no_grad():
         own = norm(x.to(norm.weight.device, norm.weight.dtype)).float().cpu()
     if not torch.allclose(spec.apply(x.to(norm.weight.dtype)), own, rtol=1e-2, atol=1e-2):
-        raise UserError(f"model.path: the final norm ({name}) is neither RMSNorm nor LayerNorm as known here; the "
-                        "post-norm state could not be derived from the stored pre-norm one")
+        raise UserError(
+            f"model.path: the final norm ({name}) is neither RMSNorm nor LayerNorm as known here; the "
+            "post-norm state could not be derived from the stored pre-norm one"
+        )
     return spec
 
 
@@ -120,6 +126,7 @@ class HFEngine:
     def _keep(self, layer: int):
         def hook(_module, _inputs, output):
             self._out[layer] = output[0] if isinstance(output, tuple) else output
+
         return hook
 
     def _keep_input(self, _module, inputs):

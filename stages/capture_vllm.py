@@ -47,8 +47,9 @@ class Worker:
             try:
                 # A session of its own: closing can end the worker's whole process tree (vLLM's engine core and
                 # TP workers) by the worker's id.
-                self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                                             env=env, start_new_session=True)
+                self.proc = subprocess.Popen(
+                    argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True
+                )
             except OSError as e:
                 raise UserError(f"vllm engine: cannot start {argv[0]!r}: {e.strerror or e}") from None
         self._buf = b""
@@ -67,8 +68,9 @@ class Worker:
         while b"\n" not in self._buf:
             if time.monotonic() > deadline:
                 self.kill()
-                raise UserError(f"vllm engine: no answer from the worker in {timeout:.0f}s {during} "
-                                f"({self.keep_log()})")
+                raise UserError(
+                    f"vllm engine: no answer from the worker in {timeout:.0f}s {during} ({self.keep_log()})"
+                )
             ready, _, _ = select.select([fd], [], [], 1.0)
             if ready:
                 chunk = os.read(fd, 1 << 16)
@@ -82,8 +84,9 @@ class Worker:
             msg = json.loads(line)
         except ValueError:
             self.kill()
-            raise UserError(f"vllm engine: an unreadable answer from the worker {during}: {line[:200]!r} "
-                            f"({self.keep_log()})") from None
+            raise UserError(
+                f"vllm engine: an unreadable answer from the worker {during}: {line[:200]!r} ({self.keep_log()})"
+            ) from None
         if not msg.get("ok"):
             error = msg.get("error", "unknown error")
             if msg.get("fatal"):
@@ -100,8 +103,10 @@ class Worker:
         except subprocess.TimeoutExpired:
             self.kill()
             rc = self.proc.returncode
-        return UserError(f"vllm engine: the worker exited (status {rc}) {during}: {last_error_line(self.log_path)} "
-                         f"({self.keep_log()})")
+        return UserError(
+            f"vllm engine: the worker exited (status {rc}) {during}: {last_error_line(self.log_path)} "
+            f"({self.keep_log()})"
+        )
 
     def keep_log(self) -> str:
         """Copy the log out of the engine's temp directory, which close() removes."""
@@ -168,10 +173,12 @@ def device_slices(data_parallel_size: int, tensor_parallel_size: int) -> list[Op
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     devices = visible.split(",") if visible else [str(i) for i in range(data_parallel_size * tensor_parallel_size)]
     if len(devices) < data_parallel_size * tensor_parallel_size:
-        raise UserError(f"vllm engine: {data_parallel_size} x {tensor_parallel_size} GPUs asked for, "
-                        f"CUDA_VISIBLE_DEVICES has {len(devices)}")
+        raise UserError(
+            f"vllm engine: {data_parallel_size} x {tensor_parallel_size} GPUs asked for, "
+            f"CUDA_VISIBLE_DEVICES has {len(devices)}"
+        )
     n = tensor_parallel_size
-    return [",".join(devices[i * n: (i + 1) * n]) for i in range(data_parallel_size)]
+    return [",".join(devices[i * n : (i + 1) * n]) for i in range(data_parallel_size)]
 
 
 def split_batch(lengths: list[int], parts: int) -> list[list[int]]:
@@ -192,11 +199,14 @@ def norm_from_file(path: str, info: dict) -> FinalNorm:
     from safetensors.torch import load_file
 
     t = load_file(path)
-    spec = FinalNorm(info["kind"], float(info["eps"]), t["weight"], t.get("bias"),
-                     weight_offset=float(info["weight_offset"]))
+    spec = FinalNorm(
+        info["kind"], float(info["eps"]), t["weight"], t.get("bias"), weight_offset=float(info["weight_offset"])
+    )
     if not torch.allclose(spec.apply(t["probe_in"]), t["probe_out"].float(), rtol=1e-2, atol=1e-2):
-        raise UserError(f"model.path: the final norm ({info.get('class')}) is neither RMSNorm nor LayerNorm as known "
-                        "here; the post-norm state could not be derived from the stored pre-norm one")
+        raise UserError(
+            f"model.path: the final norm ({info.get('class')}) is neither RMSNorm nor LayerNorm as known "
+            "here; the post-norm state could not be derived from the stored pre-norm one"
+        )
     return spec
 
 
@@ -207,10 +217,19 @@ class VLLMEngine:
 
     pad_tokens = 0  # vLLM packs sequences: nothing is padded
 
-    def __init__(self, model_cfg: ModelConfig, layers: list[int], python: str | None = None,
-                 tensor_parallel_size: int = 1, data_parallel_size: int = 1, max_batch_tokens: int = 16384,
-                 llm_kwargs: Optional[dict] = None, capture: str = "auto",
-                 startup_timeout_s: float = STARTUP_TIMEOUT_S, batch_timeout_s: float = BATCH_TIMEOUT_S):
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        layers: list[int],
+        python: str | None = None,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
+        max_batch_tokens: int = 16384,
+        llm_kwargs: Optional[dict] = None,
+        capture: str = "auto",
+        startup_timeout_s: float = STARTUP_TIMEOUT_S,
+        batch_timeout_s: float = BATCH_TIMEOUT_S,
+    ):
         if tensor_parallel_size < 1 or data_parallel_size < 1 or max_batch_tokens < 1:
             raise UserError("vllm engine: tensor_parallel_size, data_parallel_size and max_batch_tokens must be >= 1")
         self.layers = list(layers)
@@ -221,12 +240,17 @@ class VLLMEngine:
         self._finalizer = weakref.finalize(self, _cleanup, self.workers, self.dir)
         # A local model directory is passed resolved, so that it means the same wherever vLLM's processes run.
         path = str(Path(model_cfg.path).resolve()) if Path(model_cfg.path).exists() else model_cfg.path
-        settings = {"model": path, "revision": model_cfg.revision, "layers": self.layers,
-                    "tensor_parallel_size": tensor_parallel_size, "max_batch_tokens": max_batch_tokens,
-                    "llm_kwargs": dict(llm_kwargs or {}), "mode": capture}
+        settings = {
+            "model": path,
+            "revision": model_cfg.revision,
+            "layers": self.layers,
+            "tensor_parallel_size": tensor_parallel_size,
+            "max_batch_tokens": max_batch_tokens,
+            "llm_kwargs": dict(llm_kwargs or {}),
+            "mode": capture,
+        }
         try:
-            self._start(python or sys.executable, settings, data_parallel_size, tensor_parallel_size,
-                        startup_timeout_s)
+            self._start(python or sys.executable, settings, data_parallel_size, tensor_parallel_size, startup_timeout_s)
         except BaseException:
             self.close()
             raise
@@ -234,8 +258,7 @@ class VLLMEngine:
     def _start(self, python: str, settings: dict, dp: int, tp: int, timeout: float) -> None:
         # Started together, so that the replicas load at the same time; answered in turn.
         for i, devices in enumerate(device_slices(dp, tp)):
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
-                                                                           os.environ.get("PYTHONPATH")])))
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
             if devices is not None:
                 env["CUDA_VISIBLE_DEVICES"] = devices
             mine = dict(settings, norm_file=str(self.dir / f"norm-{i}.safetensors"))
@@ -285,11 +308,15 @@ class VLLMEngine:
         large target costs many minutes."""
         for ids in batch:
             if not 0 < len(ids) < self.max_len:  # one position is kept for the token vLLM generates
-                raise UserError(f"vllm engine: a sample of {len(ids)} tokens; this engine takes 1 to "
-                                f"{self.max_len - 1} (max_batch_tokens and the model's context cap it)")
+                raise UserError(
+                    f"vllm engine: a sample of {len(ids)} tokens; this engine takes 1 to "
+                    f"{self.max_len - 1} (max_batch_tokens and the model's context cap it)"
+                )
             if min(ids) < 0 or max(ids) >= self.vocab_size:
-                raise UserError(f"vllm engine: token id {max(ids) if max(ids) >= self.vocab_size else min(ids)} "
-                                f"out of the model's vocabulary (0..{self.vocab_size - 1})")
+                raise UserError(
+                    f"vllm engine: token id {max(ids) if max(ids) >= self.vocab_size else min(ids)} "
+                    f"out of the model's vocabulary (0..{self.vocab_size - 1})"
+                )
 
     def close(self) -> None:
         self._finalizer()
@@ -306,8 +333,13 @@ def write_batch(path: str, batch: list[list[int]]) -> None:
     import torch
     from safetensors.torch import save_file
 
-    save_file({"ids": torch.tensor([t for ids in batch for t in ids], dtype=torch.int64),
-               "lengths": torch.tensor([len(ids) for ids in batch], dtype=torch.int64)}, path)
+    save_file(
+        {
+            "ids": torch.tensor([t for ids in batch for t in ids], dtype=torch.int64),
+            "lengths": torch.tensor([len(ids) for ids in batch], dtype=torch.int64),
+        },
+        path,
+    )
 
 
 def read_states(path: str, lengths: list[int]) -> list[tuple["object", "object"]]:
@@ -319,7 +351,7 @@ def read_states(path: str, lengths: list[int]) -> list[tuple["object", "object"]
     aux, final = t["aux"].float(), t["final"].float()
     out, start = [], 0
     for n in lengths:
-        out.append((aux[start: start + n], final[start: start + n]))
+        out.append((aux[start : start + n], final[start : start + n]))
         start += n
     if start != aux.shape[0]:
         raise UserError(f"vllm engine: the worker returned {aux.shape[0]} token rows for {start} tokens")

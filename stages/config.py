@@ -218,8 +218,13 @@ class HiddenStatesConfig:
             raise ConfigError(f"{key}.draft_numbering", f"must be auto, sglang or vllm, got {self.draft_numbering!r}")
         if self.layers is not None and self.draft_config is not None:
             raise ConfigError(f"{key}.layers", "set either layers or draft_config, not both")
-        for name in ("batch_tokens", "window_samples", "shard_max_tokens", "tensor_parallel_size",
-                     "data_parallel_size"):
+        for name in (
+            "batch_tokens",
+            "window_samples",
+            "shard_max_tokens",
+            "tensor_parallel_size",
+            "data_parallel_size",
+        ):
             _positive(f"{key}.{name}", getattr(self, name))
 
 
@@ -281,11 +286,16 @@ class BackendConfig:
             raise ConfigError(f"{key}.prompt_format", f"must be ids, text or chat, got {self.prompt_format!r}")
         if not isinstance(self.max_retries, int) or self.max_retries < 0:
             raise ConfigError(f"{key}.max_retries", f"must be an integer >= 0, got {self.max_retries!r}")
-        for name in ("request_timeout_s", "backoff_base_s", "backoff_max_s", "connect_timeout_s",
-                     "startup_timeout_s", "probe_interval_s"):
+        for name in (
+            "request_timeout_s",
+            "backoff_base_s",
+            "backoff_max_s",
+            "connect_timeout_s",
+            "startup_timeout_s",
+            "probe_interval_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{key}.{name}", f"must be > 0, got {getattr(self, name)!r}")
-
 
     def _check_api_key_env(self, key: str) -> None:
         """The key is read from the environment variable this names (unset: no key is sent, as a local server
@@ -295,8 +305,11 @@ class BackendConfig:
         if name is None:
             return
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(name)):
-            raise ConfigError(key, "must be the NAME of an environment variable holding the API key (e.g. "
-                              "OPENAI_API_KEY), not the key itself; remove the key from params.yaml")
+            raise ConfigError(
+                key,
+                "must be the NAME of an environment variable holding the API key (e.g. "
+                "OPENAI_API_KEY), not the key itself; remove the key from params.yaml",
+            )
 
 
 def _url_problem(url: str) -> str | None:
@@ -395,6 +408,7 @@ def _read_params(path: Path) -> dict:
 def _check_sections(params: dict, source: str) -> None:
     """Sections the schema reads as mappings, checked before composition: OmegaConf's merge error for a list or a
     string in their place names no key."""
+
     def mapping(key: str, value: Any) -> None:
         if value is not None and not isinstance(value, dict):
             raise ConfigError(key, f"must be a mapping of keys, got a {type(value).__name__} [from {source}]")
@@ -469,8 +483,12 @@ def _select_backend(params: dict, overrides: list[str], params_path: Path) -> li
     return [f"backend={kind}", *overrides]
 
 
-def load_config(dataset: Optional[str], overrides: Optional[List[str]] = None, params_path: Optional[Path] = None,
-                need_dataset: bool = True) -> Config:
+def load_config(
+    dataset: Optional[str],
+    overrides: Optional[List[str]] = None,
+    params_path: Optional[Path] = None,
+    need_dataset: bool = True,
+) -> Config:
     """Compose conf/ + params.yaml + overrides into a validated `Config` object."""
     from hydra import compose, initialize_config_dir
     from hydra.core.config_store import ConfigStore
@@ -506,8 +524,10 @@ def _print_help(overrides: List[str], need_dataset: bool) -> None:
     spec = getattr(sys.modules["__main__"], "__spec__", None)
     module = spec.name if spec is not None else f"stages.{Path(sys.argv[0]).stem}"
     print(f"usage: python -m {module}{' dataset=<D>' if need_dataset else ''} [key=value ...]")
-    print("Overrides in Hydra's grammar; last wins: schema defaults < conf/ preset < params.yaml < command line.\n"
-          "Every key is explained in README.md, \"Configuration reference\". The config with these overrides:\n")
+    print(
+        "Overrides in Hydra's grammar; last wins: schema defaults < conf/ preset < params.yaml < command line.\n"
+        'Every key is explained in README.md, "Configuration reference". The config with these overrides:\n'
+    )
     try:  # the keys, not one dataset's run: a dataset= override is left out and no source file is looked for
         cfg: Any = load_config(None, [o for o in overrides if not o.startswith("dataset=")], need_dataset=False)
     except UserError as e:
@@ -540,7 +560,9 @@ def cli(main: Callable[[Config], Any], need_dataset: bool = True) -> None:
             print(f"error: {e}", file=sys.stderr)
         else:
             where = getattr(e, "filename", None) or ("the store (run.store_path)" if "database" in str(e) else None)
-            print(f"error: No space left on device{f' writing {where}' if where else ''} ({str(e).splitlines()[0]});"
-                  " what was produced before is kept: free space (or move run.store_path / data) and run again",
-                  file=sys.stderr)
+            print(
+                f"error: No space left on device{f' writing {where}' if where else ''} ({str(e).splitlines()[0]});"
+                " what was produced before is kept: free space (or move run.store_path / data) and run again",
+                file=sys.stderr,
+            )
         sys.exit(2)

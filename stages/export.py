@@ -101,6 +101,7 @@ class Tally:
 
 # ---- where: source, target, the swap --------------------------------------------------------------------------- #
 
+
 def export_dir(cfg: Config) -> Path:
     return Path(cfg.export.dir) if cfg.export.dir else data_dir(cfg.dataset) / f"export-{cfg.export.format}"
 
@@ -108,8 +109,9 @@ def export_dir(cfg: Config) -> Path:
 def check_source(src: Path, dataset: str) -> None:
     for name in SOURCE_FILES:
         if not (src / name).is_file():
-            raise UserError(f"{src / name}: not found; run the hidden_states stage first "
-                            f"(dvc repro hidden_states@{dataset})")
+            raise UserError(
+                f"{src / name}: not found; run the hidden_states stage first (dvc repro hidden_states@{dataset})"
+            )
 
 
 def check_target(out: Path) -> None:
@@ -117,8 +119,11 @@ def check_target(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise ConfigError("export.dir", f"{out} is a file, not a directory; choose another export.dir")
     if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
-        raise ConfigError("export.dir", f"{out} is a non-empty directory without {MARKER} (not an export of "
-                          "this command); choose another export.dir or empty it")
+        raise ConfigError(
+            "export.dir",
+            f"{out} is a non-empty directory without {MARKER} (not an export of "
+            "this command); choose another export.dir or empty it",
+        )
 
 
 def staging_dir(out: Path) -> Path:
@@ -141,6 +146,7 @@ def publish(staging: Path, out: Path) -> None:
 
 # ---- specforge --------------------------------------------------------------------------------------------------- #
 
+
 def specforge_path(i: int, group: int = SPECFORGE_GROUP) -> str:
     g = i // group * group
     return f"rows_{g}-{g + group}/data_{i}.ckpt"
@@ -151,9 +157,12 @@ def specforge_record(s: Sample) -> dict:
     import torch
 
     n = s.aux.shape[0]
-    return {"input_ids": s.input_ids.to(torch.int64), "loss_mask": s.loss_mask.to(torch.int64),
-            "aux_hidden_state": s.aux.reshape(n, -1).to(torch.bfloat16).unsqueeze(0),
-            "hidden_state": s.final_post_norm.to(torch.bfloat16).unsqueeze(0)}
+    return {
+        "input_ids": s.input_ids.to(torch.int64),
+        "loss_mask": s.loss_mask.to(torch.int64),
+        "aux_hidden_state": s.aux.reshape(n, -1).to(torch.bfloat16).unsqueeze(0),
+        "hidden_state": s.final_post_norm.to(torch.bfloat16).unsqueeze(0),
+    }
 
 
 def write_specforge(hs: HiddenStates, staging: Path, tally: Tally) -> None:
@@ -168,6 +177,7 @@ def write_specforge(hs: HiddenStates, staging: Path, tally: Tally) -> None:
 
 
 # ---- speculators ------------------------------------------------------------------------------------------------- #
+
 
 def speculators_tensors(s: Sample) -> dict:
     """One `hs_<i>.safetensors`: the aux layers then the PRE-norm final state, along dim 1."""
@@ -185,8 +195,9 @@ def speculators_features():
     """The columns and types speculators' preprocessing saves (int64 lists from torch.long tensors)."""
     from datasets import Features, Sequence, Value
 
-    return Features({"input_ids": Sequence(Value("int64")), "loss_mask": Sequence(Value("int64")),
-                     "seq_len": Value("int64")})
+    return Features(
+        {"input_ids": Sequence(Value("int64")), "loss_mask": Sequence(Value("int64")), "seq_len": Value("int64")}
+    )
 
 
 def write_speculators(hs: HiddenStates, staging: Path, tally: Tally) -> None:
@@ -216,6 +227,7 @@ def write_speculators(hs: HiddenStates, staging: Path, tally: Tally) -> None:
 
 # ---- the run ----------------------------------------------------------------------------------------------------- #
 
+
 def count(s: Sample, tally: Tally) -> None:
     """Tokens, and the loss-masked token frequencies both trainers build their draft vocabulary from."""
     trained = s.input_ids[s.loss_mask.bool()]
@@ -227,11 +239,20 @@ def count(s: Sample, tally: Tally) -> None:
 
 
 def marker(fmt: str, hs: HiddenStates, src: Path, tally: Tally) -> dict:
-    return {"format": fmt, "source": str(src), "model": hs.index["model"], "samples": tally.samples,
-            "tokens": tally.tokens, "trained_tokens": tally.trained_tokens, "hidden_size": hs.hidden_size,
-            "dtype": "bfloat16", "aux_layer_ids": hs.layers[LAYER_NUMBERING[fmt]],
-            "aux_layer_numbering": LAYER_NUMBERING[fmt], "final_state": FINAL_STATE[fmt],
-            "order": "sample i of the source (samples.parquet order) is file/row i"}
+    return {
+        "format": fmt,
+        "source": str(src),
+        "model": hs.index["model"],
+        "samples": tally.samples,
+        "tokens": tally.tokens,
+        "trained_tokens": tally.trained_tokens,
+        "hidden_size": hs.hidden_size,
+        "dtype": "bfloat16",
+        "aux_layer_ids": hs.layers[LAYER_NUMBERING[fmt]],
+        "aux_layer_numbering": LAYER_NUMBERING[fmt],
+        "final_state": FINAL_STATE[fmt],
+        "order": "sample i of the source (samples.parquet order) is file/row i",
+    }
 
 
 WRITERS = {"specforge": write_specforge, "speculators": write_speculators}
@@ -254,8 +275,15 @@ def main(cfg: Config) -> None:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    log("export", dataset=cfg.dataset, format=fmt, dir=out, samples=tally.samples, tokens=tally.tokens,
-        aux_layer_ids=json.dumps(hs.layers[LAYER_NUMBERING[fmt]]))
+    log(
+        "export",
+        dataset=cfg.dataset,
+        format=fmt,
+        dir=out,
+        samples=tally.samples,
+        tokens=tally.tokens,
+        aux_layer_ids=json.dumps(hs.layers[LAYER_NUMBERING[fmt]]),
+    )
 
 
 if __name__ == "__main__":

@@ -32,8 +32,14 @@ from stages.budget import BudgetController
 from stages.config import BudgetUnit, Config, ConfigError, DatasetConfig, OnBudget, OnTruncation, UserError, cli
 from stages.plots import histogram, write_csv
 from stages.store import CUT, INTERRUPTED, ResponseStore, StoredResponse, hash_cache_path, resolve_store_path
-from stages.target import (check_tokenizer_fits, content_hash, load_tokenizer, model_fingerprint, model_limits,
-                           render_prompt_ids)
+from stages.target import (
+    check_tokenizer_fits,
+    content_hash,
+    load_tokenizer,
+    model_fingerprint,
+    model_limits,
+    render_prompt_ids,
+)
 
 TICK_S = 0.05  # how often the loop looks at streamed progress between completions
 READING_S = 1.0  # the interval of one throughput reading for the controller
@@ -91,8 +97,9 @@ class RunStats:
 def request_key(model_fp: str, prompt_ids: list[int], sampling: dict, max_tokens: int) -> str:
     """Same model + same exact prompt tokens (template and its kwargs included) + same sampling = same key,
     whichever run or dataset asks."""
-    return content_hash({"model": model_fp, "prompt_ids": prompt_ids, "sampling": sampling,
-                         "max_tokens": max_tokens}, n=32)
+    return content_hash(
+        {"model": model_fp, "prompt_ids": prompt_ids, "sampling": sampling, "max_tokens": max_tokens}, n=32
+    )
 
 
 def tokens_of(prompt_tokens: int, completion_tokens: int, unit: BudgetUnit) -> int:
@@ -139,8 +146,17 @@ def select(plan: list[Planned], stored: dict[str, StoredResponse], ds: DatasetCo
 class Dispatcher:
     """Admits requests while the controller allows, commits each response as it arrives, stops at the budget."""
 
-    def __init__(self, backend: Backend, ctrl: BudgetController, store: ResponseStore, cfg: Config, tok,
-                 stream: bool, parked: dict[str, StoredResponse], progress):
+    def __init__(
+        self,
+        backend: Backend,
+        ctrl: BudgetController,
+        store: ResponseStore,
+        cfg: Config,
+        tok,
+        stream: bool,
+        parked: dict[str, StoredResponse],
+        progress,
+    ):
         self.backend, self.ctrl, self.store, self.cfg, self.tok = backend, ctrl, store, cfg, tok
         self.ds = cfg.ds
         self.stream = stream
@@ -230,8 +246,17 @@ class Dispatcher:
             partial = Partial(list(parked.output_ids), parked.text, parked.completion_tokens)
             self.stats.continued += 1
             self.stats.continued_tokens += parked.completion_tokens
-        req = GenRequest(p.key, p.prompt_ids, p.prompt["messages"], p.prompt.get("tools"), self.ds.max_tokens,
-                         self.ds.sampling.as_dict(), stream=self.stream, partial=partial, seed=seed_of(p.key))
+        req = GenRequest(
+            p.key,
+            p.prompt_ids,
+            p.prompt["messages"],
+            p.prompt.get("tools"),
+            self.ds.max_tokens,
+            self.ds.sampling.as_dict(),
+            stream=self.stream,
+            partial=partial,
+            seed=seed_of(p.key),
+        )
         task = asyncio.create_task(self.backend.generate(req))
         task.add_done_callback(self._on_done)
         self.flights[task] = Flight(p, req, partial.completion_tokens, time.monotonic())
@@ -246,8 +271,9 @@ class Dispatcher:
             return
         t0, tokens0, area0 = self._rate_mark
         if now - t0 >= READING_S:
-            tokens = self.stats.generated + sum(max(0, f.req.partial.completion_tokens - f.prefix)
-                                                for f in self.flights.values())
+            tokens = self.stats.generated + sum(
+                max(0, f.req.partial.completion_tokens - f.prefix) for f in self.flights.values()
+            )
             self.ctrl.observe_rate((tokens - tokens0) / (now - t0), (self._area - area0) / (now - t0))
             self._rate_mark = (now, tokens, self._area)
 
@@ -280,8 +306,17 @@ class Dispatcher:
         prompt_ids = f.p.prompt_ids if res.continued_from else res.prompt_ids
         if res.latency_s > 0:
             self._speeds.append((res.completion_tokens - f.prefix) / res.latency_s)
-        return self._row(f.p, text, res.output_ids, res.prompt_tokens, res.completion_tokens, res.finish_reason,
-                         res.server, res.latency_s, prompt_ids=prompt_ids)
+        return self._row(
+            f.p,
+            text,
+            res.output_ids,
+            res.prompt_tokens,
+            res.completion_tokens,
+            res.finish_reason,
+            res.server,
+            res.latency_s,
+            prompt_ids=prompt_ids,
+        )
 
     def _partial_row(self, f: Flight, reason: str) -> Optional[StoredResponse]:
         """What a stopped request produced, to park; None when there is nothing worth keeping (counted as lost)."""
@@ -293,8 +328,16 @@ class Dispatcher:
             self._lose(new)  # text only: no run can go on from it, and only keep_partial uses it as it is
             return None
         ids = list(part.output_ids) if part.continuable() else None
-        return self._row(f.p, part.text, ids, len(f.p.prompt_ids), part.completion_tokens, reason,
-                         self.backend.name, time.monotonic() - f.t0)
+        return self._row(
+            f.p,
+            part.text,
+            ids,
+            len(f.p.prompt_ids),
+            part.completion_tokens,
+            reason,
+            self.backend.name,
+            time.monotonic() - f.t0,
+        )
 
     def _commit(self, rows: list[tuple[StoredResponse, Flight]]) -> None:
         if not rows:
@@ -325,24 +368,48 @@ class Dispatcher:
     def _check_failing(self, done: list[tuple[GenResult, Flight]]) -> None:
         """Stop when the last `run.fail_fast_after` requests all failed with one cause: the next ones would too.
         The message is made once, from the batch that showed it (the cancel's own batch may hold no failure)."""
-        if self.failing or self.cfg.run.fail_fast_after <= 0 or len(self._recent) < self._recent.maxlen \
-                or self._recent[-1] is None:
+        if (
+            self.failing
+            or self.cfg.run.fail_fast_after <= 0
+            or len(self._recent) < self._recent.maxlen
+            or self._recent[-1] is None
+        ):
             return
         causes = set(self._recent)
         if len(causes) == 1 and None not in causes:
             cause = causes.pop()
             detail = next((res.detail for res, _ in reversed(done) if res.error == cause), "")
-            self.failing = (f"the last {len(self._recent)} requests all failed with {cause}: {detail} "
-                            f"({self.stats.new} responses committed this run are in the store)")
+            self.failing = (
+                f"the last {len(self._recent)} requests all failed with {cause}: {detail} "
+                f"({self.stats.new} responses committed this run are in the store)"
+            )
             self.interrupt()
 
-    def _row(self, p: Planned, text, output_ids, prompt_tokens, completion_tokens, finish_reason, server,
-             latency, prompt_ids=None) -> StoredResponse:
+    def _row(
+        self,
+        p: Planned,
+        text,
+        output_ids,
+        prompt_tokens,
+        completion_tokens,
+        finish_reason,
+        server,
+        latency,
+        prompt_ids=None,
+    ) -> StoredResponse:
         """`prompt_ids`: the prompt as the server tokenized it, when it said (else the ids we rendered)."""
         return StoredResponse(
-            key=p.key, dataset=self.cfg.dataset, prompt_id=p.prompt["id"], text=text, prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens, finish_reason=finish_reason, server=server, latency_s=latency,
-            prompt_ids=prompt_ids or p.prompt_ids, output_ids=output_ids,
+            key=p.key,
+            dataset=self.cfg.dataset,
+            prompt_id=p.prompt["id"],
+            text=text,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            finish_reason=finish_reason,
+            server=server,
+            latency_s=latency,
+            prompt_ids=prompt_ids or p.prompt_ids,
+            output_ids=output_ids,
         )
 
     async def _cancel_all(self, reason: str) -> None:
@@ -404,9 +471,15 @@ class Progress:
         self.last_log = self.t0
         self.marks: deque = deque()  # (time, tokens generated, responses) of recent updates
         self.tty = cfg.run.progress and sys.stderr.isatty()
-        self.bar = tqdm(total=self.ds.token_budget, initial=min(committed, self.ds.token_budget), unit="tok",
-                        desc=f"generate {cfg.dataset}", disable=not self.tty, dynamic_ncols=True,
-                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} tok {postfix}")
+        self.bar = tqdm(
+            total=self.ds.token_budget,
+            initial=min(committed, self.ds.token_budget),
+            unit="tok",
+            desc=f"generate {cfg.dataset}",
+            disable=not self.tty,
+            dynamic_ncols=True,
+            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} tok {postfix}",
+        )
 
     def update(self, d: Dispatcher, final: bool = False) -> None:
         now = time.monotonic()
@@ -444,8 +517,10 @@ class Progress:
         budget = self.ds.token_budget
         rates = self.rates()
         errors = sum(s.failed.values())
-        parts = [f"{committed:,}/{budget:,} tok ({100 * committed / budget:.0f}%)",
-                 f"{s.new} resp ({errors} err)" + (f" {rates[1]:.1f} req/s" if rates else "")]
+        parts = [
+            f"{committed:,}/{budget:,} tok ({100 * committed / budget:.0f}%)",
+            f"{s.new} resp ({errors} err)" + (f" {rates[1]:.1f} req/s" if rates else ""),
+        ]
         if rates:
             parts.append(f"{rates[0]:,.0f} tok/s")
         if s.new:
@@ -476,16 +551,20 @@ def check_context(plan: list[Planned], cfg: Config, context: int | None) -> None
         return
     key = f"datasets.{cfg.dataset}"
     if cfg.ds.max_tokens >= context:
-        raise ConfigError(f"{key}.max_tokens", f"{cfg.ds.max_tokens:,} leaves no room for a prompt in the target's "
-                          f"context of {context:,} tokens")
+        raise ConfigError(
+            f"{key}.max_tokens",
+            f"{cfg.ds.max_tokens:,} leaves no room for a prompt in the target's context of {context:,} tokens",
+        )
     room = context - cfg.ds.max_tokens
     over = [p for p in plan if len(p.prompt_ids) > room]
     if over:
         first = over[0]
-        raise UserError(f"{first.prompt.get('where', first.prompt['id'])}: a prompt of {len(first.prompt_ids):,} "
-                        f"tokens + max_tokens {cfg.ds.max_tokens:,} exceeds the target's context of {context:,} "
-                        f"({len(over)} prompts like it); set {key}.max_prompt_tokens to at most {room:,} (the "
-                        "prompts stage then drops them) or lower max_tokens")
+        raise UserError(
+            f"{first.prompt.get('where', first.prompt['id'])}: a prompt of {len(first.prompt_ids):,} "
+            f"tokens + max_tokens {cfg.ds.max_tokens:,} exceeds the target's context of {context:,} "
+            f"({len(over)} prompts like it); set {key}.max_prompt_tokens to at most {room:,} (the "
+            "prompts stage then drops them) or lower max_tokens"
+        )
 
 
 def plan_requests(cfg: Config, prompts: list[dict], tok) -> list[Planned]:
@@ -498,8 +577,14 @@ def plan_requests(cfg: Config, prompts: list[dict], tok) -> list[Planned]:
     return plan
 
 
-async def _generate(cfg: Config, tok, todo: list[Planned], ctrl: BudgetController, store: ResponseStore,
-                    parked: dict[str, StoredResponse]) -> RunStats:
+async def _generate(
+    cfg: Config,
+    tok,
+    todo: list[Planned],
+    ctrl: BudgetController,
+    store: ResponseStore,
+    parked: dict[str, StoredResponse],
+) -> RunStats:
     stream = cfg.ds.on_budget == OnBudget.keep_partial or cfg.backend.stream
     ctrl.observes_rate = stream
     backend = make_backend(cfg, tok)
@@ -518,8 +603,16 @@ async def _generate(cfg: Config, tok, todo: list[Planned], ctrl: BudgetControlle
         progress.close(dispatcher)
         await backend.close()
         s = dispatcher.stats
-        log("generate", dataset=cfg.dataset, new=s.new, parked=s.parked, continued=s.continued,
-            cancelled=s.cancelled, failed=sum(s.failed.values()), lost_tokens=s.lost)
+        log(
+            "generate",
+            dataset=cfg.dataset,
+            new=s.new,
+            parked=s.parked,
+            continued=s.continued,
+            cancelled=s.cancelled,
+            failed=sum(s.failed.values()),
+            lost_tokens=s.lost,
+        )
 
 
 def main(cfg: Config) -> None:
@@ -540,24 +633,42 @@ def main(cfg: Config) -> None:
         committed = sum(tokens_of(r.prompt_tokens, r.completion_tokens, ds.budget_unit) for r in usable.values())
         stats = RunStats()
         if committed >= ds.token_budget:
-            log("generate", dataset=cfg.dataset, status=f"budget met: {committed:,} >= {ds.token_budget:,} "
-                f"tokens from {len(usable):,} responses")
+            log(
+                "generate",
+                dataset=cfg.dataset,
+                status=f"budget met: {committed:,} >= {ds.token_budget:,} tokens from {len(usable):,} responses",
+            )
         else:
             stats = _run(cfg, tok, plan, stored, store)
             stored = store.get_many(p.key for p in plan)
         selected, total, skipped = select(plan, stored, ds)
         write_jsonl(out / "responses.jsonl", (_output_record(p, r) for p, r in selected))
-        write_plots(out / "plots", [r.completion_tokens for _, r in selected], ds.max_tokens,
-                    stats.fill or [(0.0, total)])
-        write_json(out / "generate_metrics.json", _metrics(ds, selected, total, skipped, stats, len(usable),
-                                                           time.time() - t0))
+        write_plots(
+            out / "plots", [r.completion_tokens for _, r in selected], ds.max_tokens, stats.fill or [(0.0, total)]
+        )
+        write_json(
+            out / "generate_metrics.json", _metrics(ds, selected, total, skipped, stats, len(usable), time.time() - t0)
+        )
     finally:
         store.close()
     if total < ds.token_budget:
-        log("generate", dataset=cfg.dataset, warning="budget not met: the source ran out of prompts or requests "
-            "failed (failed prompts are retried on the next run)", budget_tokens=total, budget=ds.token_budget)
-    log("generate", dataset=cfg.dataset, responses=len(selected), budget_tokens=total, new=stats.new,
-        reused=len(usable), wall_s=round(time.time() - t0, 1))
+        log(
+            "generate",
+            dataset=cfg.dataset,
+            warning="budget not met: the source ran out of prompts or requests "
+            "failed (failed prompts are retried on the next run)",
+            budget_tokens=total,
+            budget=ds.token_budget,
+        )
+    log(
+        "generate",
+        dataset=cfg.dataset,
+        responses=len(selected),
+        budget_tokens=total,
+        new=stats.new,
+        reused=len(usable),
+        wall_s=round(time.time() - t0, 1),
+    )
 
 
 def _run(cfg: Config, tok, plan: list[Planned], stored: dict[str, StoredResponse], store: ResponseStore) -> RunStats:
@@ -565,29 +676,44 @@ def _run(cfg: Config, tok, plan: list[Planned], stored: dict[str, StoredResponse
     complete responses, and keep_partial's cut ones only once no more generation is wanted."""
     ds = cfg.ds
     complete = [r for r in stored.values() if not r.partial and unusable_reason(r, ds) is None]
-    ctrl = BudgetController(ds.token_budget, ds.max_tokens, ds.concurrency,
-                            keep_partial=ds.on_budget == OnBudget.keep_partial,
-                            committed=sum(tokens_of(r.prompt_tokens, r.completion_tokens, ds.budget_unit)
-                                          for r in complete))
+    ctrl = BudgetController(
+        ds.token_budget,
+        ds.max_tokens,
+        ds.concurrency,
+        keep_partial=ds.on_budget == OnBudget.keep_partial,
+        committed=sum(tokens_of(r.prompt_tokens, r.completion_tokens, ds.budget_unit) for r in complete),
+    )
     for r in complete:
         ctrl.lengths.add(r.completion_tokens)  # completion lengths only: bounded by max_tokens, whatever the unit
     todo = [p for p in plan if needs_request(stored.get(p.key))]
     if ds.budget_unit == BudgetUnit.total and todo:
         ctrl.prompt_mean = sum(len(p.prompt_ids) for p in todo) / len(todo)
     parked = {k: r for k, r in stored.items() if r.partial}
-    log("generate", dataset=cfg.dataset, committed=ctrl.committed, budget=ds.token_budget, stored=len(complete),
-        parked=sum(p.key in parked for p in todo), to_send=len(todo), backend=cfg.backend.kind.value,
-        continues=takes_token_ids(cfg))
+    log(
+        "generate",
+        dataset=cfg.dataset,
+        committed=ctrl.committed,
+        budget=ds.token_budget,
+        stored=len(complete),
+        parked=sum(p.key in parked for p in todo),
+        to_send=len(todo),
+        backend=cfg.backend.kind.value,
+        continues=takes_token_ids(cfg),
+    )
     try:
         return asyncio.run(_generate(cfg, tok, todo, ctrl, store, parked))
     except Interrupted:
-        log("generate", dataset=cfg.dataset, status="interrupted: in-flight requests aborted and parked, "
-            "every committed response kept in the store")
+        log(
+            "generate",
+            dataset=cfg.dataset,
+            status="interrupted: in-flight requests aborted and parked, every committed response kept in the store",
+        )
         sys.exit(130)
 
 
-def _metrics(ds: DatasetConfig, selected, total: int, skipped: Counter, stats: RunStats, reused: int,
-             wall: float) -> dict:
+def _metrics(
+    ds: DatasetConfig, selected, total: int, skipped: Counter, stats: RunStats, reused: int, wall: float
+) -> dict:
     in_output = sum(stats.new_by_key.get(r.key, 0) for _, r in selected)
     return {
         "responses": len(selected),
@@ -633,8 +759,14 @@ def _output_record(p: Planned, r: StoredResponse) -> dict:
     rec = {"id": p.prompt["id"], "key": r.key, "messages": p.prompt["messages"]}
     if p.prompt.get("tools"):
         rec["tools"] = p.prompt["tools"]
-    rec.update(prompt_ids=r.prompt_ids, output_ids=r.output_ids, text=r.text, prompt_tokens=r.prompt_tokens,
-               completion_tokens=r.completion_tokens, finish_reason=r.finish_reason)
+    rec.update(
+        prompt_ids=r.prompt_ids,
+        output_ids=r.output_ids,
+        text=r.text,
+        prompt_tokens=r.prompt_tokens,
+        completion_tokens=r.completion_tokens,
+        finish_reason=r.finish_reason,
+    )
     return rec
 
 

@@ -35,6 +35,7 @@ from stages.target import check_tokenizer_fits, content_hash, load_tokenizer, mo
 
 # ---- layers: which, in every numbering ------------------------------------------------------------------------- #
 
+
 def resolve_layers(cfg: Config, n_layers: int) -> list[int]:
     """Physical 0-based ids of the layers whose outputs are kept: `hidden_states.layers`, else a draft config's
     `eagle_aux_hidden_state_layer_ids` (in its own numbering), else EAGLE-3's default for this model."""
@@ -46,17 +47,20 @@ def resolve_layers(cfg: Config, n_layers: int) -> list[int]:
         return _valid([i - 1 for i in ids] if numbering == "vllm" else ids, n_layers, "hidden_states.draft_config")
     layers = default_layers(n_layers)
     if len(set(layers)) != 3 or min(layers) < 0:
-        raise UserError(f"model.path: the target has {n_layers} decoder layers, too few for EAGLE-3's default "
-                        f"[1, N//2-1, N-4] = {layers} to be three distinct layers; choose them in "
-                        "hidden_states.layers")
+        raise UserError(
+            f"model.path: the target has {n_layers} decoder layers, too few for EAGLE-3's default "
+            f"[1, N//2-1, N-4] = {layers} to be three distinct layers; choose them in "
+            "hidden_states.layers"
+        )
     return layers
 
 
 def _valid(layers: list[int], n_layers: int, key: str) -> list[int]:
     bad = [i for i in layers if not 0 <= i < n_layers]
     if bad:
-        raise ConfigError(key, f"layer ids {bad} out of range for the target's {n_layers} decoder layers "
-                          "(physical ids: 0 .. N-1)")
+        raise ConfigError(
+            key, f"layer ids {bad} out of range for the target's {n_layers} decoder layers (physical ids: 0 .. N-1)"
+        )
     if len(set(layers)) != len(layers):
         raise ConfigError(key, f"layer ids must be distinct, got {layers}")
     return layers
@@ -83,17 +87,25 @@ def _draft_layer_ids(path: Path, numbering: str) -> tuple[list[int], str]:
         elif any("Eagle3" in a for a in doc.get("architectures") or []):
             numbering = "sglang"
         else:
-            raise ConfigError("hidden_states.draft_numbering", f"cannot tell which numbering {path} uses; set "
-                              "sglang (SpecForge/SGLang: L = output of layer L) or vllm (speculators/vLLM: L + 1)")
+            raise ConfigError(
+                "hidden_states.draft_numbering",
+                f"cannot tell which numbering {path} uses; set "
+                "sglang (SpecForge/SGLang: L = output of layer L) or vllm (speculators/vLLM: L + 1)",
+            )
     return ids, numbering
 
 
 def layer_numberings(layers: list[int]) -> dict:
-    return {"physical": layers, "hf_hidden_states_index": [i + 1 for i in layers],
-            "sglang_specforge": layers, "vllm_speculators": [i + 1 for i in layers]}
+    return {
+        "physical": layers,
+        "hf_hidden_states_index": [i + 1 for i in layers],
+        "sglang_specforge": layers,
+        "vllm_speculators": [i + 1 for i in layers],
+    }
 
 
 # ---- the run ----------------------------------------------------------------------------------------------------- #
+
 
 @dataclass
 class Rank:
@@ -105,8 +117,9 @@ class Rank:
 
     @classmethod
     def from_env(cls) -> "Rank":
-        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
-                   int(os.environ.get("LOCAL_RANK", 0)))
+        return cls(
+            int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
+        )
 
     def owns(self, key: str) -> bool:
         return int(key[:8], 16) % self.world == self.rank
@@ -313,20 +326,30 @@ def windows(src: Path, size: int):
         yield tuple(batch.column(i).to_pylist() for i in range(3))
 
 
-def compute(cfg: Config, src: Path, engine: LazyEngine, store: StateStore, settings: dict, rank: Rank,
-            tally: Tally) -> None:
+def compute(
+    cfg: Config, src: Path, engine: LazyEngine, store: StateStore, settings: dict, rank: Rank, tally: Tally
+) -> None:
     """Pass 1 (every rank): compute what the store lacks."""
     hs = cfg.hidden_states
-    computer = Computer(engine, store, settings, hs.dtype, hs.batch_tokens, hs.shard_max_tokens, tally,
-                        background_writes=computes_off_cpu(hs))
+    computer = Computer(
+        engine,
+        store,
+        settings,
+        hs.dtype,
+        hs.batch_tokens,
+        hs.shard_max_tokens,
+        tally,
+        background_writes=computes_off_cpu(hs),
+    )
     try:
         _compute_windows(src, hs.window_samples, computer, store, rank, tally)
     finally:
         computer.close()
 
 
-def _compute_windows(src: Path, window_samples: int, computer: "Computer", store: StateStore, rank: Rank,
-                     tally: Tally) -> None:
+def _compute_windows(
+    src: Path, window_samples: int, computer: "Computer", store: StateStore, rank: Rank, tally: Tally
+) -> None:
     sh = computer.settings_hash
     checked: set[str] = set()
     for ids, input_ids, _ in windows(src, window_samples):
@@ -343,8 +366,9 @@ def _compute_windows(src: Path, window_samples: int, computer: "Computer", store
         computer.run(list(missing.items()))
 
 
-def materialise(cfg: Config, src: Path, out: Path, store: StateStore, settings: dict, target: Target,
-                tally: Tally) -> dict:
+def materialise(
+    cfg: Config, src: Path, out: Path, store: StateStore, settings: dict, target: Target, tally: Tally
+) -> dict:
     """Pass 2 (rank 0): the output directory, rebuilt from the store: shard links, the sample list, the index."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -356,22 +380,40 @@ def materialise(cfg: Config, src: Path, out: Path, store: StateStore, settings: 
     sh = content_hash(settings)
     linked: dict[str, str] = {}
     how = "hardlink"
-    schema = pa.schema([("id", pa.string()), ("shard", pa.string()), ("row", pa.int32()), ("n_tokens", pa.int32()),
-                        ("loss_mask", pa.list_(pa.int8()))])
+    schema = pa.schema(
+        [
+            ("id", pa.string()),
+            ("shard", pa.string()),
+            ("row", pa.int32()),
+            ("n_tokens", pa.int32()),
+            ("loss_mask", pa.list_(pa.int8())),
+        ]
+    )
     with atomic_path(out / "samples.parquet") as tmp, pq.ParquetWriter(tmp, schema) as writer:
         for ids, input_ids, masks in windows(src, cfg.hidden_states.window_samples):
             keys = [state_key(sh, x) for x in input_ids]
             found = store.lookup(keys)
             lost = [i for i, k in zip(ids, keys) if k not in found]
             if lost:
-                raise UserError(f"hidden_states: {len(lost)} samples have no states in the store (first: {lost[0]})"
-                                "; a rank failed, or the store was changed meanwhile: run again")
+                raise UserError(
+                    f"hidden_states: {len(lost)} samples have no states in the store (first: {lost[0]})"
+                    "; a rank failed, or the store was changed meanwhile: run again"
+                )
             for loc in {found[k].shard for k in keys} - set(linked):
                 linked[loc], how = _link(store.path(loc), out / "shards", how)
             rows = [found[k] for k in keys]
-            writer.write_table(pa.table({
-                "id": ids, "shard": [linked[r.shard] for r in rows], "row": [r.row for r in rows],
-                "n_tokens": [r.n_tokens for r in rows], "loss_mask": masks}, schema=schema))
+            writer.write_table(
+                pa.table(
+                    {
+                        "id": ids,
+                        "shard": [linked[r.shard] for r in rows],
+                        "row": [r.row for r in rows],
+                        "n_tokens": [r.n_tokens for r in rows],
+                        "loss_mask": masks,
+                    },
+                    schema=schema,
+                )
+            )
             tally.samples += len(ids)
             tally.tokens += sum(r.n_tokens for r in rows)
     norm = target.norm
@@ -391,8 +433,11 @@ def _link(src: Path, dest_dir: Path, how: str) -> tuple[str, str]:
             os.link(src, dest)
             return src.name, how
         except OSError:
-            log("hidden_states", warning="the state store is on another file system than the output: shards "
-                "are copied (twice the disk); keep run.store_path on the same file system")
+            log(
+                "hidden_states",
+                warning="the state store is on another file system than the output: shards "
+                "are copied (twice the disk); keep run.store_path on the same file system",
+            )
     shutil.copyfile(src, dest)
     return src.name, "copy"
 
@@ -403,9 +448,15 @@ def make_engine(cfg: Config, layers: list[int]) -> Engine:
         from stages.capture_vllm import VLLMEngine
 
         # vLLM packs sequences (no padding): a batch must hold the longest sample the tokenize stage lets through
-        return VLLMEngine(cfg.model, layers, python=hs.vllm_python, tensor_parallel_size=hs.tensor_parallel_size,
-                          data_parallel_size=hs.data_parallel_size, llm_kwargs=dict(hs.vllm_kwargs),
-                          max_batch_tokens=max(hs.batch_tokens, cfg.tokenize.max_seq_len + 1))
+        return VLLMEngine(
+            cfg.model,
+            layers,
+            python=hs.vllm_python,
+            tensor_parallel_size=hs.tensor_parallel_size,
+            data_parallel_size=hs.data_parallel_size,
+            llm_kwargs=dict(hs.vllm_kwargs),
+            max_batch_tokens=max(hs.batch_tokens, cfg.tokenize.max_seq_len + 1),
+        )
     from stages.capture import HFEngine
 
     return HFEngine(cfg.model, layers, device_map=hs.device_map)
@@ -427,8 +478,9 @@ def n_layers_of(cfg: Config) -> int:
 
     limits = model_limits(cfg.model)
     check_tokenizer_fits(load_tokenizer(cfg.model, need_template=False), cfg.model, limits)
-    conf = AutoConfig.from_pretrained(cfg.model.path, revision=cfg.model.revision,
-                                      trust_remote_code=cfg.model.trust_remote_code)
+    conf = AutoConfig.from_pretrained(
+        cfg.model.path, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
+    )
     return conf.get_text_config().num_hidden_layers
 
 
@@ -439,8 +491,12 @@ def main(cfg: Config) -> None:
         raise UserError(f"{src}: not found; run the tokenize stage first (dvc repro tokenize@{cfg.dataset})")
     hs, rank, tally = cfg.hidden_states, Rank.from_env(), Tally()
     layers = resolve_layers(cfg, n_layers_of(cfg))
-    settings = {"version": FORMAT_VERSION, "layers": layers, "dtype": hs.dtype,
-                "model": model_fingerprint(cfg.model.path, cfg.model.revision, hash_cache_path(cfg.run.store_path))}
+    settings = {
+        "version": FORMAT_VERSION,
+        "layers": layers,
+        "dtype": hs.dtype,
+        "model": model_fingerprint(cfg.model.path, cfg.model.revision, hash_cache_path(cfg.run.store_path)),
+    }
     if rank.world > 1:
         _join_group(rank)
     store = StateStore(resolve_store_path(cfg.run.store_path).parent / "states")
@@ -455,14 +511,24 @@ def main(cfg: Config) -> None:
             target = engine.target()
             view = materialise(cfg, src, out_dir / "hidden_states", store, settings, target, tally)
             write_json(out_dir / "hidden_states" / "index.json", _index(cfg, target, settings, layers, view))
-            write_json(out_dir / "hidden_states_metrics.json",
-                       _metrics(out_dir / "hidden_states", engine, target, hs, layers, view, tally))
+            write_json(
+                out_dir / "hidden_states_metrics.json",
+                _metrics(out_dir / "hidden_states", engine, target, hs, layers, view, tally),
+            )
     finally:
         signal.signal(signal.SIGTERM, previous)
         engine.close()
         store.close()
-    log("hidden_states", dataset=cfg.dataset, rank=rank.rank, samples=tally.samples, computed=tally.computed,
-        reused=tally.samples - tally.computed, layers=layers, dtype=hs.dtype)
+    log(
+        "hidden_states",
+        dataset=cfg.dataset,
+        rank=rank.rank,
+        samples=tally.samples,
+        computed=tally.computed,
+        reused=tally.samples - tally.computed,
+        layers=layers,
+        dtype=hs.dtype,
+    )
 
 
 def _terminated(signum, _frame) -> None:
@@ -471,14 +537,23 @@ def _terminated(signum, _frame) -> None:
 
 def _index(cfg: Config, target: Target, settings: dict, layers: list[int], view: dict) -> dict:
     return {
-        "format": "draftdata-hidden-states", "version": FORMAT_VERSION,
-        "model": {"path": cfg.model.path, "revision": cfg.model.revision, "fingerprint": settings["model"],
-                  "n_layers": target.n_layers, "hidden_size": target.hidden_size},
+        "format": "draftdata-hidden-states",
+        "version": FORMAT_VERSION,
+        "model": {
+            "path": cfg.model.path,
+            "revision": cfg.model.revision,
+            "fingerprint": settings["model"],
+            "n_layers": target.n_layers,
+            "hidden_size": target.hidden_size,
+        },
         "layers": layer_numberings(layers),
         "layer_convention": "physical id L = output of decoder layer L (0-based) = HF hidden_states[L + 1] = "
-                            "SGLang/SpecForge id L = vLLM/speculators id L + 1",
-        "final_state": "pre_norm", "final_norm": {"file": "final_norm.safetensors", **target.norm.describe()},
-        "dtype": settings["dtype"], "shards": view["shards"], "link": view["link"],
+        "SGLang/SpecForge id L = vLLM/speculators id L + 1",
+        "final_state": "pre_norm",
+        "final_norm": {"file": "final_norm.safetensors", **target.norm.describe()},
+        "dtype": settings["dtype"],
+        "shards": view["shards"],
+        "link": view["link"],
         "tensors": {"aux_hidden_states": "[T, k, H]", "final_hidden_states": "[T, H], before the final norm"},
     }
 
@@ -488,13 +563,20 @@ def _metrics(out: Path, engine: LazyEngine, target: Target, hs, layers: list[int
     # over the shards' own bytes and tokens: a linked shard may also hold other datasets' samples
     shard_bytes, shard_tokens = view["sizes"]
     computed = tally.computed_tokens
-    m = {"samples": tally.samples, "tokens": tally.tokens, "computed_samples": tally.computed,
-         "computed_tokens": computed, "reused_samples": tally.samples - tally.computed,
-         "torn_shards_redone": tally.torn, "dtype": hs.dtype, "bytes": size,
-         "bytes_per_token": round(shard_bytes / shard_tokens, 2) if shard_tokens else 0.0,
-         "limit_bytes_per_token": 2 * (len(layers) + 1) * target.hidden_size,  # bf16, k aux layers + final
-         "padded_compute_share": round(engine.pad_tokens / (computed + engine.pad_tokens), 4) if computed else 0.0,
-         "tok_s": round(computed / tally.seconds, 1) if tally.seconds else 0.0}
+    m = {
+        "samples": tally.samples,
+        "tokens": tally.tokens,
+        "computed_samples": tally.computed,
+        "computed_tokens": computed,
+        "reused_samples": tally.samples - tally.computed,
+        "torn_shards_redone": tally.torn,
+        "dtype": hs.dtype,
+        "bytes": size,
+        "bytes_per_token": round(shard_bytes / shard_tokens, 2) if shard_tokens else 0.0,
+        "limit_bytes_per_token": 2 * (len(layers) + 1) * target.hidden_size,  # bf16, k aux layers + final
+        "padded_compute_share": round(engine.pad_tokens / (computed + engine.pad_tokens), 4) if computed else 0.0,
+        "tok_s": round(computed / tally.seconds, 1) if tally.seconds else 0.0,
+    }
     if hs.dtype == "fp8" and tally.fp8_err_den:
         m["fp8_rel_err"] = round((tally.fp8_err_num / tally.fp8_err_den) ** 0.5, 5)
     return m

@@ -87,6 +87,7 @@ class DatasetPlan:
 
 # ---- pure helpers ---------------------------------------------------------------------------------------------- #
 
+
 def split_options(argv: list[str]) -> tuple[dict[str, str], list[str]]:
     """This command's `plan.*` overrides, and the rest (for the config loader, whose schema has no `plan`)."""
     mine, rest = {}, []
@@ -110,8 +111,9 @@ def parse_options(raw: dict[str, str]) -> Options:
         except ValueError:
             opts.tok_s = -1.0
         if not (opts.tok_s > 0 and math.isfinite(opts.tok_s)):
-            raise ConfigError("plan.tok_s", f"must be a positive number of tokens per second, got "
-                              f"{raw['plan.tok_s']!r}")
+            raise ConfigError(
+                "plan.tok_s", f"must be a positive number of tokens per second, got {raw['plan.tok_s']!r}"
+            )
     return opts
 
 
@@ -181,6 +183,7 @@ def count_records(path: Path) -> int:
 
 # ---- reading what exists ----------------------------------------------------------------------------------------- #
 
+
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
@@ -197,18 +200,25 @@ def model_shape(cfg: Config) -> ModelShape:
 
     check_model_path(cfg.model.path)
     try:
-        conf = AutoConfig.from_pretrained(cfg.model.path, revision=cfg.model.revision,
-                                          trust_remote_code=cfg.model.trust_remote_code).get_text_config()
+        conf = AutoConfig.from_pretrained(
+            cfg.model.path, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
+        ).get_text_config()
     except (OSError, ValueError) as e:
         raise load_error(e, "a model config", cfg.model.path) from None
     layers = resolve_layers(cfg, conf.num_hidden_layers)
     dtype = cfg.hidden_states.dtype
-    return ModelShape(conf.num_hidden_layers, conf.hidden_size, layers, dtype,
-                      hidden_bytes_per_token(len(layers), conf.hidden_size, dtype))
+    return ModelShape(
+        conf.num_hidden_layers,
+        conf.hidden_size,
+        layers,
+        dtype,
+        hidden_bytes_per_token(len(layers), conf.hidden_size, dtype),
+    )
 
 
-def plan_dataset(cfg: Config, name: str, tokenizer, store: Optional[ResponseStore], shape: ModelShape,
-                 opts: Options) -> DatasetPlan:
+def plan_dataset(
+    cfg: Config, name: str, tokenizer, store: Optional[ResponseStore], shape: ModelShape, opts: Options
+) -> DatasetPlan:
     cfg = replace(cfg, dataset=name)
     ds, out = cfg.ds, data_dir(name)
     stored: dict[str, StoredResponse] = {}
@@ -240,13 +250,24 @@ def plan_dataset(cfg: Config, name: str, tokenizer, store: Optional[ResponseStor
     resp_rate = measured_rate(out / "responses.jsonl", gm.get("prompt_tokens", 0) + gm.get("completion_tokens", 0))
     samp_rate = measured_rate(out / "samples.parquet", _read_json(out / "tokenize_metrics.json").get("tokens"))
     return DatasetPlan(
-        dataset=name, prompts=prompts, prompts_from=prompts_from, budget=ds.token_budget,
-        unit=ds.budget_unit.value, reusable=reusable, reusable_responses=reusable_n, parked=parked,
-        to_generate=left, mean_completion=round(mean_c, 1),
+        dataset=name,
+        prompts=prompts,
+        prompts_from=prompts_from,
+        budget=ds.token_budget,
+        unit=ds.budget_unit.value,
+        reusable=reusable,
+        reusable_responses=reusable_n,
+        parked=parked,
+        to_generate=left,
+        mean_completion=round(mean_c, 1),
         mean_completion_from=mean_c_from,
         mean_prompt=None if mean_prompt is None else round(mean_prompt, 1),
-        requests=expected_requests(left, per_request), prompts_left=len(todo) if planned else None,
-        tok_s=tok_s, tok_s_from=tok_s_from, gpu_s=left / tok_s if tok_s else None, sequence_tokens=seq,
+        requests=expected_requests(left, per_request),
+        prompts_left=len(todo) if planned else None,
+        tok_s=tok_s,
+        tok_s_from=tok_s_from,
+        gpu_s=left / tok_s if tok_s else None,
+        sequence_tokens=seq,
         responses_bytes=round(seq * (resp_rate or RESPONSES_BYTES_PER_TOKEN)),
         samples_bytes=round(seq * (samp_rate or SAMPLES_BYTES_PER_TOKEN)),
         hidden_bytes=seq * shape.bytes_per_token,
@@ -276,6 +297,7 @@ def _mean(values: list[int]) -> Optional[float]:
 
 
 # ---- output ------------------------------------------------------------------------------------------------------ #
+
 
 def fmt_tokens(n: Optional[float]) -> str:
     if n is None:
@@ -321,39 +343,119 @@ def table(headers: list[str], rows: list[list[str]], left: tuple[int, ...] = (0,
 def render(plans: list[DatasetPlan], shape: ModelShape, cfg: Config) -> str:
     all_gpu = all(p.gpu_s is not None for p in plans)
     prompts_known = all(p.prompts is not None for p in plans)
-    tokens_rows = [[p.dataset, fmt_tokens(p.prompts) + ("" if p.prompts_from == "prompts.jsonl" else "*"),
-                    fmt_tokens(p.budget), p.unit, fmt_tokens(p.reusable), fmt_tokens(p.parked),
-                    fmt_tokens(p.to_generate), fmt_tokens(p.requests), f"{p.mean_completion:,.0f}",
-                    p.mean_completion_from] for p in plans]
-    tokens_rows.append(["total", fmt_tokens(sum(p.prompts for p in plans)) if prompts_known else "-",
-                        fmt_tokens(sum(p.budget for p in plans)), "", fmt_tokens(sum(p.reusable for p in plans)),
-                        fmt_tokens(sum(p.parked for p in plans)), fmt_tokens(sum(p.to_generate for p in plans)),
-                        fmt_tokens(sum(p.requests for p in plans)), "", ""])
-    cost_rows = [[p.dataset, fmt_tokens(p.tok_s), p.tok_s_from, fmt_duration(p.gpu_s),
-                  fmt_tokens(p.sequence_tokens), fmt_bytes(p.responses_bytes), fmt_bytes(p.samples_bytes),
-                  fmt_bytes(p.hidden_bytes), fmt_bytes(p.disk_bytes), _disk_basis(p)] for p in plans]
+    tokens_rows = [
+        [
+            p.dataset,
+            fmt_tokens(p.prompts) + ("" if p.prompts_from == "prompts.jsonl" else "*"),
+            fmt_tokens(p.budget),
+            p.unit,
+            fmt_tokens(p.reusable),
+            fmt_tokens(p.parked),
+            fmt_tokens(p.to_generate),
+            fmt_tokens(p.requests),
+            f"{p.mean_completion:,.0f}",
+            p.mean_completion_from,
+        ]
+        for p in plans
+    ]
+    tokens_rows.append(
+        [
+            "total",
+            fmt_tokens(sum(p.prompts for p in plans)) if prompts_known else "-",
+            fmt_tokens(sum(p.budget for p in plans)),
+            "",
+            fmt_tokens(sum(p.reusable for p in plans)),
+            fmt_tokens(sum(p.parked for p in plans)),
+            fmt_tokens(sum(p.to_generate for p in plans)),
+            fmt_tokens(sum(p.requests for p in plans)),
+            "",
+            "",
+        ]
+    )
+    cost_rows = [
+        [
+            p.dataset,
+            fmt_tokens(p.tok_s),
+            p.tok_s_from,
+            fmt_duration(p.gpu_s),
+            fmt_tokens(p.sequence_tokens),
+            fmt_bytes(p.responses_bytes),
+            fmt_bytes(p.samples_bytes),
+            fmt_bytes(p.hidden_bytes),
+            fmt_bytes(p.disk_bytes),
+            _disk_basis(p),
+        ]
+        for p in plans
+    ]
     gpu_total = sum(p.gpu_s or 0.0 for p in plans)
     if not all_gpu:  # a dataset without a rate: the sum of the others is a lower bound
         gpu_total_s = f">= {fmt_duration(gpu_total)}" if any(p.gpu_s for p in plans) else "-"
     else:
         gpu_total_s = fmt_duration(gpu_total)
-    cost_rows.append(["total", "", "", gpu_total_s,
-                      fmt_tokens(sum(p.sequence_tokens for p in plans)),
-                      *[fmt_bytes(sum(getattr(p, f) for p in plans)) for f in
-                        ("responses_bytes", "samples_bytes", "hidden_bytes", "disk_bytes")], ""])
-    lines = [f"plan: {len(plans)} dataset(s); nothing is sent to any server",
-             f"target: {cfg.model.path} ({shape.n_layers} layers, hidden {shape.hidden_size}); hidden states: "
-             f"layers {shape.layers} + final, {shape.dtype}, {shape.bytes_per_token:,} bytes/token", "",
-             *table(["dataset", "prompts", "budget", "unit", "reusable", "parked", "to generate", "requests",
-                     "mean len", "mean len from"], tokens_rows, left=(0, 3, 9)), "",
-             *table(["dataset", "tok/s", "tok/s from", "GPU time", "seq tokens", "responses", "samples",
-                     "hidden states", "disk", "disk from"], cost_rows, left=(0, 2, 9))]
-    notes = [f"{p.dataset}: about {p.requests:,} requests needed, {p.prompts_left:,} prompts left to send: the "
-             "prompts run out before the budget" for p in plans
-             if p.prompts_left is not None and p.requests > p.prompts_left]
+    cost_rows.append(
+        [
+            "total",
+            "",
+            "",
+            gpu_total_s,
+            fmt_tokens(sum(p.sequence_tokens for p in plans)),
+            *[
+                fmt_bytes(sum(getattr(p, f) for p in plans))
+                for f in ("responses_bytes", "samples_bytes", "hidden_bytes", "disk_bytes")
+            ],
+            "",
+        ]
+    )
+    lines = [
+        f"plan: {len(plans)} dataset(s); nothing is sent to any server",
+        f"target: {cfg.model.path} ({shape.n_layers} layers, hidden {shape.hidden_size}); hidden states: "
+        f"layers {shape.layers} + final, {shape.dtype}, {shape.bytes_per_token:,} bytes/token",
+        "",
+        *table(
+            [
+                "dataset",
+                "prompts",
+                "budget",
+                "unit",
+                "reusable",
+                "parked",
+                "to generate",
+                "requests",
+                "mean len",
+                "mean len from",
+            ],
+            tokens_rows,
+            left=(0, 3, 9),
+        ),
+        "",
+        *table(
+            [
+                "dataset",
+                "tok/s",
+                "tok/s from",
+                "GPU time",
+                "seq tokens",
+                "responses",
+                "samples",
+                "hidden states",
+                "disk",
+                "disk from",
+            ],
+            cost_rows,
+            left=(0, 2, 9),
+        ),
+    ]
+    notes = [
+        f"{p.dataset}: about {p.requests:,} requests needed, {p.prompts_left:,} prompts left to send: the "
+        "prompts run out before the budget"
+        for p in plans
+        if p.prompts_left is not None and p.requests > p.prompts_left
+    ]
     if not prompts_known or any(p.prompts_from != "prompts.jsonl" for p in plans):
-        notes.append("* prompts stage not run: source records counted, nothing reusable known yet, and the disk "
-                     "counts completion tokens only")
+        notes.append(
+            "* prompts stage not run: source records counted, nothing reusable known yet, and the disk "
+            "counts completion tokens only"
+        )
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
@@ -364,15 +466,30 @@ def _disk_basis(p: DatasetPlan) -> str:
 
 
 def to_json(plans: list[DatasetPlan], shape: ModelShape) -> dict:
-    return {"model": asdict(shape), "datasets": [dict(asdict(p), disk_bytes=p.disk_bytes) for p in plans],
-            "total": {k: sum(getattr(p, k) for p in plans) for k in
-                      ("budget", "reusable", "parked", "to_generate", "requests", "sequence_tokens",
-                       "responses_bytes", "samples_bytes", "hidden_bytes", "disk_bytes")}
-            | {"gpu_s": sum(p.gpu_s or 0.0 for p in plans),
-               "gpu_s_complete": all(p.gpu_s is not None for p in plans)}}
+    return {
+        "model": asdict(shape),
+        "datasets": [dict(asdict(p), disk_bytes=p.disk_bytes) for p in plans],
+        "total": {
+            k: sum(getattr(p, k) for p in plans)
+            for k in (
+                "budget",
+                "reusable",
+                "parked",
+                "to_generate",
+                "requests",
+                "sequence_tokens",
+                "responses_bytes",
+                "samples_bytes",
+                "hidden_bytes",
+                "disk_bytes",
+            )
+        }
+        | {"gpu_s": sum(p.gpu_s or 0.0 for p in plans), "gpu_s_complete": all(p.gpu_s is not None for p in plans)},
+    }
 
 
 # ---- entry point ------------------------------------------------------------------------------------------------- #
+
 
 def main(cfg: Config, opts: Optional[Options] = None) -> list[DatasetPlan]:
     opts = opts or Options()

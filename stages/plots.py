@@ -26,8 +26,10 @@ def histogram(lengths: Iterable[int], max_tokens: int, bins: int = HISTOGRAM_BIN
     for n in lengths:
         counts[min(bins - 1, n // width)] += 1
     digits = len(str(max_tokens))  # zero-padded: the labels sort as the bins do
-    return [{"length": f"{i * width:0{digits}d}-{min(max_tokens, (i + 1) * width - 1):0{digits}d}",
-             "responses": c} for i, c in enumerate(counts)]
+    return [
+        {"length": f"{i * width:0{digits}d}-{min(max_tokens, (i + 1) * width - 1):0{digits}d}", "responses": c}
+        for i, c in enumerate(counts)
+    ]
 
 
 def write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:

@@ -58,8 +58,14 @@ def dedup(records: Iterable[dict], drops: Counter) -> list[dict]:
     return out
 
 
-def select(records: list[dict], seed: int, max_prompts: Optional[int], max_prompt_tokens: Optional[int],
-           count_tokens: Callable[[dict], int], drops: Counter) -> list[dict]:
+def select(
+    records: list[dict],
+    seed: int,
+    max_prompts: Optional[int],
+    max_prompt_tokens: Optional[int],
+    count_tokens: Callable[[dict], int],
+    drops: Counter,
+) -> list[dict]:
     """Seeded shuffle, then keep prompts within the token limit until `max_prompts` are kept.
 
     Shuffling by a sort on (hash of seed and id) makes the order independent of the source's row order, so
@@ -90,11 +96,20 @@ def main(cfg: Config) -> None:
     kept = select(records, ds.shuffle_seed, ds.max_prompts, ds.max_prompt_tokens, count_tokens, drops)
     out = data_dir(cfg.dataset)
     write_jsonl(out / "prompts.jsonl", kept)
-    metrics = {"rows_read": n_read, "kept": len(kept), "dropped": dict(sorted(drops.items())),
-               "dropped_total": sum(drops.values())}
+    metrics = {
+        "rows_read": n_read,
+        "kept": len(kept),
+        "dropped": dict(sorted(drops.items())),
+        "dropped_total": sum(drops.values()),
+    }
     write_json(out / "prompts_metrics.json", metrics)
-    log("prompts", dataset=cfg.dataset, rows=n_read, kept=len(kept),
-        **{f"dropped_{k}": v for k, v in sorted(drops.items())})
+    log(
+        "prompts",
+        dataset=cfg.dataset,
+        rows=n_read,
+        kept=len(kept),
+        **{f"dropped_{k}": v for k, v in sorted(drops.items())},
+    )
 
 
 def _token_counter(cfg: Config) -> Callable[[dict], int]:

@@ -76,8 +76,9 @@ class HiddenStates:
         if shard is None:
             shard = self._shards[name] = ShardReader(self.path / "shards" / name)
         ids, aux, final = shard.sample(row)
-        return Sample(self._rows["id"][i].as_py(), ids, torch.tensor(self._mask(i), dtype=torch.long), aux, final,
-                      self.norm)
+        return Sample(
+            self._rows["id"][i].as_py(), ids, torch.tensor(self._mask(i), dtype=torch.long), aux, final, self.norm
+        )
 
     def _mask(self, i: int) -> list[int]:
         g = bisect.bisect_right(self._group_starts, i) - 1

@@ -61,8 +61,7 @@ def _unreadable(path: Path, e: Exception) -> SourceError:
     """A file that cannot be read at all (a cut-short or corrupt .gz, bytes that are not text): one line."""
     if isinstance(e, UnicodeDecodeError):
         return SourceError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})")
-    return SourceError(f"{path}: cannot be read to the end, the file is cut short or corrupt ({type(e).__name__}: "
-                       f"{e})")
+    return SourceError(f"{path}: cannot be read to the end, the file is cut short or corrupt ({type(e).__name__}: {e})")
 
 
 def _iter_jsonl(path: Path) -> Iterator[Row]:
@@ -123,7 +122,11 @@ def iter_hf(src: SourceConfig) -> Iterator[Row]:
 
     try:
         ds = datasets.load_dataset(
-            src.hf_name, src.hf_config, split=src.split, revision=src.revision, data_files=src.data_files,
+            src.hf_name,
+            src.hf_config,
+            split=src.split,
+            revision=src.revision,
+            data_files=src.data_files,
             streaming=True,
         )
     except Exception as e:  # the hub, auth and file errors all land here; name what the user set

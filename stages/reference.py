@@ -120,8 +120,11 @@ def _clean(comment: str) -> str:
 
 def field_comments(source: str) -> dict[tuple[str, str], str]:
     """(class name, field name) -> the comment on the field's line(s), after the comment lines right above it."""
-    comments = {tok.start[0]: tok.string for tok in tokenize.generate_tokens(io.StringIO(source).readline)
-                if tok.type == tokenize.COMMENT}
+    comments = {
+        tok.start[0]: tok.string
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+        if tok.type == tokenize.COMMENT
+    }
     lines = source.splitlines()
     out: dict[tuple[str, str], str] = {}
     for cls in ast.parse(source).body:
@@ -146,6 +149,7 @@ def field_comments(source: str) -> dict[tuple[str, str], str]:
 
 # ---- DVC params ------------------------------------------------------------------------------------------------ #
 
+
 def dvc_params(dvc_yaml: Path) -> dict[str, list[str]]:
     """Each param dvc.yaml declares (`${key}` as `<name>`) -> the stages that declare it, in dvc.yaml's order."""
     doc = yaml.safe_load(dvc_yaml.read_text())
@@ -160,12 +164,14 @@ def dvc_params(dvc_yaml: Path) -> dict[str, list[str]]:
 
 
 def dvc_column(path: str, params: dict[str, list[str]]) -> str:
-    stages = [s for param, declared in params.items() if path == param or path.startswith(param + ".")
-              for s in declared]
+    stages = [
+        s for param, declared in params.items() if path == param or path.startswith(param + ".") for s in declared
+    ]
     return f"DVC param ({', '.join(dict.fromkeys(stages))})" if stages else "run-time"
 
 
 # ---- types and defaults ---------------------------------------------------------------------------------------- #
+
 
 def type_name(tp) -> str:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -204,8 +210,13 @@ def default_text(f: dataclasses.Field) -> str:
 
 # ---- the walk -------------------------------------------------------------------------------------------------- #
 
-def keys(schema: type = config.Config, source: str | None = None, meanings: dict[str, str] | None = None,
-         dvc_yaml: Path | None = None) -> list[Key]:
+
+def keys(
+    schema: type = config.Config,
+    source: str | None = None,
+    meanings: dict[str, str] | None = None,
+    dvc_yaml: Path | None = None,
+) -> list[Key]:
     """Every leaf key of `schema` (by default the project's: `config.Config`, stages/config.py, MEANINGS, dvc.yaml),
     in the schema's order."""
     comments = field_comments(source if source is not None else Path(config.__file__).read_text())
@@ -226,8 +237,10 @@ def keys(schema: type = config.Config, source: str | None = None, meanings: dict
                 continue
             meaning = _sentences(comments.get((cls.__name__, f.name)), meanings.get(path))
             if not meaning:
-                raise SystemExit(f"error: {path} has no meaning: write a comment beside the field in "
-                                 f"stages/config.py or an entry in stages/reference.py's MEANINGS")
+                raise SystemExit(
+                    f"error: {path} has no meaning: write a comment beside the field in "
+                    f"stages/config.py or an entry in stages/reference.py's MEANINGS"
+                )
             out.append(Key(path, type_name(tp), default_text(f), dvc_column(path, params), meaning))
 
     walk(schema, "")
@@ -267,7 +280,7 @@ def replace_block(text: str, table: str) -> str:
 def block(text: str) -> str:
     """What stands between the markers (the table, as `replace_block` writes it)."""
     start, end = text.find(START), text.find(END)
-    return text[start + len(START) + 1: end] if 0 <= start < end else ""
+    return text[start + len(START) + 1 : end] if 0 <= start < end else ""
 
 
 def main(argv: list[str] | None = None) -> None:

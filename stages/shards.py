@@ -68,10 +68,14 @@ def pack(samples: list[SampleStates], dtype: str) -> dict:
     lengths = torch.tensor([len(s.input_ids) for s in samples], dtype=torch.int64)
     offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(lengths, 0)
-    tensors = {"offsets": offsets,
-               "input_ids": torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.int32)}
-    for name, parts in (("aux_hidden_states", [s.aux for s in samples]),
-                        ("final_hidden_states", [s.final for s in samples])):
+    tensors = {
+        "offsets": offsets,
+        "input_ids": torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.int32),
+    }
+    for name, parts in (
+        ("aux_hidden_states", [s.aux for s in samples]),
+        ("final_hidden_states", [s.final for s in samples]),
+    ):
         for suffix, t in encode(torch.cat(parts), dtype).items():
             tensors[name.replace("_hidden_states", "_scale") if suffix else name] = t.contiguous()
     return tensors
@@ -84,12 +88,15 @@ def check(samples: list[SampleStates], sample_ids: dict[str, str]) -> None:
     for s in samples:
         n = len(s.input_ids)
         if s.aux.shape[0] != n or s.final.shape[0] != n:
-            raise StateError(f"sample {sample_ids.get(s.key, s.key)}: states for {s.aux.shape[0]} tokens, "
-                             f"{n} token ids")
+            raise StateError(
+                f"sample {sample_ids.get(s.key, s.key)}: states for {s.aux.shape[0]} tokens, {n} token ids"
+            )
         for name, t in (("aux", s.aux), ("final", s.final)):
             if not torch.isfinite(t).all():
-                raise StateError(f"sample {sample_ids.get(s.key, s.key)}: non-finite values in its {name} states "
-                                 "(the target produced NaN or inf: check the model and its dtype)")
+                raise StateError(
+                    f"sample {sample_ids.get(s.key, s.key)}: non-finite values in its {name} states "
+                    "(the target produced NaN or inf: check the model and its dtype)"
+                )
 
 
 def write(path: Path, samples: list[SampleStates], dtype: str, settings: dict) -> int:

@@ -60,8 +60,7 @@ def state_key(settings_hash: str, input_ids: list[int]) -> str:
 class StateStore:
     def __init__(self, root: Path):
         self.root = Path(root)
-        self.db = open_db(self.root / "index.sqlite", "hidden-state store")  # creates the directory
-        self.db.executescript(SCHEMA)
+        self.db = open_db(self.root / "index.sqlite", "hidden-state store", SCHEMA)  # creates the directory
         self._sweep_temp_files()
 
     def _sweep_temp_files(self, older_than_s: float = 3600.0) -> None:
@@ -89,8 +88,9 @@ class StateStore:
         out: dict[str, Location] = {}
         for i in range(0, len(keys), 500):  # SQLite caps the number of bound parameters
             chunk = keys[i : i + 500]
-            rows = self.db.execute(f"SELECT key, shard, row, n_tokens FROM states WHERE key IN "
-                                   f"({','.join('?' * len(chunk))})", chunk)
+            rows = self.db.execute(
+                f"SELECT key, shard, row, n_tokens FROM states WHERE key IN ({','.join('?' * len(chunk))})", chunk
+            )
             out.update((k, Location(s, r, n)) for k, s, r, n in rows)
         return out
 
@@ -99,10 +99,14 @@ class StateStore:
         never a reference to a missing one."""
         self.db.execute("BEGIN IMMEDIATE")
         try:
-            self.db.execute("INSERT OR REPLACE INTO shards VALUES (?, ?, ?, ?, ?, ?)",
-                            (name, settings_hash, len(keys), sum(lengths), size, time.time()))
-            self.db.executemany("INSERT OR REPLACE INTO states VALUES (?, ?, ?, ?)",
-                                [(k, name, row, n) for row, (k, n) in enumerate(zip(keys, lengths))])
+            self.db.execute(
+                "INSERT OR REPLACE INTO shards VALUES (?, ?, ?, ?, ?, ?)",
+                (name, settings_hash, len(keys), sum(lengths), size, time.time()),
+            )
+            self.db.executemany(
+                "INSERT OR REPLACE INTO states VALUES (?, ?, ?, ?)",
+                [(k, name, row, n) for row, (k, n) in enumerate(zip(keys, lengths))],
+            )
         except BaseException:
             self.db.execute("ROLLBACK")
             raise
@@ -114,8 +118,11 @@ class StateStore:
         total_bytes = total_tokens = 0
         for i in range(0, len(shards), 500):
             chunk = shards[i : i + 500]
-            b, t = self.db.execute(f"SELECT COALESCE(SUM(bytes), 0), COALESCE(SUM(n_tokens), 0) FROM shards "
-                                   f"WHERE name IN ({','.join('?' * len(chunk))})", chunk).fetchone()
+            b, t = self.db.execute(
+                f"SELECT COALESCE(SUM(bytes), 0), COALESCE(SUM(n_tokens), 0) FROM shards "
+                f"WHERE name IN ({','.join('?' * len(chunk))})",
+                chunk,
+            ).fetchone()
             total_bytes, total_tokens = total_bytes + b, total_tokens + t
         return total_bytes, total_tokens
 
@@ -134,8 +141,11 @@ class StateStore:
         with atomic_path(folder / "final_norm.safetensors") as tmp:
             save_file(tensors, str(tmp))
         with atomic_path(folder / "target.json") as tmp:
-            tmp.write_text(json.dumps({"norm": target.norm.describe(), "n_layers": target.n_layers,
-                                       "hidden_size": target.hidden_size}))
+            tmp.write_text(
+                json.dumps(
+                    {"norm": target.norm.describe(), "n_layers": target.n_layers, "hidden_size": target.hidden_size}
+                )
+            )
 
     def target(self, settings_hash: str) -> "Target | None":
         from safetensors.torch import load_file

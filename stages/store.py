@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sqlite3
 import time
 from dataclasses import dataclass, field, fields
@@ -91,8 +92,27 @@ _PUT = (
 
 # File systems where SQLite's WAL is unsafe: its index lives in shared memory that only processes on one host share,
 # and these mounts may be written from several (SQLite's docs: "WAL does not work over a network filesystem").
-NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "afs", "ceph", "glusterfs", "lustre", "gpfs", "beegfs", "9p",
-              "panfs", "wekafs", "fuse.sshfs", "fuse.glusterfs", "fuse.ceph", "fuse.s3fs", "fuse.gcsfuse")
+NETWORK_FS = (
+    "nfs",
+    "nfs4",
+    "cifs",
+    "smb3",
+    "smbfs",
+    "afs",
+    "ceph",
+    "glusterfs",
+    "lustre",
+    "gpfs",
+    "beegfs",
+    "9p",
+    "panfs",
+    "wekafs",
+    "fuse.sshfs",
+    "fuse.glusterfs",
+    "fuse.ceph",
+    "fuse.s3fs",
+    "fuse.gcsfuse",
+)
 
 
 def fs_type(path: Path) -> str:
@@ -114,37 +134,58 @@ def fs_type(path: Path) -> str:
     return kind
 
 
-def open_db(path: Path, what: str) -> sqlite3.Connection:
-    """A store's SQLite database: WAL on a local disk; a rollback journal, with a warning, on a network file system.
-    A busy timeout lets several processes (torchrun ranks, two generate runs on one store) commit side by side.
-    isolation_level=None: no implicit transactions; writers open and commit their own."""
+def open_db(path: Path, what: str, schema: str) -> sqlite3.Connection:
+    """A store's SQLite database with its `schema`: WAL on a local disk; a rollback journal, with a warning, on a
+    network file system. A busy timeout lets several processes (torchrun ranks, two generate runs on one store)
+    commit side by side. isolation_level=None: no implicit transactions; writers open and commit their own."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=600)
-        db.execute("PRAGMA schema_version").fetchone()  # opens the file: a directory or a non-database fails here
+        db.execute("PRAGMA schema_version").fetchall()  # opens the file: a directory or a non-database fails here
     except (OSError, sqlite3.Error) as e:
         from stages.config import ConfigError
 
         raise ConfigError("run.store_path", f"cannot open the {what} at {path}: {e}") from None
     kind = fs_type(path.parent)
-    if kind in NETWORK_FS:
+    network = kind in NETWORK_FS
+    if network:
         from stages.artifacts import log
 
-        log(what, warning=f"{path} is on a network file system ({kind}), where SQLite's WAL is not safe: using a "
-            "rollback journal (slower, and one machine at a time). Put run.store_path on a local disk.")
-        db.execute("PRAGMA journal_mode=DELETE")
-        db.execute("PRAGMA synchronous=FULL")
-    else:
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: a crash never corrupts, may lose the last commit
+        log(
+            what,
+            warning=f"{path} is on a network file system ({kind}), where SQLite's WAL is not safe: using a "
+            "rollback journal (slower, and one machine at a time). Put run.store_path on a local disk.",
+        )
+    _setup(db, network, schema)
     return db
+
+
+def _setup(db: sqlite3.Connection, network: bool, schema: str, attempts: int = 50) -> None:
+    """Journal mode and schema. Processes that open a new store at the same moment (torchrun ranks) can meet
+    SQLITE_BUSY where SQLite does not wait on the busy timeout (a journal-mode change on a file another is creating,
+    a lock upgrade that would deadlock): such a step is retried after a short pause."""
+    for attempt in range(attempts):
+        try:
+            if network:
+                db.execute("PRAGMA journal_mode=DELETE")
+                db.execute("PRAGMA synchronous=FULL")
+            else:
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute(
+                    "PRAGMA synchronous=NORMAL"
+                )  # WAL + NORMAL: a crash never corrupts, may lose the last commit
+            db.executescript(schema)
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or attempt == attempts - 1:
+                raise
+            time.sleep(0.05 + random.random() * 0.1)
 
 
 class ResponseStore:
     def __init__(self, path: Path | str):
         path = Path(path)
-        self.db = open_db(path, "response store")
-        self.db.executescript(SCHEMA)
+        self.db = open_db(path, "response store", SCHEMA)
 
     def close(self) -> None:
         self.db.close()

@@ -35,8 +35,10 @@ def summarise(generate: dict, tokenize: dict, hidden: dict) -> dict:
 def main(dataset: str) -> None:
     out = data_dir(dataset)
     try:
-        read = {stage: json.loads((out / f"{stage}_metrics.json").read_text())
-                for stage in ("generate", "tokenize", "hidden_states")}
+        read = {
+            stage: json.loads((out / f"{stage}_metrics.json").read_text())
+            for stage in ("generate", "tokenize", "hidden_states")
+        }
     except FileNotFoundError as e:
         sys.exit(f"error: {e.filename}: not found; run the chain first (dvc repro hidden_states@{dataset})")
     write_json(out / "summary.json", summarise(read["generate"], read["tokenize"], read["hidden_states"]))

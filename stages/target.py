@@ -41,8 +41,11 @@ def looks_local(path: str) -> bool:
     """Whether `model.path` names a local directory: a hub id is `name` or `org/name`; a path that starts with `.`,
     `/` or `~`, has more than one `/`, or whose first component is a directory here, is meant as a local one."""
     parts = Path(path).parts
-    return (path.startswith((".", "/", "~")) or path.count("/") > 1
-            or (len(parts) > 1 and Path(parts[0]).expanduser().is_dir()))
+    return (
+        path.startswith((".", "/", "~"))
+        or path.count("/") > 1
+        or (len(parts) > 1 and Path(parts[0]).expanduser().is_dir())
+    )
 
 
 def check_model_path(path: str) -> None:
@@ -78,8 +81,9 @@ def _generation_config_eos(model: ModelConfig) -> set[int]:
     from transformers import GenerationConfig
 
     try:
-        gen = GenerationConfig.from_pretrained(model.path, revision=model.revision,
-                                               trust_remote_code=model.trust_remote_code)
+        gen = GenerationConfig.from_pretrained(
+            model.path, revision=model.revision, trust_remote_code=model.trust_remote_code
+        )
     except (OSError, ValueError):  # no generation_config.json: the tokenizer's eos is all there is
         return set()
     eos = gen.eos_token_id
@@ -93,14 +97,15 @@ def _template_end_token(tok, template_kwargs: dict) -> int | None:
     user = [{"role": "user", "content": "Hello"}]
     try:
         prompt = tok.apply_chat_template(user, add_generation_prompt=True, tokenize=False, **template_kwargs)
-        full = tok.apply_chat_template(user + [{"role": "assistant", "content": probe}], tokenize=False,
-                                       **template_kwargs)
+        full = tok.apply_chat_template(
+            user + [{"role": "assistant", "content": probe}], tokenize=False, **template_kwargs
+        )
     except Exception:  # noqa: BLE001 - a template that rejects the probe says nothing about its end token
         return None
     at = full.find(probe, len(prompt) if full.startswith(prompt) else 0)
     if at < 0:
         return None
-    after = tok.backend_tokenizer.encode(full[at + len(probe):], add_special_tokens=False).ids
+    after = tok.backend_tokenizer.encode(full[at + len(probe) :], add_special_tokens=False).ids
     if after and after[0] in set(tok.all_special_ids) | set(tok.added_tokens_decoder):
         return after[0]
     return None
@@ -108,8 +113,11 @@ def _template_end_token(tok, template_kwargs: dict) -> int | None:
 
 def load_error(e: Exception, what: str, path: str) -> ConfigError:
     if "trust_remote_code" in str(e):  # the checkpoint ships its own Python: run only when the user says so
-        return ConfigError("model.trust_remote_code", f"{path!r} ships its own code for {what}; set "
-                           "model.trust_remote_code: true if you trust it (it runs on this machine)")
+        return ConfigError(
+            "model.trust_remote_code",
+            f"{path!r} ships its own code for {what}; set "
+            "model.trust_remote_code: true if you trust it (it runs on this machine)",
+        )
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return ConfigError("model.path", f"cannot load {what} from {path!r}: {first}")
 
@@ -134,8 +142,9 @@ def model_limits(model: ModelConfig) -> ModelLimits:
     from transformers import AutoConfig
 
     try:  # a hub id: its config is cached beside the tokenizer just loaded
-        conf = AutoConfig.from_pretrained(model.path, revision=model.revision,
-                                          trust_remote_code=model.trust_remote_code).get_text_config()
+        conf = AutoConfig.from_pretrained(
+            model.path, revision=model.revision, trust_remote_code=model.trust_remote_code
+        ).get_text_config()
     except (OSError, ValueError):
         return ModelLimits(None, None)
     return ModelLimits(getattr(conf, "max_position_embeddings", None), getattr(conf, "vocab_size", None))
@@ -145,8 +154,11 @@ def check_tokenizer_fits(tok, model: ModelConfig, limits: ModelLimits) -> None:
     """A tokenizer with ids the model has no embedding for is another model's: refused before any work (the
     target would index past its embeddings, or a server would answer for ids that mean something else)."""
     if limits.vocab is not None and len(tok) > limits.vocab:
-        raise ConfigError("model.path", f"the tokenizer at {model.path!r} has {len(tok):,} tokens but the model's "
-                          f"embeddings only {limits.vocab:,}: they are not a pair (a tokenizer from another model?)")
+        raise ConfigError(
+            "model.path",
+            f"the tokenizer at {model.path!r} has {len(tok):,} tokens but the model's "
+            f"embeddings only {limits.vocab:,}: they are not a pair (a tokenizer from another model?)",
+        )
 
 
 def load_tokenizer(model: ModelConfig, need_template: bool = True):
@@ -154,8 +166,9 @@ def load_tokenizer(model: ModelConfig, need_template: bool = True):
 
     check_model_path(model.path)
     try:
-        tok = AutoTokenizer.from_pretrained(model.path, revision=model.revision,
-                                            trust_remote_code=model.trust_remote_code)
+        tok = AutoTokenizer.from_pretrained(
+            model.path, revision=model.revision, trust_remote_code=model.trust_remote_code
+        )
     except (OSError, ValueError) as e:
         raise load_error(e, "a tokenizer", model.path) from None
     if model.chat_template is not None:
@@ -176,9 +189,13 @@ def load_model(model: ModelConfig, device_map: str | None = None):
 
     check_model_path(model.path)
     try:
-        net = AutoModelForCausalLM.from_pretrained(model.path, revision=model.revision, dtype="auto",
-                                                   trust_remote_code=model.trust_remote_code,
-                                                   **({"device_map": device_map} if device_map else {}))
+        net = AutoModelForCausalLM.from_pretrained(
+            model.path,
+            revision=model.revision,
+            dtype="auto",
+            trust_remote_code=model.trust_remote_code,
+            **({"device_map": device_map} if device_map else {}),
+        )
     except (OSError, ValueError) as e:
         raise load_error(e, "a model", model.path) from None
     if not device_map:
@@ -189,8 +206,12 @@ def load_model(model: ModelConfig, device_map: str | None = None):
 def render_prompt_ids(tok, messages: list[dict], tools: list[dict] | None, template_kwargs: dict) -> list[int]:
     """The exact prompt tokens the target sees: chat template + generation prompt, no re-encoding later."""
     ids = tok.apply_chat_template(
-        template_messages(messages), tools=tools, add_generation_prompt=True, tokenize=True,
-        return_dict=False, **template_kwargs,
+        template_messages(messages),
+        tools=tools,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+        **template_kwargs,
     )
     return list(ids)
 
@@ -294,8 +315,12 @@ def _read_sha256(files: list[Path], cache_path: Path | None) -> dict[str, str]:
         return out
     total = sum(st.st_size for _, st in todo)
     if total > _LOG_ABOVE_BYTES:
-        log("fingerprint", hashing_files=len(todo), gb=round(total / 1e9, 1),
-            note="one-time; cached by size/mtime/ctime/inode")
+        log(
+            "fingerprint",
+            hashing_files=len(todo),
+            gb=round(total / 1e9, 1),
+            note="one-time; cached by size/mtime/ctime/inode",
+        )
     started_ns = time.time_ns()
     with ThreadPoolExecutor(max_workers=min(_HASH_THREADS, len(todo))) as pool:
         hashes = list(pool.map(_hash_file, [f for f, _ in todo]))
@@ -348,8 +373,12 @@ def _load_hash_cache(cache_path: Path | None) -> dict[str, dict]:
 
 
 def _valid_entry(entry: Any) -> bool:
-    return (isinstance(entry, dict) and isinstance(entry.get("sha256"), str)
-            and bool(_SHA256_HEX.fullmatch(entry["sha256"])) and isinstance(entry.get("stat"), list))
+    return (
+        isinstance(entry, dict)
+        and isinstance(entry.get("sha256"), str)
+        and bool(_SHA256_HEX.fullmatch(entry["sha256"]))
+        and isinstance(entry.get("stat"), list)
+    )
 
 
 def _save_hash_cache(cache_path: Path | None, cache: dict[str, dict]) -> None:

@@ -29,8 +29,15 @@ from stages.target import end_of_turn_ids, load_tokenizer, template_messages, to
 SCHEMA_VERSION = 1
 # Every reason a response is skipped for (template_error:<type> adds the exception's name); the skips plot lists
 # them all, zeros included, so runs line up.
-SKIP_REASONS = ("empty_output", "over_max_seq_len", "no_trained_tokens_after_truncation", "template_not_prefix_stable",
-                "template_alters_response", "no_end_of_turn", "text_before_end_of_turn")
+SKIP_REASONS = (
+    "empty_output",
+    "over_max_seq_len",
+    "no_trained_tokens_after_truncation",
+    "template_not_prefix_stable",
+    "template_alters_response",
+    "no_end_of_turn",
+    "text_before_end_of_turn",
+)
 # Above this many text-path records, on a machine with this many cores, rendering (Python-bound Jinja) is spread
 # over processes (see text_samples_parallel).
 PARALLEL_MIN_RECORDS = 4000
@@ -58,10 +65,12 @@ def from_ids(prompt_ids: list[int], output_ids: list[int]) -> tuple[list[int], l
 def render_texts(tok, rec: dict, template_kwargs: dict) -> tuple[str, str]:
     """(prompt with the generation prompt, whole conversation with the response), as the template renders them."""
     messages, tools = template_messages(rec["messages"]), rec.get("tools")
-    prompt = tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
-                                     **template_kwargs)
-    full = tok.apply_chat_template(messages + [{"role": "assistant", "content": rec["text"]}], tools=tools,
-                                   tokenize=False, **template_kwargs)
+    prompt = tok.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False, **template_kwargs
+    )
+    full = tok.apply_chat_template(
+        messages + [{"role": "assistant", "content": rec["text"]}], tools=tools, tokenize=False, **template_kwargs
+    )
     return prompt, full
 
 
@@ -75,8 +84,9 @@ def check_rendering(prompt: str, full: str, text: str) -> str:
     return rest[len(text) :]
 
 
-def assemble(prompt_ids: list[int], text_ids: list[int], suffix_ids: list[int], end_ids: set[int],
-             ended: bool) -> tuple[list[int], list[int]]:
+def assemble(
+    prompt_ids: list[int], text_ids: list[int], suffix_ids: list[int], end_ids: set[int], ended: bool
+) -> tuple[list[int], list[int]]:
     """prompt + response + its end-of-turn token, each encoded on its own as a server would (a prompt's trailing
     whitespace tokenizes differently when text follows it). `ended`: the target ended its turn (finish_reason
     stop); a response cut by max_tokens or the budget never produced the end-of-turn token, so it is left out."""
@@ -161,8 +171,10 @@ def text_samples_parallel(tok, recs: list[dict], cfg: Config) -> list:
     if len(recs) < PARALLEL_MIN_RECORDS or workers < PARALLEL_MIN_CPUS:
         return text_samples(tok, recs, kwargs, ends)
     size = -(-len(recs) // (workers * 4))
-    chunks = [([{k: r.get(k) for k in ("messages", "tools", "text")} for r in recs[i : i + size]], kwargs)
-              for i in range(0, len(recs), size)]
+    chunks = [
+        ([{k: r.get(k) for k in ("messages", "tools", "text")} for r in recs[i : i + size]], kwargs)
+        for i in range(0, len(recs), size)
+    ]
     with ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(cfg.model,)) as pool:
         parts = [p for part in pool.map(_worker_render, chunks) for p in part]
     return text_samples(tok, recs, kwargs, ends, parts)
@@ -225,9 +237,11 @@ def check_skips(skipped: Counter, responses: int, max_pct: float) -> None:
     n = sum(skipped.values())
     if responses and 100.0 * n / responses > max_pct:
         reason, count = skipped.most_common(1)[0]
-        raise UserError(f"tokenize: {n} of {responses} responses skipped ({100.0 * n / responses:.1f} % > "
-                        f"tokenize.max_skip_pct {max_pct:g}); top reason: {reason} ({count}); see the reasons in "
-                        "the README, or raise tokenize.max_skip_pct")
+        raise UserError(
+            f"tokenize: {n} of {responses} responses skipped ({100.0 * n / responses:.1f} % > "
+            f"tokenize.max_skip_pct {max_pct:g}); top reason: {reason} ({count}); see the reasons in "
+            "the README, or raise tokenize.max_skip_pct"
+        )
 
 
 def write_parquet(path, samples: list[Sample], meta: dict) -> None:
@@ -235,14 +249,23 @@ def write_parquet(path, samples: list[Sample], meta: dict) -> None:
     import pyarrow.parquet as pq
 
     schema = pa.schema(
-        [("id", pa.string()), ("input_ids", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.int8())),
-         ("n_tokens", pa.int32()), ("n_trained", pa.int32())],
+        [
+            ("id", pa.string()),
+            ("input_ids", pa.list_(pa.int32())),
+            ("loss_mask", pa.list_(pa.int8())),
+            ("n_tokens", pa.int32()),
+            ("n_trained", pa.int32()),
+        ],
         metadata={"draftdata": json.dumps(meta, sort_keys=True)},
     )
     table = pa.table(
-        {"id": [s.id for s in samples], "input_ids": [s.input_ids for s in samples],
-         "loss_mask": [s.loss_mask for s in samples], "n_tokens": [len(s.input_ids) for s in samples],
-         "n_trained": [sum(s.loss_mask) for s in samples]},
+        {
+            "id": [s.id for s in samples],
+            "input_ids": [s.input_ids for s in samples],
+            "loss_mask": [s.loss_mask for s in samples],
+            "n_tokens": [len(s.input_ids) for s in samples],
+            "n_trained": [sum(s.loss_mask) for s in samples],
+        },
         schema=schema,
     )
     with atomic_path(path) as tmp:
@@ -265,14 +288,20 @@ def main(cfg: Config) -> None:
     recs = list(read_jsonl(src))
     samples, tally = build_samples(recs, tok, cfg)
     check_skips(tally.skipped, len(recs), cfg.tokenize.max_skip_pct)
-    meta = {"schema_version": SCHEMA_VERSION, "dataset": cfg.dataset,
-            "tokenizer": tokenizer_fingerprint(tok, cfg.model),
-            "max_seq_len": cfg.tokenize.max_seq_len, "train_on": cfg.tokenize.train_on.value,
-            "loss_mask": "int8 list: 0 prompt and history, 1 tokens the target generated (end-of-turn included)"}
+    meta = {
+        "schema_version": SCHEMA_VERSION,
+        "dataset": cfg.dataset,
+        "tokenizer": tokenizer_fingerprint(tok, cfg.model),
+        "max_seq_len": cfg.tokenize.max_seq_len,
+        "train_on": cfg.tokenize.train_on.value,
+        "loss_mask": "int8 list: 0 prompt and history, 1 tokens the target generated (end-of-turn included)",
+    }
     write_parquet(out / "samples.parquet", samples, meta)
-    write_csv(out / "plots" / "skips.csv", [{"reason": r, "responses": tally.skipped.get(r, 0)}
-                                            for r in sorted(set(SKIP_REASONS) | set(tally.skipped))],
-              ["reason", "responses"])
+    write_csv(
+        out / "plots" / "skips.csv",
+        [{"reason": r, "responses": tally.skipped.get(r, 0)} for r in sorted(set(SKIP_REASONS) | set(tally.skipped))],
+        ["reason", "responses"],
+    )
     metrics = {
         "responses": len(recs),
         "samples": len(samples),
@@ -284,8 +313,14 @@ def main(cfg: Config) -> None:
         "drift_pct": round(100.0 * tally.drift / tally.text_path, 3) if tally.text_path else 0.0,
     }
     write_json(out / "tokenize_metrics.json", metrics)
-    log("tokenize", dataset=cfg.dataset, samples=len(samples), tokens=metrics["tokens"],
-        drift_pct=metrics["drift_pct"], **{f"skipped_{k}": v for k, v in sorted(tally.skipped.items())})
+    log(
+        "tokenize",
+        dataset=cfg.dataset,
+        samples=len(samples),
+        tokens=metrics["tokens"],
+        drift_pct=metrics["drift_pct"],
+        **{f"skipped_{k}": v for k, v in sorted(tally.skipped.items())},
+    )
 
 
 if __name__ == "__main__":

@@ -122,6 +122,7 @@ class Capture:
         def hook(_module, _args, output):
             if self.active and self.writer and self._cur:
                 self._cur["layers"][layer] = residual_sum(output)
+
         return hook
 
     def _keep_final(self, _module, args, kwargs) -> None:
@@ -144,13 +145,17 @@ class Capture:
 
         if self.mode == "aux":
             if aux is None or len(aux) != len(self._inner):
-                raise RuntimeError(f"{type(self.decoder).__name__} returned {0 if aux is None else len(aux)} aux "
-                                   f"hidden states for {len(self._inner)} requested layers")
+                raise RuntimeError(
+                    f"{type(self.decoder).__name__} returned {0 if aux is None else len(aux)} aux "
+                    f"hidden states for {len(self._inner)} requested layers"
+                )
             cur["layers"] = dict(zip(self._inner, aux))
         missing = [i for i in self._inner if i not in cur["layers"]] + ([] if "final" in cur else ["final norm"])
         if missing or cur["ids"] is None or cur["positions"] is None:
-            raise RuntimeError(f"the capture saw an incomplete forward (missing: {missing or 'token ids'}); is the "
-                               "model compiled despite enforce_eager?")
+            raise RuntimeError(
+                f"the capture saw an incomplete forward (missing: {missing or 'token ids'}); is the "
+                "model compiled despite enforce_eager?"
+            )
         final = cur["final"]
         n = final.shape[0]
         positions = cur["positions"]
@@ -215,8 +220,10 @@ def assemble(records: list[dict], batch: list[list[int]]) -> tuple[Any, Any]:
                 found.setdefault(i, (r["aux"][a:b], r["final"][a:b]))
     lost = [i for i in range(len(batch)) if i not in found]
     if lost:
-        raise RuntimeError(f"{len(lost)} of {len(batch)} samples were not computed in one piece (first: #{lost[0]}, "
-                           f"{len(batch[lost[0]])} tokens); was the prefill chunked?")
+        raise RuntimeError(
+            f"{len(lost)} of {len(batch)} samples were not computed in one piece (first: #{lost[0]}, "
+            f"{len(batch[lost[0]])} tokens); was the prefill chunked?"
+        )
     aux = torch.cat([found[i][0] for i in range(len(batch))])
     final = torch.cat([found[i][1] for i in range(len(batch))])
     return aux, final
@@ -230,20 +237,29 @@ class CaptureExtension:
         from vllm.model_executor.models.interfaces import supports_eagle3
 
         if self.parallel_config.pipeline_parallel_size > 1:
-            raise RuntimeError("pipeline parallelism is not supported here (the final norm and the first layers "
-                               "would live on different ranks); use tensor parallelism")
+            raise RuntimeError(
+                "pipeline parallelism is not supported here (the final norm and the first layers "
+                "would live on different ranks); use tensor parallelism"
+            )
         model = self.model_runner.get_model()
         if mode == "auto":
             mode = "aux" if supports_eagle3(model) else "hooks"
         if mode not in ("aux", "hooks") or (mode == "aux" and not supports_eagle3(model)):
-            raise RuntimeError(f"capture mode {mode!r} is not available for {type(model).__name__}; use "
-                               "'hooks' (or 'aux' on a model that supports EAGLE-3)")
+            raise RuntimeError(
+                f"capture mode {mode!r} is not available for {type(model).__name__}; use "
+                "'hooks' (or 'aux' on a model that supports EAGLE-3)"
+            )
         writer = get_tensor_model_parallel_rank() == 0  # every TP rank holds the full hidden states
         capture = Capture(model, layers, mode, writer)
         setattr(self, _HOOKED, capture)
         norm = capture.decoder.norm
-        info = {"n_layers": capture.n_layers, "hidden_size": int(norm.weight.shape[0]), "mode": mode,
-                "vocab_size": int(self.model_config.get_vocab_size()), "norm": describe_norm(norm)}
+        info = {
+            "n_layers": capture.n_layers,
+            "hidden_size": int(norm.weight.shape[0]),
+            "mode": mode,
+            "vocab_size": int(self.model_config.get_vocab_size()),
+            "norm": describe_norm(norm),
+        }
         if writer:
             write_norm(norm, norm_file)
         return info
@@ -293,8 +309,16 @@ def max_model_len(settings: dict) -> int:
     fit one step (chunked prefill off, so no prefill is ever split across forwards)."""
     from vllm.engine.arg_utils import EngineArgs
 
-    derived = EngineArgs(model=settings["model"], revision=settings.get("revision"), skip_tokenizer_init=True,
-                         **settings.get("llm_kwargs", {})).create_model_config().max_model_len
+    derived = (
+        EngineArgs(
+            model=settings["model"],
+            revision=settings.get("revision"),
+            skip_tokenizer_init=True,
+            **settings.get("llm_kwargs", {}),
+        )
+        .create_model_config()
+        .max_model_len
+    )
     return min(int(derived), int(settings["max_batch_tokens"]))
 
 
@@ -340,7 +364,7 @@ def read_batch(path: str) -> list[list[int]]:
     t = load_file(path)
     ids, out, start = t["ids"].tolist(), [], 0
     for n in t["lengths"].tolist():
-        out.append(ids[start: start + n])
+        out.append(ids[start : start + n])
         start += n
     return out
 
@@ -405,8 +429,9 @@ def main() -> int:
     settings = json.loads(sys.argv[1])
     try:
         llm, max_len = load(settings)
-        infos = llm.collective_rpc("draftdata_install",
-                                   args=(settings["layers"], settings.get("mode", "auto"), settings["norm_file"]))
+        infos = llm.collective_rpc(
+            "draftdata_install", args=(settings["layers"], settings.get("mode", "auto"), settings["norm_file"])
+        )
     except BaseException as e:  # start-up failures (bad path, out of memory) end here as one line
         send(proto, ok=False, error=f"cannot start vLLM on {settings['model']!r}: {one_line(e)}", fatal=True)
         return 1

@@ -84,8 +84,9 @@ class Project:
 
         from stages.config import load_config
 
-        cfg = load_config(dataset, list(overrides), params_path=self.path / "params.yaml",
-                          need_dataset=dataset is not None)
+        cfg = load_config(
+            dataset, list(overrides), params_path=self.path / "params.yaml", need_dataset=dataset is not None
+        )
         return importlib.import_module(f"stages.{stage}").main(cfg)
 
     def data(self, dataset: str) -> Path:
@@ -124,8 +125,9 @@ def server_process(argv_for_port, log_path: Path, env: dict, timeout: float):
 
     port = free_port()
     with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(argv_for_port(port), stdout=log_file, stderr=subprocess.STDOUT,
-                                env=dict(os.environ, **env))
+        proc = subprocess.Popen(
+            argv_for_port(port), stdout=log_file, stderr=subprocess.STDOUT, env=dict(os.environ, **env)
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout
@@ -154,8 +156,19 @@ def transformers_serve(model: Path, log_path: Path, timeout: float = 90.0):
     import sys
 
     def argv(port: int) -> list[str]:
-        return [sys.executable, "-m", "transformers.cli.transformers", "serve", str(model), "--host", "127.0.0.1",
-                "--port", str(port), "--device", "cpu"]
+        return [
+            sys.executable,
+            "-m",
+            "transformers.cli.transformers",
+            "serve",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+        ]
 
     # OMP_NUM_THREADS=1: a tiny model on 2 cores, threads only contend
     return server_process(argv, log_path, {"OMP_NUM_THREADS": "1"}, timeout)
@@ -173,7 +186,12 @@ def backend_project(request, project) -> Project:
     """The project on each real backend: in-process, and a real OpenAI-compatible server (text back, no ids)."""
     if request.param == "openai":
         url = request.getfixturevalue("serve_tiny")
-        project.params["backend"] = {"kind": "openai", "urls": [url], "prompt_format": "chat",
-                                     "return_token_ids": False, "request_timeout_s": 60.0}
+        project.params["backend"] = {
+            "kind": "openai",
+            "urls": [url],
+            "prompt_format": "chat",
+            "return_token_ids": False,
+            "request_timeout_s": 60.0,
+        }
         project.save()
     return project

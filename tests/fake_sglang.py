@@ -35,15 +35,50 @@ from aiohttp import web
 
 EOS_ID = 2
 SAMPLING_PARAMS = {  # SGLang's SamplingParams fields (python/sglang/srt/sampling/sampling_params.py)
-    "max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
-    "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema", "regex", "ebnf",
-    "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
-    "custom_params", "stream_interval", "logit_bias", "sampling_seed",
+    "max_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_new_tokens",
+    "n",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "structural_tag",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "custom_params",
+    "stream_interval",
+    "logit_bias",
+    "sampling_seed",
 }
 REQUEST_FIELDS = {  # the GenerateReqInput fields a text-generation client may send
-    "rid", "text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
-    "top_logprobs_num", "return_text_in_logprobs", "log_metrics", "lora_path", "session_params", "priority",
-    "extra_key", "custom_labels", "return_hidden_states", "input_embeds", "image_data",
+    "rid",
+    "text",
+    "input_ids",
+    "sampling_params",
+    "stream",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "return_text_in_logprobs",
+    "log_metrics",
+    "lora_path",
+    "session_params",
+    "priority",
+    "extra_key",
+    "custom_labels",
+    "return_hidden_states",
+    "input_embeds",
+    "image_data",
 }
 
 
@@ -158,9 +193,15 @@ class FakeSGLang:
     async def _model_info(self, request: web.Request) -> web.Response:
         if request.path == "/model_info" and not self.has_model_info:
             raise web.HTTPNotFound()
-        return web.json_response({"model_path": self.model_path, "tokenizer_path": self.model_path,
-                                  "is_generation": True, "preferred_sampling_params": None,
-                                  "weight_version": "default"})
+        return web.json_response(
+            {
+                "model_path": self.model_path,
+                "tokenizer_path": self.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+            }
+        )
 
     async def _abort(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -183,8 +224,9 @@ class FakeSGLang:
         if fault in ("status", "reset", "hang", "malformed"):
             return await self._fail(request, fault)
         if fault == "empty":
-            return web.json_response({"text": "", "output_ids": [], "meta_info": self._meta(
-                body.get("rid") or "empty", body, 0, "stop")})
+            return web.json_response(
+                {"text": "", "output_ids": [], "meta_info": self._meta(body.get("rid") or "empty", body, 0, "stop")}
+            )
         rid = body.get("rid") or f"fake-{len(self.generate_calls)}"
         if rid in self._running:
             return _error(400, f"Duplicate request ID {rid}")
@@ -216,9 +258,21 @@ class FakeSGLang:
     # choice (all of them in a plain answer, the new ones in each stream chunk). Faults apply here too.
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model_path, "object": "model", "created": 0, "owned_by": "sglang", "root": self.model_path,
-             "max_model_len": 4096}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model_path,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "sglang",
+                        "root": self.model_path,
+                        "max_model_len": 4096,
+                    }
+                ],
+            }
+        )
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
@@ -240,12 +294,24 @@ class FakeSGLang:
                 return await self._completions_stream(request, rid, body, native)
             planned, finish = self._plan(native)
             out = [t async for t in self._tokens(rid, planned)]
-            choice = {"index": 0, "text": fake_text([t for t in out if t != EOS_ID]), "logprobs": None,
-                      "finish_reason": finish if len(out) == len(planned) else "abort"}
+            choice = {
+                "index": 0,
+                "text": fake_text([t for t in out if t != EOS_ID]),
+                "logprobs": None,
+                "finish_reason": finish if len(out) == len(planned) else "abort",
+            }
             if body.get("return_token_ids"):
                 choice.update(prompt_token_ids=prompt, token_ids=out)
-            return web.json_response({"id": rid, "object": "text_completion", "created": 0, "model": self.model_path,
-                                      "choices": [choice], "usage": _usage(prompt, out)})
+            return web.json_response(
+                {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": 0,
+                    "model": self.model_path,
+                    "choices": [choice],
+                    "usage": _usage(prompt, out),
+                }
+            )
         except (asyncio.CancelledError, ConnectionResetError):
             self.disconnects.append(rid)
             raise
@@ -259,17 +325,32 @@ class FakeSGLang:
         out: list[int] = []
         async for token in self._tokens(rid, planned):
             out.append(token)
-            choice = {"index": 0, "text": fake_text([token] if token != EOS_ID else []), "logprobs": None,
-                      "finish_reason": finish if len(out) == len(planned) else None}
+            choice = {
+                "index": 0,
+                "text": fake_text([token] if token != EOS_ID else []),
+                "logprobs": None,
+                "finish_reason": finish if len(out) == len(planned) else None,
+            }
             if body.get("return_token_ids"):
                 choice["token_ids"] = [token]
                 if len(out) == 1:
                     choice["prompt_token_ids"] = native["input_ids"]
-            await _sse(resp, {"id": rid, "object": "text_completion", "created": 0, "model": self.model_path,
-                              "choices": [choice]})
+            await _sse(
+                resp,
+                {"id": rid, "object": "text_completion", "created": 0, "model": self.model_path, "choices": [choice]},
+            )
         if (body.get("stream_options") or {}).get("include_usage"):
-            await _sse(resp, {"id": rid, "object": "text_completion", "created": 0, "model": self.model_path,
-                              "choices": [], "usage": _usage(native["input_ids"], out)})
+            await _sse(
+                resp,
+                {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": 0,
+                    "model": self.model_path,
+                    "choices": [],
+                    "usage": _usage(native["input_ids"], out),
+                },
+            )
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
@@ -308,8 +389,13 @@ class FakeSGLang:
             reason = {"type": "abort", "message": "Abort in the middle of decoding."}
         if finish:
             self.finished[rid] = finish
-        return {"id": rid, "finish_reason": reason, "prompt_tokens": len(body["input_ids"]),
-                "completion_tokens": n, "cached_tokens": 0}
+        return {
+            "id": rid,
+            "finish_reason": reason,
+            "prompt_tokens": len(body["input_ids"]),
+            "completion_tokens": n,
+            "cached_tokens": 0,
+        }
 
     async def _complete(self, rid: str, body: dict) -> web.Response:
         planned, finish = self._plan(body)
@@ -317,8 +403,9 @@ class FakeSGLang:
         if len(out) < len(planned):
             finish = "abort"
         visible = [t for t in out if t != EOS_ID]  # SGLang's text leaves out the stop token, its ids keep it
-        return web.json_response({"text": fake_text(visible), "output_ids": out,
-                                  "meta_info": self._meta(rid, body, len(out), finish)})
+        return web.json_response(
+            {"text": fake_text(visible), "output_ids": out, "meta_info": self._meta(rid, body, len(out), finish)}
+        )
 
     async def _stream(self, request: web.Request, rid: str, body: dict, fail: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -343,8 +430,11 @@ class FakeSGLang:
 
     def _chunk(self, rid: str, body: dict, out: list[int], sent: int, finish: Optional[str]) -> dict:
         ids = out[sent:] if self.incremental else list(out)
-        return {"text": fake_text([t for t in ids if t != EOS_ID]), "output_ids": ids,
-                "meta_info": self._meta(rid, body, len(out), finish)}
+        return {
+            "text": fake_text([t for t in ids if t != EOS_ID]),
+            "output_ids": ids,
+            "meta_info": self._meta(rid, body, len(out), finish),
+        }
 
 
 def _invalid(body: dict) -> Optional[str]:
@@ -366,8 +456,9 @@ def _usage(prompt: list[int], out: list[int]) -> dict:
 
 def _error(status: int, message: str, headers: Optional[dict] = None) -> web.Response:
     # SGLang's error body (ORJSONResponse of ErrorResponse): {"object": "error", "message", "type", "code"}
-    return web.json_response({"object": "error", "message": message, "type": str(status), "code": status},
-                             status=status, headers=headers)
+    return web.json_response(
+        {"object": "error", "message": message, "type": str(status), "code": status}, status=status, headers=headers
+    )
 
 
 async def _sse(resp: web.StreamResponse, payload: dict) -> None:

@@ -48,11 +48,22 @@ async def until(cond, timeout: float = 5.0) -> None:
 
 
 def config(kind: BackendKind, urls: list[str], model_path: str = "models/tiny-llama", **backend) -> Config:
-    opts = dict(kind=kind, urls=urls, backoff_base_s=0.01, backoff_max_s=0.05, probe_interval_s=0.1,
-                request_timeout_s=10.0, startup_timeout_s=5.0)
+    opts = dict(
+        kind=kind,
+        urls=urls,
+        backoff_base_s=0.01,
+        backoff_max_s=0.05,
+        probe_interval_s=0.1,
+        request_timeout_s=10.0,
+        startup_timeout_s=5.0,
+    )
     opts.update(backend)
-    return Config(model=ModelConfig(path=model_path), datasets={"d": DatasetConfig(concurrency=8)}, dataset="d",
-                  backend=BackendConfig(**opts))
+    return Config(
+        model=ModelConfig(path=model_path),
+        datasets={"d": DatasetConfig(concurrency=8)},
+        dataset="d",
+        backend=BackendConfig(**opts),
+    )
 
 
 def sglang(*urls: str, **backend) -> Config:
@@ -60,8 +71,9 @@ def sglang(*urls: str, **backend) -> Config:
 
 
 def request(rid: str = "r1", ids=IDS, max_tokens: int = 16, stream: bool = False, messages=MESSAGES) -> GenRequest:
-    return GenRequest(rid, list(ids) if ids is not None else None, messages, None, max_tokens, dict(SAMPLING),
-                      stream=stream)
+    return GenRequest(
+        rid, list(ids) if ids is not None else None, messages, None, max_tokens, dict(SAMPLING), stream=stream
+    )
 
 
 @asynccontextmanager
@@ -102,8 +114,9 @@ def endless_model(tiny_model, tmp_path_factory) -> Path:
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     out = tmp_path_factory.mktemp("endless") / Path(tiny_model).name
-    build_model(TinyModelConfig(mean_response_tokens=10**9), len(tok), tok.eos_token_id, tok.pad_token_id) \
-        .save_pretrained(out)
+    build_model(
+        TinyModelConfig(mean_response_tokens=10**9), len(tok), tok.eos_token_id, tok.pad_token_id
+    ).save_pretrained(out)
     tok.save_pretrained(out)
     return out
 
@@ -116,8 +129,11 @@ def test_sglang_sends_native_fields_and_round_trips_ids(fake):
     stop, length = run(_two(sglang(srv.url)))
     first = srv.generate_calls[0]
     assert first.pop("rid").startswith("r1-")  # the logical id plus a per-attempt suffix
-    assert first == {"input_ids": IDS, "stream": False, "sampling_params": {
-        "max_new_tokens": 16, "temperature": 0.7, "top_p": 1.0, "top_k": -1}}
+    assert first == {
+        "input_ids": IDS,
+        "stream": False,
+        "sampling_params": {"max_new_tokens": 16, "temperature": 0.7, "top_p": 1.0, "top_k": -1},
+    }
     assert stop.ok and stop.finish_reason == "stop" and stop.server == srv.url
     assert stop.output_ids == fake_output_ids(IDS, 5) + [EOS_ID] and stop.text == fake_text(fake_output_ids(IDS, 5))
     assert (stop.prompt_tokens, stop.completion_tokens) == (3, 6)
@@ -279,14 +295,18 @@ def test_an_answer_without_tokens_is_retried(fake):
 # ---- sglang: faults and retries ------------------------------------------------------------------------------------ #
 
 
-@pytest.mark.parametrize("faults, attempts", [
-    (Faults(status=500, status_times=2), 3),
-    (Faults(status=503, status_times=1), 2),
-    (Faults(status=408, status_times=1), 2),
-    (Faults(status=429, status_times=1), 2),
-    (Faults(reset_times=2), 3),
-    (Faults(hang_times=1), 2),
-], ids=["500x2", "503", "408", "429", "reset", "hang"])
+@pytest.mark.parametrize(
+    "faults, attempts",
+    [
+        (Faults(status=500, status_times=2), 3),
+        (Faults(status=503, status_times=1), 2),
+        (Faults(status=408, status_times=1), 2),
+        (Faults(status=429, status_times=1), 2),
+        (Faults(reset_times=2), 3),
+        (Faults(hang_times=1), 2),
+    ],
+    ids=["500x2", "503", "408", "429", "reset", "hang"],
+)
 def test_retryable_faults_are_retried_then_succeed(fake, faults, attempts):
     srv = fake()
     srv.faults = faults
@@ -300,11 +320,15 @@ def test_retryable_faults_are_retried_then_succeed(fake, faults, attempts):
         assert srv.aborts == [rids[0]]  # the attempt that timed out was stopped on the server
 
 
-@pytest.mark.parametrize("faults, code", [
-    (Faults(status=400, status_times=1), "http_400"),
-    (Faults(status=404, status_times=1), "http_404"),
-    (Faults(malformed_times=1), "bad_response"),
-], ids=["400", "404", "malformed"])
+@pytest.mark.parametrize(
+    "faults, code",
+    [
+        (Faults(status=400, status_times=1), "http_400"),
+        (Faults(status=404, status_times=1), "http_404"),
+        (Faults(malformed_times=1), "bad_response"),
+    ],
+    ids=["400", "404", "malformed"],
+)
 def test_other_failures_are_not_retried(fake, faults, code):
     srv = fake()
     srv.faults = faults

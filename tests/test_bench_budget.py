@@ -34,7 +34,8 @@ def test_server_models_share_the_full_batch_rate():
     full = bench.RATE * bench.CONCURRENCY
     for model in bench.MODELS:
         assert bench.per_request_rate(model, bench.CONCURRENCY, bench.CONCURRENCY) * bench.CONCURRENCY == (
-            pytest.approx(full))
+            pytest.approx(full)
+        )
     # below the full batch: fixed per request, flat above the knee, and in between
     n = 40
     aggregate = {m: bench.per_request_rate(m, n, bench.CONCURRENCY) * n for m in bench.MODELS}
@@ -49,11 +50,14 @@ def test_noise_changes_readings_not_lengths():
 
 def test_cli_writes_a_row_per_scenario(tmp_path, capsys):
     out = tmp_path / "budget.json"
-    bench.main(["--seeds", "1", "--budgets", "200000", "--noise", "0,2", "--models", "compute_bound",
-                "--out", str(out)])
+    bench.main(
+        ["--seeds", "1", "--budgets", "200000", "--noise", "0,2", "--models", "compute_bound", "--out", str(out)]
+    )
     results = json.loads(out.read_text())
     assert [(r["model"], r["budget"], r["noise_pct"]) for r in results["scenarios"]] == [
-        ("compute_bound", 200_000, 0.0), ("compute_bound", 200_000, 2.0)]
+        ("compute_bound", 200_000, 0.0),
+        ("compute_bound", 200_000, 2.0),
+    ]
     assert "ours_waste_le_half_check_cancel" in results["scenarios"][1]["goals"]
     assert "models" not in results  # the noise-free 10M side-by-side is not in this grid
     assert isinstance(results["all_goals_met"], bool)

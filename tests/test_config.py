@@ -70,15 +70,19 @@ def test_values_compose_in_order(project):
     cfg = load_config("B3", params_path=project.path / "params.yaml")
     assert cfg.ds.token_budget == 400 and cfg.ds.budget_unit.value == "completion"
     assert cfg.backend.kind.value == "embedded" and cfg.tokenize.max_seq_len == 1024
-    cfg = load_config("B3", ["datasets.B3.token_budget=123", "backend=sglang"],
-                      params_path=project.path / "params.yaml")
+    cfg = load_config(
+        "B3", ["datasets.B3.token_budget=123", "backend=sglang"], params_path=project.path / "params.yaml"
+    )
     assert cfg.ds.token_budget == 123 and cfg.backend.kind.value == "sglang" and cfg.backend.urls
 
 
 def test_cli_prints_one_line_and_exits_2(project):
     proc = subprocess.run(
         [sys.executable, "-m", "stages.prompts", "dataset=B3", "datasets.B3.token_budget=-1"],
-        cwd=project.path, capture_output=True, text=True, env={"PYTHONPATH": str(ROOT), "PATH": ""},
+        cwd=project.path,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(ROOT), "PATH": ""},
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["error: datasets.B3.token_budget: must be a positive integer, got -1"]
@@ -172,16 +176,21 @@ def test_two_backends_on_command_line_are_refused(project):
 def test_cli_refuses_unknown_backend_before_any_work(project):
     proc = subprocess.run(
         [sys.executable, "-m", "stages.prompts", "dataset=B3", "backend=foo"],
-        cwd=project.path, capture_output=True, text=True, env={"PYTHONPATH": str(ROOT), "PATH": ""},
+        cwd=project.path,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(ROOT), "PATH": ""},
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "error: backend: unknown backend 'foo'; known: embedded, openai, sglang [from command line]"]
+        "error: backend: unknown backend 'foo'; known: embedded, openai, sglang [from command line]"
+    ]
     assert not (project.path / "data").exists()
 
 
-@pytest.mark.parametrize("path", ["./models/tiny-lama", "models/tiny-lama", "/nowhere/tiny-llama", "a/b/c",
-                                  "~/no-such-model-dir"])
+@pytest.mark.parametrize(
+    "path", ["./models/tiny-lama", "models/tiny-lama", "/nowhere/tiny-llama", "a/b/c", "~/no-such-model-dir"]
+)
 def test_a_mistyped_local_model_path_fails_at_once(tmp_path, monkeypatch, path):
     """Not after the hub's retries with an error about connecting: the path is named as a missing directory."""
     from stages.config import ModelConfig
@@ -189,8 +198,11 @@ def test_a_mistyped_local_model_path_fails_at_once(tmp_path, monkeypatch, path):
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "models").mkdir()  # `models/x` then names a local directory, not a hub org
-    for call in (lambda: load_tokenizer(ModelConfig(path=path)), lambda: load_model(ModelConfig(path=path)),
-                 lambda: model_fingerprint(path, None)):
+    for call in (
+        lambda: load_tokenizer(ModelConfig(path=path)),
+        lambda: load_model(ModelConfig(path=path)),
+        lambda: model_fingerprint(path, None),
+    ):
         with pytest.raises(ConfigError) as err:
             call()
         assert err.value.key == "model.path" and "no such directory" in str(err.value)

@@ -16,14 +16,30 @@ import yaml
 from conftest import ROOT
 
 KEEP = ("B1_glaive", "B3_magicoder", "B6_ultrachat")
-COPY = ["conf", "stages", "sources", "dvc.yaml", "params.yaml", "pyproject.toml", ".dvc/config", ".dvc/.gitignore",
-        ".dvcignore", ".gitignore"]
+COPY = [
+    "conf",
+    "stages",
+    "sources",
+    "dvc.yaml",
+    "params.yaml",
+    "pyproject.toml",
+    ".dvc/config",
+    ".dvc/.gitignore",
+    ".dvcignore",
+    ".gitignore",
+]
 
 
 def sh(args: list[str], cwd: Path) -> str:
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-               GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@t",
-               DVC_NO_ANALYTICS="1")
+    env = dict(
+        os.environ,
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        GIT_AUTHOR_NAME="t",
+        GIT_AUTHOR_EMAIL="t@t",
+        GIT_COMMITTER_NAME="t",
+        GIT_COMMITTER_EMAIL="t@t",
+        DVC_NO_ANALYTICS="1",
+    )
     proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, f"{args} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc.stdout + proc.stderr
@@ -86,8 +102,13 @@ def test_repro_noop_and_budget_edit_reruns_one_chain(repo):
     assert changed == {"check_params", "generate@B3_magicoder"}, status
 
     third = dvc("repro", cwd=repo)
-    assert ran(third) == {"check_params", "generate@B3_magicoder", "tokenize@B3_magicoder",
-                          "hidden_states@B3_magicoder", "summary@B3_magicoder"}
+    assert ran(third) == {
+        "check_params",
+        "generate@B3_magicoder",
+        "tokenize@B3_magicoder",
+        "hidden_states@B3_magicoder",
+        "summary@B3_magicoder",
+    }
 
     shown = dvc("metrics", "show", cwd=repo)
     for d in KEEP:  # the summaries only: the detailed metrics are outputs, not DVC metrics
@@ -121,8 +142,13 @@ def test_a_typo_in_a_run_time_key_stops_repro_even_when_nothing_reruns(repo):
     params["datasets"]["B1_glaive"]["concurency"] = 3
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     try:
-        proc = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=repo, capture_output=True, text=True,
-                              env=dict(os.environ, DVC_NO_ANALYTICS="1"))
+        proc = subprocess.run(
+            [sys.executable, "-m", "dvc", "repro"],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, DVC_NO_ANALYTICS="1"),
+        )
     finally:
         (repo / "params.yaml").write_text(good)
     assert proc.returncode != 0
@@ -202,15 +228,19 @@ def stage_imports(module: str) -> set[Path]:
     return files
 
 
-@pytest.mark.parametrize("stage", ["tiny_model", "prompts", "generate", "tokenize", "hidden_states", "check_params",
-                                   "summary"])
+@pytest.mark.parametrize(
+    "stage", ["tiny_model", "prompts", "generate", "tokenize", "hidden_states", "check_params", "summary"]
+)
 def test_every_module_a_stage_imports_is_a_dependency(stage):
     """Editing any module a stage's code imports must rerun the stage: dvc.yaml lists each one (or its directory)."""
     spec = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"][stage]
     deps = [Path(d) for d in (spec.get("do", spec)["deps"])]
-    missing = sorted(str(f) for f in stage_imports(f"stages.{stage}")
-                     if f.name != "__init__.py" or f.parent != Path("stages")  # the empty package marker
-                     if not any(f == d or d in f.parents for d in deps))
+    missing = sorted(
+        str(f)
+        for f in stage_imports(f"stages.{stage}")
+        if f.name != "__init__.py" or f.parent != Path("stages")  # the empty package marker
+        if not any(f == d or d in f.parents for d in deps)
+    )
     assert not missing, f"dvc.yaml stage {stage} lacks deps: {missing}"
 
 
@@ -226,17 +256,26 @@ def test_the_import_walk_finds_lazy_imports():
 def test_two_repros_at_once_the_second_stops_on_dvc_s_lock(repo):
     dvc("repro", cwd=repo)
     env = dict(os.environ, DVC_NO_ANALYTICS="1")
-    first = subprocess.Popen([sys.executable, "-m", "dvc", "repro", "-f", "-s", "generate@B1_glaive"], cwd=repo,
-                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = subprocess.Popen(
+        [sys.executable, "-m", "dvc", "repro", "-f", "-s", "generate@B1_glaive"],
+        cwd=repo,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         for line in first.stdout:  # DVC holds its lock from here until the stage is done
             if "Running stage" in line:
                 break
-        second = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=repo, env=env, capture_output=True,
-                                text=True, timeout=120)
+        second = subprocess.run(
+            [sys.executable, "-m", "dvc", "repro"], cwd=repo, env=env, capture_output=True, text=True, timeout=120
+        )
     finally:
         rest, _ = first.communicate(timeout=300)
     assert first.returncode == 0, rest
     assert second.returncode != 0 and "lock" in (second.stdout + second.stderr).lower()
     assert "Traceback" not in second.stderr
-    assert ran(dvc("repro", cwd=repo)) == set()  # and nothing was left half-done
+    # nothing was left half-done: only the summary of the regenerated dataset is behind (its metrics changed)
+    assert ran(dvc("repro", cwd=repo)) <= {"summary@B1_glaive"}
+    assert ran(dvc("repro", cwd=repo)) == set()

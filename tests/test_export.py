@@ -59,6 +59,7 @@ def exact_bf16(got: torch.Tensor, want: torch.Tensor) -> None:
 
 # ---- fast: the files ------------------------------------------------------------------------------------------- #
 
+
 def test_specforge_files_match_the_reader(states):
     out = export(states, "specforge")
     hs = HiddenStates(states.data("B3") / "hidden_states")
@@ -75,7 +76,7 @@ def test_specforge_files_match_the_reader(states):
         assert rec["aux_hidden_state"].shape == (1, n, k * h) and rec["hidden_state"].shape == (1, n, h)
         # aux: the layers concatenated in index order, exactly the stored bf16 values
         for j in range(k):
-            assert torch.equal(rec["aux_hidden_state"][0, :, j * h:(j + 1) * h].float(), s.aux[:, j])
+            assert torch.equal(rec["aux_hidden_state"][0, :, j * h : (j + 1) * h].float(), s.aux[:, j])
         exact_bf16(rec["hidden_state"][0], s.final_post_norm)  # post-norm, not the stored pre-norm state
         assert not torch.equal(rec["hidden_state"][0].float(), s.final_pre_norm)
     meta = json.loads((out / MARKER).read_text())
@@ -144,6 +145,7 @@ def test_an_interrupted_export_is_never_at_the_export_path(states, monkeypatch):
 
 # ---- fast: the refusals ---------------------------------------------------------------------------------------- #
 
+
 def test_refusals(project):
     with pytest.raises(ConfigError, match=r"^export\.format: .*'tensorflow'"):
         project.run("export", "B3", "export.format=tensorflow")
@@ -165,11 +167,19 @@ def test_refuses_a_file_or_a_foreign_directory(states):
 
 
 def test_cli_reports_one_line(states):
-    env = dict(os.environ, DRAFTDATA_PARAMS=str(states.path / "params.yaml"),
-               PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = dict(
+        os.environ,
+        DRAFTDATA_PARAMS=str(states.path / "params.yaml"),
+        PYTHONPATH=str(Path(__file__).resolve().parents[1]),
+    )
     (states.path / "a_file").write_text("")
-    r = subprocess.run([sys.executable, "-m", "stages.export", "dataset=B3", "export.format=specforge",
-                        "export.dir=a_file"], cwd=states.path, env=env, capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "stages.export", "dataset=B3", "export.format=specforge", "export.dir=a_file"],
+        cwd=states.path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [r.stderr.strip()]
     assert r.stderr.startswith("error: export.dir: a_file is a file")
 
@@ -177,7 +187,7 @@ def test_cli_reports_one_line(states):
 # ---- the real readers ------------------------------------------------------------------------------------------ #
 
 # Runs under DRAFTDATA_TRAINERS_PYTHON: loads the exports with the trainers' own code and dumps what it returns.
-READERS = textwrap.dedent('''
+READERS = textwrap.dedent("""
     import json, re, sys
     from pathlib import Path
 
@@ -239,7 +249,7 @@ READERS = textwrap.dedent('''
     d2t, t2d = build_vocab_mappings_from_distribution(freq, draft_vocab_size=32, target_vocab_size=4096)
     counts["speculators_d2t_size"] = int(d2t.shape[0])
     (out / "counts.json").write_text(json.dumps(counts))
-''')
+""")
 
 
 def read_dump(path: Path) -> dict:
@@ -254,8 +264,9 @@ def read_dump(path: Path) -> dict:
 
 @pytest.mark.trainers
 @pytest.mark.timeout(900)
-@pytest.mark.skipif(not TRAINERS_PYTHON, reason="set DRAFTDATA_TRAINERS_PYTHON to a Python with specforge and "
-                    "speculators")
+@pytest.mark.skipif(
+    not TRAINERS_PYTHON, reason="set DRAFTDATA_TRAINERS_PYTHON to a Python with specforge and speculators"
+)
 def test_trainers_own_readers_load_the_exports(states, tmp_path):
     sf, sp = export(states, "specforge"), export(states, "speculators")
     hs = HiddenStates(states.data("B3") / "hidden_states")
@@ -264,8 +275,12 @@ def test_trainers_own_readers_load_the_exports(states, tmp_path):
     dumps = tmp_path / "dumps"
     dumps.mkdir()
     (tmp_path / "readers.py").write_text(READERS)
-    r = subprocess.run([TRAINERS_PYTHON, str(tmp_path / "readers.py"), str(sf), str(sp), str(dumps)],
-                       capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    r = subprocess.run(
+        [TRAINERS_PYTHON, str(tmp_path / "readers.py"), str(sf), str(sp), str(dumps)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert r.returncode == 0, r.stderr[-4000:]
 
     # SpecForge, both paths: draft input = the aux layers concatenated, target = the post-norm state (bf16, exact),

@@ -203,4 +203,5 @@ def test_local_dir_download_metadata(tmp_path, reads):
 
 def test_hub_id_is_fingerprinted_by_name_and_revision():
     assert fingerprint(Path("org/no-such-local-dir"), "main") == content_hash(
-        {"hub_id": "org/no-such-local-dir", "revision": "main"})
+        {"hub_id": "org/no-such-local-dir", "revision": "main"}
+    )

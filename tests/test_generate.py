@@ -29,8 +29,10 @@ def store_keys(project) -> list[str]:
 
 def stored_rows(project) -> dict[str, tuple[str, list[int]]]:
     with sqlite3.connect(project.path / "store.sqlite") as db:
-        return {k: (f, json.loads(ids) if ids else None)
-                for k, f, ids in db.execute("SELECT key, finish_reason, output_ids FROM responses")}
+        return {
+            k: (f, json.loads(ids) if ids else None)
+            for k, f, ids in db.execute("SELECT key, finish_reason, output_ids FROM responses")
+        }
 
 
 def test_keep_partial_keeps_every_token_and_cancel_continues_cuts(project):
@@ -65,15 +67,23 @@ def test_keep_partial_keeps_every_token_and_cancel_continues_cuts(project):
 
 def usable_rows(project, keys: list[str]) -> int:
     with sqlite3.connect(project.path / "store.sqlite") as db:
-        rows = db.execute(f"SELECT text, completion_tokens, finish_reason FROM responses WHERE key IN "
-                          f"({','.join('?' * len(keys))})", keys).fetchall()
+        rows = db.execute(
+            f"SELECT text, completion_tokens, finish_reason FROM responses WHERE key IN ({','.join('?' * len(keys))})",
+            keys,
+        ).fetchall()
     return sum(1 for text, n, finish in rows if n > 0 and text.strip() and finish in ("stop", "length"))
 
 
 def start_generate(project, *overrides: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    return subprocess.Popen([sys.executable, "-m", "stages.generate", "dataset=B3", *overrides], cwd=project.path,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "stages.generate", "dataset=B3", *overrides],
+        cwd=project.path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def wait_for_rows(project, n: int, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -194,9 +204,17 @@ def test_two_generate_processes_on_one_store_share_it_safely(project, tiny_model
     for name in ("A", "B"):
         project.run("prompts", name)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-m", "stages.generate", f"dataset={name}"], cwd=project.path,
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for name in ("A", "B")]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "stages.generate", f"dataset={name}"],
+            cwd=project.path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for name in ("A", "B")
+    ]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     with sqlite3.connect(project.params["run"]["store_path"]) as db:

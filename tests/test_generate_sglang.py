@@ -33,8 +33,13 @@ def sglang_project(project, tiny_model):
     def start(**kw) -> FakeSGLang:
         srv = FakeSGLang(model_path=str(tiny_model), **kw).start()
         servers.append(srv)
-        project.params["backend"] = {"kind": "sglang", "urls": [srv.url], "backoff_base_s": 0.01,
-                                     "backoff_max_s": 0.05, "request_timeout_s": 30.0}
+        project.params["backend"] = {
+            "kind": "sglang",
+            "urls": [srv.url],
+            "backoff_base_s": 0.01,
+            "backoff_max_s": 0.05,
+            "request_timeout_s": 30.0,
+        }
         project.save()
         return srv
 
@@ -55,8 +60,9 @@ def rows(project) -> dict[str, dict]:
         assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
         db.row_factory = sqlite3.Row
         found = [dict(r) for r in db.execute("SELECT * FROM responses")]
-    out = {r["key"]: dict(r, output_ids=json.loads(r["output_ids"]), prompt_ids=json.loads(r["prompt_ids"]))
-           for r in found}
+    out = {
+        r["key"]: dict(r, output_ids=json.loads(r["output_ids"]), prompt_ids=json.loads(r["prompt_ids"])) for r in found
+    }
     assert len(out) == len(found)  # one row per key
     return out
 
@@ -76,8 +82,11 @@ def test_server_abort_all_mid_run_is_retried_from_the_aborted_tokens(sglang_proj
         while len(srv.generate_calls) < 8 and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.15)  # some tokens into the first batch
-        req = urllib.request.Request(srv.url + "/abort_request", data=json.dumps({"abort_all": True}).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            srv.url + "/abort_request",
+            data=json.dumps({"abort_all": True}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         urllib.request.urlopen(req, timeout=5).read()
 
     operator = threading.Thread(target=abort_all_once_streaming)
@@ -97,15 +106,15 @@ def test_server_abort_all_mid_run_is_retried_from_the_aborted_tokens(sglang_proj
         key = rid.rsplit("-", 1)[0]
         first, second = calls_for(srv, key)[:2]
         prompt = first["input_ids"]
-        partial = second["input_ids"][len(prompt):]
+        partial = second["input_ids"][len(prompt) :]
         assert second["input_ids"][: len(prompt)] == prompt and 0 < len(partial) < MAX_TOKENS
         assert partial == fake_output_ids(prompt, len(partial))
         assert second["sampling_params"]["max_new_tokens"] == MAX_TOKENS - len(partial)
         r = stored[key]
         assert r["finish_reason"] == "length" and r["output_ids"] == partial + fake_output_ids(
-            prompt + partial, MAX_TOKENS - len(partial))
-        assert len(r["prompt_ids"]) + r["completion_tokens"] == len(prompt) + len(partial) + (
-            MAX_TOKENS - len(partial))
+            prompt + partial, MAX_TOKENS - len(partial)
+        )
+        assert len(r["prompt_ids"]) + r["completion_tokens"] == len(prompt) + len(partial) + (MAX_TOKENS - len(partial))
     # every first attempt carried the sampling seed derived from its key
     firsts = {}
     for c in srv.generate_calls:
@@ -157,8 +166,14 @@ def test_kill_during_continuation_loses_nothing(sglang_project):
 
     srv.token_delay_s = 0.05  # slow, so continuations are in flight when the kill lands
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "stages.generate", "dataset=B3", "datasets.B3.token_budget=2000"],
-                            cwd=project.path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stages.generate", "dataset=B3", "datasets.B3.token_budget=2000"],
+        cwd=project.path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 60
     while not any(len(calls_for(srv, k)) >= 2 for k in cut):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "timeout"

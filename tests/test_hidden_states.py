@@ -72,8 +72,12 @@ def test_states_equal_transformers_and_both_conventions_are_exact(hs_project, ti
     hs_project.run("hidden_states", "B3")
     out = hs_project.data("B3") / "hidden_states"
     index = json.loads((out / "index.json").read_text())
-    assert index["layers"] == {"physical": [1, 3, 4], "hf_hidden_states_index": [2, 4, 5],
-                               "sglang_specforge": [1, 3, 4], "vllm_speculators": [2, 4, 5]}
+    assert index["layers"] == {
+        "physical": [1, 3, 4],
+        "hf_hidden_states_index": [2, 4, 5],
+        "sglang_specforge": [1, 3, 4],
+        "vllm_speculators": [2, 4, 5],
+    }
     assert index["final_state"] == "pre_norm" and index["model"]["hidden_size"] == 64
     samples = pq.read_table(hs_project.data("B3") / "samples.parquet").to_pylist()
     reader = HiddenStates(out)
@@ -113,8 +117,10 @@ def test_shard_pack_unpack_round_trip(tmp_path, dtype):
     from stages.shards import SampleStates, ShardReader, torn, write
 
     g = torch.Generator().manual_seed(0)
-    samples = [SampleStates(f"k{i}", list(range(n)), torch.randn(n, 3, 16, generator=g) * 5,
-                            torch.randn(n, 16, generator=g)) for i, n in enumerate([3, 17, 1, 40])]
+    samples = [
+        SampleStates(f"k{i}", list(range(n)), torch.randn(n, 3, 16, generator=g) * 5, torch.randn(n, 16, generator=g))
+        for i, n in enumerate([3, 17, 1, 40])
+    ]
     path = tmp_path / "s.safetensors"
     write(path, samples, dtype, {"x": 1})
     assert not torn(path)
@@ -172,8 +178,14 @@ def test_kill_mid_run_then_resume(hs_project, samples_dir, tmp_path):
     hs_project.set("hidden_states.shard_max_tokens", 1)  # a shard per sample: a kill lands between shards
     hs_project.set("hidden_states.batch_tokens", 1)  # and a forward per sample: slow enough to land at all
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "stages.hidden_states", "dataset=B3"], cwd=hs_project.path,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stages.hidden_states", "dataset=B3"],
+        cwd=hs_project.path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while store_shards(hs_project) < 3:
         assert proc.poll() is None, proc.stdout.read()
@@ -237,8 +249,14 @@ def test_an_interrupted_stage_says_so_in_one_line(hs_project):
     hs_project.set("hidden_states.batch_tokens", 1)
     hs_project.set("hidden_states.shard_max_tokens", 1)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "stages.hidden_states", "dataset=B3"], cwd=hs_project.path,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stages.hidden_states", "dataset=B3"],
+        cwd=hs_project.path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 120
     while store_shards(hs_project) < 2:
         assert proc.poll() is None, proc.communicate()
@@ -290,8 +308,18 @@ def test_non_finite_states_stop_with_the_sample_id(hs_project, monkeypatch):
 
 def test_two_torchrun_ranks_equal_one_process(hs_project, samples_dir, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), "-m", "stages.hidden_states", "dataset=B3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "stages.hidden_states",
+        "dataset=B3",
+    ]
     proc = subprocess.run(cmd, cwd=hs_project.path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("hidden_states dataset=B3")]
@@ -317,8 +345,11 @@ def test_layers_from_a_draft_config_in_either_numbering(hs_project, tmp_path):
     def layers(doc: dict, numbering: str = "auto"):
         path = tmp_path / "draft.json"
         path.write_text(json.dumps(doc))
-        cfg = load_config("B3", [f"hidden_states.draft_config={path}", f"hidden_states.draft_numbering={numbering}"],
-                          params_path=hs_project.path / "params.yaml")
+        cfg = load_config(
+            "B3",
+            [f"hidden_states.draft_config={path}", f"hidden_states.draft_numbering={numbering}"],
+            params_path=hs_project.path / "params.yaml",
+        )
         return resolve_layers(cfg, 8)
 
     speculators = {"speculators_config": {}, "eagle_aux_hidden_state_layer_ids": [2, 4, 5]}
@@ -350,10 +381,12 @@ def test_the_decoder_is_found_inside_a_multimodal_wrapper():
 
     from stages.capture import final_norm_of, find_decoder
 
-    text = LlamaConfig(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128,
-                       vocab_size=512)
-    vision = CLIPVisionConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-                              image_size=32, patch_size=16)
+    text = LlamaConfig(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128, vocab_size=512
+    )
+    vision = CLIPVisionConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=32, patch_size=16
+    )
     model = LlavaForConditionalGeneration(LlavaConfig(text_config=text, vision_config=vision)).eval()
     decoder = find_decoder(model)
     assert len(decoder.layers) == 4 and decoder is model.get_decoder()
@@ -385,8 +418,11 @@ def test_every_file_produced_gets_the_umask_mode(hs_project):
     assert FILE_MODE == 0o666 & ~umask
     files = [p for root in (hs_project.data("B3"), hs_project.path / "store") for p in root.rglob("*") if p.is_file()]
     assert any(p.suffix == ".safetensors" for p in files) and any(p.name == "index.json" for p in files)
-    wrong = {str(p.relative_to(hs_project.path)): oct(p.stat().st_mode & 0o777) for p in files
-             if p.stat().st_mode & 0o777 != FILE_MODE}
+    wrong = {
+        str(p.relative_to(hs_project.path)): oct(p.stat().st_mode & 0o777)
+        for p in files
+        if p.stat().st_mode & 0o777 != FILE_MODE
+    }
     assert not wrong
 
 

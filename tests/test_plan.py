@@ -75,8 +75,9 @@ def test_reusable_tokens_are_what_the_store_holds(project, capsys, tiny_model):
     assert (p.tok_s, p.tok_s_from, p.gpu_s) == (gm["new_tok_per_s"], "measured", 0.0)
     # disk: responses.jsonl measured; hidden states 2·(k+1)·H + the int32 id, k = 3 EAGLE-3 layers of the target
     hidden = json.loads((tiny_model / "config.json").read_text())["hidden_size"]
-    per_token = (project.data("B3") / "responses.jsonl").stat().st_size / (gm["prompt_tokens"] +
-                                                                             gm["completion_tokens"])
+    per_token = (project.data("B3") / "responses.jsonl").stat().st_size / (
+        gm["prompt_tokens"] + gm["completion_tokens"]
+    )
     assert p.responses_from == "measured" and p.responses_bytes == round(p.sequence_tokens * per_token)
     assert p.hidden_bytes == p.sequence_tokens * (2 * 4 * hidden + 4)
     assert p.sequence_tokens > 500  # the prompts come along with a completion budget
@@ -177,8 +178,13 @@ def test_bad_params_stop_the_plan_with_one_line(project):
     project.params["datasets"]["B1"]["token_budget"] = 100
     project.params["datasets"]["B3"]["concurency"] = 8
     project.save()
-    res = subprocess.run([sys.executable, "-m", "stages.plan", "plan.tok_s=100"], cwd=project.path,
-                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    res = subprocess.run(
+        [sys.executable, "-m", "stages.plan", "plan.tok_s=100"],
+        cwd=project.path,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     assert res.returncode == 2 and res.stdout == ""
     assert res.stderr.startswith("error: datasets.B3.concurency: unknown key") and res.stderr.count("\n") == 1
 

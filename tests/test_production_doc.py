@@ -15,8 +15,16 @@ from stages.config import BackendKind, BudgetUnit, load_config
 from conftest import ROOT
 
 DOC = ROOT / "docs" / "production.md"
-DATASETS = ["B1_glaive", "B2_opencodeinstruct", "B3_magicoder", "B4_mixture_of_thoughts", "B5_openthoughts",
-            "B6_ultrachat", "B7_sharegpt", "B8_sweagent"]
+DATASETS = [
+    "B1_glaive",
+    "B2_opencodeinstruct",
+    "B3_magicoder",
+    "B4_mixture_of_thoughts",
+    "B5_openthoughts",
+    "B6_ultrachat",
+    "B7_sharegpt",
+    "B8_sweagent",
+]
 HF_NAMES = {
     "glaiveai/glaive-function-calling-v2": "glaive",
     "nvidia/OpenCodeInstruct": "opencodeinstruct",
@@ -106,5 +114,7 @@ def test_disk_arithmetic_matches_the_budgets(params):
         total += budget
         row = f"| {name} | {budget:,} | {budget * bf16 / 1e9:,.1f} GB | {budget * fp8 / 1e9:,.1f} GB |"
         assert row in text, f"the disk table's row for {name} should read: {row}"
-    assert f"In all: {total:,} tokens, {total * bf16 / 1e9:,.1f} GB in bfloat16, {total * fp8 / 1e9:,.1f} GB in fp8" \
+    assert (
+        f"In all: {total:,} tokens, {total * bf16 / 1e9:,.1f} GB in bfloat16, {total * fp8 / 1e9:,.1f} GB in fp8"
         in text
+    )

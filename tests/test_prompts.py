@@ -56,8 +56,11 @@ def test_bad_rows_are_counted_when_skipped(project):
     project.run("prompts", "B3")
     m = metrics(project)
     assert m["kept"] == 5 and m["rows_read"] == 8
-    assert m["dropped"] == {"bad_json": 1, "missing_field": 1, "no_user_turn": 1} or \
-        m["dropped"] == {"bad_json": 1, "missing_field": 1, "empty_prompt": 1}
+    assert m["dropped"] == {"bad_json": 1, "missing_field": 1, "no_user_turn": 1} or m["dropped"] == {
+        "bad_json": 1,
+        "missing_field": 1,
+        "empty_prompt": 1,
+    }
 
 
 def test_a_line_that_is_not_utf8_is_one_bad_row(project):

@@ -35,8 +35,9 @@ def schema_paths(cls: type = config.Config, prefix: str = "") -> list[str]:
 def test_readme_block_is_the_generators_output():
     readme = (ROOT / "README.md").read_text()
     assert readme.count(reference.START) == 1 and readme.count(reference.END) == 1
-    assert reference.block(readme) == reference.render(), \
+    assert reference.block(readme) == reference.render(), (
         "README.md's configuration reference is stale: run `python -m stages.reference --write`"
+    )
 
 
 def test_every_schema_key_has_a_documented_row():
@@ -60,7 +61,7 @@ def test_dvc_column_follows_dvc_yaml():
 
 
 def test_comments_are_read_from_the_source():
-    source = '''
+    source = """
 class A:
     # prompts
     first: int = 1
@@ -69,7 +70,7 @@ class A:
     second: int = 2  # and beside it
     third: int = 3  # type: ignore[assignment]  # required
     fourth: int = 4
-'''
+"""
     comments = reference.field_comments(source)
     assert ("A", "first") not in comments  # a section header explains nothing
     assert comments[("A", "second")] == "Explains the second key, over two lines. and beside it."
@@ -91,7 +92,9 @@ def test_a_key_without_a_meaning_stops_the_generator():
         reference.keys(Small, SMALL_SOURCE, meanings={})
     rows = reference.keys(Small, SMALL_SOURCE, meanings={"added": "Explained elsewhere."})
     assert [(k.path, k.default, k.dvc, k.meaning) for k in rows] == [
-        ("explained", "`1`", "run-time", "what it does."), ("added", "`2`", "run-time", "Explained elsewhere.")]
+        ("explained", "`1`", "run-time", "what it does."),
+        ("added", "`2`", "run-time", "Explained elsewhere."),
+    ]
 
 
 def test_a_meaning_for_a_key_the_schema_lacks_stops_the_generator():
@@ -102,8 +105,14 @@ def test_a_meaning_for_a_key_the_schema_lacks_stops_the_generator():
 def test_help_shows_the_config_and_runs_nothing(tmp_path):
     (tmp_path / "params.yaml").write_text("tokenize:\n  max_seq_len: 1234\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "stages.tokenize", "dataset=B3_magicoder", "--help"], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "stages.tokenize", "dataset=B3_magicoder", "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage: python -m stages.tokenize dataset=<D> [key=value ...]\n")
     assert "\ntokenize:\n" in proc.stdout
@@ -118,8 +127,9 @@ def test_help_in_the_project_writes_nothing_under_data():
         return {str(p): p.stat().st_mtime for p in data.rglob("*")} if data.exists() else {}
 
     before = snapshot()
-    proc = subprocess.run([sys.executable, "-m", "stages.tokenize", "-h"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "stages.tokenize", "-h"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert "tokenize:" in proc.stdout and "max_seq_len" in proc.stdout
     assert snapshot() == before

@@ -20,8 +20,14 @@ BY_NAME = {s.name: s for s in faults.SCENARIOS}
 # one per kind of outcome: a retried status (SGLang), a reset of a text-only stream (its tokens lost and counted),
 # a broken stream line (tokens parked, continued by a rerun), a stream without usage, all servers dead mid-run and
 # at start (one line, the store kept)
-FAST = ["http_503", "reset_mid_stream_text", "malformed_stream_line", "missing_usage_stream", "all_dead_mid_run",
-        "all_dead_at_start"]
+FAST = [
+    "http_503",
+    "reset_mid_stream_text",
+    "malformed_stream_line",
+    "missing_usage_stream",
+    "all_dead_mid_run",
+    "all_dead_at_start",
+]
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +75,10 @@ def test_a_planted_malformed_row_is_caught(results, ctx, tmp_path):
 
     key, row = next((k, r) for k, r in rows.items() if r["completion_tokens"] > 2)
     with sqlite3.connect(store) as db:
-        db.execute("UPDATE responses SET output_ids = ?, completion_tokens = ? WHERE key = ?",
-                   (json.dumps(row["output_ids"][:-1]), row["completion_tokens"] - 1, key))
+        db.execute(
+            "UPDATE responses SET output_ids = ?, completion_tokens = ? WHERE key = ?",
+            (json.dumps(row["output_ids"][:-1]), row["completion_tokens"] - 1, key),
+        )
     planted = fc.read_store(store)
     assert any(key[:8] in p and "not the answer" in p for p in fc.check_rows(planted, ctx.model, faults.MAX_TOKENS))
     assert any(key[:8] in p for p in fc.check_backing(planted, ev.log, ctx.model))
@@ -92,8 +100,10 @@ def test_a_lost_response_and_miscounted_metrics_are_caught(results, ctx):
     key = next(iter(lost.rows))
     del lost.rows[key]
     assert any("not in the store" in p for p in fc.check_backing(lost.rows, lost.log, ctx.model))
-    assert any("is not the stored complete response" in p
-               for p in fc.check_metrics(lost, res.prompts, text_only=False, unseen_connections=False))
+    assert any(
+        "is not the stored complete response" in p
+        for p in fc.check_metrics(lost, res.prompts, text_only=False, unseen_connections=False)
+    )
 
     miscounted = copy.deepcopy(ev)
     miscounted.metrics["attempt_failures"]["http_503"] = 2

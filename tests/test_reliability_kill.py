@@ -27,8 +27,20 @@ def suite(tmp_path_factory, tiny_model):
     root = tmp_path_factory.mktemp("kill")
     parser = argparse.ArgumentParser()
     kill.add_arguments(parser)
-    args = parser.parse_args(["--trials", "2", "--seed", "1", "--scenarios", "generate_work,hidden_states_write",
-                              "--workdir", str(root), "--model", str(tiny_model)])
+    args = parser.parse_args(
+        [
+            "--trials",
+            "2",
+            "--seed",
+            "1",
+            "--scenarios",
+            "generate_work,hidden_states_write",
+            "--workdir",
+            str(root),
+            "--model",
+            str(tiny_model),
+        ]
+    )
     return kill.run(args), kill.Project(root / "clean")
 
 
@@ -55,9 +67,11 @@ def test_a_key_stored_twice_is_found(suite, tmp_path):
     store = copy_store(clean.store, tmp_path / "store.sqlite")
     assert checks.sqlite_problems(store, {"responses": "key"}) == []
     with sqlite3.connect(store) as db:  # the same table without its primary key, one row twice
-        db.executescript("CREATE TABLE plain AS SELECT * FROM responses; DROP TABLE responses; "
-                         "ALTER TABLE plain RENAME TO responses; "
-                         "INSERT INTO responses SELECT * FROM responses LIMIT 1;")
+        db.executescript(
+            "CREATE TABLE plain AS SELECT * FROM responses; DROP TABLE responses; "
+            "ALTER TABLE plain RENAME TO responses; "
+            "INSERT INTO responses SELECT * FROM responses LIMIT 1;"
+        )
     assert kinds(checks.sqlite_problems(store, {"responses": "key"})) == {"duplicated": 1}
 
 
@@ -65,7 +79,7 @@ def test_a_corrupt_store_is_found(suite, tmp_path):
     _, clean = suite
     store = copy_store(clean.store, tmp_path / "store.sqlite")
     data = bytearray(store.read_bytes())
-    data[4096:3 * 4096] = b"\xff" * (2 * 4096)  # pages 2 and 3 overwritten
+    data[4096 : 3 * 4096] = b"\xff" * (2 * 4096)  # pages 2 and 3 overwritten
     store.write_bytes(bytes(data))
     assert kinds(checks.sqlite_problems(store, {"responses": "key"})) == {"lost": 1}
 
@@ -76,8 +90,12 @@ def test_half_written_outputs_are_found(suite, tmp_path):
     assert checks.file_problems(outputs) == []
     cut = tmp_path / "cut"
     shutil.copytree(clean.data, cut)
-    planted = [cut / "responses.jsonl", cut / "samples.parquet", cut / "hidden_states" / "samples.parquet",
-               next((cut / "hidden_states" / "shards").iterdir())]
+    planted = [
+        cut / "responses.jsonl",
+        cut / "samples.parquet",
+        cut / "hidden_states" / "samples.parquet",
+        next((cut / "hidden_states" / "shards").iterdir()),
+    ]
     for path in planted:
         data = path.read_bytes()
         path.write_bytes(data[: len(data) // 2].rstrip(b"\n"))  # cut inside a line, not after one
@@ -146,7 +164,8 @@ def test_the_restarts_accounting_is_checked(suite):
     assert checks.accounting(store, store, {"reused_from_store": usable, "newly_generated": 0}) == []
     # a restart that sent two stored responses again, and one that says it generated a response that never landed
     assert kinds(checks.accounting(store, store, {"reused_from_store": usable - 2, "newly_generated": 0})) == {
-        "duplicated": 2}
+        "duplicated": 2
+    }
     assert kinds(checks.accounting(store, store, {"reused_from_store": usable, "newly_generated": 1})) == {"lost": 1}
 
 
@@ -157,19 +176,38 @@ def test_the_wire_is_checked_against_the_store():
     killed = [Exchange("/v1/chat/completions", 1, 0.0, 200, 10.0), Exchange("/v1/chat/completions", 2, 0.0, 200, 11.0)]
     restart = [Exchange("/v1/chat/completions", 3, 20.0, 200, 21.0)]
     # b was still in flight (delivered after the last commit): a restart that generated it again is fine
-    ok = checks.wire_problems(killed, restart + [Exchange("/v1/chat/completions", 2, 20.0, 200, 22.0)],
-                              {"a": row}, {"a": row, "b": row, "c": row}, keys)
+    ok = checks.wire_problems(
+        killed,
+        restart + [Exchange("/v1/chat/completions", 2, 20.0, 200, 22.0)],
+        {"a": row},
+        {"a": row, "b": row, "c": row},
+        keys,
+    )
     assert ok == []
     # a was delivered before b, which was committed: a was no longer in flight, and it is gone
-    assert kinds(checks.wire_problems(killed, restart + [Exchange("/v1/chat/completions", 1, 20.0, 200, 22.0)],
-                                      {"b": row}, {"a": row, "b": row, "c": row}, keys)) == {"lost": 1}
+    assert kinds(
+        checks.wire_problems(
+            killed,
+            restart + [Exchange("/v1/chat/completions", 1, 20.0, 200, 22.0)],
+            {"b": row},
+            {"a": row, "b": row, "c": row},
+            keys,
+        )
+    ) == {"lost": 1}
     # the restart asked again for a, stored before the kill; c delivered but never stored
-    assert kinds(checks.wire_problems(killed, restart + [Exchange("/v1/chat/completions", 1, 20.0, 200, 22.0)],
-                                      {"a": row, "b": row}, {"a": row, "b": row}, keys)) == {"duplicated": 1,
-                                                                                             "lost": 1}
+    assert kinds(
+        checks.wire_problems(
+            killed,
+            restart + [Exchange("/v1/chat/completions", 1, 20.0, 200, 22.0)],
+            {"a": row, "b": row},
+            {"a": row, "b": row},
+            keys,
+        )
+    ) == {"duplicated": 1, "lost": 1}
     # a stored response no server delivered
-    assert kinds(checks.wire_problems(killed, restart, {"a": row, "b": row},
-                                      {"a": row, "b": row, "c": row, "d": row}, keys)) == {"stale": 1}
+    assert kinds(
+        checks.wire_problems(killed, restart, {"a": row, "b": row}, {"a": row, "b": row, "c": row, "d": row}, keys)
+    ) == {"stale": 1}
 
 
 def test_rows_against_the_clean_run():
@@ -222,4 +260,6 @@ def test_the_proxy_marks_an_answer_delivered_only_when_it_ended():
         loop.call_soon_threadsafe(loop.stop)
         thread.join()
     assert [(e.path, e.seed, e.status, e.complete) for e in proxy.exchanges()] == [
-        ("/ended", 7, 200, True), ("/cut", 8, 200, False)]
+        ("/ended", 7, 200, True),
+        ("/cut", 8, 200, False),
+    ]

@@ -43,18 +43,26 @@ def test_a_key_pasted_into_api_key_env_is_refused_without_echo(value):
     assert err.value.key == "backend.api_key_env" and value not in str(err.value) and "NAME" in str(err.value)
 
 
-@pytest.mark.parametrize(("url", "says"), [
-    ("127.0.0.1:8000", "http:// or https://"), ("ftp://host:1", "http:// or https://"), ("http://", "no host"),
-    ("http://host:port", "port"), ("http://host:99999", "port"), ("http://host :8000", "without spaces"),
-    ("http://host:8000/?x=1", "base URL"),
-])
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("127.0.0.1:8000", "http:// or https://"),
+        ("ftp://host:1", "http:// or https://"),
+        ("http://", "no host"),
+        ("http://host:port", "port"),
+        ("http://host:99999", "port"),
+        ("http://host :8000", "without spaces"),
+        ("http://host:8000/?x=1", "base URL"),
+    ],
+)
 def test_server_urls_are_validated(url, says):
     cfg = BackendConfig(kind=BackendKind.sglang, urls=["http://127.0.0.1:30000", url])
     with pytest.raises(ConfigError) as err:
         cfg.check("backend")
     assert err.value.key == "backend.urls[1]" and says in str(err.value) and "\n" not in str(err.value)
-    BackendConfig(kind=BackendKind.sglang, urls=["http://127.0.0.1:30000", "https://gpu-3.cluster:8443/sglang"]) \
-        .check("backend")
+    BackendConfig(kind=BackendKind.sglang, urls=["http://127.0.0.1:30000", "https://gpu-3.cluster:8443/sglang"]).check(
+        "backend"
+    )
 
 
 def test_chat_templates_render_in_a_sandbox(tiny_model, tmp_path):
@@ -77,18 +85,22 @@ def test_a_model_s_own_code_runs_only_when_trusted(tiny_model, tmp_path):
     model = tmp_path / "custom"
     shutil.copytree(tiny_model, model)
     config = json.loads((model / "config.json").read_text())
-    config["auto_map"] = {"AutoConfig": "custom_config.CustomConfig",
-                          "AutoModelForCausalLM": "custom_model.CustomForCausalLM"}
+    config["auto_map"] = {
+        "AutoConfig": "custom_config.CustomConfig",
+        "AutoModelForCausalLM": "custom_model.CustomForCausalLM",
+    }
     config["model_type"] = "custom_llama"
     (model / "config.json").write_text(json.dumps(config))
     marker = tmp_path / "ran.txt"
     (model / "custom_config.py").write_text(
         "from pathlib import Path\nfrom transformers import LlamaConfig\n"
         f"Path({str(marker)!r}).write_text('ran')\n"
-        "class CustomConfig(LlamaConfig):\n    model_type = 'custom_llama'\n")
+        "class CustomConfig(LlamaConfig):\n    model_type = 'custom_llama'\n"
+    )
     (model / "custom_model.py").write_text(
         "from transformers import LlamaForCausalLM\nfrom .custom_config import CustomConfig\n"
-        "class CustomForCausalLM(LlamaForCausalLM):\n    config_class = CustomConfig\n")
+        "class CustomForCausalLM(LlamaForCausalLM):\n    config_class = CustomConfig\n"
+    )
     with pytest.raises(ConfigError) as err:
         load_model(ModelConfig(path=str(model)))
     assert err.value.key == "model.trust_remote_code" and not marker.exists()

@@ -733,15 +733,17 @@ def test_glaive_bad_rows(row, reason, named):
 def test_swe_agent_prompts_end_before_the_submit_aftermath(submit):
     """Trajectories often go on after `submit` (the patch shown back to the agent): the prompt must not ask the
     target for a turn after the episode's end, so it ends at the observation that preceded the submit."""
-    row = {"trajectory": [
-        {"role": "system", "text": "You are an agent."},
-        {"role": "user", "text": "Fix the bug."},
-        {"role": "ai", "text": "DISCUSSION\nLook.\n```\nls\n```"},
-        {"role": "user", "text": "a.py b.py\nbash-$"},
-        {"role": "ai", "text": submit},
-        {"role": "user", "text": "diff --git a/a.py b/a.py\n(Open file: n/a)\nbash-$"},
-        {"role": "ai", "text": "DISCUSSION\nThe episode is over.\n```\nexit\n```"},
-    ]}
+    row = {
+        "trajectory": [
+            {"role": "system", "text": "You are an agent."},
+            {"role": "user", "text": "Fix the bug."},
+            {"role": "ai", "text": "DISCUSSION\nLook.\n```\nls\n```"},
+            {"role": "user", "text": "a.py b.py\nbash-$"},
+            {"role": "ai", "text": submit},
+            {"role": "user", "text": "diff --git a/a.py b/a.py\n(Open file: n/a)\nbash-$"},
+            {"role": "ai", "text": "DISCUSSION\nThe episode is over.\n```\nexit\n```"},
+        ]
+    }
     prompt = to_prompt("swe_agent", row)
     assert prompt.messages[-1] == {"role": "user", "content": "a.py b.py\nbash-$"}
     assert not any("diff --git" in m["content"] for m in prompt.messages)

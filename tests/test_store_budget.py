@@ -11,9 +11,19 @@ from stages.store import ResponseStore, StoredResponse
 
 
 def resp(key: str, n: int = 5) -> StoredResponse:
-    return StoredResponse(key=key, dataset="D", prompt_id="p" + key, text="hi", prompt_tokens=3, completion_tokens=n,
-                          finish_reason="stop", server="s", latency_s=0.1, prompt_ids=[1, 2, 3],
-                          output_ids=list(range(n)))
+    return StoredResponse(
+        key=key,
+        dataset="D",
+        prompt_id="p" + key,
+        text="hi",
+        prompt_tokens=3,
+        completion_tokens=n,
+        finish_reason="stop",
+        server="s",
+        latency_s=0.1,
+        prompt_ids=[1, 2, 3],
+        output_ids=list(range(n)),
+    )
 
 
 def test_store_round_trip_survives_reopen_and_never_duplicates(tmp_path):
@@ -201,3 +211,25 @@ def test_a_store_on_a_network_file_system_leaves_wal_with_a_warning(tmp_path, mo
         db.close()
     out = capsys.readouterr().out
     assert out.count("network file system (nfs4)") == 2 and "run.store_path" in out
+
+
+def test_stores_open_side_by_side_from_several_processes(tmp_path):
+    """torchrun ranks open one new store at the same moment: none may fail with "database is locked"."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    code = (
+        "import sys; from pathlib import Path; from stages.state_store import StateStore; "
+        "from stages.store import ResponseStore; StateStore(Path(sys.argv[1]) / 'states').close(); "
+        "ResponseStore(Path(sys.argv[1]) / 'store.sqlite').close()"
+    )
+    for attempt in range(3):
+        root = tmp_path / str(attempt)
+        procs = [
+            subprocess.Popen([sys.executable, "-c", code, str(root)], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+            for _ in range(6)
+        ]
+        errors = [p.communicate(timeout=120)[1] for p in procs]
+        assert [p.returncode for p in procs] == [0] * 6, errors

@@ -134,8 +134,13 @@ def test_earlier_assistant_turns_are_not_trained(path):
     tok = tokenizer(g["template"])
     start = split(g["loss_mask"])
     # The untrained part is exactly the prompt the target was sent, every earlier turn included.
-    prompt = tok.apply_chat_template(template_messages(g["messages"]), tools=g["tools"], add_generation_prompt=True,
-                                     tokenize=False, **g["template_kwargs"])
+    prompt = tok.apply_chat_template(
+        template_messages(g["messages"]),
+        tools=g["tools"],
+        add_generation_prompt=True,
+        tokenize=False,
+        **g["template_kwargs"],
+    )
     assert g["rendered"].startswith(prompt)
     assert tok.decode(g["input_ids"][:start]) == prompt
     earlier = [m for m in g["messages"] if m["role"] == "assistant"]
@@ -154,8 +159,11 @@ def test_id_path_agrees_with_text_path(path):
     g = load(path)
     tok = tokenizer(g["template"])
     kwargs = dict(g["template_kwargs"])
-    prompt_ids = list(tok.apply_chat_template(g["messages"], tools=g["tools"], add_generation_prompt=True,
-                                              tokenize=True, return_dict=False, **kwargs))
+    prompt_ids = list(
+        tok.apply_chat_template(
+            g["messages"], tools=g["tools"], add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
+        )
+    )
     output_ids = tok.encode(g["completion"], add_special_tokens=False) + [eot_id(tok, g)]
     ids, mask = from_ids(prompt_ids, output_ids)
     assert_same_tokens(tok, g["input_ids"], ids, "id path input_ids vs golden (text path)")
@@ -202,8 +210,9 @@ def test_template_renders_demo_prompts(template, demo):
     completion = "Done: the answer is 42."
     for kwargs in TEMPLATE_KWARGS[template]:
         for p in demo_prompts(demo):
-            text = tok.apply_chat_template(template_messages(p.messages), tools=p.tools, add_generation_prompt=True,
-                                           tokenize=False, **kwargs)
+            text = tok.apply_chat_template(
+                template_messages(p.messages), tools=p.tools, add_generation_prompt=True, tokenize=False, **kwargs
+            )
             assert text and all(m["content"] in text for m in p.messages if m["role"] == "user")
             rec = {"messages": p.messages, "text": completion}
             if p.tools:
@@ -211,6 +220,9 @@ def test_template_renders_demo_prompts(template, demo):
             ids, mask = from_text(tok, rec, kwargs)
             start = split(mask)
             assert tok.decode(ids[start:]) == completion + eot
-            prompt_ids = list(tok.apply_chat_template(p.messages, tools=p.tools, add_generation_prompt=True,
-                                                      tokenize=True, return_dict=False, **kwargs))
+            prompt_ids = list(
+                tok.apply_chat_template(
+                    p.messages, tools=p.tools, add_generation_prompt=True, tokenize=True, return_dict=False, **kwargs
+                )
+            )
             assert_same_tokens(tok, prompt_ids, ids[:start], f"{demo} {kwargs}: prompt ids (id path) vs text path")

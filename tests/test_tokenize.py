@@ -25,14 +25,23 @@ def tok(tiny_model):
     return load_tokenizer(ModelConfig(path=str(tiny_model)))
 
 
-def response(tok, rid: str, messages: list[dict], text: str, *, ids: bool, finish: str = "stop", tools=None,
-             output_ids=None) -> dict:
+def response(
+    tok, rid: str, messages: list[dict], text: str, *, ids: bool, finish: str = "stop", tools=None, output_ids=None
+) -> dict:
     prompt_ids = render_prompt_ids(tok, messages, tools, {})
     if output_ids is None:
         output_ids = tok.encode(text, add_special_tokens=False) + ([tok.eos_token_id] if finish == "stop" else [])
-    rec = {"id": rid, "key": rid, "messages": messages, "text": text, "prompt_tokens": len(prompt_ids),
-           "completion_tokens": len(output_ids), "finish_reason": finish,
-           "prompt_ids": prompt_ids if ids else None, "output_ids": output_ids if ids else None}
+    rec = {
+        "id": rid,
+        "key": rid,
+        "messages": messages,
+        "text": text,
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": len(output_ids),
+        "finish_reason": finish,
+        "prompt_ids": prompt_ids if ids else None,
+        "output_ids": output_ids if ids else None,
+    }
     if tools:
         rec["tools"] = tools
     return rec
@@ -48,12 +57,25 @@ def run_tokenize(project, records: list[dict]) -> tuple[list[dict], dict]:
 
 
 def test_text_path_equals_id_path_with_history_and_tools(tok):
-    tools = [{"type": "function", "function": {"name": "lookup", "description": "Look up a number",
-                                               "parameters": {"type": "object", "properties": {}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "lookup",
+                "description": "Look up a number",
+                "parameters": {"type": "object", "properties": {}},
+            },
+        }
+    ]
     messages = HISTORY[:3] + [
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": "{\"n\": 11}"}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "{\"prime\": true}"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"n": 11}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"prime": true}'},
     ]
     for msgs, t in ((HISTORY, None), (messages, tools)):
         rec = response(tok, "a", msgs, "Eleven is prime.", ids=True, tools=t)
@@ -70,7 +92,7 @@ def test_text_path_equals_id_path_with_history_and_tools(tok):
 def test_truncated_text_path_leaves_out_the_unproduced_end_of_turn(tok):
     rec = response(tok, "a", HISTORY, "Thirteen is", ids=False, finish="length")
     ids, mask = from_text(tok, rec, {})
-    assert tok.eos_token_id not in ids[mask.index(1):]
+    assert tok.eos_token_id not in ids[mask.index(1) :]
     assert sum(mask) == rec["completion_tokens"]
 
 
@@ -107,23 +129,36 @@ def test_every_skip_reason_is_counted(project, tok, tiny_model):
     unstable = tiny_model.parent / "unstable.jinja"
     unstable.write_text(
         "{% for m in messages %}<|im_start|>{{ m.role }}{% if m.role == 'assistant' %}:{% endif %}\n"
-        "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+        "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     no_end = tiny_model.parent / "no_end.jinja"
-    no_end.write_text("{% for m in messages %}{{ m.role }}:\n{{ m.content }}\n{% endfor %}"
-                      "{% if add_generation_prompt %}assistant:\n{% endif %}")
+    no_end.write_text(
+        "{% for m in messages %}{{ m.role }}:\n{{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:\n{% endif %}"
+    )
     altering = tiny_model.parent / "altering.jinja"
-    altering.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | upper }}<|im_end|>\n"
-                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    altering.write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | upper }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     before_end = tiny_model.parent / "before_end.jinja"  # writes text between the response and its end of turn
-    before_end.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
-                          "{% if m.role == 'assistant' %} [done]{% endif %}<|im_end|>\n{% endfor %}"
-                          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    before_end.write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+        "{% if m.role == 'assistant' %} [done]{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
     raising = tiny_model.parent / "raising.jinja"
-    raising.write_text("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system') }}"
-                       "{% endif %}{{ m.content }}{% endfor %}")
-    for template, reason in ((unstable, "template_not_prefix_stable"), (altering, "template_alters_response"),
-                             (no_end, "no_end_of_turn"), (before_end, "text_before_end_of_turn"),
-                             (raising, "template_error:TemplateError")):
+    raising.write_text(
+        "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system') }}"
+        "{% endif %}{{ m.content }}{% endfor %}"
+    )
+    for template, reason in (
+        (unstable, "template_not_prefix_stable"),
+        (altering, "template_alters_response"),
+        (no_end, "no_end_of_turn"),
+        (before_end, "text_before_end_of_turn"),
+        (raising, "template_error:TemplateError"),
+    ):
         project.set("model.chat_template", str(template))
         _, m = run_tokenize(project, [text_only])
         assert m["skipped"] == {reason: 1}, (template.name, m)
@@ -146,8 +181,16 @@ def test_process_pool_gives_the_same_samples(project, tok, monkeypatch):
     import stages.tokenize as tz
     from stages.config import load_config
 
-    recs = [response(tok, f"r{i}", HISTORY[:1] + [{"role": "user", "content": f"Count to {i}."}],
-                     f"{i} apples " * (i % 7 + 1), ids=False) for i in range(40)]
+    recs = [
+        response(
+            tok,
+            f"r{i}",
+            HISTORY[:1] + [{"role": "user", "content": f"Count to {i}."}],
+            f"{i} apples " * (i % 7 + 1),
+            ids=False,
+        )
+        for i in range(40)
+    ]
     cfg = load_config("B3", params_path=project.path / "params.yaml")
     serial, _ = tz.build_samples(recs, tok, cfg)
     monkeypatch.setattr(tz, "PARALLEL_MIN_RECORDS", 10)
@@ -197,6 +240,8 @@ def test_end_of_turn_ids_come_from_tokenizer_generation_config_and_template(tiny
     assert 42 not in end_of_turn_ids(tok, None)
     # a template's own end of turn counts, though neither the eos nor a known name
     tok.add_special_tokens({"additional_special_tokens": ["<|turn_done|>"]})
-    tok.chat_template = ("{% for m in messages %}{{ m.role }}: {{ m.content }}<|turn_done|>{% endfor %}"
-                         "{% if add_generation_prompt %}assistant: {% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}<|turn_done|>{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
     assert tok.convert_tokens_to_ids("<|turn_done|>") in end_of_turn_ids(tok, None)

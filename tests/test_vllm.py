@@ -26,8 +26,11 @@ from stages.target import load_tokenizer, render_prompt_ids
 from conftest import DEMO, server_process
 
 VLLM_PYTHON = os.environ.get("DRAFTDATA_VLLM_PYTHON")
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600),
-              pytest.mark.skipif(not VLLM_PYTHON, reason="set DRAFTDATA_VLLM_PYTHON to a Python with vLLM")]
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(not VLLM_PYTHON, reason="set DRAFTDATA_VLLM_PYTHON to a Python with vLLM"),
+]
 SAMPLING = {"temperature": 0.8, "top_p": 0.95, "top_k": -1}
 
 
@@ -51,8 +54,18 @@ def vllm(tmp_path_factory):
     model = build(root / "tiny-vllm", mean_response_tokens=10**6)
 
     def argv(port: int) -> list[str]:
-        return [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--enforce-eager",
-                "--host", "127.0.0.1", "--port", str(port)]
+        return [
+            VLLM_PYTHON,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--enforce-eager",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        ]
 
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
     with server_process(argv, root / "vllm.log", env, timeout=300) as url:
@@ -60,9 +73,14 @@ def vllm(tmp_path_factory):
 
 
 def config(url: str, model: Path) -> Config:
-    return Config(model=ModelConfig(path=str(model)), datasets={"d": DatasetConfig(concurrency=8)}, dataset="d",
-                  backend=BackendConfig(kind=BackendKind.openai, urls=[url], prompt_format="ids",
-                                        return_token_ids=True, request_timeout_s=120))
+    return Config(
+        model=ModelConfig(path=str(model)),
+        datasets={"d": DatasetConfig(concurrency=8)},
+        dataset="d",
+        backend=BackendConfig(
+            kind=BackendKind.openai, urls=[url], prompt_format="ids", return_token_ids=True, request_timeout_s=120
+        ),
+    )
 
 
 @asynccontextmanager
@@ -144,8 +162,17 @@ def test_seeded_requests_repeat_and_a_partial_is_continued(vllm):
                 req = GenRequest("s", ids, [], None, 24, SAMPLING, stream=True, seed=seed)
                 out.append((await backend.generate(req)).output_ids)
             partial = out[0][:10]
-            cont = GenRequest("c", ids, [], None, 24, SAMPLING, stream=True, seed=7,
-                              partial=Partial(list(partial), tok.decode(partial), len(partial)))
+            cont = GenRequest(
+                "c",
+                ids,
+                [],
+                None,
+                24,
+                SAMPLING,
+                stream=True,
+                seed=7,
+                partial=Partial(list(partial), tok.decode(partial), len(partial)),
+            )
             return out, partial, await backend.generate(cont)
 
     (a, b, c), partial, res = asyncio.run(go())
@@ -195,8 +222,14 @@ def vllm_engine(request, capture_target):
     with pytest.MonkeyPatch.context() as mp:
         for k, v in CAPTURE_ENV.items():
             mp.setenv(k, v)
-        engine = VLLMEngine(ModelConfig(path=str(capture_target)), CAPTURE_LAYERS, python=VLLM_PYTHON,
-                            max_batch_tokens=512, llm_kwargs={"dtype": "float32"}, capture=request.param)
+        engine = VLLMEngine(
+            ModelConfig(path=str(capture_target)),
+            CAPTURE_LAYERS,
+            python=VLLM_PYTHON,
+            max_batch_tokens=512,
+            llm_kwargs={"dtype": "float32"},
+            capture=request.param,
+        )
     try:
         yield engine
     finally:
@@ -218,8 +251,10 @@ def test_vllm_engine_matches_transformers(vllm_engine, capture_target):
     batch = capture_batch(model.config.vocab_size)
     start = time.perf_counter()
     got = vllm_engine.forward(batch)
-    print(f"\nVLLMEngine.forward ({vllm_engine.capture}), {sum(map(len, batch))} tokens: "
-          f"{time.perf_counter() - start:.3f}s")
+    print(
+        f"\nVLLMEngine.forward ({vllm_engine.capture}), {sum(map(len, batch))} tokens: "
+        f"{time.perf_counter() - start:.3f}s"
+    )
     reference = HFEngine(cfg, CAPTURE_LAYERS)
     want = reference.forward(batch)
     reference.close()
@@ -312,9 +347,11 @@ def test_vllm_engine_never_hangs_on_a_dead_worker(tmp_path, behaviour):
     from stages.capture_vllm import VLLMEngine
     from stages.config import UserError
 
-    script = {"silent": "import time; time.sleep(600)",
-              "exits": "import sys; print('RuntimeError: CUDA out of memory', file=sys.stderr); sys.exit(3)",
-              "dies_in_batch": FAKE_WORKER}[behaviour]
+    script = {
+        "silent": "import time; time.sleep(600)",
+        "exits": "import sys; print('RuntimeError: CUDA out of memory', file=sys.stderr); sys.exit(3)",
+        "dies_in_batch": FAKE_WORKER,
+    }[behaviour]
     (tmp_path / "fake.py").write_text(script)
     python = tmp_path / "python"
     python.write_text(f'#!/bin/sh\nexec {sys.executable} {tmp_path / "fake.py"} "$@"\n')
@@ -325,9 +362,11 @@ def test_vllm_engine_never_hangs_on_a_dead_worker(tmp_path, behaviour):
         engine.forward([[1, 2, 3]])
     message = str(e.value)
     assert "\n" not in message and time.monotonic() - start < 30, message
-    expected = {"silent": "no answer from the worker in 5s",
-                "exits": "status 3) while loading the model: RuntimeError: CUDA out of memory",
-                "dies_in_batch": "status 3) while running a batch: RuntimeError: CUDA error"}[behaviour]
+    expected = {
+        "silent": "no answer from the worker in 5s",
+        "exits": "status 3) while loading the model: RuntimeError: CUDA out of memory",
+        "dies_in_batch": "status 3) while running a batch: RuntimeError: CUDA error",
+    }[behaviour]
     assert expected in message, message
     Path(re.search(r"log: (\S+?)\)", message).group(1)).unlink()
 

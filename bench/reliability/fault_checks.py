@@ -32,8 +32,13 @@ COMPLETE = ("stop", "length")
 PARKED = ("budget_cut", "interrupted")
 # The client's failure code for each way an attempt ended in the server's log (stages/backends/http.py). Anything
 # not here (`disconnected`, `aborted`) is an answer the client dropped on its own: never expected in these runs.
-CODE = {"reset": "connection", "killed": "connection", "stall": "timeout", "malformed": "bad_response",
-        "no_usage": "bad_response"}
+CODE = {
+    "reset": "connection",
+    "killed": "connection",
+    "stall": "timeout",
+    "malformed": "bad_response",
+    "no_usage": "bad_response",
+}
 NOT_RETRIED = {"bad_response"}  # retrying a broken answer only repeats it: the request fails at once
 
 
@@ -57,19 +62,30 @@ def build_target(path: Path) -> Path:
 
 def dataset_params(max_prompts: int, max_tokens: int, concurrency: int) -> dict:
     """A budget no run reaches: every prompt is answered, so every count has one right value."""
-    return {"source": {"shape": SHAPE, "path": str(DEMO / f"{DATASET}.jsonl.gz")}, "max_prompts": max_prompts,
-            "max_prompt_tokens": 512, "shuffle_seed": 0, "on_bad_record": "fail", "token_budget": 10**7,
-            "budget_unit": "completion", "max_tokens": max_tokens,
-            "sampling": {"temperature": 0.8, "top_p": 0.95, "top_k": -1}, "on_budget": "cancel",
-            "on_truncation": "keep", "concurrency": concurrency}
+    return {
+        "source": {"shape": SHAPE, "path": str(DEMO / f"{DATASET}.jsonl.gz")},
+        "max_prompts": max_prompts,
+        "max_prompt_tokens": 512,
+        "shuffle_seed": 0,
+        "on_bad_record": "fail",
+        "token_budget": 10**7,
+        "budget_unit": "completion",
+        "max_tokens": max_tokens,
+        "sampling": {"temperature": 0.8, "top_p": 0.95, "top_k": -1},
+        "on_budget": "cancel",
+        "on_truncation": "keep",
+        "concurrency": concurrency,
+    }
 
 
 def write_project(path: Path, model: Path, dataset: dict, backend: dict, run: Optional[dict] = None) -> Path:
     path.mkdir(parents=True, exist_ok=True)
-    params = {"model": {"path": str(model), "revision": None, "chat_template": None, "template_kwargs": {}},
-              "backend": backend,
-              "run": {"store_path": str(path / "store.sqlite"), "log_every_s": 60.0, **(run or {})},
-              "datasets": {DATASET: dataset}}
+    params = {
+        "model": {"path": str(model), "revision": None, "chat_template": None, "template_kwargs": {}},
+        "backend": backend,
+        "run": {"store_path": str(path / "store.sqlite"), "log_every_s": 60.0, **(run or {})},
+        "datasets": {DATASET: dataset},
+    }
     (path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     return path
 
@@ -77,8 +93,14 @@ def write_project(path: Path, model: Path, dataset: dict, backend: dict, run: Op
 def run_stage(project: Path, stage: str, timeout_s: float = 300.0) -> subprocess.CompletedProcess:
     """`python -m stages.<stage> dataset=<D>` in the project, as DVC runs it."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", f"stages.{stage}", f"dataset={DATASET}"], cwd=project, env=env,
-                          capture_output=True, text=True, timeout=timeout_s)
+    return subprocess.run(
+        [sys.executable, "-m", f"stages.{stage}", f"dataset={DATASET}"],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
 
 
 def copy_prompts(source_project: Path, project: Path) -> int:
@@ -106,8 +128,10 @@ class Evidence:
 def gather(project: Path, proc: subprocess.CompletedProcess, log: list[Attempt], since: float) -> Evidence:
     """Outputs are read only if this run wrote them (newer than `since`, the run's start)."""
     out = project / "data" / DATASET
-    fresh = [p if p.exists() and p.stat().st_mtime >= since else None
-             for p in (out / "responses.jsonl", out / "generate_metrics.json")]
+    fresh = [
+        p if p.exists() and p.stat().st_mtime >= since else None
+        for p in (out / "responses.jsonl", out / "generate_metrics.json")
+    ]
     responses = [json.loads(line) for line in fresh[0].read_text().splitlines() if line.strip()] if fresh[0] else None
     metrics = json.loads(fresh[1].read_text()) if fresh[1] else None
     return Evidence(proc.returncode, proc.stderr, read_store(project / "store.sqlite"), responses, metrics, log)
@@ -227,8 +251,9 @@ def check_metrics(ev: Evidence, prompts: int, text_only: bool, unseen_connection
     got = Counter(m["attempt_failures"])
     if unseen_connections:
         if got["connection"] < attempts["connection"]:
-            problems.append(f"attempt_failures.connection {got['connection']} < {attempts['connection']} cut "
-                            "by the server")
+            problems.append(
+                f"attempt_failures.connection {got['connection']} < {attempts['connection']} cut by the server"
+            )
         got.pop("connection", None)
         attempts.pop("connection", None)
     if got != attempts:
@@ -245,13 +270,23 @@ def check_metrics(ev: Evidence, prompts: int, text_only: bool, unseen_connection
         problems.append("responses.jsonl repeats a prompt")
     want = prompts - sum(failed.values())
     if not m["responses"] == len(out) == want:
-        problems.append(f"responses {m['responses']}, responses.jsonl {len(out)}, expected {want} "
-                        f"({prompts} prompts, {sum(failed.values())} failed)")
+        problems.append(
+            f"responses {m['responses']}, responses.jsonl {len(out)}, expected {want} "
+            f"({prompts} prompts, {sum(failed.values())} failed)"
+        )
     tokens = sum(rec["completion_tokens"] for rec in out)
     parked = sum(r["completion_tokens"] for r in ev.rows.values() if r["finish_reason"] in PARKED)
-    figures = {"completion_tokens": tokens, "kept_tokens": tokens, "parked_tokens": parked, "lost_tokens": lost,
-               "new_tokens": tokens + parked + lost, "wasted_tokens": parked + lost, "lost_estimated": False,
-               "reused_from_store": 0, "continued": 0}
+    figures = {
+        "completion_tokens": tokens,
+        "kept_tokens": tokens,
+        "parked_tokens": parked,
+        "lost_tokens": lost,
+        "new_tokens": tokens + parked + lost,
+        "wasted_tokens": parked + lost,
+        "lost_estimated": False,
+        "reused_from_store": 0,
+        "continued": 0,
+    }
     for name, value in figures.items():
         if m[name] != value:
             problems.append(f"{name} {m[name]}, expected {value}")
@@ -270,15 +305,26 @@ def check_rerun(ev: Evidence, first: Evidence, prompts: int) -> list[str]:
     done_before = len(first.rows) - len(missing)
     owners = Counter(k for a in ev.log for k, r in ev.rows.items() if _backing(r, a))
     if not len(ev.log) == sum(owners.values()) == prompts - done_before or any(n != 1 for n in owners.values()):
-        problems.append(f"the rerun sent {len(ev.log)} requests, expected one for each of the "
-                        f"{prompts - done_before} prompts without a response")
+        problems.append(
+            f"the rerun sent {len(ev.log)} requests, expected one for each of the "
+            f"{prompts - done_before} prompts without a response"
+        )
     for k, r in parked.items():
         now = ev.rows.get(k)
-        if now is None or now["finish_reason"] not in COMPLETE or now["output_ids"][: len(r["output_ids"])] != \
-                r["output_ids"]:
+        if (
+            now is None
+            or now["finish_reason"] not in COMPLETE
+            or now["output_ids"][: len(r["output_ids"])] != r["output_ids"]
+        ):
             problems.append(f"row {k[:8]}: the parked partial was not continued into a complete response")
-    figures = {"responses": prompts, "failed": {}, "attempt_failures": {}, "reused_from_store": done_before,
-               "continued": len(parked), "continued_tokens": sum(r["completion_tokens"] for r in parked.values())}
+    figures = {
+        "responses": prompts,
+        "failed": {},
+        "attempt_failures": {},
+        "reused_from_store": done_before,
+        "continued": len(parked),
+        "continued_tokens": sum(r["completion_tokens"] for r in parked.values()),
+    }
     for name, value in figures.items():
         if m[name] != value:
             problems.append(f"rerun {name} {m[name]}, expected {value}")

@@ -36,15 +36,50 @@ from aiohttp import web
 
 M64 = (1 << 64) - 1
 SAMPLING_PARAMS = {  # SGLang's SamplingParams fields (python/sglang/srt/sampling/sampling_params.py)
-    "max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p", "frequency_penalty",
-    "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema", "regex", "ebnf",
-    "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
-    "custom_params", "stream_interval", "logit_bias", "sampling_seed",
+    "max_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_new_tokens",
+    "n",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "structural_tag",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "custom_params",
+    "stream_interval",
+    "logit_bias",
+    "sampling_seed",
 }
 GENERATE_FIELDS = {  # the GenerateReqInput fields a text-generation client may send
-    "rid", "text", "input_ids", "sampling_params", "stream", "return_logprob", "logprob_start_len",
-    "top_logprobs_num", "return_text_in_logprobs", "log_metrics", "lora_path", "session_params", "priority",
-    "extra_key", "custom_labels", "return_hidden_states", "input_embeds", "image_data",
+    "rid",
+    "text",
+    "input_ids",
+    "sampling_params",
+    "stream",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "return_text_in_logprobs",
+    "log_metrics",
+    "lora_path",
+    "session_params",
+    "priority",
+    "extra_key",
+    "custom_labels",
+    "return_hidden_states",
+    "input_embeds",
+    "image_data",
 }
 # Before a reset: what was written has reached the client and been read (a reset makes the client drop what it
 # received but had not read yet, so without the pause the tokens it saw would depend on its scheduling).
@@ -67,8 +102,11 @@ class GreedyModel:
         specials = set(tokenizer.all_special_ids)
         # Plain word tokens: each decodes to visible ASCII on its own, so a stream's text pieces (one per token)
         # add up to the decode of the whole answer, as a real server's incremental detokenizer makes them.
-        self.pool = [t for t in range(len(tokenizer)) if t not in specials
-                     and (s := tokenizer.decode([t])).isascii() and s.strip().isalnum()]
+        self.pool = [
+            t
+            for t in range(len(tokenizer))
+            if t not in specials and (s := tokenizer.decode([t])).isascii() and s.strip().isalnum()
+        ]
         self.words = set(self.pool)
         self.mean_tokens = mean_tokens
 
@@ -98,8 +136,11 @@ class GreedyModel:
 
     def render(self, messages: list[dict], tools: Optional[list[dict]] = None, **template_kwargs) -> list[int]:
         """The chat template, as a server applies it to /v1/chat/completions messages."""
-        return list(self.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=False, **template_kwargs))
+        return list(
+            self.tok.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False, **template_kwargs
+            )
+        )
 
 
 @dataclass
@@ -143,8 +184,14 @@ class Attempt:
 class FaultServer:
     """One server on 127.0.0.1, in a thread with its own event loop."""
 
-    def __init__(self, model: GreedyModel, model_path: str, faults: Optional[dict[int, Fault]] = None,
-                 every: Optional[Fault] = None, token_delay_s: float = 0.01):
+    def __init__(
+        self,
+        model: GreedyModel,
+        model_path: str,
+        faults: Optional[dict[int, Fault]] = None,
+        every: Optional[Fault] = None,
+        token_delay_s: float = 0.01,
+    ):
         self.model, self.model_path = model, model_path
         self.faults = dict(faults or {})  # arrival index -> fault
         self.every = every  # a fault every request meets (unless `faults` names another)
@@ -216,14 +263,34 @@ class FaultServer:
         return web.Response(status=200)
 
     async def _model_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"model_path": self.model_path, "tokenizer_path": self.model_path,
-                                  "is_generation": True, "preferred_sampling_params": None,
-                                  "weight_version": "default"})
+        return web.json_response(
+            {
+                "model_path": self.model_path,
+                "tokenizer_path": self.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+            }
+        )
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model_path, "object": "model", "created": 0, "owned_by": "vllm", "root": self.model_path,
-             "parent": None, "max_model_len": 4096, "permission": []}]})
+        return web.json_response(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model_path,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "vllm",
+                        "root": self.model_path,
+                        "parent": None,
+                        "max_model_len": 4096,
+                        "permission": [],
+                    }
+                ],
+            }
+        )
 
     async def _abort(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -261,15 +328,26 @@ class FaultServer:
         else:
             return _openai_error(400, "prompt must be a string or a list of token ids", "BadRequestError")
         proto = OpenAI(self.model, f"{'chatcmpl' if chat else 'cmpl'}-{self._arrivals + 1}", list(context), body, chat)
-        return await self._serve_attempt(request, proto, int(body.get("max_tokens") or 16), bool(body.get("stream")),
-                                         None)
+        return await self._serve_attempt(
+            request, proto, int(body.get("max_tokens") or 16), bool(body.get("stream")), None
+        )
 
-    async def _serve_attempt(self, request: web.Request, proto, max_new: int, stream: bool,
-                             rid: Optional[str]) -> web.StreamResponse:
+    async def _serve_attempt(
+        self, request: web.Request, proto, max_new: int, stream: bool, rid: Optional[str]
+    ) -> web.StreamResponse:
         self._arrivals += 1
         fault = self.faults.get(self._arrivals, self.every)
-        a = Attempt(self.url, self._arrivals, request.path, stream, rid, list(proto.context), max_new,
-                    fault=fault.kind if fault else None, t_start=time.monotonic())
+        a = Attempt(
+            self.url,
+            self._arrivals,
+            request.path,
+            stream,
+            rid,
+            list(proto.context),
+            max_new,
+            fault=fault.kind if fault else None,
+            t_start=time.monotonic(),
+        )
         self.log.append(a)
         key = proto.rid
         self._running[key] = asyncio.Event()
@@ -329,8 +407,11 @@ class FaultServer:
             await self._running[proto.rid].wait()  # the client's timeout closes the connection first
             return web.Response(status=200)
         a.sent, a.finish = out, finish
-        a.outcome = "no_usage" if fault is not None and fault.kind == "no_usage" else (
-            "complete" if finish != "abort" else "aborted")
+        a.outcome = (
+            "no_usage"
+            if fault is not None and fault.kind == "no_usage"
+            else ("complete" if finish != "abort" else "aborted")
+        )
         return web.Response(body=data, content_type="application/json")
 
     async def _stream(self, request, proto, a: Attempt, fault: Optional[Fault], planned, finish):
@@ -395,8 +476,13 @@ class SGLang:
             reason = {"type": "length", "length": len(out)}
         elif finish == "abort":
             reason = {"type": "abort", "message": "Abort in the middle of decoding."}
-        return {"id": self.rid, "finish_reason": reason, "prompt_tokens": len(self.context),
-                "completion_tokens": len(out), "cached_tokens": 0}
+        return {
+            "id": self.rid,
+            "finish_reason": reason,
+            "prompt_tokens": len(self.context),
+            "completion_tokens": len(out),
+            "cached_tokens": 0,
+        }
 
     def answer(self, out: list[int], finish: Optional[str], usage: bool = True) -> dict:
         return {"text": self.model.text(out), "output_ids": list(out), "meta_info": self._meta(out, finish)}
@@ -417,8 +503,12 @@ class OpenAI:
     def __init__(self, model: GreedyModel, rid: str, context: list[int], body: dict, chat: bool):
         self.model, self.rid, self.context, self.body, self.chat = model, rid, context, body, chat
         self.ids = bool(body.get("return_token_ids"))
-        self.head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                     "model": body.get("model")}
+        self.head = {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": body.get("model"),
+        }
         self.chunk_head = dict(self.head, object="chat.completion.chunk" if chat else "text_completion")
 
     def error(self, status: int, message: str, headers=None) -> web.Response:
@@ -426,18 +516,32 @@ class OpenAI:
         return _openai_error(status, message, kind, headers)
 
     def _usage(self, out: list[int]) -> dict:
-        return {"prompt_tokens": len(self.context), "total_tokens": len(self.context) + len(out),
-                "completion_tokens": len(out), "prompt_tokens_details": None}
+        return {
+            "prompt_tokens": len(self.context),
+            "total_tokens": len(self.context) + len(out),
+            "completion_tokens": len(out),
+            "prompt_tokens_details": None,
+        }
 
     def answer(self, out: list[int], finish: Optional[str], usage: bool = True) -> dict:
         text = self.model.text(out)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": [],
-                                              "reasoning_content": None},
-                      "logprobs": None, "finish_reason": finish, "stop_reason": None}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "tool_calls": [], "reasoning_content": None},
+                "logprobs": None,
+                "finish_reason": finish,
+                "stop_reason": None,
+            }
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None,
-                      "prompt_logprobs": None}
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish,
+                "stop_reason": None,
+                "prompt_logprobs": None,
+            }
         if self.ids:
             choice.update(token_ids=list(out), prompt_token_ids=list(self.context))
         doc = dict(self.head, choices=[choice])
@@ -449,8 +553,14 @@ class OpenAI:
         """The chat stream's first chunk carries the role only."""
         if not self.chat:
             return []
-        return [dict(self.chunk_head, choices=[{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                "logprobs": None, "finish_reason": None}])]
+        return [
+            dict(
+                self.chunk_head,
+                choices=[
+                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                ],
+            )
+        ]
 
     def chunk(self, out: list[int], finish: Optional[str]) -> dict:
         """The decode step that produced `out[-1]` (the end-of-turn token's text is empty, as vLLM sends it)."""
@@ -486,13 +596,15 @@ def _sglang_invalid(body: dict) -> Optional[str]:
 
 
 def _sglang_error(status: int, message: str, headers: Optional[dict] = None) -> web.Response:
-    return web.json_response({"object": "error", "message": message, "type": str(status), "code": status},
-                             status=status, headers=headers)
+    return web.json_response(
+        {"object": "error", "message": message, "type": str(status), "code": status}, status=status, headers=headers
+    )
 
 
 def _openai_error(status: int, message: str, kind: str, headers: Optional[dict] = None) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": status}},
-                             status=status, headers=headers)
+    return web.json_response(
+        {"error": {"message": message, "type": kind, "param": None, "code": status}}, status=status, headers=headers
+    )
 
 
 async def _sse(resp: web.StreamResponse, payload: dict) -> None:

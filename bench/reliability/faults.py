@@ -39,8 +39,15 @@ TOKEN_DELAY_S = 0.01  # a decode step: slow enough that requests are mid-answer 
 EVENT_AFTER = 6  # a server restarts or dies once this many answers have finished: mid-run, requests in flight
 DOWN_S = 3.0  # how long a restarting server is down
 # Retries fast enough for a bench; a scenario that needs them to outlast a downtime says so.
-BACKEND = {"request_timeout_s": 30.0, "connect_timeout_s": 5.0, "startup_timeout_s": 10.0, "probe_interval_s": 0.5,
-           "backoff_base_s": 0.05, "backoff_max_s": 0.2, "max_retries": 5}
+BACKEND = {
+    "request_timeout_s": 30.0,
+    "connect_timeout_s": 5.0,
+    "startup_timeout_s": 10.0,
+    "probe_interval_s": 0.5,
+    "backoff_base_s": 0.05,
+    "backoff_max_s": 0.2,
+    "max_retries": 5,
+}
 
 
 @dataclass
@@ -75,27 +82,44 @@ SCENARIOS = [
     Scenario("http_500", "openai", faults={2: Fault("status", 500), 5: Fault("status", 500), 9: Fault("status", 500)}),
     Scenario("http_503", "sglang", faults={2: Fault("status", 503), 5: Fault("status", 503), 9: Fault("status", 503)}),
     # Retry-After must hold the retry back although the backoff alone would retry within 0.2 s
-    Scenario("http_429_retry_after", "openai", "chat", stream=False,
-             faults={3: Fault("status", 429, retry_after="1"), 7: Fault("status", 429, retry_after="1")}),
+    Scenario(
+        "http_429_retry_after",
+        "openai",
+        "chat",
+        stream=False,
+        faults={3: Fault("status", 429, retry_after="1"), 7: Fault("status", 429, retry_after="1")},
+    ),
     Scenario("reset_mid_stream", "sglang", faults={3: Fault("reset", after=4), 7: Fault("reset", after=4)}),
     # text only: the cut answer cannot be continued, so its streamed tokens are lost (and must be counted so)
-    Scenario("reset_mid_stream_text", "openai", "chat",
-             faults={3: Fault("reset", after=4), 7: Fault("reset", after=4)}),
+    Scenario(
+        "reset_mid_stream_text", "openai", "chat", faults={3: Fault("reset", after=4), 7: Fault("reset", after=4)}
+    ),
     Scenario("reset_mid_body", "openai", stream=False, faults={2: Fault("reset"), 6: Fault("reset")}),
-    Scenario("stall_past_timeout", "sglang", faults={4: Fault("stall", after=3)},
-             backend={"request_timeout_s": 5.0}),
+    Scenario("stall_past_timeout", "sglang", faults={4: Fault("stall", after=3)}, backend={"request_timeout_s": 5.0}),
     Scenario("malformed_json", "openai", stream=False, faults={3: Fault("malformed"), 8: Fault("malformed")}),
     # the broken line comes mid-stream: the tokens before it are parked and the next run continues them
     Scenario("malformed_stream_line", "sglang", faults={5: Fault("malformed", after=3)}),
     Scenario("missing_usage_stream", "openai", "chat", every=Fault("no_usage")),
     Scenario("missing_usage_plain", "openai", stream=False, faults={2: Fault("no_usage"), 6: Fault("no_usage")}),
     # retries must outlast the downtime: 10 of them, up to 2 s apart (full jitter), span about 9 s on average
-    Scenario("server_restart", "sglang", event="restart",
-             backend={"max_retries": 10, "backoff_base_s": 0.5, "backoff_max_s": 2.0}),
+    Scenario(
+        "server_restart",
+        "sglang",
+        event="restart",
+        backend={"max_retries": 10, "backoff_base_s": 0.5, "backoff_max_s": 2.0},
+    ),
     Scenario("one_of_three_dies", "openai", servers=3, event="one_dies"),
     # the line must say why the requests failed: the retries' last cause, not only that they ran out
-    Scenario("all_dead_mid_run", "sglang", servers=3, event="all_die", expected="stopped",
-             cause="retries_exhausted: connection", backend={"max_retries": 2}, run={"fail_fast_after": CONCURRENCY}),
+    Scenario(
+        "all_dead_mid_run",
+        "sglang",
+        servers=3,
+        event="all_die",
+        expected="stopped",
+        cause="retries_exhausted: connection",
+        backend={"max_retries": 2},
+        run={"fail_fast_after": CONCURRENCY},
+    ),
     Scenario("all_dead_at_start", "sglang", servers=3, event="none_up", expected="stopped", cause="no healthy server"),
 ]
 
@@ -114,8 +138,9 @@ def prepare(work: Path) -> Context:
     from transformers import AutoTokenizer
 
     target = fc.build_target(work / "target")
-    seed = fc.write_project(work / "prompts", target, fc.dataset_params(PROMPTS, MAX_TOKENS, CONCURRENCY),
-                            {"kind": "embedded"})
+    seed = fc.write_project(
+        work / "prompts", target, fc.dataset_params(PROMPTS, MAX_TOKENS, CONCURRENCY), {"kind": "embedded"}
+    )
     proc = fc.run_stage(seed, "prompts")
     if proc.returncode != 0:
         raise RuntimeError(f"the prompts stage failed: {proc.stderr.strip()[-500:]}")
@@ -173,14 +198,22 @@ class Result:
 def run_scenario(s: Scenario, ctx: Context) -> Result:
     project = ctx.work / s.name
     prompts = fc.copy_prompts(ctx.prompts_project, project)
-    servers = [FaultServer(ctx.model, str(ctx.target), faults=s.faults if i == 0 else None,
-                           every=s.every if i == 0 else None, token_delay_s=TOKEN_DELAY_S)
-               for i in range(s.servers)]
+    servers = [
+        FaultServer(
+            ctx.model,
+            str(ctx.target),
+            faults=s.faults if i == 0 else None,
+            every=s.every if i == 0 else None,
+            token_delay_s=TOKEN_DELAY_S,
+        )
+        for i in range(s.servers)
+    ]
     ev = rerun = None
     try:
         urls = [_free_url() for _ in servers] if s.event == "none_up" else [srv.start().url for srv in servers]
-        fc.write_project(project, ctx.target, fc.dataset_params(PROMPTS, MAX_TOKENS, CONCURRENCY), _backend(s, urls),
-                         s.run)
+        fc.write_project(
+            project, ctx.target, fc.dataset_params(PROMPTS, MAX_TOKENS, CONCURRENCY), _backend(s, urls), s.run
+        )
         driver = Driver(s, servers)
         if s.event in ("restart", "one_dies", "all_die"):
             driver.start()
@@ -206,8 +239,14 @@ def run_scenario(s: Scenario, ctx: Context) -> Result:
     finally:
         for srv in servers:
             srv.close()
-    row = {"name": s.name, "backend": s.label, "outcome": _outcome(ev) if ev else "hung", "expected": s.expected,
-           "ok": not problems, "detail": _problems(problems) if problems else _summary(ev, rerun)}
+    row = {
+        "name": s.name,
+        "backend": s.label,
+        "outcome": _outcome(ev) if ev else "hung",
+        "expected": s.expected,
+        "ok": not problems,
+        "detail": _problems(problems) if problems else _summary(ev, rerun),
+    }
     return Result(row, ev, rerun, prompts)
 
 
@@ -231,8 +270,7 @@ def check(s: Scenario, ev: fc.Evidence, ctx: Context, prompts: int, driver: Driv
     if s.name == "stall_past_timeout":
         stalled = [a.rid for a in ev.log if a.outcome == "stall"]
         if not stalled or not set(stalled) <= set(servers[0].aborts):
-            problems.append(f"the attempt given up on was not aborted on the server: {stalled} vs "
-                            f"{servers[0].aborts}")
+            problems.append(f"the attempt given up on was not aborted on the server: {stalled} vs {servers[0].aborts}")
     return problems
 
 
@@ -246,8 +284,9 @@ def check_retry_after(log) -> list[str]:
         if nxt is None:
             problems.append(f"#{a.index}: the request answered 429 was never retried")
         elif nxt.t_start - a.t_end < a.retry_after:
-            problems.append(f"#{a.index}: retried {nxt.t_start - a.t_end:.2f}s after a Retry-After of "
-                            f"{a.retry_after:g}s")
+            problems.append(
+                f"#{a.index}: retried {nxt.t_start - a.t_end:.2f}s after a Retry-After of {a.retry_after:g}s"
+            )
     return problems
 
 
@@ -288,8 +327,10 @@ def _summary(ev: fc.Evidence, rerun: Optional[fc.Evidence]) -> str:
     m = ev.metrics
     counts = ", ".join(f"{k}={v}" for k, v in sorted(m["attempt_failures"].items())) or "none"
     failed = ", ".join(f"{k}={v}" for k, v in sorted(m["failed"].items())) or "none"
-    text = (f"{m['responses']} responses, {m['completion_tokens']} tokens; attempt failures {counts}; failed "
-            f"{failed}; lost {m['lost_tokens']}, parked {m['parked_tokens']}")
+    text = (
+        f"{m['responses']} responses, {m['completion_tokens']} tokens; attempt failures {counts}; failed "
+        f"{failed}; lost {m['lost_tokens']}, parked {m['parked_tokens']}"
+    )
     if rerun is not None and rerun.metrics:
         text += f"; rerun: {rerun.metrics['responses']} responses, {len(rerun.log)} requests"
     return text
@@ -324,5 +365,8 @@ def run(args) -> dict:
     failed = sum(not r["ok"] for r in rows)
     outcomes = Counter(r["outcome"] for r in rows)
     print(f"{len(rows)} scenarios, {failed} failed; outcomes: {dict(outcomes)}")
-    return {"figures": {"fault_scenarios": len(rows), "fault_failed": failed}, "rows": rows,
-            "goal_met": failed == 0 and len(rows) >= len(SCENARIOS)}
+    return {
+        "figures": {"fault_scenarios": len(rows), "fault_failed": failed},
+        "rows": rows,
+        "goal_met": failed == 0 and len(rows) >= len(SCENARIOS),
+    }

@@ -25,8 +25,13 @@ COLUMNS = (("case", 36), ("stage", 13), ("expected", 42), ("got", 66), ("s", 5),
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--only", action="append", default=[], metavar="TEXT",
-                   help="run only the cases whose name contains TEXT (repeatable; the figures then cover those)")
+    p.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="run only the cases whose name contains TEXT (repeatable; the figures then cover those)",
+    )
     p.add_argument("--keep", action="store_true", help="keep the temporary projects (their path is printed)")
 
 
@@ -45,8 +50,18 @@ def run(args: argparse.Namespace) -> dict:
         for case in cases:
             row = run_case(case, assets)
             rows.append(row)
-            print(_line({**row, "case": row["name"], "s": row["seconds"], "req": row["requests"],
-                         "ok": "yes" if row["ok"] else "NO"}), flush=True)
+            print(
+                _line(
+                    {
+                        **row,
+                        "case": row["name"],
+                        "s": row["seconds"],
+                        "req": row["requests"],
+                        "ok": "yes" if row["ok"] else "NO",
+                    }
+                ),
+                flush=True,
+            )
     finally:
         assets.close()
         if args.keep:
@@ -62,10 +77,16 @@ def run(args: argparse.Namespace) -> dict:
         if r.get("disk") == "tmpfs":
             print(f"  note: {r['name']} wrote to a small tmpfs filled up (a real ENOSPC)")
         elif r.get("disk"):
-            print(f"  note: {r['name']} filled no real disk: mounting a tmpfs was not permitted, so the run had a "
-                  f"per-file size limit (RLIMIT_FSIZE: EFBIG 'File too large', not ENOSPC)", file=sys.stderr)
-    return {"figures": figures, "rows": rows,
-            "goal_met": figures["bad_inputs"] >= MIN_CASES and figures["bad_inputs_unclear"] == 0}
+            print(
+                f"  note: {r['name']} filled no real disk: mounting a tmpfs was not permitted, so the run had a "
+                f"per-file size limit (RLIMIT_FSIZE: EFBIG 'File too large', not ENOSPC)",
+                file=sys.stderr,
+            )
+    return {
+        "figures": figures,
+        "rows": rows,
+        "goal_met": figures["bad_inputs"] >= MIN_CASES and figures["bad_inputs_unclear"] == 0,
+    }
 
 
 def _line(row: dict) -> str:

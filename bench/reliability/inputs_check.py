@@ -23,8 +23,12 @@ from bench.reliability.inputs_workspace import DATASET, Assets, SetupError, Work
 Name = Union[str, tuple]  # a string the line must hold, or a tuple of alternatives (any one will do)
 
 # Earlier outputs each stage reads, copied from the base project before the case's own setup.
-INPUTS = {"prompts": (), "generate": ("prompts.jsonl",), "tokenize": ("prompts.jsonl", "responses.jsonl"),
-          "hidden_states": ("prompts.jsonl", "responses.jsonl", "samples.parquet")}
+INPUTS = {
+    "prompts": (),
+    "generate": ("prompts.jsonl",),
+    "tokenize": ("prompts.jsonl", "responses.jsonl"),
+    "hidden_states": ("prompts.jsonl", "responses.jsonl", "samples.parquet"),
+}
 
 
 @dataclass
@@ -136,8 +140,9 @@ def got(case: Case, out: Outcome) -> str:
     if out.rc is None:
         return f"timed out after {case.timeout_s:.0f}s"
     if case.counted and out.rc == 0:
-        return "exit 0; " + ", ".join(f"{k}={_dotted(out.metrics.get(f) or {}, k)}"
-                                       for f, want in case.counted.items() for k in want)
+        return "exit 0; " + ", ".join(
+            f"{k}={_dotted(out.metrics.get(f) or {}, k)}" for f, want in case.counted.items() for k in want
+        )
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     last = lines[-1].strip() if lines else "(nothing on stderr)"
     return f"exit {out.rc}: {last.replace(case.secret, '<the secret>') if case.secret else last}"
@@ -177,9 +182,18 @@ def run_case(case: Case, assets: Assets) -> dict:
 
 
 def _row(case: Case, out: Outcome, problems: list[str], seen: str, ws: Workspace) -> dict:
-    row = {"name": case.name, "stage": case.stage, "what": case.what, "expected": case.expected(), "got": seen,
-           "exit_code": out.rc, "seconds": round(out.seconds, 1), "requests": out.requests, "ok": not problems,
-           "problems": problems}
+    row = {
+        "name": case.name,
+        "stage": case.stage,
+        "what": case.what,
+        "expected": case.expected(),
+        "got": seen,
+        "exit_code": out.rc,
+        "seconds": round(out.seconds, 1),
+        "requests": out.requests,
+        "ok": not problems,
+        "problems": problems,
+    }
     if ws.disk:
         row["disk"] = ws.disk
     return row

@@ -49,9 +49,14 @@ class CountingServer:
         n_prompt = len(prompt) if isinstance(prompt, list) else len(json.dumps(body.get("messages", "")))
         max_tokens = int(body.get("max_tokens") or 16)
         if n_prompt + max_tokens > self.max_model_len:  # vLLM's words for it
-            return 400, {"error": {"message": f"This model's maximum context length is {self.max_model_len} tokens. "
-                                              f"However, you requested {n_prompt + max_tokens} tokens.",
-                                   "type": "BadRequestError", "code": 400}}
+            return 400, {
+                "error": {
+                    "message": f"This model's maximum context length is {self.max_model_len} tokens. "
+                    f"However, you requested {n_prompt + max_tokens} tokens.",
+                    "type": "BadRequestError",
+                    "code": 400,
+                }
+            }
         ids = self.output_ids[:max_tokens]
         finish = "stop" if len(ids) == len(self.output_ids) else "length"
         usage = {"prompt_tokens": n_prompt, "completion_tokens": len(ids), "total_tokens": n_prompt + len(ids)}
@@ -91,8 +96,13 @@ def _handler(server: CountingServer):
         def do_GET(self) -> None:
             server.count("GET")
             if self.path == "/v1/models":
-                self._send(200, {"object": "list", "data": [
-                    {"id": server.model_id, "object": "model", "max_model_len": server.max_model_len}]})
+                self._send(
+                    200,
+                    {
+                        "object": "list",
+                        "data": [{"id": server.model_id, "object": "model", "max_model_len": server.max_model_len}],
+                    },
+                )
             elif self.path == "/health":
                 self._send(200, {})
             else:

@@ -36,9 +36,13 @@ class SetupError(RuntimeError):
 
 
 def messages_row(i: int) -> dict:
-    return {"messages": [{"role": "system", "content": "You are a helpful assistant."},
-                         {"role": "user", "content": f"Question {i}: how do I sort a list of {i} numbers in Python?"},
-                         {"role": "assistant", "content": "Use sorted()."}]}
+    return {
+        "messages": [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": f"Question {i}: how do I sort a list of {i} numbers in Python?"},
+            {"role": "assistant", "content": "Use sorted()."},
+        ]
+    }
 
 
 def jsonl(rows: list) -> str:
@@ -52,8 +56,11 @@ class Assets:
 
     def __init__(self, root: Path):
         self.root = root
-        self.env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-                        OMP_NUM_THREADS="1")  # a tiny model on a few cores: threads only contend
+        self.env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            OMP_NUM_THREADS="1",
+        )  # a tiny model on a few cores: threads only contend
         self.model = self._build_model()
         self.source = root / "sources" / "prompts.jsonl"
         self.source.parent.mkdir(parents=True, exist_ok=True)
@@ -88,11 +95,13 @@ class Assets:
 
         logging.disable_progress_bar()  # the suite prints its own table
         out = self.root / "models" / MODEL_DIR
-        cfg = TinyModelConfig(path=str(out), corpus_dir=str(DEMO), max_position_embeddings=CONTEXT,
-                              mean_response_tokens=24)
+        cfg = TinyModelConfig(
+            path=str(out), corpus_dir=str(DEMO), max_position_embeddings=CONTEXT, mean_response_tokens=24
+        )
         tok = build_tokenizer(iter_demo_texts(DEMO), vocab_size)
-        model = build_model(cfg, len(tok), tok.convert_tokens_to_ids("<|im_end|>"),
-                            tok.convert_tokens_to_ids("<|endoftext|>"))
+        model = build_model(
+            cfg, len(tok), tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
+        )
         tok.save_pretrained(out)
         model.save_pretrained(out)
         return out
@@ -126,16 +135,33 @@ class Assets:
             "model": {"path": str(self.model), "revision": None, "chat_template": None, "template_kwargs": {}},
             "tokenize": {"max_seq_len": 1024, "on_too_long": "drop", "train_on": "last_turn"},
             "hidden_states": {"layers": None, "dtype": "bfloat16", "shard_max_tokens": 4096, "batch_tokens": 2048},
-            "backend": {"kind": "openai", "urls": [self.right.url], "prompt_format": "ids", "return_token_ids": True,
-                        "stream": False, "request_timeout_s": 30.0, "max_retries": 1, "startup_timeout_s": 10.0},
+            "backend": {
+                "kind": "openai",
+                "urls": [self.right.url],
+                "prompt_format": "ids",
+                "return_token_ids": True,
+                "stream": False,
+                "request_timeout_s": 30.0,
+                "max_retries": 1,
+                "startup_timeout_s": 10.0,
+            },
             "run": {"store_path": "store/store.sqlite", "log_every_s": 5.0, "progress": False},
-            "datasets": {DATASET: {
-                "source": {"shape": "messages", "path": str(self.source)},
-                "max_prompts": None, "max_prompt_tokens": None, "shuffle_seed": 0, "on_bad_record": "fail",
-                "token_budget": 1500, "budget_unit": "completion", "max_tokens": 64,
-                "sampling": {"temperature": 0.8, "top_p": 0.95, "top_k": -1},
-                "on_budget": "cancel", "on_truncation": "keep", "concurrency": 8,
-            }},
+            "datasets": {
+                DATASET: {
+                    "source": {"shape": "messages", "path": str(self.source)},
+                    "max_prompts": None,
+                    "max_prompt_tokens": None,
+                    "shuffle_seed": 0,
+                    "on_bad_record": "fail",
+                    "token_budget": 1500,
+                    "budget_unit": "completion",
+                    "max_tokens": 64,
+                    "sampling": {"temperature": 0.8, "top_p": 0.95, "top_k": -1},
+                    "on_budget": "cancel",
+                    "on_truncation": "keep",
+                    "concurrency": 8,
+                }
+            },
         }
 
     def workspace(self, name: str) -> "Workspace":
@@ -207,8 +233,15 @@ class Workspace:
 
     def stage(self, stage: str, *overrides: str) -> None:
         """Run a stage that prepares a case; it must succeed."""
-        proc = subprocess.run(self.command(stage, *overrides), cwd=self.path, env=self.assets.env,
-                              capture_output=True, text=True, errors="replace", timeout=300)
+        proc = subprocess.run(
+            self.command(stage, *overrides),
+            cwd=self.path,
+            env=self.assets.env,
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=300,
+        )
         if proc.returncode != 0:
             tail = proc.stderr.strip().splitlines()[-1:] or ["(no stderr)"]
             raise SetupError(f"{stage} exited {proc.returncode}: {tail[0]}")
@@ -217,9 +250,16 @@ class Workspace:
         """The judged run. A TimeoutExpired is the caller's to report."""
         limit = self.fsize_limit
         preexec = (lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))) if limit else None
-        return subprocess.run(self.command(stage, *overrides, dataset=dataset), cwd=self.path, env=self.assets.env,
-                              capture_output=True, text=True, errors="replace", timeout=timeout,
-                              preexec_fn=preexec)
+        return subprocess.run(
+            self.command(stage, *overrides, dataset=dataset),
+            cwd=self.path,
+            env=self.assets.env,
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=timeout,
+            preexec_fn=preexec,
+        )
 
     # ---- a small file system to fill up -------------------------------------------------------------------- #
 
@@ -229,8 +269,12 @@ class Workspace:
         grows past the limit, wherever it is), set by `fill`."""
         path = self.path / rel
         path.mkdir(parents=True, exist_ok=True)
-        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                                 capture_output=True).returncode == 0
+        mounted = (
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+            ).returncode
+            == 0
+        )
         self.disk = "tmpfs" if mounted else "RLIMIT_FSIZE"
         if mounted:
             self.cleanups.append(lambda: _umount(path))

@@ -70,14 +70,24 @@ RESTART_TIMEOUT_S = 600  # a restart that hangs is a failure, not a stuck suite
 
 # Per stage: its input (copied from the clean run), its outputs, and the one whose appearance (or temp file) marks
 # the start of its writing.
-INPUTS = {"prompts": [], "generate": ["prompts.jsonl"], "tokenize": ["responses.jsonl"],
-          "hidden_states": ["samples.parquet"]}
-OUTPUTS = {"prompts": ["prompts.jsonl", "prompts_metrics.json"],
-           "generate": ["responses.jsonl", "generate_metrics.json"],
-           "tokenize": ["samples.parquet", "tokenize_metrics.json"],
-           "hidden_states": ["hidden_states", "hidden_states_metrics.json"]}
-DONE_MARK = {"prompts": "prompts.jsonl", "generate": "responses.jsonl", "tokenize": "samples.parquet",
-             "hidden_states": "hidden_states/index.json"}
+INPUTS = {
+    "prompts": [],
+    "generate": ["prompts.jsonl"],
+    "tokenize": ["responses.jsonl"],
+    "hidden_states": ["samples.parquet"],
+}
+OUTPUTS = {
+    "prompts": ["prompts.jsonl", "prompts_metrics.json"],
+    "generate": ["responses.jsonl", "generate_metrics.json"],
+    "tokenize": ["samples.parquet", "tokenize_metrics.json"],
+    "hidden_states": ["hidden_states", "hidden_states_metrics.json"],
+}
+DONE_MARK = {
+    "prompts": "prompts.jsonl",
+    "generate": "responses.jsonl",
+    "tokenize": "samples.parquet",
+    "hidden_states": "hidden_states/index.json",
+}
 # The store a stage's work goes to (relative to the project): its creation marks the start of that work.
 WORK_MARK = {"generate": ".draftdata/store.sqlite", "hidden_states": ".draftdata/states/index.sqlite"}
 
@@ -113,15 +123,27 @@ SCENARIOS = [
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trials", type=int, default=50, help="kills in all, spread over the scenarios in turn")
     p.add_argument("--seed", type=int, default=0, help="seeds the kill moments")
-    p.add_argument("--scenarios", default=",".join(s.name for s in SCENARIOS),
-                   help="comma-separated subset of: " + ", ".join(s.name for s in SCENARIOS))
-    p.add_argument("--workdir", type=Path, default=None,
-                   help="keep the projects here (default: a temp directory, removed at the end)")
-    p.add_argument("--model", type=Path, default=None,
-                   help="the demo target, already built as the tests build it (default: built here)")
+    p.add_argument(
+        "--scenarios",
+        default=",".join(s.name for s in SCENARIOS),
+        help="comma-separated subset of: " + ", ".join(s.name for s in SCENARIOS),
+    )
+    p.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="keep the projects here (default: a temp directory, removed at the end)",
+    )
+    p.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="the demo target, already built as the tests build it (default: built here)",
+    )
 
 
 # ---- projects and runs ------------------------------------------------------------------------------------------ #
+
 
 class Project:
     """A project directory: params.yaml, data/D/, and the stores under .draftdata/ (run.store_path's default)."""
@@ -142,8 +164,13 @@ class Project:
         env = {k: v for k, v in os.environ.items() if k not in ("DRAFTDATA_STORE", "DRAFTDATA_PARAMS")}
         env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")  # 2 cores: threads would only contend
         with open(self.log, "a") as log:
-            return subprocess.Popen([sys.executable, "-m", f"stages.{stage}", f"dataset={DATASET}"], cwd=self.path,
-                                    env=env, stdout=log, stderr=subprocess.STDOUT)
+            return subprocess.Popen(
+                [sys.executable, "-m", f"stages.{stage}", f"dataset={DATASET}"],
+                cwd=self.path,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
 
     def writing(self, stage: str) -> bool:
         """Whether the stage has begun writing its main output: the output or its temp file is there."""
@@ -166,11 +193,20 @@ class Project:
 
 
 def dataset_params() -> dict:
-    return {"source": {"shape": "magicoder_oss", "path": str(DEMO / "B3_magicoder.jsonl.gz")},
-            "max_prompts": 150, "max_prompt_tokens": 512, "shuffle_seed": 0, "on_bad_record": "fail",
-            "token_budget": BUDGET, "budget_unit": "completion", "max_tokens": 48,
-            "sampling": {"temperature": 0.8, "top_p": 0.95, "top_k": -1}, "on_budget": "cancel",
-            "on_truncation": "keep", "concurrency": 8}
+    return {
+        "source": {"shape": "magicoder_oss", "path": str(DEMO / "B3_magicoder.jsonl.gz")},
+        "max_prompts": 150,
+        "max_prompt_tokens": 512,
+        "shuffle_seed": 0,
+        "on_bad_record": "fail",
+        "token_budget": BUDGET,
+        "budget_unit": "completion",
+        "max_tokens": 48,
+        "sampling": {"temperature": 0.8, "top_p": 0.95, "top_k": -1},
+        "on_budget": "cancel",
+        "on_truncation": "keep",
+        "concurrency": 8,
+    }
 
 
 def project_params(model: Path, backend: Optional[dict] = None) -> dict:
@@ -235,6 +271,7 @@ def clean_run(project: Project, stage: str) -> Timing:
 
 # ---- the server ------------------------------------------------------------------------------------------------- #
 
+
 @contextmanager
 def transformers_serve(model: Path, log_path: Path, timeout: float = 180.0):
     """A real `transformers serve` (OpenAI-compatible) on a free loopback port, healthy before it is used."""
@@ -244,8 +281,19 @@ def transformers_serve(model: Path, log_path: Path, timeout: float = 180.0):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    argv = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(model), "--host", "127.0.0.1",
-            "--port", str(port), "--device", "cpu"]
+    argv = [
+        sys.executable,
+        "-m",
+        "transformers.cli.transformers",
+        "serve",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+    ]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
     url = f"http://127.0.0.1:{port}"
@@ -274,6 +322,7 @@ def transformers_serve(model: Path, log_path: Path, timeout: float = 180.0):
 
 
 # ---- the bench: what every trial shares -------------------------------------------------------------------------- #
+
 
 @dataclass
 class Clean:
@@ -316,8 +365,13 @@ class Bench:
         stack.callback(self.proxy.stop)
         self.key_of_seed = seeds_to_keys(self.base)
         # text back, no ids: `transformers serve` takes string prompts and rejects unknown fields
-        self.openai = {"kind": "openai", "urls": [proxy_url], "prompt_format": "chat", "return_token_ids": False,
-                       "request_timeout_s": 60.0}
+        self.openai = {
+            "kind": "openai",
+            "urls": [proxy_url],
+            "prompt_format": "chat",
+            "return_token_ids": False,
+            "request_timeout_s": 60.0,
+        }
         on_server = next(s for s in SCENARIOS if s.backend == "openai")
         self.timing["generate_openai"] = clean_run(self.new_project("clean_openai", on_server), "generate")
 
@@ -342,13 +396,18 @@ def read_clean(base: Project) -> Clean:
     d = base.data
     hs = d / "hidden_states"
     return Clean(
-        prompts=read_jsonl(d / "prompts.jsonl"), prompts_metrics=read_json(d / "prompts_metrics.json"),
-        responses=read_jsonl(d / "responses.jsonl"), store=checks.stored_responses(base.store),
+        prompts=read_jsonl(d / "prompts.jsonl"),
+        prompts_metrics=read_json(d / "prompts_metrics.json"),
+        responses=read_jsonl(d / "responses.jsonl"),
+        store=checks.stored_responses(base.store),
         samples=pq.read_table(d / "samples.parquet").to_pylist(),
         samples_meta=pq.read_schema(d / "samples.parquet").metadata,
         tokenize_metrics=read_json(d / "tokenize_metrics.json"),
-        hs_dir=hs, hs_samples=hs_sample_list(hs), hs_index=read_json(hs / "index.json"),
-        hs_norm=(hs / "final_norm.safetensors").read_bytes())
+        hs_dir=hs,
+        hs_samples=hs_sample_list(hs),
+        hs_index=read_json(hs / "index.json"),
+        hs_norm=(hs / "final_norm.safetensors").read_bytes(),
+    )
 
 
 def seeds_to_keys(base: Project) -> dict[int, str]:
@@ -376,11 +435,14 @@ def hs_sample_list(hs: Path) -> list[dict]:
     """The hidden-state output's sample list, less where each sample sits (shard names are random per run)."""
     import pyarrow.parquet as pq
 
-    return [{k: v for k, v in r.items() if k not in ("shard", "row")}
-            for r in pq.read_table(hs / "samples.parquet").to_pylist()]
+    return [
+        {k: v for k, v in r.items() if k not in ("shard", "row")}
+        for r in pq.read_table(hs / "samples.parquet").to_pylist()
+    ]
 
 
 # ---- one trial -------------------------------------------------------------------------------------------------- #
+
 
 def kill_once(project: Project, scenario: Scenario, timing: Timing, rng: random.Random) -> Optional[float]:
     """Start the stage and SIGKILL it at a drawn moment; the moment (seconds from the start), or None when the run
@@ -443,25 +505,32 @@ def count_rows(path: Path, table: str) -> int:
 
 
 def store_problems(project: Project) -> list[Problem]:
-    return (checks.sqlite_problems(project.store, {"responses": "key"})
-            + checks.sqlite_problems(project.states / "index.sqlite", {"states": "key", "shards": "name"})
-            + checks.state_store_problems(project.states))
+    return (
+        checks.sqlite_problems(project.store, {"responses": "key"})
+        + checks.sqlite_problems(project.states / "index.sqlite", {"states": "key", "shards": "name"})
+        + checks.state_store_problems(project.states)
+    )
 
 
 def outputs_of(project: Project, stage: str) -> list[Path]:
     return [project.data / name for name in OUTPUTS[stage]]
 
 
-def after_restart(bench: Bench, project: Project, scenario: Scenario, snapshot: dict, killed: list,
-                  restart: list) -> list[Problem]:
+def after_restart(
+    bench: Bench, project: Project, scenario: Scenario, snapshot: dict, killed: list, restart: list
+) -> list[Problem]:
     problems = store_problems(project) + checks.file_problems(outputs_of(project, scenario.stage))
     missing = [p.name for p in outputs_of(project, scenario.stage) if not p.exists()]
     if missing:
         return problems + [Problem("lost", len(missing), f"no {', '.join(missing)} after the restart")]
     if problems:
         return problems  # a store or an output that does not read: comparing it would only fail to read it again
-    compare = {"prompts": compare_prompts, "generate": compare_generate, "tokenize": compare_tokenize,
-               "hidden_states": compare_hidden_states}[scenario.stage]
+    compare = {
+        "prompts": compare_prompts,
+        "generate": compare_generate,
+        "tokenize": compare_tokenize,
+        "hidden_states": compare_hidden_states,
+    }[scenario.stage]
     try:
         return compare(bench, project, scenario, snapshot, killed, restart)
     except Exception as e:  # an output the comparisons cannot read (a missing column, a broken link) is wrong too
@@ -470,9 +539,9 @@ def after_restart(bench: Bench, project: Project, scenario: Scenario, snapshot: 
 
 def compare_prompts(bench: Bench, project: Project, *_) -> list[Problem]:
     c = bench.clean
-    return (checks.compare_rows("prompts.jsonl", read_jsonl(project.data / "prompts.jsonl"), c.prompts, "id")
-            + checks.compare_json("prompts_metrics.json", read_json(project.data / "prompts_metrics.json"),
-                                  c.prompts_metrics))
+    return checks.compare_rows(
+        "prompts.jsonl", read_jsonl(project.data / "prompts.jsonl"), c.prompts, "id"
+    ) + checks.compare_json("prompts_metrics.json", read_json(project.data / "prompts_metrics.json"), c.prompts_metrics)
 
 
 def compare_tokenize(bench: Bench, project: Project, *_) -> list[Problem]:
@@ -482,23 +551,26 @@ def compare_tokenize(bench: Bench, project: Project, *_) -> list[Problem]:
     problems = checks.compare_rows("samples.parquet", pq.read_table(path).to_pylist(), c.samples, "id")
     if pq.read_schema(path).metadata != c.samples_meta:
         problems.append(Problem("stale", 1, "samples.parquet: metadata differs from the clean run's"))
-    return problems + checks.compare_json("tokenize_metrics.json", read_json(project.data / "tokenize_metrics.json"),
-                                          c.tokenize_metrics)
+    return problems + checks.compare_json(
+        "tokenize_metrics.json", read_json(project.data / "tokenize_metrics.json"), c.tokenize_metrics
+    )
 
 
 def compare_hidden_states(bench: Bench, project: Project, *_) -> list[Problem]:
     c, hs = bench.clean, project.data / "hidden_states"
     problems = checks.compare_rows("hidden_states/samples.parquet", hs_sample_list(hs), c.hs_samples, "id")
     # shard names are random per run: the rest of the index is the clean run's
-    problems += checks.compare_json("hidden_states/index.json", read_json(hs / "index.json"), c.hs_index,
-                                    ignore=("shards",))
+    problems += checks.compare_json(
+        "hidden_states/index.json", read_json(hs / "index.json"), c.hs_index, ignore=("shards",)
+    )
     if (hs / "final_norm.safetensors").read_bytes() != c.hs_norm:
         problems.append(Problem("stale", 1, "final_norm.safetensors differs from the clean run's"))
     return problems + checks.compare_states(hs, c.hs_dir)
 
 
-def compare_generate(bench: Bench, project: Project, scenario: Scenario, snapshot: dict, killed: list,
-                     restart: list) -> list[Problem]:
+def compare_generate(
+    bench: Bench, project: Project, scenario: Scenario, snapshot: dict, killed: list, restart: list
+) -> list[Problem]:
     rows = read_jsonl(project.data / "responses.jsonl")
     final = checks.stored_responses(project.store)
     problems = checks.output_vs_store(rows, bench.clean.prompts, final, DATASET, BUDGET)
@@ -512,9 +584,21 @@ def compare_generate(bench: Bench, project: Project, scenario: Scenario, snapsho
 
 def trial(bench: Bench, scenario: Scenario, index: int, rng: random.Random) -> dict:
     t0 = time.monotonic()
-    row = {"trial": index, "scenario": scenario.name, "stage": scenario.stage, "backend": scenario.backend,
-           "moment": scenario.moment, "killed": False, "kill_s": None, "draws": 0, "phase": None,
-           "failure": None, "problems": [], "tmp_left": 0, **dict.fromkeys(checks.KINDS, 0)}
+    row = {
+        "trial": index,
+        "scenario": scenario.name,
+        "stage": scenario.stage,
+        "backend": scenario.backend,
+        "moment": scenario.moment,
+        "killed": False,
+        "kill_s": None,
+        "draws": 0,
+        "phase": None,
+        "failure": None,
+        "problems": [],
+        "tmp_left": 0,
+        **dict.fromkeys(checks.KINDS, 0),
+    }
     for draw in range(1, MAX_DRAWS + 1):
         project = bench.new_project(f"trial_{index:03d}", scenario)
         if bench.proxy:
@@ -563,6 +647,7 @@ def restart_and_check(bench: Bench, project: Project, scenario: Scenario, row: d
 
 # ---- the suite -------------------------------------------------------------------------------------------------- #
 
+
 def run(args) -> dict:
     chosen = [s for name in args.scenarios.split(",") for s in SCENARIOS if s.name == name.strip()]
     if not chosen:
@@ -576,15 +661,24 @@ def run(args) -> dict:
         for i in range(args.trials):
             rows.append(trial(bench, chosen[i % len(chosen)], i, rng))
             print_row(rows[-1])
-        timing = {k: {"seconds": round(t.seconds, 2), "work_s": round(t.work_s, 3), "write_s": round(t.write_s, 3)}
-                  for k, t in bench.timing.items()}
+        timing = {
+            k: {"seconds": round(t.seconds, 2), "work_s": round(t.work_s, 3), "write_s": round(t.write_s, 3)}
+            for k, t in bench.timing.items()
+        }
     summary = summarise(rows, chosen)
     print_table(summary)
     figures = {"kill_trials": sum(r["killed"] for r in rows)}
     figures.update({f"kill_{k}": sum(r[k] for r in rows) for k in checks.KINDS})
     goal = figures["kill_trials"] >= 50 and not any(figures[f"kill_{k}"] for k in checks.KINDS)
-    return {"figures": figures, "rows": rows, "goal_met": goal, "summary": summary, "clean_runs": timing,
-            "seed": args.seed, "dataset": dataset_params()}
+    return {
+        "figures": figures,
+        "rows": rows,
+        "goal_met": goal,
+        "summary": summary,
+        "clean_runs": timing,
+        "seed": args.seed,
+        "dataset": dataset_params(),
+    }
 
 
 def summarise(rows: list[dict], scenarios: list[Scenario]) -> list[dict]:
@@ -592,29 +686,60 @@ def summarise(rows: list[dict], scenarios: list[Scenario]) -> list[dict]:
     for s in scenarios:
         mine = [r for r in rows if r["scenario"] == s.name]
         phases = Counter(r["phase"] for r in mine if r["killed"])
-        out.append({"scenario": s.name, "label": s.label, "trials": sum(r["killed"] for r in mine),
-                    **{k: sum(r[k] for r in mine) for k in checks.KINDS},
-                    "failures": sum(r["failure"] is not None for r in mine),
-                    "tmp_left": sum(r["tmp_left"] for r in mine),
-                    "phases": {p: phases[p] for p in ("before", "working", "writing", "written")}})
+        out.append(
+            {
+                "scenario": s.name,
+                "label": s.label,
+                "trials": sum(r["killed"] for r in mine),
+                **{k: sum(r[k] for r in mine) for k in checks.KINDS},
+                "failures": sum(r["failure"] is not None for r in mine),
+                "tmp_left": sum(r["tmp_left"] for r in mine),
+                "phases": {p: phases[p] for p in ("before", "working", "writing", "written")},
+            }
+        )
     return out
 
 
 def print_row(r: dict) -> None:
     counts = " ".join(f"{k}={r[k]}" for k in checks.KINDS)
-    print(f"kill trial={r['trial']} scenario={r['scenario']} kill_s={r['kill_s']} phase={r['phase']} {counts}"
-          + (f" failure={r['failure']!r}" if r["failure"] else "")
-          + "".join(f"\n  {p}" for p in r["problems"]), flush=True)
+    print(
+        f"kill trial={r['trial']} scenario={r['scenario']} kill_s={r['kill_s']} phase={r['phase']} {counts}"
+        + (f" failure={r['failure']!r}" if r["failure"] else "")
+        + "".join(f"\n  {p}" for p in r["problems"]),
+        flush=True,
+    )
 
 
 def print_table(summary: list[dict]) -> None:
-    head = ["stage/backend", "trials", "lost", "duplicated", "stale", "failures", "killed: before/working/writing/"
-            "written", "temp files left"]
-    lines = [[s["label"], s["trials"], s["lost"], s["duplicated"], s["stale"], s["failures"],
-              "/".join(str(n) for n in s["phases"].values()), s["tmp_left"]] for s in summary]
-    total = ["all", *(sum(s[k] for s in summary) for k in ("trials", *checks.KINDS, "failures")),
-             "/".join(str(sum(s["phases"][p] for s in summary)) for p in summary[0]["phases"]),
-             sum(s["tmp_left"] for s in summary)]
+    head = [
+        "stage/backend",
+        "trials",
+        "lost",
+        "duplicated",
+        "stale",
+        "failures",
+        "killed: before/working/writing/written",
+        "temp files left",
+    ]
+    lines = [
+        [
+            s["label"],
+            s["trials"],
+            s["lost"],
+            s["duplicated"],
+            s["stale"],
+            s["failures"],
+            "/".join(str(n) for n in s["phases"].values()),
+            s["tmp_left"],
+        ]
+        for s in summary
+    ]
+    total = [
+        "all",
+        *(sum(s[k] for s in summary) for k in ("trials", *checks.KINDS, "failures")),
+        "/".join(str(sum(s["phases"][p] for s in summary)) for p in summary[0]["phases"]),
+        sum(s["tmp_left"] for s in summary),
+    ]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *lines, total)]
     for line in (head, *lines, total):
         print("  ".join(str(x).ljust(w) if i == 0 else str(x).rjust(w) for i, (x, w) in enumerate(zip(line, widths))))

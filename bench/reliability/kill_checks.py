@@ -45,6 +45,7 @@ def tally(problems: Iterable[Problem]) -> dict[str, int]:
 
 # ---- SQLite ---------------------------------------------------------------------------------------------------- #
 
+
 def sqlite_problems(path: Path, unique: dict[str, str]) -> list[Problem]:
     """PRAGMA integrity_check, and no value of `unique` ({table: column}) twice. A store that fails the integrity
     check has lost what it held."""
@@ -60,11 +61,17 @@ def sqlite_problems(path: Path, unique: dict[str, str]) -> list[Problem]:
             for table, column in unique.items():
                 if not has_table(con, table):  # killed before the schema was created: nothing stored yet
                     continue
-                dups = con.execute(f"SELECT {column}, COUNT(*) FROM {table} GROUP BY {column} "
-                                   "HAVING COUNT(*) > 1").fetchall()
+                dups = con.execute(
+                    f"SELECT {column}, COUNT(*) FROM {table} GROUP BY {column} HAVING COUNT(*) > 1"
+                ).fetchall()
                 if dups:
-                    problems.append(Problem("duplicated", sum(n - 1 for _, n in dups),
-                                            f"{path.name}: {table}.{column} {dups[0][0]!r} x{dups[0][1]}"))
+                    problems.append(
+                        Problem(
+                            "duplicated",
+                            sum(n - 1 for _, n in dups),
+                            f"{path.name}: {table}.{column} {dups[0][0]!r} x{dups[0][1]}",
+                        )
+                    )
             return problems
         finally:
             con.close()
@@ -101,6 +108,7 @@ def usable(r: dict) -> bool:
 
 
 # ---- files: complete or absent ------------------------------------------------------------------------------- #
+
 
 def torn_safetensors(path: Path) -> Optional[str]:
     """Why a safetensors file is not whole (None: it is): its header says how long the data must be."""
@@ -164,6 +172,7 @@ def temp_files(root: Path) -> list[Path]:
 
 # ---- the hidden-state store: no index entry for a shard that is not whole ----------------------------------- #
 
+
 def state_store_problems(root: Path) -> list[Problem]:
     """Every indexed sample points at a whole shard that holds that sample at that row."""
     index = root / "index.sqlite"
@@ -196,6 +205,7 @@ def _shard_keys(path: Path) -> list[str]:
 
 # ---- outputs against the clean run's ------------------------------------------------------------------------- #
 
+
 def compare_rows(what: str, got: list[dict], want: list[dict], key: str) -> list[Problem]:
     """Rows of an output against the clean run's: each missing one is lost, each extra copy duplicated, and any
     other difference (content, order, a row the clean run has not) stale."""
@@ -204,16 +214,22 @@ def compare_rows(what: str, got: list[dict], want: list[dict], key: str) -> list
     wanted = {r[key] for r in want}
     missing = [r[key] for r in want if r[key] not in counts]
     if missing:
-        problems.append(Problem("lost", len(missing), f"{what}: {len(missing)} rows of the clean run missing "
-                                f"(first {missing[0]})"))
+        problems.append(
+            Problem("lost", len(missing), f"{what}: {len(missing)} rows of the clean run missing (first {missing[0]})")
+        )
     extra = sum(n - 1 for n in counts.values() if n > 1)
     if extra:
         problems.append(Problem("duplicated", extra, f"{what}: {extra} rows twice"))
     if not missing and not extra and got != want:
         strange = sum(1 for r in got if r[key] not in wanted)
         differ = sum(1 for a, b in zip(got, want) if a != b)
-        problems.append(Problem("stale", max(1, strange, differ), f"{what}: differs from the clean run "
-                                f"({differ} rows differ, {strange} unknown ids)"))
+        problems.append(
+            Problem(
+                "stale",
+                max(1, strange, differ),
+                f"{what}: differs from the clean run ({differ} rows differ, {strange} unknown ids)",
+            )
+        )
     return problems
 
 
@@ -223,8 +239,9 @@ def compare_common(what: str, got: list[dict], want: list[dict], key: str) -> li
     differ = [r[key] for r in got if r[key] in clean and r != clean[r[key]]]
     if not differ:
         return []
-    return [Problem("stale", len(differ), f"{what}: {len(differ)} rows differ from the clean run's (first "
-                    f"{differ[0]})")]
+    return [
+        Problem("stale", len(differ), f"{what}: {len(differ)} rows differ from the clean run's (first {differ[0]})")
+    ]
 
 
 def compare_json(what: str, got: dict, want: dict, ignore: tuple[str, ...] = ()) -> list[Problem]:
@@ -250,17 +267,27 @@ def compare_states(got_dir: Path, want_dir: Path) -> list[Problem]:
         w = clean.get(s.id)
         if w is None:
             continue  # told by compare_rows over the sample lists
-        same = (torch.equal(s.input_ids, w.input_ids) and torch.equal(s.loss_mask, w.loss_mask)
-                and torch.equal(s.aux, w.aux) and torch.equal(s.final_pre_norm, w.final_pre_norm))
+        same = (
+            torch.equal(s.input_ids, w.input_ids)
+            and torch.equal(s.loss_mask, w.loss_mask)
+            and torch.equal(s.aux, w.aux)
+            and torch.equal(s.final_pre_norm, w.final_pre_norm)
+        )
         if not same:
             differ.append(s.id)
     if not differ:
         return []
-    return [Problem("stale", len(differ), f"hidden states of {len(differ)} samples differ from the clean run's "
-                    f"(first {differ[0]})")]
+    return [
+        Problem(
+            "stale",
+            len(differ),
+            f"hidden states of {len(differ)} samples differ from the clean run's (first {differ[0]})",
+        )
+    ]
 
 
 # ---- generate: the output against the store it was written from --------------------------------------------- #
+
 
 def expected_selection(prompts: list[dict], store: dict[str, dict], dataset: str, budget: int) -> list[str]:
     """The keys responses.jsonl must hold: the usable stored responses in prompt order until the budget (counted in
@@ -278,8 +305,9 @@ def expected_selection(prompts: list[dict], store: dict[str, dict], dataset: str
     return keys
 
 
-def output_vs_store(rows: list[dict], prompts: list[dict], store: dict[str, dict], dataset: str,
-                    budget: int) -> list[Problem]:
+def output_vs_store(
+    rows: list[dict], prompts: list[dict], store: dict[str, dict], dataset: str, budget: int
+) -> list[Problem]:
     """responses.jsonl is exactly what the store holds now, selected as the stage selects: not an older state of
     it, not a half-finished one."""
     problems = []
@@ -296,8 +324,11 @@ def output_vs_store(rows: list[dict], prompts: list[dict], store: dict[str, dict
             problems.append(Problem("stale", 1, "responses.jsonl is not the store's selection (order or extra rows)"))
     differ = [r["key"] for r in rows if r["key"] in store and _fields(r) != _fields(store[r["key"]])]
     if differ:
-        problems.append(Problem("stale", len(differ), f"{len(differ)} rows of responses.jsonl differ from the store "
-                                f"(first {differ[0]})"))
+        problems.append(
+            Problem(
+                "stale", len(differ), f"{len(differ)} rows of responses.jsonl differ from the store (first {differ[0]})"
+            )
+        )
     return problems
 
 
@@ -308,14 +339,18 @@ def _fields(r: dict) -> tuple:
 def committed_kept(before: dict[str, dict], after: dict[str, dict]) -> list[Problem]:
     """Every response committed before the kill is still in the store after the restart, unchanged."""
     gone = [k for k, r in before.items() if r["finish_reason"] in COMPLETE and k not in after]
-    changed = [k for k, r in before.items()
-               if r["finish_reason"] in COMPLETE and k in after and _fields(r) != _fields(after[k])]
+    changed = [
+        k
+        for k, r in before.items()
+        if r["finish_reason"] in COMPLETE and k in after and _fields(r) != _fields(after[k])
+    ]
     problems = []
     if gone:
         problems.append(Problem("lost", len(gone), f"{len(gone)} responses committed before the kill are gone"))
     if changed:
-        problems.append(Problem("stale", len(changed), f"{len(changed)} responses committed before the kill were "
-                                "rewritten"))
+        problems.append(
+            Problem("stale", len(changed), f"{len(changed)} responses committed before the kill were rewritten")
+        )
     return problems
 
 
@@ -336,8 +371,9 @@ def same_as_clean(store: dict[str, dict], clean: dict[str, dict]) -> list[Proble
             differ.append(key)
     if not differ:
         return []
-    return [Problem("stale", len(differ), f"{len(differ)} stored responses differ from the clean run's "
-                    f"(first {differ[0]})")]
+    return [
+        Problem("stale", len(differ), f"{len(differ)} stored responses differ from the clean run's (first {differ[0]})")
+    ]
 
 
 def accounting(before: dict[str, dict], after: dict[str, dict], metrics: dict) -> list[Problem]:
@@ -347,25 +383,45 @@ def accounting(before: dict[str, dict], after: dict[str, dict], metrics: dict) -
     reusable = sum(1 for r in before.values() if usable(r))
     if metrics["reused_from_store"] < reusable:
         n = reusable - metrics["reused_from_store"]
-        problems.append(Problem("duplicated", n, f"the restart reused {metrics['reused_from_store']} of {reusable} "
-                                "stored responses"))
+        problems.append(
+            Problem(
+                "duplicated", n, f"the restart reused {metrics['reused_from_store']} of {reusable} stored responses"
+            )
+        )
     elif metrics["reused_from_store"] > reusable:
-        problems.append(Problem("stale", 1, f"the restart says it reused {metrics['reused_from_store']} responses; "
-                                f"the store held {reusable}"))
+        problems.append(
+            Problem(
+                "stale",
+                1,
+                f"the restart says it reused {metrics['reused_from_store']} responses; the store held {reusable}",
+            )
+        )
     landed = sum(1 for k, r in after.items() if k not in before or _fields(r) != _fields(before[k]))
     if metrics["newly_generated"] > landed:
-        problems.append(Problem("lost", metrics["newly_generated"] - landed, f"the restart generated "
-                                f"{metrics['newly_generated']} responses, {landed} landed in the store"))
+        problems.append(
+            Problem(
+                "lost",
+                metrics["newly_generated"] - landed,
+                f"the restart generated {metrics['newly_generated']} responses, {landed} landed in the store",
+            )
+        )
     elif metrics["newly_generated"] < landed:
-        problems.append(Problem("stale", landed - metrics["newly_generated"], f"{landed} responses landed, the "
-                                f"restart says it generated {metrics['newly_generated']}"))
+        problems.append(
+            Problem(
+                "stale",
+                landed - metrics["newly_generated"],
+                f"{landed} responses landed, the restart says it generated {metrics['newly_generated']}",
+            )
+        )
     return problems
 
 
 # ---- generate on a server: the wire against the store ------------------------------------------------------- #
 
-def wire_problems(killed: list, restart: list, snapshot: dict[str, dict], final: dict[str, dict],
-                  key_of_seed: dict[int, str]) -> list[Problem]:
+
+def wire_problems(
+    killed: list, restart: list, snapshot: dict[str, dict], final: dict[str, dict], key_of_seed: dict[int, str]
+) -> list[Problem]:
     """What the logging proxy saw (stages.backends' requests carry seed_of(key), which names the response) against
     the store after the kill (`snapshot`) and after the restart (`final`).
 
@@ -380,14 +436,16 @@ def wire_problems(killed: list, restart: list, snapshot: dict[str, dict], final:
     delivered_later = [key_of_seed.get(e.seed) for e in restart if e.complete and e.seed is not None]
     dropped = [k for k in delivered_later if k not in final or final[k]["finish_reason"] not in COMPLETE]
     if dropped:
-        problems.append(Problem("lost", len(dropped), f"{len(dropped)} answers delivered during the restart are not "
-                                "in the store"))
+        problems.append(
+            Problem("lost", len(dropped), f"{len(dropped)} answers delivered during the restart are not in the store")
+        )
     sent_again = [key_of_seed.get(e.seed) for e in restart if e.seed is not None]
     stored = {k for k, r in snapshot.items() if r["finish_reason"] in COMPLETE}
     again = [k for k in sent_again if k in stored]
     if again:
-        problems.append(Problem("duplicated", len(again), f"{len(again)} requests sent again for responses stored "
-                                "before the kill"))
+        problems.append(
+            Problem("duplicated", len(again), f"{len(again)} requests sent again for responses stored before the kill")
+        )
     twice = 0
     for phase in (killed, restart):
         counts = Counter(e.seed for e in phase if e.complete and e.seed is not None)
@@ -406,9 +464,13 @@ def _lost_at_kill(killed: list, snapshot: dict[str, dict], key_of_seed: dict[int
     stored_at = [t for t, k in delivered if k in snapshot and snapshot[k]["finish_reason"] in COMPLETE]
     last_commit = max(stored_at, default=float("-inf"))
     # delivered before the last answer the client committed, yet not committed itself
-    lost = [k for t, k in delivered if t < last_commit and not (k in snapshot and snapshot[k]["finish_reason"]
-                                                                 in COMPLETE)]
+    lost = [
+        k for t, k in delivered if t < last_commit and not (k in snapshot and snapshot[k]["finish_reason"] in COMPLETE)
+    ]
     if not lost:
         return []
-    return [Problem("lost", len(lost), f"{len(lost)} answers delivered before the kill are not in the store "
-                    f"(first {lost[0]})")]
+    return [
+        Problem(
+            "lost", len(lost), f"{len(lost)} answers delivered before the kill are not in the store (first {lost[0]})"
+        )
+    ]

@@ -72,8 +72,9 @@ class LoggingProxy:
         import aiohttp
         from aiohttp import web
 
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
-                                              connector=aiohttp.TCPConnector(limit=0))
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None), connector=aiohttp.TCPConnector(limit=0)
+        )
         app = web.Application(client_max_size=64 * 2**20)
         app.router.add_route("*", "/{tail:.*}", self._handle)
         self._runner = web.AppRunner(app, access_log=None)
@@ -95,11 +96,13 @@ class LoggingProxy:
         with self._lock:
             self._log.append(ex)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
-        async with self._session.request(request.method, self.upstream + request.path_qs, data=body,
-                                         headers=headers) as up:
+        async with self._session.request(
+            request.method, self.upstream + request.path_qs, data=body, headers=headers
+        ) as up:
             ex.status = up.status
-            resp = web.StreamResponse(status=up.status, headers={
-                k: v for k, v in up.headers.items() if k.lower() not in HOP_HEADERS})
+            resp = web.StreamResponse(
+                status=up.status, headers={k: v for k, v in up.headers.items() if k.lower() not in HOP_HEADERS}
+            )
             await resp.prepare(request)
             streamed = up.headers.get("content-type", "").startswith("text/event-stream")
             events = _Finish()

@@ -44,13 +44,18 @@ class EmbeddedBackend:
         # the turn ends on any of the target's end-of-turn tokens (its generation config may list several)
         self.stop_ids = end_of_turn_ids(self.tokenizer, self.cfg.model, dict(self.cfg.model.template_kwargs))
         gen = GenerationConfig(
-            max_new_tokens=ds.max_tokens, eos_token_id=sorted(self.stop_ids),
+            max_new_tokens=ds.max_tokens,
+            eos_token_id=sorted(self.stop_ids),
             pad_token_id=self.tokenizer.pad_token_id or eos,
-            do_sample=sampling.temperature > 0, temperature=sampling.temperature or None,
-            top_p=sampling.top_p, top_k=sampling.top_k if sampling.top_k > 0 else None,
+            do_sample=sampling.temperature > 0,
+            temperature=sampling.temperature or None,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else None,
         )
         cb = ContinuousBatchingConfig(
-            num_blocks=self.cfg.backend.num_blocks, max_batch_tokens=self.cfg.backend.max_batch_tokens, page_size=32,
+            num_blocks=self.cfg.backend.num_blocks,
+            max_batch_tokens=self.cfg.backend.max_batch_tokens,
+            page_size=32,
         )
         self.manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
         if gen.do_sample:
@@ -77,8 +82,13 @@ class EmbeddedBackend:
         rid = f"{req.rid}-{next(self._attempts)}"  # unique per attempt: the manager keys its state by it
         kwargs = {"seed": req.seed} if self.seeded and req.seed is not None else {}  # positions carry the offset
         self.manager.register_result_handler(rid, on_result)
-        self.manager.add_request(list(req.prompt_ids) + req.partial.output_ids[:base], request_id=rid,
-                                 max_new_tokens=req.max_tokens - base, streaming=req.stream, **kwargs)
+        self.manager.add_request(
+            list(req.prompt_ids) + req.partial.output_ids[:base],
+            request_id=rid,
+            max_new_tokens=req.max_tokens - base,
+            streaming=req.stream,
+            **kwargs,
+        )
         try:
             out = await asyncio.shield(done)  # shielded: a cancel must not cancel `done` before it is looked at
         except asyncio.CancelledError:
@@ -87,8 +97,13 @@ class EmbeddedBackend:
                 raise
             out = done.result()  # it finished while the cancel was on its way: a response, keep it
         if out.error is not None:
-            return GenResult(req.rid, error="engine_error", detail=str(out.error), server=self.name,
-                             latency_s=time.perf_counter() - t0)
+            return GenResult(
+                req.rid,
+                error="engine_error",
+                detail=str(out.error),
+                server=self.name,
+                latency_s=time.perf_counter() - t0,
+            )
         ids = list(out.generated_tokens)
         finish = "stop" if ids and ids[-1] in self.stop_ids else "length"
         return self._result(req, base, ids, finish, t0)
@@ -96,9 +111,15 @@ class EmbeddedBackend:
     def _result(self, req: GenRequest, base: int, new_ids: list[int], finish: str, t0: float) -> GenResult:
         ids = req.partial.output_ids[:base] + new_ids
         return GenResult(
-            req.rid, output_ids=ids, text=self.tokenizer.decode(ids, skip_special_tokens=True),
-            prompt_tokens=len(req.prompt_ids), completion_tokens=len(ids), finish_reason=finish,
-            server=self.name, latency_s=time.perf_counter() - t0, continued_from=base,
+            req.rid,
+            output_ids=ids,
+            text=self.tokenizer.decode(ids, skip_special_tokens=True),
+            prompt_tokens=len(req.prompt_ids),
+            completion_tokens=len(ids),
+            finish_reason=finish,
+            server=self.name,
+            latency_s=time.perf_counter() - t0,
+            continued_from=base,
         )
 
     async def close(self) -> None:
@@ -125,7 +146,7 @@ class _PartialFollower:
 
     def update(self, generated: list[int]) -> None:
         p = self.partial
-        for token in generated[len(p.output_ids) - self.base:]:
+        for token in generated[len(p.output_ids) - self.base :]:
             p.output_ids.append(token)
             piece = self.decoder.step(self.backend, token)
             if piece is not None:  # None: the token ends inside a multi-byte character
@@ -140,8 +161,7 @@ def install_seeded_sampling(manager) -> bool:
     the sampler a one-hot distribution. It relies on the manager's logits-processor list (transformers 5.x); where
     that differs, sampling stays unseeded and a line says so."""
     try:
-        from transformers.generation.continuous_batching.cb_logits_processors import (
-            ContinuousBatchingLogitsProcessor)
+        from transformers.generation.continuous_batching.cb_logits_processors import ContinuousBatchingLogitsProcessor
 
         procs = manager.logit_processor
         procs.logits_processor.append(_seeded_processor(ContinuousBatchingLogitsProcessor)())
@@ -150,8 +170,11 @@ def install_seeded_sampling(manager) -> bool:
         procs.do_processing = True
         return True
     except (ImportError, AttributeError, TypeError) as e:
-        log("backend", kind="embedded", warning=f"per-request seeds unavailable ({type(e).__name__}: {e}); "
-            "sampling is not reproducible")
+        log(
+            "backend",
+            kind="embedded",
+            warning=f"per-request seeds unavailable ({type(e).__name__}: {e}); sampling is not reproducible",
+        )
         return False
 
 
@@ -168,18 +191,20 @@ def _seeded_processor(base):
         def prepare_tensor_args(self, requests_with_new_token) -> torch.Tensor:
             # the token at sequence position p is drawn with seed + p: the same draw whatever its batch-mates, however
             # often the manager evicted and re-prefilled its request, and whether it continues a parked partial
-            seeds = [(r.state.logit_processor_kwargs.get("seed", 0) + r.state.position_offset) & 0x7FFFFFFF
-                     for r in requests_with_new_token]
+            seeds = [
+                (r.state.logit_processor_kwargs.get("seed", 0) + r.state.position_offset) & 0x7FFFFFFF
+                for r in requests_with_new_token
+            ]
             return torch.tensor(seeds, dtype=torch.int32, device="cpu")
 
         def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
             seeds = tensor_arg[: scores.size(0)].tolist()
             gen = torch.Generator(device=scores.device)
-            uniform = torch.stack([torch.rand(scores.size(-1), generator=gen.manual_seed(s), device=scores.device)
-                                   for s in seeds])
+            uniform = torch.stack(
+                [torch.rand(scores.size(-1), generator=gen.manual_seed(s), device=scores.device) for s in seeds]
+            )
             gumbel = -torch.log(-torch.log(uniform.clamp_min(1e-20)))
             choice = (scores + gumbel).argmax(dim=-1, keepdim=True)  # Gumbel-max: a draw from softmax(scores)
             return torch.full_like(scores, float("-inf")).scatter_(-1, choice, 0.0)
 
     return SeededSampling
-

@@ -45,8 +45,15 @@ class Failure(Exception):
     """One failed attempt. `code` becomes `GenResult.error`; `retry`: another attempt may succeed; `dead`: the
     server looks gone; `abort`: the server may still be working on the request; `retry_after`: the server's wish."""
 
-    def __init__(self, code: str, detail: str, retry: bool = False, dead: bool = False, abort: bool = False,
-                 retry_after: Optional[float] = None):
+    def __init__(
+        self,
+        code: str,
+        detail: str,
+        retry: bool = False,
+        dead: bool = False,
+        abort: bool = False,
+        retry_after: Optional[float] = None,
+    ):
         super().__init__(f"{code}: {detail}")
         self.code, self.detail = code, detail
         self.retry, self.dead, self.abort, self.retry_after = retry, dead, abort, retry_after
@@ -54,8 +61,12 @@ class Failure(Exception):
 
 def status_failure(status: int, body: str, retry_after_header: Optional[str]) -> Failure:
     retry = status in RETRY_STATUSES or status >= 500
-    return Failure(f"http_{status}", f"HTTP {status}: {body.strip()[:300]}", retry=retry,
-                   retry_after=parse_retry_after(retry_after_header) if retry else None)
+    return Failure(
+        f"http_{status}",
+        f"HTTP {status}: {body.strip()[:300]}",
+        retry=retry,
+        retry_after=parse_retry_after(retry_after_header) if retry else None,
+    )
 
 
 def parse_retry_after(value: Optional[str]) -> Optional[float]:
@@ -194,8 +205,10 @@ class HttpBackend:
         found = list(zip(self.pool.servers, problems))
         wrong = [f"{s.url} serves {p[1]}" for s, p in found if p and p[0] == "model"]
         if wrong:
-            raise UserError(f"backend: wrong model: {'; '.join(wrong)}; expected {self.expected_model!r} "
-                            "(model.path, or backend.served_model_name if the server uses another name)")
+            raise UserError(
+                f"backend: wrong model: {'; '.join(wrong)}; expected {self.expected_model!r} "
+                "(model.path, or backend.served_model_name if the server uses another name)"
+            )
         if all(p for _, p in found):
             raise UserError("backend: no healthy server: " + "; ".join(f"{s.url}: {p[1]}" for s, p in found))
         for server, problem in found:
@@ -281,8 +294,15 @@ class HttpBackend:
         server = self.pool.servers[0]
         for n in range(self.bcfg.max_retries + 1):
             if last is not None:
-                await asyncio.sleep(backoff_delay(n, self.bcfg.backoff_base_s, self.bcfg.backoff_max_s,
-                                                  last.retry_after, self.bcfg.request_timeout_s))
+                await asyncio.sleep(
+                    backoff_delay(
+                        n,
+                        self.bcfg.backoff_base_s,
+                        self.bcfg.backoff_max_s,
+                        last.retry_after,
+                        self.bcfg.request_timeout_s,
+                    )
+                )
             self._resume_or_restart(req)
             if req.partial.completion_tokens >= req.max_tokens:  # parked at max_tokens: nothing left to generate
                 return self._complete(req, req.partial.completion_tokens, 0, "length", len(req.prompt_ids), True)
@@ -331,8 +351,16 @@ class HttpBackend:
             req.partial.output_ids = req.partial.output_ids + [int(t) for t in ids]
         req.partial.text += text
 
-    def _complete(self, req: GenRequest, base: int, new_tokens: int, finish: str, server_prompt_tokens: Optional[int],
-                  has_ids: bool, prompt_ids: Optional[list] = None) -> GenResult:
+    def _complete(
+        self,
+        req: GenRequest,
+        base: int,
+        new_tokens: int,
+        finish: str,
+        server_prompt_tokens: Optional[int],
+        has_ids: bool,
+        prompt_ids: Optional[list] = None,
+    ) -> GenResult:
         """The partial now holds the attempt's whole answer after the `base` tokens it started from: the response.
         An abort or an answer without a single token is a failure to retry, never a response; the partial keeps
         the aborted tokens for the next attempt or the store."""
@@ -343,9 +371,16 @@ class HttpBackend:
         if p.completion_tokens == 0:
             raise Failure("empty", "the answer has no tokens", retry=True)
         prompt_tokens = len(req.prompt_ids) if base and req.prompt_ids is not None else server_prompt_tokens
-        return GenResult(req.rid, output_ids=list(p.output_ids) if has_ids else None, text=p.text,
-                         prompt_tokens=int(prompt_tokens or 0), completion_tokens=p.completion_tokens,
-                         finish_reason=finish, prompt_ids=None if base else prompt_ids, continued_from=base)
+        return GenResult(
+            req.rid,
+            output_ids=list(p.output_ids) if has_ids else None,
+            text=p.text,
+            prompt_tokens=int(prompt_tokens or 0),
+            completion_tokens=p.completion_tokens,
+            finish_reason=finish,
+            prompt_ids=None if base else prompt_ids,
+            continued_from=base,
+        )
 
     async def _attempt_on(self, server: Server, req: GenRequest, rid: str) -> GenResult:
         """One attempt that also ends when the server is marked dead by another request, and that aborts the
@@ -365,8 +400,9 @@ class HttpBackend:
                 return await work
             except asyncio.CancelledError:
                 if work in server.doomed:  # the server was marked dead by another request: fail over
-                    raise Failure("connection", f"{server.url} was marked dead while the request was in flight",
-                                  retry=True) from None
+                    raise Failure(
+                        "connection", f"{server.url} was marked dead while the request was in flight", retry=True
+                    ) from None
                 await _stop(work)  # closes the connection first, which frees it for the abort
                 if work.done() and not work.cancelled() and work.exception() is None:
                     return work.result()  # it finished during the cancel's grace: a response, keep it
@@ -414,8 +450,12 @@ class HttpBackend:
         except aiohttp.ConnectionTimeoutError as e:  # before TimeoutError: no connection at all is a dead server
             raise Failure("connection", f"connect timeout to {server.url}: {e}", retry=True, dead=True) from e
         except asyncio.TimeoutError as e:
-            raise Failure("timeout", f"no complete answer within {self.bcfg.request_timeout_s:g}s from {server.url}",
-                          retry=True, abort=True) from e
+            raise Failure(
+                "timeout",
+                f"no complete answer within {self.bcfg.request_timeout_s:g}s from {server.url}",
+                retry=True,
+                abort=True,
+            ) from e
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
             raise Failure("connection", f"{type(e).__name__} from {server.url}: {e}", retry=True, dead=True) from e
         except aiohttp.ClientError as e:  # the rest: an answer that is not valid HTTP
@@ -431,8 +471,9 @@ class HttpBackend:
             log("backend", event="abort_failed", url=server.url, rid=rid, reason=f"{type(e).__name__}: {e}")
 
     @asynccontextmanager
-    async def post(self, server: Server, path: str, body: dict, req: GenRequest,
-                   rid: str) -> AsyncIterator[aiohttp.ClientResponse]:
+    async def post(
+        self, server: Server, path: str, body: dict, req: GenRequest, rid: str
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
         """POST that raises a `Failure` for a non-200 status and drops the connection when the reader stops early
         (cancelled, failed): a half-read answer cannot go back to the pool, and for OpenAI-style servers closing
         the connection is how a request is aborted. A server sends a plain answer's headers only with the answer,

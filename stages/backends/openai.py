@@ -22,8 +22,17 @@ from __future__ import annotations
 from typing import Optional
 
 from stages.backends import GenRequest, GenResult, Partial, takes_token_ids
-from stages.backends.http import (Body, EventStream, Failure, HttpBackend, Server, engine_error, model_matches,
-                                  response_shape, stream_cut)
+from stages.backends.http import (
+    Body,
+    EventStream,
+    Failure,
+    HttpBackend,
+    Server,
+    engine_error,
+    model_matches,
+    response_shape,
+    stream_cut,
+)
 
 
 def finish_reason(value: Optional[str]) -> str:
@@ -59,8 +68,12 @@ class OpenAIBackend(HttpBackend):
         done = req.partial.completion_tokens  # > 0 only for a continuation, which needs the `ids` format
         # a server that was down at start-up and is tried in panic mode has not told its name: use another's
         model = self.model_ids.get(server.url) or next(iter(self.model_ids.values()))
-        body: dict = {"model": model, "max_tokens": req.max_tokens - done,
-                      "temperature": s["temperature"], "top_p": s["top_p"]}
+        body: dict = {
+            "model": model,
+            "max_tokens": req.max_tokens - done,
+            "temperature": s["temperature"],
+            "top_p": s["top_p"],
+        }
         if s["top_k"] > 0:  # not an OpenAI field: strict servers reject it, and -1 means "off" anyway
             body["top_k"] = s["top_k"]
         seed = req.attempt_seed(done)
@@ -105,14 +118,18 @@ class OpenAIBackend(HttpBackend):
             choice = doc["choices"][0]
             ids = _output_ids(choice)
             self._take_answer(req, ids, (choice["message"].get("content") or "") if chat else choice["text"])
-            res = self._complete(req, base, int(doc["usage"]["completion_tokens"]),
-                                 finish_reason(choice.get("finish_reason")), int(doc["usage"]["prompt_tokens"]) - base,
-                                 has_ids=ids is not None,
-                                 prompt_ids=choice.get("prompt_token_ids") or doc.get("prompt_token_ids"))
+            res = self._complete(
+                req,
+                base,
+                int(doc["usage"]["completion_tokens"]),
+                finish_reason(choice.get("finish_reason")),
+                int(doc["usage"]["prompt_tokens"]) - base,
+                has_ids=ids is not None,
+                prompt_ids=choice.get("prompt_token_ids") or doc.get("prompt_token_ids"),
+            )
         return self._with_drift(req, res)
 
-    async def _follow(self, server: Server, req: GenRequest, stream: EventStream, chat: bool,
-                      base: int) -> GenResult:
+    async def _follow(self, server: Server, req: GenRequest, stream: EventStream, chat: bool, base: int) -> GenResult:
         """Read the stream into `req.partial` (after the `base` tokens it held when the attempt began)."""
         partial = req.partial
         usage: Optional[dict] = None
@@ -140,9 +157,15 @@ class OpenAIBackend(HttpBackend):
             raise stream_cut(server.url)
         with response_shape("stream usage"):
             new = int(usage["completion_tokens"]) if usage else partial.completion_tokens - base
-            res = self._complete(req, base, new, finish_reason(finish),
-                                 int(usage["prompt_tokens"]) - base if usage else None,
-                                 has_ids=len(partial.output_ids) > base, prompt_ids=prompt_ids)
+            res = self._complete(
+                req,
+                base,
+                new,
+                finish_reason(finish),
+                int(usage["prompt_tokens"]) - base if usage else None,
+                has_ids=len(partial.output_ids) > base,
+                prompt_ids=prompt_ids,
+            )
         if usage is None:
             res.extra["completion_tokens_estimated"] = True
         return self._with_drift(req, res)

@@ -26,8 +26,17 @@ from typing import Optional
 import aiohttp
 
 from stages.backends import GenRequest, GenResult
-from stages.backends.http import (ABORT_TIMEOUT_S, Body, EventStream, Failure, HttpBackend, Server, engine_error,
-                                  response_shape, stream_cut)
+from stages.backends.http import (
+    ABORT_TIMEOUT_S,
+    Body,
+    EventStream,
+    Failure,
+    HttpBackend,
+    Server,
+    engine_error,
+    response_shape,
+    stream_cut,
+)
 from stages.target import render_prompt_ids
 
 
@@ -59,18 +68,24 @@ class SGLangBackend(HttpBackend):
         raise Failure("http_404", "neither /model_info nor /get_model_info exists")
 
     async def _abort(self, server: Server, rid: str) -> None:
-        async with self.session.post(server.url + "/abort_request", json={"rid": rid},
-                                     timeout=aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S)) as resp:
+        async with self.session.post(
+            server.url + "/abort_request", json={"rid": rid}, timeout=aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S)
+        ) as resp:
             await resp.read()
 
     def _body(self, req: GenRequest, rid: str) -> dict:
         if req.prompt_ids is None:
-            req.prompt_ids = render_prompt_ids(self.tokenizer, req.messages, req.tools,
-                                               dict(self.cfg.model.template_kwargs))
+            req.prompt_ids = render_prompt_ids(
+                self.tokenizer, req.messages, req.tools, dict(self.cfg.model.template_kwargs)
+            )
         done = req.partial.completion_tokens
         s = req.sampling
-        sampling = {"max_new_tokens": req.max_tokens - done, "temperature": s["temperature"], "top_p": s["top_p"],
-                    "top_k": s["top_k"]}  # SGLang's top_k=-1 is "off", like ours
+        sampling = {
+            "max_new_tokens": req.max_tokens - done,
+            "temperature": s["temperature"],
+            "top_p": s["top_p"],
+            "top_k": s["top_k"],
+        }  # SGLang's top_k=-1 is "off", like ours
         seed = req.attempt_seed(done)
         if seed is not None:  # honoured by servers started with --enable-deterministic-inference
             sampling["sampling_seed"] = seed
@@ -94,8 +109,14 @@ class SGLangBackend(HttpBackend):
         with response_shape("/generate answer"):
             meta = out["meta_info"]
             self._take_answer(req, out["output_ids"], out.get("text") or "")
-            return self._complete(req, base, int(meta["completion_tokens"]), finish_reason(meta["finish_reason"]),
-                                  int(meta["prompt_tokens"]) - base, has_ids=True)
+            return self._complete(
+                req,
+                base,
+                int(meta["completion_tokens"]),
+                finish_reason(meta["finish_reason"]),
+                int(meta["prompt_tokens"]) - base,
+                has_ids=True,
+            )
 
     async def _follow(self, server: Server, req: GenRequest, stream: EventStream, base: int) -> GenResult:
         """Read the stream into `req.partial` (after the `base` tokens it held when the attempt began)."""
@@ -118,5 +139,11 @@ class SGLangBackend(HttpBackend):
         if meta is None or meta.get("finish_reason") is None:
             raise stream_cut(server.url)
         with response_shape("/generate stream end"):
-            return self._complete(req, base, int(meta["completion_tokens"]), finish_reason(meta["finish_reason"]),
-                                  int(meta["prompt_tokens"]) - base, has_ids=True)
+            return self._complete(
+                req,
+                base,
+                int(meta["completion_tokens"]),
+                finish_reason(meta["finish_reason"]),
+                int(meta["prompt_tokens"]) - base,
+                has_ids=True,
+            )

@@ -29,11 +29,18 @@ VOCAB_SIZE = 1024
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
-    "<|im_start|>", "<|im_end|>",
-    "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
-    "<think>", "</think>",
-    "<tool_call>", "</tool_call>",
-    "<tool_response>", "</tool_response>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|begin_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
 ]
 
 # template name -> the single token that ends an assistant turn
@@ -106,10 +113,16 @@ def tool_messages(call_content: str = "") -> list[dict]:
             "role": "assistant",
             "content": call_content,
             "tool_calls": [
-                {"id": "call_1", "type": "function",
-                 "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "celsius"})}},
-                {"id": "call_2", "type": "function",
-                 "function": {"name": "get_weather", "arguments": {"city": "Tokyo", "unit": "celsius"}}},
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "celsius"})},
+                },
+                {
+                    "id": "call_2",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Tokyo", "unit": "celsius"}},
+                },
             ],
         },
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 18, "condition": "cloudy"}'},
@@ -125,8 +138,9 @@ TOOL = {
 
 THINK = "<think>\n{}\n</think>\n\n{}"
 
-Q3_SINGLE = dict(SINGLE, completion=THINK.format("Five, seven, five syllables; the subject is BPE.",
-                                                 SINGLE["completion"]))
+Q3_SINGLE = dict(
+    SINGLE, completion=THINK.format("Five, seven, five syllables; the subject is BPE.", SINGLE["completion"])
+)
 
 Q3_MULTI = {
     "messages": [
@@ -134,8 +148,11 @@ Q3_MULTI = {
         {"role": "user", "content": "What is the capital of France?"},
         {"role": "assistant", "content": THINK.format("Easy geography question.", "The capital of France is Paris.")},
         {"role": "user", "content": "And its population?"},
-        {"role": "assistant", "content": "About 2.1 million people live in the city proper.",
-         "reasoning_content": "City proper, not the metro area."},
+        {
+            "role": "assistant",
+            "content": "About 2.1 million people live in the city proper.",
+            "reasoning_content": "City proper, not the metro area.",
+        },
         {"role": "user", "content": "Write a one-line Python expression that sums the squares of 1 to 10."},
     ],
     "tools": None,
@@ -180,8 +197,9 @@ def load_tokenizer(template: str, tokenizer_file: Path = TOKENIZER):
     """The golden tokenizer with `template`'s chat template and end-of-turn token, as the tests load it."""
     from transformers import PreTrainedTokenizerFast
 
-    tok = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), eos_token=TEMPLATES[template],
-                                  pad_token="<|endoftext|>")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_file=str(tokenizer_file), eos_token=TEMPLATES[template], pad_token="<|endoftext|>"
+    )
     tok.chat_template = (TEMPLATES_DIR / f"{template}.jinja").read_text()
     return tok
 
@@ -208,8 +226,9 @@ def build(template: str, case: str, spec: dict, tok) -> dict:
         "messages": messages,
         "tools": tools,
         "completion": spec["completion"],
-        "rendered_prompt": tok.apply_chat_template(template_messages(messages), tools=tools, tokenize=False,
-                                                   add_generation_prompt=True, **kwargs),
+        "rendered_prompt": tok.apply_chat_template(
+            template_messages(messages), tools=tools, tokenize=False, add_generation_prompt=True, **kwargs
+        ),
         "rendered": tok.apply_chat_template(convo, tools=tools, tokenize=False, **kwargs),
         "input_ids": ids,
         "loss_mask": mask,
