@@ -33,33 +33,9 @@ from typing import Optional
 
 from aiohttp import web
 
+from bench.reliability.fault_server import SAMPLING_PARAMS  # SGLang's SamplingParams fields, listed once
+
 EOS_ID = 2
-SAMPLING_PARAMS = {  # SGLang's SamplingParams fields (python/sglang/srt/sampling/sampling_params.py)
-    "max_new_tokens",
-    "stop",
-    "stop_token_ids",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "frequency_penalty",
-    "presence_penalty",
-    "repetition_penalty",
-    "min_new_tokens",
-    "n",
-    "json_schema",
-    "regex",
-    "ebnf",
-    "structural_tag",
-    "ignore_eos",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "no_stop_trim",
-    "custom_params",
-    "stream_interval",
-    "logit_bias",
-    "sampling_seed",
-}
 REQUEST_FIELDS = {  # the GenerateReqInput fields a text-generation client may send
     "rid",
     "text",
