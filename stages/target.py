@@ -136,7 +136,7 @@ def model_limits(model: ModelConfig) -> ModelLimits:
     if local.is_file():
         conf = json.loads(local.read_text())
         conf = conf.get("text_config") or conf  # a multimodal wrapper's language model
-        return ModelLimits(conf.get("max_position_embeddings"), conf.get("vocab_size"))
+        return ModelLimits(_context(conf), conf.get("vocab_size"))
     if looks_local(model.path) or Path(model.path).expanduser().is_dir():
         return ModelLimits(None, None)
     from transformers import AutoConfig
@@ -147,7 +147,19 @@ def model_limits(model: ModelConfig) -> ModelLimits:
         ).get_text_config()
     except (OSError, ValueError):
         return ModelLimits(None, None)
-    return ModelLimits(getattr(conf, "max_position_embeddings", None), getattr(conf, "vocab_size", None))
+    return ModelLimits(_context(conf.to_dict()), getattr(conf, "vocab_size", None))
+
+
+def _context(conf: dict) -> int | None:
+    """The context a server gives the target: max_position_embeddings, times the RoPE scaling factor where the
+    config scales the length it states (Qwen's YaRN: factor 4 over original_max_position_embeddings equal to it);
+    Llama 3.1 states the scaled length already (131,072 over an original 8,192)."""
+    n = conf.get("max_position_embeddings")
+    scaling = conf.get("rope_scaling") or {}
+    factor = scaling.get("factor") if isinstance(scaling, dict) else None
+    if n and factor and scaling.get("original_max_position_embeddings", n) == n:
+        return int(n * factor)
+    return n
 
 
 def check_tokenizer_fits(tok, model: ModelConfig, limits: ModelLimits) -> None:

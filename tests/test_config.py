@@ -283,3 +283,13 @@ def test_out_of_disk_is_one_line_naming_the_file(tmp_path, capsys):
     err_lines = capsys.readouterr().err.strip().splitlines()
     assert exit_.value.code == 2 and len(err_lines) == 1
     assert "No space left on device" in err_lines[0] and "run.store_path" in err_lines[0]
+
+
+def test_the_context_follows_rope_scaling_as_servers_do():
+    from stages.target import _context
+
+    assert _context({"max_position_embeddings": 32768}) == 32768
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert _context({"max_position_embeddings": 32768, "rope_scaling": yarn}) == 131072
+    llama31 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}
+    assert _context({"max_position_embeddings": 131072, "rope_scaling": llama31}) == 131072
