@@ -4,11 +4,12 @@ params.yaml the test shapes. Stages run in-process with the real config loader, 
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import yaml
+
+from bench.servers import free_port, server_process, transformers_serve  # noqa: F401 (tests import them from here)
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "sources" / "demo"
@@ -104,74 +105,6 @@ def project(tmp_path, tiny_model, monkeypatch) -> Project:
         "datasets": {"B3": dataset_params("B3_magicoder", "magicoder_oss")},
     }
     return Project(tmp_path, copy.deepcopy(params))
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def server_process(argv_for_port, log_path: Path, env: dict, timeout: float):
-    """Start a server (`argv_for_port(port)`) on a free localhost port, wait until GET /health answers 200, yield
-    its URL, and stop it afterwards. The server's log goes to `log_path` and into any failure message."""
-    import os
-    import subprocess
-    import time
-    import urllib.request
-
-    port = free_port()
-    with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(
-            argv_for_port(port), stdout=log_file, stderr=subprocess.STDOUT, env=dict(os.environ, **env)
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            assert proc.poll() is None, f"server exited: {log_path.read_text()[-3000:]}"
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, f"server not healthy in {timeout}s: {log_path.read_text()[-3000:]}"
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def transformers_serve(model: Path, log_path: Path, timeout: float = 90.0):
-    """A real `transformers serve` (OpenAI-compatible), pinned to `model`."""
-    import sys
-
-    def argv(port: int) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "transformers.cli.transformers",
-            "serve",
-            str(model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--device",
-            "cpu",
-        ]
-
-    # OMP_NUM_THREADS=1: a tiny model on 2 cores, threads only contend
-    return server_process(argv, log_path, {"OMP_NUM_THREADS": "1"}, timeout)
 
 
 @pytest.fixture(scope="session")

@@ -33,29 +33,11 @@ from typing import Optional
 
 from aiohttp import web
 
-from bench.reliability.fault_server import SAMPLING_PARAMS  # SGLang's SamplingParams fields, listed once
+# SGLang's SamplingParams and GenerateReqInput fields, listed once
+from bench.reliability.fault_server import GENERATE_FIELDS as REQUEST_FIELDS
+from bench.reliability.fault_server import SAMPLING_PARAMS
 
 EOS_ID = 2
-REQUEST_FIELDS = {  # the GenerateReqInput fields a text-generation client may send
-    "rid",
-    "text",
-    "input_ids",
-    "sampling_params",
-    "stream",
-    "return_logprob",
-    "logprob_start_len",
-    "top_logprobs_num",
-    "return_text_in_logprobs",
-    "log_metrics",
-    "lora_path",
-    "session_params",
-    "priority",
-    "extra_key",
-    "custom_labels",
-    "return_hidden_states",
-    "input_embeds",
-    "image_data",
-}
 
 
 def fake_output_ids(input_ids: list[int], n: int) -> list[int]:

@@ -174,23 +174,30 @@ def store_shards(project: Project) -> int:
         return 0
 
 
-def test_kill_mid_run_then_resume(hs_project, samples_dir, tmp_path):
-    hs_project.set("hidden_states.shard_max_tokens", 1)  # a shard per sample: a kill lands between shards
-    hs_project.set("hidden_states.batch_tokens", 1)  # and a forward per sample: slow enough to land at all
+def stage_with_shards(project: Project, shards: int) -> subprocess.Popen:
+    """The stage in a process of its own, once `shards` shards are in the store: a shard and a forward per sample,
+    so that a signal sent now lands mid-run."""
+    project.set("hidden_states.shard_max_tokens", 1)
+    project.set("hidden_states.batch_tokens", 1)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "stages.hidden_states", "dataset=B3"],
-        cwd=hs_project.path,
+        cwd=project.path,
         env=env,
         stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
+        stderr=subprocess.PIPE,
         text=True,
     )
     deadline = time.monotonic() + 120
-    while store_shards(hs_project) < 3:
-        assert proc.poll() is None, proc.stdout.read()
+    while store_shards(project) < shards:
+        assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline
         time.sleep(0.01)
+    return proc
+
+
+def test_kill_mid_run_then_resume(hs_project, samples_dir, tmp_path):
+    proc = stage_with_shards(hs_project, 3)
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=30)
     done = store_shards(hs_project)
@@ -246,22 +253,7 @@ def test_sigterm_keeps_every_sample_computed_before_it(hs_project, monkeypatch):
 
 def test_an_interrupted_stage_says_so_in_one_line(hs_project):
     """From the command line, SIGINT while the target computes: one line, exit status 130, what was computed kept."""
-    hs_project.set("hidden_states.batch_tokens", 1)
-    hs_project.set("hidden_states.shard_max_tokens", 1)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "stages.hidden_states", "dataset=B3"],
-        cwd=hs_project.path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + 120
-    while store_shards(hs_project) < 2:
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    proc = stage_with_shards(hs_project, 2)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err

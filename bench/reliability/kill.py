@@ -49,7 +49,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -58,6 +58,7 @@ import yaml
 
 from bench.reliability import kill_checks as checks
 from bench.reliability.kill_checks import Problem
+from bench.servers import transformers_serve
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "sources" / "demo"
@@ -272,55 +273,6 @@ def clean_run(project: Project, stage: str) -> Timing:
 # ---- the server ------------------------------------------------------------------------------------------------- #
 
 
-@contextmanager
-def transformers_serve(model: Path, log_path: Path, timeout: float = 180.0):
-    """A real `transformers serve` (OpenAI-compatible) on a free loopback port, healthy before it is used."""
-    import socket
-    import urllib.request
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    argv = [
-        sys.executable,
-        "-m",
-        "transformers.cli.transformers",
-        "serve",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--device",
-        "cpu",
-    ]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"transformers serve exited: {log_path.read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"transformers serve not healthy in {timeout:g}s: {log_path.read_text()[-2000:]}")
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 # ---- the bench: what every trial shares -------------------------------------------------------------------------- #
 
 
@@ -359,7 +311,7 @@ class Bench:
     def _start_server(self, stack: ExitStack) -> None:
         from bench.reliability.kill_proxy import LoggingProxy
 
-        url = stack.enter_context(transformers_serve(self.model, self.root / "serve.log"))
+        url = stack.enter_context(transformers_serve(self.model, self.root / "serve.log", timeout=180.0))
         self.proxy = LoggingProxy(url)
         proxy_url = self.proxy.start()
         stack.callback(self.proxy.stop)
