@@ -3,7 +3,9 @@
 
 - `plots/completion_lengths.csv` (generate): the selected responses' completion lengths in HISTOGRAM_BINS bins of
   equal width up to max_tokens (the same bins in every run of a dataset, so experiments line up);
-- `plots/budget_fill.csv` (generate): tokens counted toward the budget against seconds since generation began;
+- `plots/budget_fill.csv` (generate): tokens counted toward the budget against seconds since generation began
+  (every finished response counts, so the line may end a little past the output's total when responses finishing
+  together crossed the budget: the output keeps the plan-order prefix that meets it, the rest stay in the store);
 - `plots/skips.csv` (tokenize): responses skipped, by reason (every reason, zeros included, so runs line up).
 """
 
