@@ -78,6 +78,13 @@ def end_of_turn_ids(tok, model: ModelConfig | None, template_kwargs: dict | None
 
 
 def _generation_config_eos(model: ModelConfig) -> set[int]:
+    local = Path(model.path).expanduser()
+    if local.is_dir():  # read as the JSON it is: transformers' GenerationConfig imports torch (seconds per stage)
+        try:
+            eos = json.loads((local / "generation_config.json").read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):  # none (or unreadable): the tokenizer's eos is all there is
+            return set()
+        return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     from transformers import GenerationConfig
 
     try:
@@ -173,14 +180,48 @@ def check_tokenizer_fits(tok, model: ModelConfig, limits: ModelLimits) -> None:
         )
 
 
-def load_tokenizer(model: ModelConfig, need_template: bool = True):
-    from transformers import AutoTokenizer
+# Model types whose tokenizer AutoTokenizer takes from tokenizer_config.json as it stands ("" : no config.json)
+_HUB_TOKENIZER_CLASS_KEPT = ("llama", "")
+_GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
+
+def plain_fast_tokenizer(path: str) -> bool:
+    """Whether AutoTokenizer would load this local directory as transformers' generic Rust-backed tokenizer
+    (`TokenizersBackend`), decided as AutoTokenizer decides for these files: a tokenizer.json, a generic class named
+    in tokenizer_config.json, no code of its own (auto_map), no Mistral tekken file, and a model type that keeps the
+    class the tokenizer config names (Llama's, or no config.json; AutoTokenizer overrides it for types such as
+    qwen2). Then that class loads it directly: the same tokenizer without AutoTokenizer's reading of the model
+    config, whose classes import torch (about 2.5 s of each CPU-only stage's start)."""
+    root = Path(path).expanduser()
+    try:
+        tok_conf = json.loads((root / "tokenizer_config.json").read_text())
+        conf = json.loads((root / "config.json").read_text()) if (root / "config.json").exists() else {}
+    except (OSError, ValueError):
+        return False
+    return (
+        (root / "tokenizer.json").is_file()
+        and not (root / "tekken.json").exists()
+        and isinstance(tok_conf, dict)
+        and isinstance(conf, dict)
+        and tok_conf.get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES
+        and "auto_map" not in tok_conf
+        and conf.get("model_type", "") in _HUB_TOKENIZER_CLASS_KEPT
+    )
+
+
+def load_tokenizer(model: ModelConfig, need_template: bool = True):
     check_model_path(model.path)
     try:
-        tok = AutoTokenizer.from_pretrained(
-            model.path, revision=model.revision, trust_remote_code=model.trust_remote_code
-        )
+        if Path(model.path).expanduser().is_dir() and plain_fast_tokenizer(model.path):
+            from transformers import PreTrainedTokenizerFast  # TokenizersBackend: what AutoTokenizer returns here
+
+            tok = PreTrainedTokenizerFast.from_pretrained(model.path)
+        else:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(
+                model.path, revision=model.revision, trust_remote_code=model.trust_remote_code
+            )
     except (OSError, ValueError) as e:
         raise load_error(e, "a tokenizer", model.path) from None
     if model.chat_template is not None:

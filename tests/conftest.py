@@ -128,3 +128,21 @@ def backend_project(request, project) -> Project:
         }
         project.save()
     return project
+
+
+@pytest.fixture(scope="session")
+def endless_model(tiny_model, tmp_path_factory) -> Path:
+    """The tiny target with its end-of-turn logit pushed down: every answer runs to max_tokens, long enough to
+    cancel. Named like the tiny model so start-up's model check compares basenames."""
+    from transformers import AutoTokenizer
+
+    from stages.config import TinyModelConfig
+    from stages.tiny_model import build_model
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    out = tmp_path_factory.mktemp("endless") / Path(tiny_model).name
+    build_model(
+        TinyModelConfig(mean_response_tokens=10**9), len(tok), tok.eos_token_id, tok.pad_token_id
+    ).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

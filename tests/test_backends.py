@@ -21,7 +21,7 @@ import aiohttp
 import pytest
 
 from stages.backends import GenRequest, Partial, make_backend
-from stages.config import BackendConfig, BackendKind, Config, DatasetConfig, ModelConfig, TinyModelConfig, UserError
+from stages.config import BackendConfig, BackendKind, Config, DatasetConfig, ModelConfig, UserError
 from stages.target import load_tokenizer, render_prompt_ids
 from conftest import free_port, transformers_serve
 from tests.fake_sglang import EOS_ID, FakeSGLang, Faults, fake_output_ids, fake_text
@@ -102,23 +102,6 @@ def fake():
     yield make
     for s in servers:
         s.stop()
-
-
-@pytest.fixture(scope="module")
-def endless_model(tiny_model, tmp_path_factory) -> Path:
-    """The tiny target with its end-of-turn logit pushed down: every answer runs to max_tokens, long enough to
-    cancel. Named like the tiny model so start-up's model check compares basenames."""
-    from transformers import AutoTokenizer
-
-    from stages.tiny_model import build_model
-
-    tok = AutoTokenizer.from_pretrained(tiny_model)
-    out = tmp_path_factory.mktemp("endless") / Path(tiny_model).name
-    build_model(
-        TinyModelConfig(mean_response_tokens=10**9), len(tok), tok.eos_token_id, tok.pad_token_id
-    ).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
 
 
 # ---- sglang: protocol ---------------------------------------------------------------------------------------------- #

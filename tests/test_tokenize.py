@@ -245,3 +245,64 @@ def test_end_of_turn_ids_come_from_tokenizer_generation_config_and_template(tiny
         "{% if add_generation_prompt %}assistant: {% endif %}"
     )
     assert tok.convert_tokens_to_ids("<|turn_done|>") in end_of_turn_ids(tok, None)
+
+
+def _same_tokenizer(a, b) -> None:
+    assert type(a) is type(b)
+    assert a.get_vocab() == b.get_vocab() and a.backend_tokenizer.to_str() == b.backend_tokenizer.to_str()
+    assert {i: str(t) for i, t in a.added_tokens_decoder.items()} == {
+        i: str(t) for i, t in b.added_tokens_decoder.items()
+    }
+    assert a.all_special_tokens == b.all_special_tokens and a.chat_template == b.chat_template
+    assert (a.eos_token_id, a.pad_token_id, a.bos_token_id) == (b.eos_token_id, b.pad_token_id, b.bos_token_id)
+    text = "def f(x):\n    return x ** 2  # <think>é</think> <|im_end|>"
+    assert a(text).input_ids == b(text).input_ids and a(text, add_special_tokens=False) == b(
+        text, add_special_tokens=False
+    )
+    assert render_prompt_ids(a, HISTORY, None, {}) == render_prompt_ids(b, HISTORY, None, {})
+    assert a.apply_chat_template(HISTORY, tokenize=False) == b.apply_chat_template(HISTORY, tokenize=False)
+
+
+def test_a_plain_fast_tokenizer_loads_as_autotokenizer_loads_it_without_torch(tiny_model, tmp_path):
+    """The CPU-only stages load a plain Rust-backed tokenizer as its class, skipping AutoTokenizer's model config
+    (whose classes import torch): the same tokenizer, and no torch imported."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from stages.target import plain_fast_tokenizer
+
+    assert plain_fast_tokenizer(str(tiny_model))
+    _same_tokenizer(load_tokenizer(ModelConfig(path=str(tiny_model))), AutoTokenizer.from_pretrained(tiny_model))
+    code = (
+        "import sys; from stages.config import ModelConfig; from stages.target import load_tokenizer, end_of_turn_ids;"
+        f"t = load_tokenizer(ModelConfig(path={str(tiny_model)!r})); end_of_turn_ids(t, ModelConfig(path="
+        f"{str(tiny_model)!r})); print('torch' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+    # where AutoTokenizer decides otherwise, it decides: a model type that overrides the named class (Qwen2's), code
+    # of the tokenizer's own, or no generic class named
+    import shutil
+
+    for name, edit in [
+        ("qwen2", lambda d: _edit_json(d / "config.json", model_type="qwen2")),
+        ("auto_map", lambda d: _edit_json(d / "tokenizer_config.json", auto_map={"AutoTokenizer": ["x.T", None]})),
+        ("named", lambda d: _edit_json(d / "tokenizer_config.json", tokenizer_class="Qwen2Tokenizer")),
+        ("tekken", lambda d: (d / "tekken.json").write_text("{}")),
+    ]:
+        d = tmp_path / name
+        shutil.copytree(tiny_model, d)
+        edit(d)
+        assert not plain_fast_tokenizer(str(d)), name
+    # without config.json (a tokenizer for a model that lives on a server) the named class is taken as it stands
+    d = tmp_path / "no_config"
+    shutil.copytree(tiny_model, d)
+    (d / "config.json").unlink()
+    assert plain_fast_tokenizer(str(d))
+    _same_tokenizer(load_tokenizer(ModelConfig(path=str(d))), AutoTokenizer.from_pretrained(d))
+
+
+def _edit_json(path, **changes) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))

@@ -16,7 +16,7 @@ import itertools
 import time
 
 from stages.artifacts import log
-from stages.backends import GenRequest, GenResult
+from stages.backends import GenRequest, GenResult, varlen_attention
 from stages.config import Config
 from stages.target import end_of_turn_ids, load_model
 
@@ -30,6 +30,7 @@ class EmbeddedBackend:
         self.tokenizer = tokenizer
         self.manager = None
         self.seeded = False
+        self.varlen = False
         self.stop_ids: set[int] = set()
         self._attempts = itertools.count()
 
@@ -58,6 +59,7 @@ class EmbeddedBackend:
             page_size=32,
         )
         self.manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+        self.varlen = varlen_attention.install()  # each sequence attends to its own keys only (see the module)
         if gen.do_sample:
             self.seeded = install_seeded_sampling(self.manager)
         self.manager.start()
@@ -126,6 +128,9 @@ class EmbeddedBackend:
         if self.manager is not None:
             await asyncio.to_thread(self.manager.stop, True)
             self.manager = None
+        if self.varlen:
+            varlen_attention.uninstall()
+            self.varlen = False
 
 
 class _PartialFollower:
