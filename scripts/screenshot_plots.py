@@ -4,9 +4,10 @@
         [diff EXP_A EXP_B ...]
 
 Run it in the project directory after `dvc repro`. Arguments after the options go to `dvc plots` (default `show`).
-DVC's page loads vega, vega-lite and vega-embed from a CDN; on a machine without internet, `--vega-dir` names a
-directory with `vega.min.js`, `vega-lite.min.js` and `vega-embed.min.js` (e.g. unpacked from
-`npm pack vega@5.20.2 vega-lite@5.2.0 vega-embed@6.18.2`), and the page is made to load them from there.
+The page (`conf/plots/page.html`) loads vega, vega-lite and vega-embed from a CDN; on a machine without internet,
+`--vega-dir` names a directory with `vega.min.js`, `vega-lite.min.js` and `vega-embed.min.js` (e.g. unpacked from
+`npm pack vega@5.33.1 vega-lite@5.23.0 vega-embed@6.29.0`, the versions the page names), and the page is made to
+load them from there.
 Chromium: Debian's `chromium` package (`chromium`, or `chromium-browser`, on the PATH).
 """
 

@@ -249,8 +249,9 @@ class BackendConfig:
     urls: List[str] = field(default_factory=list)
     api_key_env: Optional[str] = None  # the NAME of the variable holding the key; the key itself is never stored
     request_timeout_s: float = 600.0
-    # embedded only: the KV-cache size of transformers' continuous batching
+    # embedded only: the most tokens one step of transformers' continuous batching computes (prefill and decodes)
     max_batch_tokens: int = 2048
+    # embedded only: KV-cache blocks of 32 tokens, shared by the requests in flight (256: 8,192 tokens)
     num_blocks: int = 256
     # sglang and openai: what start() expects the server to serve; None = the basename of model.path
     served_model_name: Optional[str] = None

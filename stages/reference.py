@@ -87,7 +87,6 @@ MEANINGS = {
     "backend.kind": "Where generation runs; it also selects the preset in conf/backend/ whose defaults apply.",
     "backend.urls": "The servers' base URLs (sglang, openai), balanced by least outstanding requests.",
     "backend.request_timeout_s": "Longest wait for one request's answer.",
-    "backend.num_blocks": "Number of KV-cache blocks.",
     "backend.backoff_base_s": "Base delay of the retry backoff (see `max_retries`).",
     "backend.backoff_max_s": "Longest delay between two retries (see `max_retries`).",
     "backend.connect_timeout_s": "Longest wait to connect to a server.",

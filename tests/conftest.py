@@ -4,6 +4,8 @@ params.yaml the test shapes. Stages run in-process with the real config loader, 
 from __future__ import annotations
 
 import copy
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,8 @@ import yaml
 from bench.servers import free_port, server_process, transformers_serve  # noqa: F401 (tests import them from here)
 
 ROOT = Path(__file__).resolve().parents[1]
+# DVC runs a stage's `python -m stages.X` from the PATH: the Python running the tests, activated or not
+os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
 DEMO = ROOT / "sources" / "demo"
 # demo file -> source shape, as params.yaml configures them
 DEMO_SHAPES = {
