@@ -24,11 +24,11 @@ it reruns. The process gets SIGKILL at a seeded random moment, is restarted and 
 
 Scenarios (one table row each): the four stages with kill moments uniform over the clean run's duration (so they
 land in start-up, in the work and in the writing of outputs alike), generate on the server, two that aim at the
-work (generate's generation, hidden_states' compute pass: uniform from the creation of the stage's store to the
-first sign of its output, so kills fall between and during commits), and two that aim at the writing of outputs
-(generate's responses.jsonl after its last response; hidden_states' second pass that links the shards and writes
-samples.parquet and index.json), the moment uniform over the clean run's time from the first sign of the output
-until every output was in place. A draw past the end of the run is drawn again.
+work (generate's generation, hidden_states' compute pass: uniform from the stage's first commit, a response or a
+sample in its store, to the first sign of its output, so kills fall between and during commits), and two that aim
+at the writing of outputs (generate's responses.jsonl after its last response; hidden_states' second pass that
+links the shards and writes samples.parquet and index.json), the moment uniform over the clean run's time from the
+first sign of the output until every output was in place. A draw past the end of the run is drawn again.
 
 Figures: kill_trials (trials whose kill landed), kill_lost, kill_duplicated, kill_stale (problems of each kind,
 summed over trials; bench/reliability/kill_checks.py says what each kind covers). Goal: all three 0 over at least
@@ -66,6 +66,7 @@ DATASET = "D"
 BUDGET = 600
 # How often a run is looked at: often enough to see the writing of a small output (a few ms) begin.
 POLL_S = 0.0005
+WORK_POLL_S = 0.01  # how often the store is read for the first commit
 MAX_DRAWS = 5  # kill moments drawn for one trial before it counts as a failure (each past the end of its run)
 RESTART_TIMEOUT_S = 600  # a restart that hangs is a failure, not a stuck suite
 
@@ -155,6 +156,7 @@ class Project:
         self.store = path / ".draftdata" / "store.sqlite"
         self.states = path / ".draftdata" / "states"
         self.log = path / "stage.log"
+        self._looked_at = float("-inf")
 
     def create(self, params: dict) -> "Project":
         self.data.mkdir(parents=True, exist_ok=True)
@@ -182,8 +184,16 @@ class Project:
             return False
 
     def working(self, stage: str) -> bool:
-        """Whether the stage has created the store its work goes to."""
-        return stage in WORK_MARK and (self.path / WORK_MARK[stage]).exists()
+        """Whether the stage's work shows: its store holds a committed response (generate) or indexed sample
+        (hidden_states). The store's mere creation comes seconds earlier, before the model is loaded. Looked up at
+        most every WORK_POLL_S (a SQLite read each time)."""
+        if stage not in WORK_MARK or not (self.path / WORK_MARK[stage]).exists():
+            return False
+        now = time.monotonic()
+        if now - self._looked_at < WORK_POLL_S:
+            return False
+        self._looked_at = now
+        return stored(self, stage) > 0
 
     def written(self, stage: str) -> bool:
         """Whether every output of the stage is in place."""
@@ -241,8 +251,8 @@ def build_model(out: Path) -> Path:
 
 @dataclass
 class Timing:
-    """A clean run's duration, how long it worked (from the creation of its store to the first sign of its main
-    output) and how long it wrote (from there until every output was in place)."""
+    """A clean run's duration, how long it worked (from its first commit to the first sign of its main output) and
+    how long it wrote (from there until every output was in place)."""
 
     seconds: float
     work_s: float
