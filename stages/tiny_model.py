@@ -152,8 +152,8 @@ def _plant_eos_rate(model, eos_id: int, mean_tokens: int) -> None:
         model.lm_head.weight[eos_id, k] = target / h
 
 
-def main(cfg) -> None:
-    tm: TinyModelConfig = cfg.tiny_model
+def build_target(tm: TinyModelConfig):
+    """The tokenizer trained on tm.corpus_dir and the model built for it, both saved under tm.path; the tokenizer."""
     out = Path(tm.path)
     tokenizer = build_tokenizer(iter_demo_texts(Path(tm.corpus_dir)), tm.vocab_size)
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -162,7 +162,13 @@ def main(cfg) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(out)
     model.save_pretrained(out)
-    print(f"tiny_model path={out} vocab={len(tokenizer)} layers={tm.num_layers} hidden={tm.hidden_size}")
+    return tokenizer
+
+
+def main(cfg) -> None:
+    tm: TinyModelConfig = cfg.tiny_model
+    tokenizer = build_target(tm)
+    print(f"tiny_model path={tm.path} vocab={len(tokenizer)} layers={tm.num_layers} hidden={tm.hidden_size}")
 
 
 if __name__ == "__main__":

@@ -33,15 +33,10 @@ DEMO_SHAPES = {
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     from stages.config import TinyModelConfig
-    from stages.tiny_model import build_model, build_tokenizer, iter_demo_texts
+    from stages.tiny_model import build_target
 
     out = tmp_path_factory.mktemp("model") / "tiny"
-    cfg = TinyModelConfig(path=str(out), corpus_dir=str(DEMO), mean_response_tokens=24)
-    tok = build_tokenizer(iter_demo_texts(DEMO), cfg.vocab_size)
-    eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
-    model = build_model(cfg, len(tok), eos, pad)
-    tok.save_pretrained(out)
-    model.save_pretrained(out)
+    build_target(TinyModelConfig(path=str(out), corpus_dir=str(DEMO), mean_response_tokens=24))
     return out
 
 

@@ -238,14 +238,9 @@ def project_params(model: Path, backend: Optional[dict] = None) -> dict:
 def build_model(out: Path) -> Path:
     """The demo target as the tests build it (shorter responses than the demo's, so a run takes seconds)."""
     from stages.config import TinyModelConfig
-    from stages.tiny_model import build_model as build, build_tokenizer, iter_demo_texts
+    from stages.tiny_model import build_target
 
-    cfg = TinyModelConfig(path=str(out), corpus_dir=str(DEMO), mean_response_tokens=24)
-    tok = build_tokenizer(iter_demo_texts(DEMO), cfg.vocab_size)
-    eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
-    model = build(cfg, len(tok), eos, pad)
-    tok.save_pretrained(out)
-    model.save_pretrained(out)
+    build_target(TinyModelConfig(path=str(out), corpus_dir=str(DEMO), mean_response_tokens=24))
     return out
 
 
