@@ -30,13 +30,13 @@ What the client sees, as the streaming generate loop does:
   in-flight requests generate meanwhile (with each one's token in progress at the decision) is never streamed:
   it is lost, and the server is busy for it (it counts in the wall time).
 
-Strategies: `cap` (7,000 samples), `check_cancel` (keep the server full; when the committed tokens reach the
-budget cancel everything in flight and throw it away), `let_finish` (stop admitting at the budget, let the batch
-finish), `ours` (stages.budget, complete responses only: at the budget the in-flight requests are cancelled and
-their partial outputs parked for a later run, so they are not in this run's output but not lost either),
-`ours_keep_partial` (stages.budget with keep_partial: stop when committed + streamed progress reaches the budget,
-looked at every CHECK_EVERY_S, and keep the partial responses; what streamed between the crossing and the check
-is its overshoot) and `ours_slack_*` (ours blind to the server's rate, as with a backend that does not stream, at
+Strategies: `cap` (7,000 samples), `check_cancel` (keep the server full; when the committed tokens reach the budget
+cancel everything in flight and throw it away), `let_finish` (stop admitting at the budget, let the batch finish),
+`ours` (draftdata.generate.budget, complete responses only: at the budget the in-flight requests are cancelled and their
+partial outputs parked for a later run, so they are not in this run's output but not lost either), `ours_keep_partial`
+(draftdata.generate.budget with keep_partial: stop when committed + streamed progress reaches the budget, looked at
+every CHECK_EVERY_S, and keep the partial responses; what streamed between the crossing and the check is its overshoot)
+and `ours_slack_*` (ours blind to the server's rate, as with a backend that does not stream, at
 several admit_slack values). The controller is the production one through its public API; the simulator only
 replaces the server and the client's clock.
 
@@ -65,7 +65,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages.budget import BudgetController
+from draftdata.generate.budget import BudgetController
 
 RESULTS = Path(__file__).parent / "results"
 RATE = 50.0  # tokens/s of one request at full batch (virtual time; the ratios do not depend on it)

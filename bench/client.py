@@ -94,11 +94,20 @@ def start_server() -> tuple[subprocess.Popen, str]:
 
 
 def run_ours(url: str, n: int, concurrency: int, stream: bool) -> float:
-    from stages.config import BackendConfig, BackendKind, Config, DatasetConfig, ModelConfig, RunConfig, SourceConfig
-    from stages.generate import Dispatcher, Planned
-    from stages.budget import BudgetController
-    from stages.backends import make_backend
-    from stages.store import ResponseStore
+    from draftdata.config.schema import (
+        BackendConfig,
+        BackendKind,
+        Config,
+        DatasetConfig,
+        ModelConfig,
+        RunConfig,
+        SourceConfig,
+    )
+    from draftdata.generate.backends import make_backend
+    from draftdata.generate.budget import BudgetController
+    from draftdata.generate.dispatcher import Dispatcher
+    from draftdata.generate.selection import Planned
+    from draftdata.generate.store import ResponseStore
 
     ds = DatasetConfig(
         source=SourceConfig(shape="messages", path="-"),

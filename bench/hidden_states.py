@@ -9,9 +9,9 @@ shapes, not on the weights. Samples are random token ids with lognormal lengths 
 4,096; seeded). Kept per token: the outputs of EAGLE-3's default layers ([1, 3, 4] for 8 layers) and the final
 state. Side by side, in one run:
 
-- ours: the stage's own path, `stages.hidden_states.Computer` (length-sorted batches of at most `batch_tokens`
-  padded tokens from `length_batches`; `stages.capture.HFEngine`: hooks on the decoder, no LM head) writing bf16
-  shards into a `StateStore` in a temp dir, the sample keys hashed as the stage hashes them;
+- ours: the stage's own path, `draftdata.hidden.compute.Computer` (length-sorted batches of at most `batch_tokens`
+  padded tokens from `length_batches`; `draftdata.hidden.engines.hf.HFEngine`: hooks on the decoder, no LM head) writing
+  bf16 shards into a `StateStore` in a temp dir, the sample keys hashed as the stage hashes them;
 - naive: fixed-size padded batches in dataset order through the full CausalLM with `output_hidden_states=True`
   (logits computed), the three layers and the last hidden state picked, one `torch.save` per sample of a dict of
   the unpadded tensors in bf16. Its batch size is the one whose padded batches (batch size x longest sample in the
@@ -113,7 +113,7 @@ def mean_padded(batches: list[list[int]]) -> float:
 def choose_naive_batch(lens: list[int], rounds: int, batch_tokens: int, given: int | None = None):
     """(naive batch size, ours' and naive's average padded batch in tokens): the size whose padded batches come
     closest to ours on average, unless one is given. Both are cut per round, as they run."""
-    from stages.hidden_states import length_batches
+    from draftdata.hidden.compute import length_batches
 
     slices = [lens[a:b] for a, b in round_slices(len(lens), rounds)]
     ours = [
@@ -180,7 +180,7 @@ class Clock:
 
 def state_settings(spec: Spec, dtype: str) -> dict:
     """What the stage hashes into every sample's key; the model is named, not fingerprinted (it is random)."""
-    from stages.shards import FORMAT_VERSION
+    from draftdata.hidden.shards import FORMAT_VERSION
 
     return {"version": FORMAT_VERSION, "layers": list(spec.layers), "dtype": dtype, "model": "bench-random-llama"}
 
@@ -204,10 +204,10 @@ class Ours:
     """The stage's compute pass, one window per round."""
 
     def __init__(self, spec: Spec, dtype: str):
-        from stages.capture import HFEngine
-        from stages.config import ModelConfig
-        from stages.hidden_states import Computer, Tally
-        from stages.state_store import StateStore
+        from draftdata.config.schema import ModelConfig
+        from draftdata.hidden.compute import Computer, HiddenTally
+        from draftdata.hidden.engines.hf import HFEngine
+        from draftdata.hidden.state_store import StateStore
 
         self.spec, self.samples = spec, make_samples(spec)
         self.root = Path(spec.out_dir) / f"ours-{dtype}"
@@ -220,7 +220,7 @@ class Ours:
             dtype,
             spec.batch_tokens,
             spec.shard_max_tokens,
-            Tally(),
+            HiddenTally(),
             background_writes=spec.device != "cpu",
         )  # as the stage chooses
 
@@ -229,7 +229,7 @@ class Ours:
         self.engine.pad_tokens = 0
 
     def run(self, rnd: int) -> dict:
-        from stages.state_store import state_key
+        from draftdata.hidden.state_store import state_key
 
         a, b = round_slices(len(self.samples), self.spec.rounds)[rnd]
         pad0, clock = self.engine.pad_tokens, Clock()
@@ -403,8 +403,8 @@ def interleaved(spec: Spec) -> dict:
 
 def fp8_rel_err(spec: Spec) -> float:
     """Relative L2 error of the fp8 states against the bf16 ones, both read back from their stores."""
-    from stages.state_store import StateStore, state_key
-    from stages.target import content_hash
+    from draftdata.hidden.state_store import StateStore, state_key
+    from draftdata.util.hashing import content_hash
 
     stores = {d: StateStore(Path(spec.out_dir) / f"ours-{d}") for d in ("bfloat16", "fp8")}
     hashes = {d: content_hash(state_settings(spec, d)) for d in stores}
@@ -422,7 +422,7 @@ def fp8_rel_err(spec: Spec) -> float:
 
 
 def _read(store, readers: dict, key: str):
-    from stages.shards import ShardReader
+    from draftdata.hidden.shards import ShardReader
 
     loc = store.lookup([key])[key]
     if loc.shard not in readers:
@@ -528,7 +528,7 @@ def print_table(res: dict) -> None:
 
 
 def parse_args(argv=None):
-    from stages.config import HiddenStatesConfig
+    from draftdata.config.schema import HiddenStatesConfig
 
     hs = HiddenStatesConfig()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -588,7 +588,7 @@ def settings(args, spec: Spec, config: dict, tokens: int) -> dict:
 
 
 def main(argv=None) -> None:
-    from stages.capture import default_layers
+    from draftdata.hidden.layers import default_layers
 
     args = parse_args(argv)
     t0 = time.perf_counter()

@@ -4,9 +4,9 @@
 
 Synthetic multi-turn conversations with lengths like the real data: prompts of 50-2,000 tokens (system, user,
 an earlier assistant turn, user), completions lognormal with mean ≈ 3.5k tokens capped at 10k. The demo
-tokenizer and ChatML template (stages/tiny_model.py) render them. Side by side, in one run:
+tokenizer and ChatML template (draftdata/target/tiny.py) render them. Side by side, in one run:
 
-- stage, text path: `stages.tokenize.build_samples` on responses that carry text only (render prompt and
+- stage, text path: `draftdata.tokenize.samples.build_samples` on responses that carry text only (render prompt and
   conversation, encode, find the boundary, build the mask, count drift);
 - raw: `tokenizers`' batch encode of the same full conversation texts (what any pipeline must at least pay);
 - stage, id path: the same responses with server token ids (no re-encoding at all).
@@ -30,7 +30,7 @@ DEMO = Path(__file__).resolve().parents[1] / "sources" / "demo"
 
 
 def build_tokenizer_dir(out: Path):
-    from stages.tiny_model import build_tokenizer, iter_demo_texts
+    from draftdata.target.tiny import build_tokenizer, iter_demo_texts
 
     tok = build_tokenizer(iter_demo_texts(DEMO), 2048)
     tok.save_pretrained(out)
@@ -39,7 +39,7 @@ def build_tokenizer_dir(out: Path):
 
 def word_pool(tok) -> tuple[list[str], float]:
     """Words from the demo texts and the tokens one word costs on average."""
-    from stages.tiny_model import iter_demo_texts
+    from draftdata.target.tiny import iter_demo_texts
 
     words = [w for text in iter_demo_texts(DEMO) for w in text.split()][:200_000]
     sample = " ".join(words[:20_000])
@@ -88,9 +88,9 @@ def make_records(tok, n: int, seed: int) -> list[dict]:
 
 
 def main() -> None:
-    from stages.config import Config, ModelConfig, TokenizeConfig
-    from stages.target import render_prompt_ids
-    from stages.tokenize import build_samples, render_texts
+    from draftdata.config.schema import Config, ModelConfig, TokenizeConfig
+    from draftdata.target.tokenizer import render_prompt_ids
+    from draftdata.tokenize.samples import build_samples, render_texts
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=5000)

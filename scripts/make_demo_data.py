@@ -1,7 +1,7 @@
 """Write the eight demo prompt files, demo/<name>.jsonl.gz, each in its real source dataset's row shape.
 
 The text is invented for this project (no dataset is downloaded); only the columns, value types and quirks follow
-the real datasets described in shared/SOURCES.md, so the adapters in stages/sources.py meet realistic rows:
+the real datasets described in shared/SOURCES.md, so the adapters in draftdata/sources/shapes.py meet realistic rows:
 glaive's single-quoted call arguments with apostrophes and raw newlines, ShareGPT rows that open with the bot or
 end on the human, OpenThoughts' system column, SWE-agent's `ai` role and `text` field, and so on. Every file also
 holds 2-3 exact duplicate rows (for dedup). Every row adapts: the demo datasets run with `on_bad_record: fail`,

@@ -9,14 +9,9 @@ every dataset. It writes nothing.
 
 from __future__ import annotations
 
-from stages.artifacts import log
-from stages.config import Config, cli
-
-
-def check_all(cfg: Config) -> None:
-    """The values of every dataset (the schema, types, enums and unknown keys were checked on loading)."""
-    for name, ds in cfg.datasets.items():
-        ds.check(f"datasets.{name}")
+from draftdata.config.load import cli
+from draftdata.config.schema import Config, check_all
+from draftdata.util.log import log
 
 
 def main(cfg: Config) -> None:

@@ -1,487 +1,33 @@
-"""Stage `hidden_states@D`: samples → the target's EAGLE-3 features, in `data/<D>/hidden_states/`.
+"""Stage `hidden_states@D`: samples.parquet → the target's hidden states at the chosen layers, in shards.
 
-For every sample the target runs once and the stage keeps the outputs of the chosen decoder layers (physical 0-based
-ids) and the final state BEFORE the final norm, with the norm's parameters: SpecForge's post-norm convention and
-speculators' pre-norm one both come out exact (stages/reader.py, stages/export.py).
-
-States are computed once per (model, layers, dtype, input ids) and kept in the state store (stages/state_store.py),
-outside DVC's outputs: a budget round trip, a queued or temp experiment or a rerun after a kill reuses them. The
-output directory holds hard links to the store's shards, the list of samples (`samples.parquet`: id, shard, row,
-loss mask) and `index.json` (settings, layer ids in every trainer's numbering, the final-state convention).
-
-Work goes in windows of `window_samples` samples streamed from `samples.parquet` (memory stays bounded whatever the
-dataset's size); in a window the samples still missing are sorted by length and batched up to `batch_tokens` padded
-tokens. Under `torchrun`, ranks take disjoint samples (by key) and rank 0 writes the output once all have finished.
+Each sample's states are computed once per (model, layers, dtype, ids) into the state store
+(draftdata/hidden/state_store.py), whatever DVC reruns; the stage output links the dataset's shards.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 import signal
-import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
-from stages.artifacts import atomic_path, data_dir, log, write_json
-from stages.capture import Engine, default_layers
-from stages.config import Config, ConfigError, UserError, cli
-from stages.shards import FORMAT_VERSION, SampleStates, check, encode, write
-from stages.state_store import StateStore, Target, state_key
-from stages.store import hash_cache_path, resolve_store_path
-from stages.target import check_tokenizer_fits, content_hash, load_tokenizer, model_fingerprint, model_limits
-
-
-# ---- layers: which, in every numbering ------------------------------------------------------------------------- #
-
-
-def resolve_layers(cfg: Config, n_layers: int) -> list[int]:
-    """Physical 0-based ids of the layers whose outputs are kept: `hidden_states.layers`, else a draft config's
-    `eagle_aux_hidden_state_layer_ids` (in its own numbering), else EAGLE-3's default for this model."""
-    hs = cfg.hidden_states
-    if hs.layers is not None:
-        return _valid(list(hs.layers), n_layers, "hidden_states.layers")
-    if hs.draft_config is not None:
-        ids, numbering = _draft_layer_ids(Path(hs.draft_config), hs.draft_numbering)
-        return _valid([i - 1 for i in ids] if numbering == "vllm" else ids, n_layers, "hidden_states.draft_config")
-    layers = default_layers(n_layers)
-    if len(set(layers)) != 3 or min(layers) < 0:
-        raise UserError(
-            f"model.path: the target has {n_layers} decoder layers, too few for EAGLE-3's default "
-            f"[1, N//2-1, N-4] = {layers} to be three distinct layers; choose them in "
-            "hidden_states.layers"
-        )
-    return layers
-
-
-def _valid(layers: list[int], n_layers: int, key: str) -> list[int]:
-    bad = [i for i in layers if not 0 <= i < n_layers]
-    if bad:
-        raise ConfigError(
-            key, f"layer ids {bad} out of range for the target's {n_layers} decoder layers (physical ids: 0 .. N-1)"
-        )
-    if len(set(layers)) != len(layers):
-        raise ConfigError(key, f"layer ids must be distinct, got {layers}")
-    return layers
-
-
-def _draft_layer_ids(path: Path, numbering: str) -> tuple[list[int], str]:
-    """The draft config's layer ids and their numbering: `sglang` (SGLang, SpecForge: id L is the output of layer
-    L) or `vllm` (vLLM, speculators: id L is the output of layer L - 1). `auto` tells them apart by the config's
-    shape: a speculators config (`speculators_config`) numbers like vLLM, a SpecForge one (an *Eagle3
-    architecture) like SGLang."""
-    key = "hidden_states.draft_config"
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(key, f"file not found: {path}") from None
-    except ValueError as e:
-        raise ConfigError(key, f"{path}: not JSON ({e})") from None
-    ids = doc.get("eagle_aux_hidden_state_layer_ids")
-    if not (isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids)):
-        raise ConfigError(key, f"{path}: no eagle_aux_hidden_state_layer_ids list of layer ids")
-    if numbering == "auto":
-        if "speculators_config" in doc or "speculators_model_type" in doc:
-            numbering = "vllm"
-        elif any("Eagle3" in a for a in doc.get("architectures") or []):
-            numbering = "sglang"
-        else:
-            raise ConfigError(
-                "hidden_states.draft_numbering",
-                f"cannot tell which numbering {path} uses; set "
-                "sglang (SpecForge/SGLang: L = output of layer L) or vllm (speculators/vLLM: L + 1)",
-            )
-    return ids, numbering
-
-
-def layer_numberings(layers: list[int]) -> dict:
-    return {
-        "physical": layers,
-        "hf_hidden_states_index": [i + 1 for i in layers],
-        "sglang_specforge": layers,
-        "vllm_speculators": [i + 1 for i in layers],
-    }
-
-
-# ---- the run ----------------------------------------------------------------------------------------------------- #
-
-
-@dataclass
-class Rank:
-    """This process's place in a torchrun job (rank 0 of 1 without one)."""
-
-    rank: int = 0
-    world: int = 1
-    local: int = 0
-
-    @classmethod
-    def from_env(cls) -> "Rank":
-        return cls(
-            int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_RANK", 0))
-        )
-
-    def owns(self, key: str) -> bool:
-        return int(key[:8], 16) % self.world == self.rank
-
-    def barrier(self) -> None:
-        if self.world > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
-
-
-@dataclass
-class Tally:
-    samples: int = 0
-    tokens: int = 0
-    computed: int = 0
-    computed_tokens: int = 0
-    torn: int = 0
-    seconds: float = 0.0
-    fp8_err_num: float = 0.0
-    fp8_err_den: float = 0.0
-
-
-class LazyEngine:
-    """The engine is started only when a sample is missing: a run that finds everything in the store never loads
-    the model. The target's norm and sizes are kept in the store the first time."""
-
-    def __init__(self, cfg: Config, layers: list[int], store: StateStore, settings_hash: str):
-        self.cfg, self.layers, self.store, self.settings_hash = cfg, layers, store, settings_hash
-        self.engine: Engine | None = None
-
-    def get(self) -> Engine:
-        if self.engine is None:
-            self.engine = make_engine(self.cfg, self.layers)
-            e = self.engine
-            self.store.save_target(self.settings_hash, Target(e.final_norm, e.n_layers, e.hidden_size))
-        return self.engine
-
-    @property
-    def pad_tokens(self) -> int:
-        return self.engine.pad_tokens if self.engine is not None else 0
-
-    def target(self) -> Target:
-        found = self.store.target(self.settings_hash)
-        if found is None:  # never recorded (the states came from elsewhere): the engine reads it from the model
-            self.get()
-            found = self.store.target(self.settings_hash)
-        return found
-
-    def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
-
-
-class ShardWriter:
-    """Writes shards on a background thread while the target computes the next batches: on a GPU, packing and
-    writing a shard (tens of GB per million tokens for a large target) would otherwise leave the GPU idle. One shard
-    is in flight at a time, so memory holds at most two. A shard enters the store's index (SQLite, on the calling
-    thread) only once its file is complete; a kill before that leaves an unindexed temp file, never a bad entry.
-    When the target computes on the CPU (`background=False`) there is nothing to overlap: a writer thread would
-    only take cores from the compute threads, so shards are written in line."""
-
-    def __init__(self, store: StateStore, settings: dict, dtype: str, background: bool = True):
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.store, self.settings, self.dtype = store, settings, dtype
-        self.settings_hash = content_hash(settings)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="shard-writer") if background else None
-        self._pending: tuple | None = None
-
-    def submit(self, samples: list[SampleStates]) -> None:
-        self.wait()
-        name = self.store.new_shard_name(self.settings_hash)
-        args = (self.store.path(name), samples, self.dtype, self.settings)
-        job = self._pool.submit(write, *args) if self._pool is not None else _Done(write(*args))
-        self._pending = (job, name, [s.key for s in samples], [len(s.input_ids) for s in samples])
-
-    def wait(self) -> None:
-        """The shard in flight, written and indexed (a write's error is raised here)."""
-        if self._pending is None:
-            return
-        job, name, keys, lengths = self._pending
-        self._pending = None
-        self.store.add_shard(name, self.settings_hash, keys, lengths, job.result())
-
-    def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            if self._pool is not None:
-                self._pool.shutdown()
-
-
-@dataclass
-class _Done:
-    """A write already made (in line), with the interface of a future's result."""
-
-    size: int
-
-    def result(self) -> int:
-        return self.size
-
-
-@dataclass
-class Computer:
-    """Computes the states of missing samples, length-sorted and batched, and writes them to the store."""
-
-    engine: LazyEngine
-    store: StateStore
-    settings: dict
-    dtype: str
-    batch_tokens: int
-    shard_max_tokens: int
-    tally: Tally
-    names: dict = field(default_factory=dict)  # key -> sample id of the current window, for error messages
-    background_writes: bool = True  # see ShardWriter: True where the target computes off the CPU
-    _buffer: list = field(default_factory=list)
-    _writer: ShardWriter | None = None
-
-    def __post_init__(self):
-        self._writer = ShardWriter(self.store, self.settings, self.dtype, self.background_writes)
-
-    @property
-    def settings_hash(self) -> str:
-        return content_hash(self.settings)
-
-    def run(self, missing: list[tuple[str, list[int]]]) -> None:
-        for batch in length_batches(missing, self.batch_tokens):
-            t0 = time.perf_counter()
-            states = self.engine.get().forward([ids for _, ids in batch])
-            self.tally.seconds += time.perf_counter() - t0
-            samples = [SampleStates(k, ids, aux, final) for (k, ids), (aux, final) in zip(batch, states)]
-            check(samples, self.names)
-            self._fp8_error(samples)
-            self._buffer += samples
-            self.tally.computed += len(samples)
-            self.tally.computed_tokens += sum(len(ids) for _, ids in batch)
-            if sum(len(s.input_ids) for s in self._buffer) >= self.shard_max_tokens:
-                self.flush()
-
-    def flush(self) -> None:
-        """The buffered samples to a shard (written in the background)."""
-        if self._buffer:
-            self._writer.submit(self._buffer)
-            self._buffer = []
-
-    def sync(self) -> None:
-        """Everything computed so far on disk and indexed."""
-        self.flush()
-        self._writer.wait()
-
-    def close(self) -> None:
-        """Keep what was computed (also after Ctrl-C or a bad sample: the buffer holds only checked samples)."""
-        try:
-            self.flush()
-        finally:
-            self._writer.close()
-
-    def _fp8_error(self, samples: list[SampleStates]) -> None:
-        """fp8 against what bf16 would have stored: the error the metrics report."""
-        if self.dtype != "fp8":
-            return
-        from stages.shards import dequantize_fp8
-
-        for s in samples:
-            for x in (s.aux, s.final):
-                q = encode(x, "fp8")
-                ref = x.bfloat16().float()
-                self.tally.fp8_err_num += float((dequantize_fp8(q[""], q["_scale"]) - ref).pow(2).sum())
-                self.tally.fp8_err_den += float(ref.pow(2).sum())
-
-
-def length_batches(samples: list[tuple[str, list[int]]], batch_tokens: int, max_pad_share: float = 0.02):
-    """Samples sorted by length, cut into batches whose padded size stays within batch_tokens (a sample longer than
-    that goes alone) and whose padding stays under max_pad_share: a batch is for throughput, and padding is compute
-    thrown away, so a sample that would pad its batch too much starts the next one. Sorting keeps the padding small
-    wherever the window holds many samples of similar lengths."""
-    batch: list = []
-    real = 0
-    for s in sorted(samples, key=lambda s: len(s[1])):
-        n = len(s[1])
-        padded = n * (len(batch) + 1)
-        if batch and (padded > batch_tokens or 1 - (real + n) / padded > max_pad_share):
-            yield batch
-            batch, real = [], 0
-        batch.append(s)
-        real += n
-    if batch:
-        yield batch
-
-
-def computes_off_cpu(hs) -> bool:
-    """Whether the target runs on an accelerator (vLLM's workers, or a GPU for the hf backend)."""
-    import torch
-
-    return hs.backend == "vllm" or torch.cuda.is_available()
-
-
-def windows(src: Path, size: int):
-    """(ids, input_ids, loss_masks) of `size` samples at a time, streamed from samples.parquet."""
-    import pyarrow.parquet as pq
-
-    for batch in pq.ParquetFile(src).iter_batches(batch_size=size, columns=["id", "input_ids", "loss_mask"]):
-        yield tuple(batch.column(i).to_pylist() for i in range(3))
-
-
-def compute(
-    cfg: Config, src: Path, engine: LazyEngine, store: StateStore, settings: dict, rank: Rank, tally: Tally
-) -> None:
-    """Pass 1 (every rank): compute what the store lacks."""
-    hs = cfg.hidden_states
-    computer = Computer(
-        engine,
-        store,
-        settings,
-        hs.dtype,
-        hs.batch_tokens,
-        hs.shard_max_tokens,
-        tally,
-        background_writes=computes_off_cpu(hs),
-    )
-    try:
-        _compute_windows(src, hs.window_samples, computer, store, rank, tally)
-    finally:
-        computer.close()
-
-
-def _compute_windows(
-    src: Path, window_samples: int, computer: "Computer", store: StateStore, rank: Rank, tally: Tally
-) -> None:
-    sh = computer.settings_hash
-    checked: set[str] = set()
-    for ids, input_ids, _ in windows(src, window_samples):
-        keys = [state_key(sh, x) for x in input_ids]
-        found = store.lookup(keys)
-        unchecked = {loc.shard for loc in found.values()} - checked
-        dropped = store.drop_torn(unchecked)  # a shard cut short: its samples are computed again
-        tally.torn += len(dropped)
-        checked |= unchecked - set(dropped)
-        if dropped:
-            found = store.lookup(keys)
-        missing = {k: x for k, x in zip(keys, input_ids) if k not in found and rank.owns(k)}
-        computer.names = dict(zip(keys, ids))  # this window's: memory stays bounded
-        computer.run(list(missing.items()))
-
-
-def materialise(
-    cfg: Config, src: Path, out: Path, store: StateStore, settings: dict, target: Target, tally: Tally
-) -> dict:
-    """Pass 2 (rank 0): the output directory, rebuilt from the store: shard links, the sample list, the index."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    from safetensors.torch import save_file
-
-    if out.exists():
-        shutil.rmtree(out)  # an earlier run's view: it is rebuilt whole, from the store
-    (out / "shards").mkdir(parents=True)
-    sh = content_hash(settings)
-    linked: dict[str, str] = {}
-    how = "hardlink"
-    schema = pa.schema(
-        [
-            ("id", pa.string()),
-            ("shard", pa.string()),
-            ("row", pa.int32()),
-            ("n_tokens", pa.int32()),
-            ("loss_mask", pa.list_(pa.int8())),
-        ]
-    )
-    with atomic_path(out / "samples.parquet") as tmp, pq.ParquetWriter(tmp, schema) as writer:
-        for ids, input_ids, masks in windows(src, cfg.hidden_states.window_samples):
-            keys = [state_key(sh, x) for x in input_ids]
-            found = store.lookup(keys)
-            lost = [i for i, k in zip(ids, keys) if k not in found]
-            if lost:
-                raise UserError(
-                    f"hidden_states: {len(lost)} samples have no states in the store (first: {lost[0]})"
-                    "; a rank failed, or the store was changed meanwhile: run again"
-                )
-            for loc in {found[k].shard for k in keys} - set(linked):
-                linked[loc], how = _link(store.path(loc), out / "shards", how)
-            rows = [found[k] for k in keys]
-            writer.write_table(
-                pa.table(
-                    {
-                        "id": ids,
-                        "shard": [linked[r.shard] for r in rows],
-                        "row": [r.row for r in rows],
-                        "n_tokens": [r.n_tokens for r in rows],
-                        "loss_mask": masks,
-                    },
-                    schema=schema,
-                )
-            )
-            tally.samples += len(ids)
-            tally.tokens += sum(r.n_tokens for r in rows)
-    norm = target.norm
-    tensors = {"weight": norm.weight.contiguous()}
-    if norm.bias is not None:
-        tensors["bias"] = norm.bias.contiguous()
-    with atomic_path(out / "final_norm.safetensors") as tmp:
-        save_file(tensors, str(tmp))
-    return {"link": how, "shards": sorted(linked.values()), "sizes": store.sizes(linked)}
-
-
-def _link(src: Path, dest_dir: Path, how: str) -> tuple[str, str]:
-    """Hard-link a store shard into the output (one copy on disk); copy where the file systems differ."""
-    dest = dest_dir / src.name
-    if how == "hardlink":
-        try:
-            os.link(src, dest)
-            return src.name, how
-        except OSError:
-            log(
-                "hidden_states",
-                warning="the state store is on another file system than the output: shards "
-                "are copied (twice the disk); keep run.store_path on the same file system",
-            )
-    shutil.copyfile(src, dest)
-    return src.name, "copy"
-
-
-def make_engine(cfg: Config, layers: list[int]) -> Engine:
-    hs = cfg.hidden_states
-    if hs.backend == "vllm":
-        from stages.capture_vllm import VLLMEngine
-
-        # vLLM packs sequences (no padding): a batch must hold the longest sample the tokenize stage lets through
-        return VLLMEngine(
-            cfg.model,
-            layers,
-            python=hs.vllm_python,
-            tensor_parallel_size=hs.tensor_parallel_size,
-            data_parallel_size=hs.data_parallel_size,
-            llm_kwargs=dict(hs.vllm_kwargs),
-            max_batch_tokens=max(hs.batch_tokens, cfg.tokenize.max_seq_len + 1),
-        )
-    from stages.capture import HFEngine
-
-    return HFEngine(cfg.model, layers, device_map=hs.device_map)
-
-
-def _join_group(rank: Rank) -> None:
-    import torch
-    import torch.distributed as dist
-
-    if torch.cuda.is_available():
-        torch.cuda.set_device(rank.local)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-
-
-def n_layers_of(cfg: Config) -> int:
-    """From the model's config alone, before any weight is loaded; its tokenizer must fit its embeddings."""
-    from transformers import AutoConfig
-
-    limits = model_limits(cfg.model)
-    check_tokenizer_fits(load_tokenizer(cfg.model, need_template=False), cfg.model, limits)
-    conf = AutoConfig.from_pretrained(
-        cfg.model.path, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
-    )
-    return conf.get_text_config().num_hidden_layers
+from draftdata.config.load import cli
+from draftdata.config.schema import Config
+from draftdata.errors import UserError
+from draftdata.hidden.compute import (
+    HiddenTally,
+    LazyEngine,
+    Rank,
+    compute,
+    join_group,
+    materialise,
+    n_layers_of,
+    state_settings,
+)
+from draftdata.hidden.layers import resolve_layers
+from draftdata.hidden.output import index_doc, output_metrics
+from draftdata.hidden.state_store import StateStore
+from draftdata.util.files import data_dir, write_json
+from draftdata.util.hashing import content_hash
+from draftdata.util.log import log
+from draftdata.util.sqlite import resolve_store_path
 
 
 def main(cfg: Config) -> None:
@@ -489,16 +35,11 @@ def main(cfg: Config) -> None:
     src = out_dir / "samples.parquet"
     if not src.exists():
         raise UserError(f"{src}: not found; run the tokenize stage first (dvc repro tokenize@{cfg.dataset})")
-    hs, rank, tally = cfg.hidden_states, Rank.from_env(), Tally()
+    hs, rank, tally = cfg.hidden_states, Rank.from_env(), HiddenTally()
     layers = resolve_layers(cfg, n_layers_of(cfg))
-    settings = {
-        "version": FORMAT_VERSION,
-        "layers": layers,
-        "dtype": hs.dtype,
-        "model": model_fingerprint(cfg.model.path, cfg.model.revision, hash_cache_path(cfg.run.store_path)),
-    }
+    settings = state_settings(cfg, layers)
     if rank.world > 1:
-        _join_group(rank)
+        join_group(rank)
     store = StateStore(resolve_store_path(cfg.run.store_path).parent / "states")
     engine = LazyEngine(cfg, layers, store, content_hash(settings))
     # SIGTERM (a scheduler's, torchrun's when another rank failed) unwinds like Ctrl-C: the states computed so far
@@ -510,10 +51,10 @@ def main(cfg: Config) -> None:
         if rank.rank == 0:
             target = engine.target()
             view = materialise(cfg, src, out_dir / "hidden_states", store, settings, target, tally)
-            write_json(out_dir / "hidden_states" / "index.json", _index(cfg, target, settings, layers, view))
+            write_json(out_dir / "hidden_states" / "index.json", index_doc(cfg, target, settings, layers, view))
             write_json(
                 out_dir / "hidden_states_metrics.json",
-                _metrics(out_dir / "hidden_states", engine, target, hs, layers, view, tally),
+                output_metrics(out_dir / "hidden_states", engine, target, hs, layers, view, tally),
             )
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -533,53 +74,6 @@ def main(cfg: Config) -> None:
 
 def _terminated(signum, _frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
-
-
-def _index(cfg: Config, target: Target, settings: dict, layers: list[int], view: dict) -> dict:
-    return {
-        "format": "draftdata-hidden-states",
-        "version": FORMAT_VERSION,
-        "model": {
-            "path": cfg.model.path,
-            "revision": cfg.model.revision,
-            "fingerprint": settings["model"],
-            "n_layers": target.n_layers,
-            "hidden_size": target.hidden_size,
-        },
-        "layers": layer_numberings(layers),
-        "layer_convention": "physical id L = output of decoder layer L (0-based) = HF hidden_states[L + 1] = "
-        "SGLang/SpecForge id L = vLLM/speculators id L + 1",
-        "final_state": "pre_norm",
-        "final_norm": {"file": "final_norm.safetensors", **target.norm.describe()},
-        "dtype": settings["dtype"],
-        "shards": view["shards"],
-        "link": view["link"],
-        "tensors": {"aux_hidden_states": "[T, k, H]", "final_hidden_states": "[T, H], before the final norm"},
-    }
-
-
-def _metrics(out: Path, engine: LazyEngine, target: Target, hs, layers: list[int], view: dict, tally: Tally) -> dict:
-    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    # over the shards' own bytes and tokens: a linked shard may also hold other datasets' samples
-    shard_bytes, shard_tokens = view["sizes"]
-    computed = tally.computed_tokens
-    m = {
-        "samples": tally.samples,
-        "tokens": tally.tokens,
-        "computed_samples": tally.computed,
-        "computed_tokens": computed,
-        "reused_samples": tally.samples - tally.computed,
-        "torn_shards_redone": tally.torn,
-        "dtype": hs.dtype,
-        "bytes": size,
-        "bytes_per_token": round(shard_bytes / shard_tokens, 2) if shard_tokens else 0.0,
-        "limit_bytes_per_token": 2 * (len(layers) + 1) * target.hidden_size,  # bf16, k aux layers + final
-        "padded_compute_share": round(engine.pad_tokens / (computed + engine.pad_tokens), 4) if computed else 0.0,
-        "tok_s": round(computed / tally.seconds, 1) if tally.seconds else 0.0,
-    }
-    if hs.dtype == "fp8" and tally.fp8_err_den:
-        m["fp8_rel_err"] = round((tally.fp8_err_num / tally.fp8_err_den) ** 0.5, 5)
-    return m
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from stages.artifacts import data_dir, write_json
+from draftdata.util.files import data_dir, write_json
 
 
 def summarise(generate: dict, tokenize: dict, hidden: dict) -> dict:

@@ -32,8 +32,8 @@ DEMO_SHAPES = {
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    from stages.config import TinyModelConfig
-    from stages.tiny_model import build_target
+    from draftdata.config.schema import TinyModelConfig
+    from draftdata.target.tiny import build_target
 
     out = tmp_path_factory.mktemp("model") / "tiny"
     build_target(TinyModelConfig(path=str(out), corpus_dir=str(DEMO), mean_response_tokens=24))
@@ -82,12 +82,14 @@ class Project:
     def run(self, stage: str, dataset: str | None, *overrides: str):
         import importlib
 
-        from stages.config import load_config
+        from draftdata.config.load import load_config
 
         cfg = load_config(
             dataset, list(overrides), params_path=self.path / "params.yaml", need_dataset=dataset is not None
         )
-        return importlib.import_module(f"stages.{stage}").main(cfg)
+        # a stage script, or a user's command that takes the config (export)
+        module = "draftdata.cli.export" if stage == "export" else f"stages.{stage}"
+        return importlib.import_module(module).main(cfg)
 
     def data(self, dataset: str) -> Path:
         return self.path / "data" / dataset
@@ -135,8 +137,8 @@ def endless_model(tiny_model, tmp_path_factory) -> Path:
     cancel. Named like the tiny model so start-up's model check compares basenames."""
     from transformers import AutoTokenizer
 
-    from stages.config import TinyModelConfig
-    from stages.tiny_model import build_model
+    from draftdata.config.schema import TinyModelConfig
+    from draftdata.target.tiny import build_model
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     out = tmp_path_factory.mktemp("endless") / Path(tiny_model).name

@@ -1,4 +1,4 @@
-"""The HTTP backends against real servers on 127.0.0.1: a protocol-faithful fake SGLang (tests/fake_sglang.py, in a
+"""The HTTP backends against real servers on 127.0.0.1: a protocol-faithful fake SGLang (bench/fake_server.py, in a
 thread) for the protocol, faults, retries and failover, and a real `transformers serve` process for the
 OpenAI-compatible backend. The embedded backend's streaming runs the tiny model in-process.
 
@@ -19,12 +19,13 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-
-from stages.backends import GenRequest, Partial, make_backend
-from stages.config import BackendConfig, BackendKind, Config, DatasetConfig, ModelConfig, UserError
-from stages.target import load_tokenizer, render_prompt_ids
 from conftest import free_port, transformers_serve
-from tests.fake_sglang import EOS_ID, FakeSGLang, Faults, fake_output_ids, fake_text
+
+from bench.fake_server import EOS_ID, FakeServer, Faults, fake_output_ids, fake_text
+from draftdata.config.schema import BackendConfig, BackendKind, Config, DatasetConfig, ModelConfig
+from draftdata.errors import UserError
+from draftdata.generate.backends import GenRequest, Partial, make_backend
+from draftdata.target.tokenizer import load_tokenizer, render_prompt_ids
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -93,10 +94,10 @@ async def generate(cfg: Config, req: GenRequest, tokenizer=None):
 
 @pytest.fixture
 def fake():
-    servers: list[FakeSGLang] = []
+    servers: list[FakeServer] = []
 
-    def make(**kw) -> FakeSGLang:
-        servers.append(FakeSGLang(**kw).start())
+    def make(**kw) -> FakeServer:
+        servers.append(FakeServer(**kw).start())
         return servers[-1]
 
     yield make
@@ -608,3 +609,144 @@ def test_transformers_serve_disconnect_stops_generation(serve, endless_model):
     assert long.partial.text and long.partial.completion_tokens >= 21
     assert short.ok and short.completion_tokens == 4
     assert latency < remaining / 2, f"next request took {latency:.1f}s; the cancelled one had {remaining:.1f}s left"
+
+
+# ---- stopping by signal (GenRequest.stop) -------------------------------------------------------------------------- #
+# The caller signals a request to stop: the backend aborts on the server once (SGLang) or closes the connection
+# (OpenAI-style), reads on for its grace and RETURNS the complete answer or a stopped result with the partial. No
+# CancelledError is involved, so the caller's task is not left cancelling: an asyncio.timeout around the call, or
+# after it, works as it should.
+
+
+async def not_left_cancelling() -> None:
+    """The current task carries no cancellation request: the next asyncio.timeout fires as a TimeoutError."""
+    assert asyncio.current_task().cancelling() == 0
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.02):
+            await asyncio.sleep(1)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "plain"])
+def test_sglang_stop_aborts_once_and_returns_the_partial_inside_a_timeout(fake, stream):
+    srv = fake(token_delay_s=0.01)
+
+    async def go():
+        async with started(sglang(srv.url)) as backend:
+            req = request(max_tokens=1000, stream=stream)
+            if stream:
+                waiter = asyncio.create_task(until(lambda: req.partial.completion_tokens >= 5))
+                waiter.add_done_callback(lambda _: req.stop("budget_cut"))
+            else:
+                asyncio.get_running_loop().call_later(0.1, req.stop, "budget_cut")
+            async with asyncio.timeout(20):  # it must fire only at its deadline, never because of the stop
+                res = await backend.generate(req)
+            await not_left_cancelling()
+            return req, res
+
+    req, res = run(go())
+    rid = srv.generate_calls[0]["rid"]
+    assert srv.aborts == [rid] and srv.finished[rid] == "abort"  # told once, and the server ended it
+    assert res.stopped and not res.ok and res.error is None and res.server == srv.url
+    n = res.completion_tokens
+    assert 5 <= n < 1000 and res.output_ids == fake_output_ids(IDS, n) == req.partial.output_ids
+    assert res.text == fake_text(res.output_ids) and req.attempt_errors == []  # the abort's answer is no failure
+
+
+def test_openai_stop_closes_the_connection_and_sends_no_abort(fake):
+    srv = fake(token_delay_s=0.01)
+
+    async def go():
+        async with started(config(BackendKind.openai, [srv.url], return_token_ids=True)) as backend:
+            req = request(max_tokens=1000, stream=True)
+            task = asyncio.create_task(backend.generate(req))
+            await until(lambda: req.partial.completion_tokens >= 5)
+            req.stop("budget_cut")
+            res = await task
+            await until(lambda: len(srv.disconnects) == 1)
+            return res
+
+    res = run(go())
+    assert srv.aborts == [] and res.stopped and res.completion_tokens >= 5
+    assert res.output_ids == fake_output_ids(IDS, res.completion_tokens)
+
+
+def block_until_finished(srv) -> None:
+    """Block the event loop until the server has finished the answer: it sits unread in the socket."""
+    deadline = time.monotonic() + 5
+    while not srv.finished and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("how", ["stop", "cancel"])
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "plain"])
+def test_an_answer_finished_before_the_stop_took_effect_is_returned(fake, stream, how):
+    """The stop (or a caller's cancel, taken as one) finds the finished answer and returns it; a cancel is then
+    withdrawn, so the caller's task is not left cancelling."""
+    srv = fake(token_delay_s=0.001)
+
+    async def go():
+        async with started(sglang(srv.url)) as backend:
+            req = request(max_tokens=40, stream=stream)
+
+            async def caller():
+                res = await backend.generate(req)
+                await not_left_cancelling()
+                return res
+
+            task = asyncio.create_task(caller())
+            await until(lambda: len(srv.generate_calls) == 1)
+            block_until_finished(srv)
+            if how == "stop":
+                req.stop("budget_cut")
+            else:
+                task.cancel()
+            return await task
+
+    res = run(go())
+    assert res.ok and not res.stopped and res.output_ids == fake_output_ids(IDS, 40)
+
+
+def test_a_request_stopped_before_it_is_sent_sends_nothing(fake):
+    srv = fake()
+    req = request()
+    req.partial = Partial([1, 2], "ab", 2)
+    req.stop("interrupted")
+    res = run(generate(sglang(srv.url), req))
+    assert res.stopped and srv.generate_calls == [] and (res.output_ids, res.completion_tokens) == ([1, 2], 2)
+
+
+def test_a_stop_ends_the_wait_before_a_retry(fake):
+    srv = fake()
+    srv.faults = Faults(status=503, status_times=1, retry_after="8")  # the retry would wait 8 s
+
+    async def go():
+        async with started(sglang(srv.url)) as backend:
+            req = request()
+            asyncio.get_running_loop().call_later(0.3, req.stop, "budget_cut")
+            t0 = time.monotonic()
+            res = await backend.generate(req)
+            return req, res, time.monotonic() - t0
+
+    req, res, elapsed = run(go())
+    assert res.stopped and elapsed < 3 and len(srv.generate_calls) == 1 and req.attempt_errors == ["http_503"]
+
+
+def test_embedded_stop_cancels_in_the_manager_and_returns_the_streamed_partial(endless_model):
+    cfg = Config(model=ModelConfig(path=str(endless_model)), datasets={"d": DatasetConfig()}, dataset="d")
+    tok = load_tokenizer(cfg.model)
+
+    async def go():
+        async with started(cfg, tok) as backend:
+            req = request(ids=render_prompt_ids(tok, MESSAGES, None, {}), max_tokens=2000, stream=True)
+            task = asyncio.create_task(backend.generate(req))
+            await until(lambda: req.partial.completion_tokens >= 5, timeout=30)
+            async with asyncio.timeout(30):
+                req.stop("budget_cut")
+                res = await task
+            await not_left_cancelling()
+            return req, res
+
+    req, res = run(go(), timeout=60)
+    assert res.stopped and 5 <= res.completion_tokens < 2000
+    assert res.output_ids == req.partial.output_ids and len(res.output_ids) == res.completion_tokens
+    assert res.text == tok.decode(res.output_ids, skip_special_tokens=True)

@@ -6,10 +6,10 @@ import subprocess
 import sys
 
 import pytest
-
-from stages.config import ConfigError, load_config
-
 from conftest import ROOT
+
+from draftdata.config.load import load_config
+from draftdata.errors import ConfigError
 
 
 @pytest.mark.parametrize(
@@ -115,8 +115,9 @@ def test_backend_kind_in_params_brings_its_preset(project):
 
 
 def test_missing_model_names_the_key(monkeypatch):
-    from stages.config import ModelConfig
-    from stages.target import load_model, load_tokenizer
+    from draftdata.config.schema import ModelConfig
+    from draftdata.target.model import load_model
+    from draftdata.target.tokenizer import load_tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     for load in (load_model, load_tokenizer):
@@ -193,8 +194,10 @@ def test_cli_refuses_unknown_backend_before_any_work(project):
 )
 def test_a_mistyped_local_model_path_fails_at_once(tmp_path, monkeypatch, path):
     """Not after the hub's retries with an error about connecting: the path is named as a missing directory."""
-    from stages.config import ModelConfig
-    from stages.target import load_model, load_tokenizer, model_fingerprint
+    from draftdata.config.schema import ModelConfig
+    from draftdata.target.fingerprint import model_fingerprint
+    from draftdata.target.model import load_model
+    from draftdata.target.tokenizer import load_tokenizer
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "models").mkdir()  # `models/x` then names a local directory, not a hub org
@@ -209,7 +212,7 @@ def test_a_mistyped_local_model_path_fails_at_once(tmp_path, monkeypatch, path):
 
 
 def test_hub_ids_still_look_like_hub_ids(tmp_path, monkeypatch):
-    from stages.target import looks_local
+    from draftdata.target.model import looks_local
 
     monkeypatch.chdir(tmp_path)
     assert not looks_local("Qwen/Qwen3-8B") and not looks_local("gpt2")
@@ -229,7 +232,7 @@ def test_a_section_that_is_not_a_mapping_is_named(tmp_path):
 
 
 def test_top_k_below_minus_one_is_refused():
-    from stages.config import SamplingConfig
+    from draftdata.config.schema import SamplingConfig
 
     with pytest.raises(ConfigError) as err:
         SamplingConfig(top_k=-7).check("datasets.D.sampling")
@@ -239,7 +242,7 @@ def test_top_k_below_minus_one_is_refused():
 
 
 def test_a_store_path_that_cannot_be_a_store_is_named(tmp_path):
-    from stages.store import ResponseStore
+    from draftdata.generate.store import ResponseStore
 
     (tmp_path / "file").write_text("x")
     for path in (tmp_path / "file" / "store.sqlite", tmp_path):  # under a file; a directory
@@ -252,8 +255,8 @@ def test_out_of_disk_is_one_line_naming_the_file(tmp_path, capsys):
     import errno
     import sqlite3
 
-    from stages.artifacts import DiskFull, atomic_path
-    from stages.config import cli
+    from draftdata.config.load import cli
+    from draftdata.util.files import DiskFull, atomic_path
 
     target = tmp_path / "samples.parquet"
     target.write_text("earlier")
@@ -286,7 +289,7 @@ def test_out_of_disk_is_one_line_naming_the_file(tmp_path, capsys):
 
 
 def test_the_context_follows_rope_scaling_as_servers_do():
-    from stages.target import _context
+    from draftdata.target.model import _context
 
     assert _context({"max_position_embeddings": 32768}) == 32768
     yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import ROOT
 
 KEEP = ("B1_glaive", "B3_magicoder", "B6_ultrachat")
 COPY = [
     "conf",
     "stages",
+    "draftdata",
     "sources",
     "dvc.yaml",
     "params.yaml",
@@ -186,7 +186,7 @@ def test_temp_experiment_shares_the_workspace_store(repo):
     assert metrics["computed_samples"] == 0 and metrics["samples"] > 0
 
     # the sweep at a glance: one short row per experiment, in 120 columns
-    shown = sh([sys.executable, "-m", "stages.compare", "dataset=B3_magicoder"], repo)
+    shown = sh([sys.executable, "-m", "draftdata", "compare", "dataset=B3_magicoder"], repo)
     lines = shown.strip().splitlines()
     assert lines[0] == "B3_magicoder" and lines[1].split()[:3] == ["experiment", "budget", "tokens"]
     rows = {line.split()[0]: line.split()[1:] for line in lines[2:]}
@@ -195,10 +195,14 @@ def test_temp_experiment_shares_the_workspace_store(repo):
 
 
 def stage_imports(module: str) -> set[Path]:
-    """The project files a stage's code can load: `module` and every `stages.*` module it imports, anywhere in its
-    code (also inside functions), or runs (`python -m stages.x` in a string), transitively; a package counts with its
-    __init__."""
+    """The project files a stage's code can load: `module` and every `stages.*` or `draftdata.*` module it imports,
+    anywhere in its code (also inside functions), or runs (`python -m draftdata.x` in a string), transitively; a
+    module counts with the __init__ of each package above it."""
     import ast
+
+    def is_module(n: str) -> bool:
+        p = ROOT / Path(*n.split("."))
+        return n.split(".")[0] in ("stages", "draftdata") and (p.is_dir() or p.with_suffix(".py").exists())
 
     seen: set[str] = set()
     todo = [module]
@@ -207,7 +211,9 @@ def stage_imports(module: str) -> set[Path]:
         if name in seen:
             continue
         seen.add(name)
-        path = ROOT / Path(*name.split("."))
+        parts = name.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts))]  # importing a.b.c runs a and a.b first
+        path = ROOT / Path(*parts)
         src = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
         for node in ast.walk(ast.parse(src.read_text())):
             names = []
@@ -216,11 +222,8 @@ def stage_imports(module: str) -> set[Path]:
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
             elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-                names = re.findall(r"^stages\.\w+$", node.value)
-            for n in names:
-                p = ROOT / Path(*n.split("."))
-                if n.startswith("stages") and (p.is_dir() or p.with_suffix(".py").exists()):
-                    todo.append(n)
+                names = re.findall(r"^(?:stages|draftdata)(?:\.\w+)+$", node.value)
+            todo += [n for n in names if is_module(n)]
     files = set()
     for name in seen:
         path = ROOT / Path(*name.split("."))
@@ -228,28 +231,57 @@ def stage_imports(module: str) -> set[Path]:
     return files
 
 
-@pytest.mark.parametrize(
-    "stage", ["tiny_model", "prompts", "generate", "tokenize", "hidden_states", "check_params", "summary"]
-)
-def test_every_module_a_stage_imports_is_a_dependency(stage):
-    """Editing any module a stage's code imports must rerun the stage: dvc.yaml lists each one (or its directory)."""
+# package markers that hold a docstring only (checked below): editing them changes no output
+MARKERS = (Path("stages/__init__.py"), Path("draftdata/__init__.py"))
+STAGES = ["tiny_model", "prompts", "generate", "tokenize", "hidden_states", "check_params", "summary"]
+
+
+def code_deps(stage: str) -> list[Path]:
     spec = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"][stage]
     deps = [Path(d) for d in (spec.get("do", spec)["deps"])]
+    return [d for d in deps if d.parts[0] in ("stages", "draftdata")]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_every_module_a_stage_imports_is_a_dependency(stage):
+    """Editing any module a stage's code imports must rerun the stage: dvc.yaml lists the stage's script and one
+    directory per concern of the library it reaches (draftdata/<step>/, target/, config/, util/, errors.py)."""
+    deps = code_deps(stage)
     missing = sorted(
         str(f)
         for f in stage_imports(f"stages.{stage}")
-        if f.name != "__init__.py" or f.parent != Path("stages")  # the empty package marker
+        if f not in MARKERS
         if not any(f == d or d in f.parents for d in deps)
     )
     assert not missing, f"dvc.yaml stage {stage} lacks deps: {missing}"
 
 
+@pytest.mark.parametrize("stage", STAGES)
+def test_no_stage_depends_on_code_it_does_not_import(stage):
+    """The reverse: a listed concern the stage never reaches would rerun it for nothing (editing the shard format
+    must not rerun prompts)."""
+    files = stage_imports(f"stages.{stage}")
+    unused = [str(d) for d in code_deps(stage) if not any(f == d or d in f.parents for f in files)]
+    assert not unused, f"dvc.yaml stage {stage} depends on code it never imports: {unused}"
+    concerns = [d for d in code_deps(stage) if d.parts[0] == "draftdata"]
+    assert all(d.is_dir() or d == Path("draftdata/errors.py") for d in concerns)  # one directory per concern
+
+
+def test_the_package_markers_hold_no_code():
+    import ast
+
+    for marker in MARKERS:
+        body = ast.parse((ROOT / marker).read_text()).body
+        assert all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) for n in body), marker
+
+
 def test_the_import_walk_finds_lazy_imports():
     """The walk above must see imports inside functions, or the test would pass on a stage that lacks them."""
     files = stage_imports("stages.hidden_states")
-    assert Path("stages/capture_vllm.py") in files  # imported only inside make_engine
-    assert Path("stages/vllm_worker.py") in files  # run as `python -m stages.vllm_worker`
-    assert Path("stages/export.py") not in files  # nothing the stage runs imports it
+    assert Path("draftdata/hidden/engines/vllm.py") in files  # imported only inside make_engine
+    assert Path("draftdata/hidden/engines/vllm_worker.py") in files  # run as `python -m draftdata....vllm_worker`
+    assert Path("draftdata/cli/export.py") not in files  # nothing the stage runs imports it
+    assert not any(f.parts[:2] == ("draftdata", "generate") for f in files)  # a sibling step
 
 
 @pytest.mark.slow

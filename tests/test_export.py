@@ -1,4 +1,4 @@
-"""`python -m stages.export`: the hidden-states stage's output in SpecForge's and speculators' layouts.
+"""`draftdata export`: the hidden-states stage's output in SpecForge's and speculators' layouts.
 
 The fast tests run the real stages on the tiny model (prompts → generate → tokenize → hidden_states, bf16 states),
 export both formats and check every file against `HiddenStates`, sample by sample: SpecForge gets the post-norm final
@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from stages.config import ConfigError, UserError
-from stages.export import MARKER, specforge_path
-from stages.reader import HiddenStates
+from draftdata.errors import ConfigError, UserError
+from draftdata.hidden.export import MARKER, specforge_path
+from draftdata.hidden.reader import HiddenStates
 
 TRAINERS_PYTHON = os.environ.get("DRAFTDATA_TRAINERS_PYTHON")
 
@@ -123,7 +123,7 @@ def test_rerun_replaces_an_export_and_a_custom_dir(states):
 
 
 def test_an_interrupted_export_is_never_at_the_export_path(states, monkeypatch):
-    import stages.export as export_mod
+    import draftdata.hidden.export as export_mod
 
     def dies(hs, staging, tally):
         (staging / "rows_0-2000").mkdir()
@@ -174,7 +174,7 @@ def test_cli_reports_one_line(states):
     )
     (states.path / "a_file").write_text("")
     r = subprocess.run(
-        [sys.executable, "-m", "stages.export", "dataset=B3", "export.format=specforge", "export.dir=a_file"],
+        [sys.executable, "-m", "draftdata", "export", "dataset=B3", "export.format=specforge", "export.dir=a_file"],
         cwd=states.path,
         env=env,
         capture_output=True,

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from stages import target
-from stages.target import content_hash, model_fingerprint
+from draftdata.target import fingerprint as target
+from draftdata.target.fingerprint import model_fingerprint
+from draftdata.util.hashing import content_hash
 
 # The size above which the fingerprint once looked at names and sizes only; weights built larger than this show
 # that their content counts.
@@ -49,8 +50,8 @@ def fingerprint(path: Path, revision: str | None = None, cache_path: Path | None
 
 def test_other_seed_same_sizes_other_fingerprint(tmp_path):
     """Two fine-tunes of one base have the same file names and sizes: only the bytes tell them apart."""
-    from stages.config import TinyModelConfig
-    from stages.tiny_model import build_model
+    from draftdata.config.schema import TinyModelConfig
+    from draftdata.target.tiny import build_model
 
     dirs = []
     for seed in (0, 1):

@@ -11,10 +11,9 @@ import sys
 import time
 
 import pytest
-
-from stages.artifacts import read_jsonl
-
 from conftest import ROOT
+
+from draftdata.util.files import read_jsonl
 
 
 def metrics(project) -> dict:
@@ -159,7 +158,8 @@ def test_progress_lines_when_not_on_a_terminal(project, capsys):
 def test_progress_eta_comes_from_the_recent_rate():
     from types import SimpleNamespace
 
-    from stages.generate import Progress, RunStats
+    from draftdata.generate.dispatcher import RunStats
+    from draftdata.generate.progress import Progress
 
     cfg = SimpleNamespace(ds=SimpleNamespace(token_budget=10_000), dataset="D", run=SimpleNamespace(progress=False))
     prog = Progress(cfg, 0)
@@ -177,7 +177,7 @@ def test_embedded_sampling_is_reproducible(project, monkeypatch):
     """Each request samples from its own seed, so two fresh stores get the same response for every prompt both
     answered (which prompts a run reaches before its budget depends on timing); without the seeded sampler
     (transformers' shared generator) they differ, which is what this guards against."""
-    import stages.backends.embedded as embedded
+    import draftdata.generate.backends.embedded as embedded
 
     project.run("prompts", "B3")
 
@@ -228,7 +228,7 @@ def test_two_generate_processes_on_one_store_share_it_safely(project, tiny_model
 
 
 def test_prompts_that_cannot_fit_the_context_are_refused_before_any_request(project, tiny_model):
-    from stages.config import ConfigError, UserError
+    from draftdata.errors import ConfigError, UserError
 
     project.run("prompts", "B3")
     context = json.loads((tiny_model / "config.json").read_text())["max_position_embeddings"]
@@ -250,7 +250,7 @@ def test_a_tokenizer_from_another_model_is_refused(project, tiny_model, tmp_path
 
     from transformers import AutoTokenizer
 
-    from stages.config import ConfigError
+    from draftdata.errors import ConfigError
 
     model = tmp_path / "mixed"
     shutil.copytree(tiny_model, model)
@@ -259,8 +259,8 @@ def test_a_tokenizer_from_another_model_is_refused(project, tiny_model, tmp_path
     tok.save_pretrained(model)
     project.set("model.path", str(model))
     project.run("prompts", "B3")
-    from stages.config import load_config
-    from stages.hidden_states import n_layers_of
+    from draftdata.config.load import load_config
+    from draftdata.hidden.compute import n_layers_of
 
     cfg = load_config("B3", [], params_path=project.path / "params.yaml")
     for check in (lambda: project.run("generate", "B3"), lambda: n_layers_of(cfg)):  # hidden_states' first look

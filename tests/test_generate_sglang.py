@@ -1,4 +1,4 @@
-"""generate@D end to end against the protocol-faithful SGLang fake (tests/fake_sglang.py): nothing wrong kept (a
+"""generate@D end to end against the protocol-faithful SGLang fake (bench/fake_server.py): nothing wrong kept (a
 server-side abort is retried from its tokens), nothing generated lost (partials parked at the budget and continued
 by a later run, even across a kill), fail-fast on one repeated cause, per-request seeds."""
 
@@ -15,23 +15,22 @@ import time
 import urllib.request
 
 import pytest
-
-from stages.artifacts import read_jsonl
-from stages.backends import seed_of
-from stages.generate import RunFailed
-from tests.fake_sglang import FakeSGLang, Faults, fake_output_ids
-
 from conftest import ROOT
+
+from bench.fake_server import FakeServer, Faults, fake_output_ids
+from draftdata.generate.backends import seed_of
+from draftdata.generate.dispatcher import RunFailed
+from draftdata.util.files import read_jsonl
 
 MAX_TOKENS = 48  # the fake never stops early: every complete answer is exactly this long (finish "length")
 
 
 @pytest.fixture
 def sglang_project(project, tiny_model):
-    servers: list[FakeSGLang] = []
+    servers: list[FakeServer] = []
 
-    def start(**kw) -> FakeSGLang:
-        srv = FakeSGLang(model_path=str(tiny_model), **kw).start()
+    def start(**kw) -> FakeServer:
+        srv = FakeServer(model_path=str(tiny_model), **kw).start()
         servers.append(srv)
         project.params["backend"] = {
             "kind": "sglang",
@@ -67,7 +66,7 @@ def rows(project) -> dict[str, dict]:
     return out
 
 
-def calls_for(srv: FakeSGLang, key: str) -> list[dict]:
+def calls_for(srv: FakeServer, key: str) -> list[dict]:
     """The /generate bodies of every attempt for one store key (attempt rids are `<key>-<suffix>`)."""
     return [c for c in srv.generate_calls if c["rid"].rsplit("-", 1)[0] == key]
 

@@ -17,11 +17,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-
-from stages.config import ConfigError, UserError
-from stages.reader import HiddenStates
-
 from conftest import ROOT, Project, free_port
+
+from draftdata.errors import ConfigError, UserError
+from draftdata.hidden.reader import HiddenStates
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +113,7 @@ def test_fp8_halves_the_bytes_and_reports_its_error(hs_project):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "fp8"])
 def test_shard_pack_unpack_round_trip(tmp_path, dtype):
-    from stages.shards import SampleStates, ShardReader, torn, write
+    from draftdata.hidden.shards import SampleStates, ShardReader, torn, write
 
     g = torch.Generator().manual_seed(0)
     samples = [
@@ -226,7 +225,7 @@ def store_samples(project: Project) -> int:
 def test_sigterm_keeps_every_sample_computed_before_it(hs_project, monkeypatch):
     """A real SIGTERM in the middle of the third forward: the two batches before it were in memory only (the shard
     was far from full), and are written and indexed on the way out; the rerun computes just the rest."""
-    from stages.capture import HFEngine
+    from draftdata.hidden.engines.hf import HFEngine
 
     hs_project.set("hidden_states.batch_tokens", 1)  # a forward per sample
     hs_project.set("hidden_states.shard_max_tokens", 10**9)  # no shard fills up: all would be in memory
@@ -279,7 +278,7 @@ def test_a_torn_shard_is_detected_and_redone(hs_project):
 
 
 def test_non_finite_states_stop_with_the_sample_id(hs_project, monkeypatch):
-    from stages.capture import HFEngine
+    from draftdata.hidden.engines.hf import HFEngine
 
     real = HFEngine.forward
 
@@ -331,8 +330,8 @@ def test_two_torchrun_ranks_equal_one_process(hs_project, samples_dir, tmp_path)
 
 
 def test_layers_from_a_draft_config_in_either_numbering(hs_project, tmp_path):
-    from stages.config import load_config
-    from stages.hidden_states import resolve_layers
+    from draftdata.config.load import load_config
+    from draftdata.hidden.layers import resolve_layers
 
     def layers(doc: dict, numbering: str = "auto"):
         path = tmp_path / "draft.json"
@@ -355,8 +354,8 @@ def test_layers_from_a_draft_config_in_either_numbering(hs_project, tmp_path):
 
 
 def test_default_layers_that_collide_are_refused_about_the_model(hs_project):
-    from stages.config import load_config
-    from stages.hidden_states import resolve_layers
+    from draftdata.config.load import load_config
+    from draftdata.hidden.layers import resolve_layers
 
     cfg = load_config("B3", [], params_path=hs_project.path / "params.yaml")
     with pytest.raises(UserError) as err:
@@ -371,7 +370,8 @@ def test_the_decoder_is_found_inside_a_multimodal_wrapper():
     layers and final norm are found, and the norm's formula is checked against the module itself."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
-    from stages.capture import final_norm_of, find_decoder
+    from draftdata.hidden.engines.base import find_decoder
+    from draftdata.hidden.engines.hf import final_norm_of
 
     text = LlamaConfig(
         hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128, vocab_size=512
@@ -390,8 +390,8 @@ def test_the_decoder_is_found_inside_a_multimodal_wrapper():
 def test_device_map_gives_the_same_states(tiny_model):
     """`hidden_states.device_map` (accelerate's dispatch, for a target bigger than one GPU) computes the same states;
     on the CPU "auto" places every layer there."""
-    from stages.capture import HFEngine
-    from stages.config import ModelConfig
+    from draftdata.config.schema import ModelConfig
+    from draftdata.hidden.engines.hf import HFEngine
 
     batch = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
     plain = HFEngine(ModelConfig(path=str(tiny_model)), [1, 3, 4]).forward(batch)
@@ -402,7 +402,7 @@ def test_device_map_gives_the_same_states(tiny_model):
 
 def test_every_file_produced_gets_the_umask_mode(hs_project):
     """Outputs on a shared cluster must be readable by whoever the umask lets read them (temp files start 0600)."""
-    from stages.artifacts import FILE_MODE
+    from draftdata.util.files import FILE_MODE
 
     hs_project.run("hidden_states", "B3")
     umask = os.umask(0o022)
@@ -421,8 +421,8 @@ def test_every_file_produced_gets_the_umask_mode(hs_project):
 def test_temp_files_of_killed_writers_are_swept(tmp_path):
     """A kill mid-write leaves a temp file: the next write of that output removes it, and the state store removes
     old half-written shards (recent ones may belong to a rank still writing)."""
-    from stages.artifacts import atomic_path
-    from stages.state_store import StateStore
+    from draftdata.hidden.state_store import StateStore
+    from draftdata.util.files import atomic_path
 
     out = tmp_path / "responses.jsonl"
     left = tmp_path / ".responses.jsonl.abc123.tmp"

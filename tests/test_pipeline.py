@@ -8,7 +8,7 @@ import sqlite3
 
 import pyarrow.parquet as pq
 
-from stages.artifacts import read_jsonl
+from draftdata.util.files import read_jsonl
 
 
 def metrics(project, dataset: str, stage: str) -> dict:
@@ -105,7 +105,7 @@ def test_total_unit_budget_counts_prompts_and_completions(project):
 def test_plot_files_and_the_summary(project, capsys):
     import csv
 
-    from stages.plots import HISTOGRAM_BINS
+    from draftdata.util.plots import HISTOGRAM_BINS
     from stages.summary import main as summary
 
     for stage in ("prompts", "generate", "tokenize", "hidden_states"):

@@ -1,4 +1,4 @@
-"""`python -m stages.plan`: what the budgets will cost, read from the store and the model's config, nothing sent."""
+"""`draftdata plan`: what the budgets will cost, read from the store and the model's config, nothing sent."""
 
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ import sys
 import threading
 
 import pytest
-
-from stages.artifacts import read_jsonl
-from stages.config import ConfigError, load_config
-
 from conftest import DEMO, ROOT, dataset_params
+
+from draftdata.config.load import load_config
+from draftdata.errors import ConfigError
+from draftdata.util.files import read_jsonl
 
 
 def plan(project, *overrides, opts=None):
-    from stages.plan import main
+    from draftdata.cli.plan import main
 
     cfg = load_config(None, list(overrides), params_path=project.path / "params.yaml", need_dataset=False)
     return main(cfg, opts)
@@ -105,7 +105,7 @@ def test_reusable_tokens_are_what_the_store_holds(project, capsys, tiny_model):
 
 
 def _opts(**kw):
-    from stages.plan import Options
+    from draftdata.cli.plan import Options
 
     return Options(**kw)
 
@@ -128,7 +128,7 @@ class ConnectionCounter:
         while not self._stop.is_set():
             try:
                 conn, _ = self.sock.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             self.connections += 1
             conn.close()
@@ -140,14 +140,15 @@ class ConnectionCounter:
 
 
 def test_nothing_is_sent_and_no_weights_are_loaded(project, monkeypatch):
-    import stages.backends.embedded
-    import stages.target
     import transformers
+
+    import draftdata.generate.backends.embedded
+    import draftdata.target.model
 
     def no_weights(*args, **kwargs):
         raise AssertionError("the plan loaded the model's weights")
 
-    for owner in (stages.target, stages.backends.embedded):
+    for owner in (draftdata.target.model, draftdata.generate.backends.embedded):
         monkeypatch.setattr(owner, "load_model", no_weights)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
     server = ConnectionCounter()
@@ -179,7 +180,7 @@ def test_bad_params_stop_the_plan_with_one_line(project):
     project.params["datasets"]["B3"]["concurency"] = 8
     project.save()
     res = subprocess.run(
-        [sys.executable, "-m", "stages.plan", "plan.tok_s=100"],
+        [sys.executable, "-m", "draftdata", "plan", "plan.tok_s=100"],
         cwd=project.path,
         capture_output=True,
         text=True,
@@ -190,7 +191,7 @@ def test_bad_params_stop_the_plan_with_one_line(project):
 
 
 def test_plan_options_are_checked():
-    from stages.plan import parse_options, split_options
+    from draftdata.cli.plan import parse_options, split_options
 
     raw, rest = split_options(["dataset=B3", "plan.tok_s=1500", "plan.out=p.json", "datasets.B3.max_tokens=9"])
     assert rest == ["dataset=B3", "datasets.B3.max_tokens=9"]

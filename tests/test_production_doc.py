@@ -8,11 +8,10 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
-
-from stages.check_params import check_all
-from stages.config import BackendKind, BudgetUnit, load_config
-
 from conftest import ROOT
+
+from draftdata.config.load import load_config
+from draftdata.config.schema import BackendKind, BudgetUnit, check_all
 
 DOC = ROOT / "docs" / "production.md"
 DATASETS = [

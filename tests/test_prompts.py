@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stages.artifacts import read_jsonl
-from stages.prompts import BadInput
+from draftdata.sources.select import BadInput
+from draftdata.util.files import read_jsonl
 
 
 def problems(n: int) -> list[dict]:
@@ -78,7 +78,7 @@ def test_a_line_that_is_not_utf8_is_one_bad_row(project):
 @pytest.mark.parametrize("kind", ["jsonl.gz", "json.gz", "parquet"])
 def test_a_file_cut_short_is_one_line_naming_it(project, kind):
     """Rows read before the cut are not taken as the whole file: the stage stops, the earlier output intact."""
-    from stages.readers import SourceError
+    from draftdata.sources.files import SourceError
 
     whole = project.path / f"whole.{kind}"
     rows = problems(400)

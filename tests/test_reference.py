@@ -1,5 +1,5 @@
-"""The configuration reference in README.md is the generator's output, and covers every key of the schema; a
-stage's `--help` shows the composed config without running the stage."""
+"""The configuration reference in docs/configuration.md is the generator's output, and covers every key of the
+schema; a stage's `--help` shows the composed config without running the stage."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import sys
 import typing
 
 import pytest
-
-from stages import config, reference
-
 from conftest import ROOT
+
+from draftdata.cli import reference
+from draftdata.config import schema as config
 
 
 def schema_paths(cls: type = config.Config, prefix: str = "") -> list[str]:
@@ -32,16 +32,21 @@ def schema_paths(cls: type = config.Config, prefix: str = "") -> list[str]:
     return out
 
 
-def test_readme_block_is_the_generators_output():
-    readme = (ROOT / "README.md").read_text()
-    assert readme.count(reference.START) == 1 and readme.count(reference.END) == 1
-    assert reference.block(readme) == reference.render(), (
-        "README.md's configuration reference is stale: run `python -m stages.reference --write`"
+DOC = ROOT / "docs" / "configuration.md"
+
+
+def test_docs_block_is_the_generators_output():
+    assert reference.DOC == DOC  # where `draftdata reference --write` writes
+    text = DOC.read_text()
+    assert text.count(reference.START) == 1 and text.count(reference.END) == 1
+    assert reference.block(text) == reference.render(), (
+        "docs/configuration.md's configuration reference is stale: run `draftdata reference --write`"
     )
+    assert reference.START not in (ROOT / "README.md").read_text()  # one copy of the table, in the docs
 
 
 def test_every_schema_key_has_a_documented_row():
-    table = reference.block((ROOT / "README.md").read_text())
+    table = reference.block(DOC.read_text())
     rows = {line.split(" | ")[0].removeprefix("| ").strip("`"): line for line in table.splitlines()[2:]}
     assert list(rows) == schema_paths()
     for path, row in rows.items():

@@ -9,9 +9,9 @@ import uuid
 
 import pytest
 
-from stages.config import BackendConfig, BackendKind, ConfigError, ModelConfig
-
-from fake_sglang import FakeSGLang
+from bench.fake_server import FakeServer
+from draftdata.config.schema import BackendConfig, BackendKind, ModelConfig
+from draftdata.errors import ConfigError
 
 
 def test_a_planted_key_reaches_the_server_and_nowhere_else(project, capfd, tiny_model, monkeypatch):
@@ -19,7 +19,7 @@ def test_a_planted_key_reaches_the_server_and_nowhere_else(project, capfd, tiny_
     (params, outputs, metrics, both stores) nor in anything printed, yet every request carried it."""
     secret = f"sk-planted-{uuid.uuid4().hex}"
     monkeypatch.setenv("DRAFTDATA_PLANTED_KEY", secret)
-    server = FakeSGLang(model_path=str(tiny_model), stop_after=6).start()
+    server = FakeServer(model_path=str(tiny_model), stop_after=6).start()
     try:
         project.params["backend"] = {"kind": "sglang", "urls": [server.url], "api_key_env": "DRAFTDATA_PLANTED_KEY"}
         project.set("datasets.B3.token_budget", 60)
@@ -69,7 +69,7 @@ def test_chat_templates_render_in_a_sandbox(tiny_model, tmp_path):
     """A template (a file from a model repository or params) cannot reach Python internals."""
     from jinja2.exceptions import SecurityError
 
-    from stages.target import load_tokenizer, render_prompt_ids
+    from draftdata.target.tokenizer import load_tokenizer, render_prompt_ids
 
     evil = tmp_path / "evil.jinja"
     evil.write_text("{{ messages.__class__.__mro__[1].__subclasses__() }}")
@@ -80,7 +80,7 @@ def test_chat_templates_render_in_a_sandbox(tiny_model, tmp_path):
 
 def test_a_model_s_own_code_runs_only_when_trusted(tiny_model, tmp_path):
     """A checkpoint that ships Python (auto_map) is refused with the key to set; with it set, its code runs."""
-    from stages.target import load_model
+    from draftdata.target.model import load_model
 
     model = tmp_path / "custom"
     shutil.copytree(tiny_model, model)

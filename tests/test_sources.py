@@ -9,10 +9,9 @@ import sys
 from collections import Counter
 
 import pytest
-
-from stages.sources import SHAPES, BadRecord, Prompt, SourceOptions, to_prompt
-
 from conftest import DEMO, DEMO_SHAPES, ROOT
+
+from draftdata.sources.shapes import SHAPES, BadRecord, Prompt, SourceOptions, to_prompt
 
 REASONS = {
     "not_a_mapping",

@@ -6,8 +6,8 @@ import random
 import sqlite3
 from pathlib import Path
 
-from stages.budget import BudgetController, LengthModel
-from stages.store import ResponseStore, StoredResponse
+from draftdata.generate.budget import BudgetController, LengthModel
+from draftdata.generate.store import ResponseStore, StoredResponse
 
 
 def resp(key: str, n: int = 5) -> StoredResponse:
@@ -191,21 +191,21 @@ def test_total_unit_keeps_prompts_and_completions_apart():
 
 
 def test_fs_type_reads_the_mount_table():
-    from stages.store import fs_type
+    from draftdata.util.sqlite import fs_type
 
     assert fs_type(Path("/proc/self")) == "proc"  # the longest mount point that holds the path wins over "/"
     assert fs_type(Path("/")) not in ("", "proc")
 
 
 def test_a_store_on_a_network_file_system_leaves_wal_with_a_warning(tmp_path, monkeypatch, capsys):
-    import stages.store
-    from stages.state_store import StateStore
+    import draftdata.util.sqlite
+    from draftdata.hidden.state_store import StateStore
 
     local = ResponseStore(tmp_path / "local" / "store.sqlite")
     assert local.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     local.close()
     assert "network file system" not in capsys.readouterr().out
-    monkeypatch.setattr(stages.store, "fs_type", lambda path: "nfs4")
+    monkeypatch.setattr(draftdata.util.sqlite, "fs_type", lambda path: "nfs4")
     for db in (ResponseStore(tmp_path / "nfs" / "store.sqlite").db, StateStore(tmp_path / "nfs" / "states").db):
         assert db.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
         db.close()
@@ -221,8 +221,8 @@ def test_stores_open_side_by_side_from_several_processes(tmp_path):
     from conftest import ROOT
 
     code = (
-        "import sys; from pathlib import Path; from stages.state_store import StateStore; "
-        "from stages.store import ResponseStore; StateStore(Path(sys.argv[1]) / 'states').close(); "
+        "import sys; from pathlib import Path; from draftdata.hidden.state_store import StateStore; "
+        "from draftdata.generate.store import ResponseStore; StateStore(Path(sys.argv[1]) / 'states').close(); "
         "ResponseStore(Path(sys.argv[1]) / 'store.sqlite').close()"
     )
     for attempt in range(3):

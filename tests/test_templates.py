@@ -13,16 +13,15 @@ import copy
 import gzip
 import importlib.util
 import json
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
-
-from stages.sources import BadRecord, to_prompt
-from stages.target import template_messages
-from stages.tokenize import Skip, from_ids, from_text
-
 from conftest import DEMO_SHAPES
+
+from draftdata.sources.shapes import BadRecord, to_prompt
+from draftdata.target.tokenizer import template_messages
+from draftdata.tokenize.samples import Skip, from_ids, from_text
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN_DIR = ROOT / "tests" / "golden"
@@ -40,7 +39,7 @@ TEMPLATE_KWARGS = {  # the kwargs each template is exercised with on the demo pr
 }
 
 
-@lru_cache(maxsize=None)
+@cache
 def tokenizer(template: str):
     return make_golden.load_tokenizer(template)
 

@@ -7,10 +7,12 @@ import json
 
 import pytest
 
-from stages.artifacts import write_jsonl
-from stages.config import ModelConfig, UserError
-from stages.target import load_tokenizer, render_prompt_ids, tokenizer_fingerprint
-from stages.tokenize import from_ids, from_text, read_metadata
+from draftdata.config.schema import ModelConfig
+from draftdata.errors import UserError
+from draftdata.target.tokenizer import load_tokenizer, render_prompt_ids, tokenizer_fingerprint
+from draftdata.tokenize.parquet import read_metadata
+from draftdata.tokenize.samples import from_ids, from_text
+from draftdata.util.files import write_jsonl
 
 HISTORY = [
     {"role": "system", "content": "You are terse."},
@@ -178,8 +180,8 @@ def test_metadata_round_trip_and_hf_datasets_reads_it(project, tok, tiny_model):
 
 def test_process_pool_gives_the_same_samples(project, tok, monkeypatch):
     """Large text-path inputs are rendered in worker processes; the result must not depend on it."""
-    import stages.tokenize as tz
-    from stages.config import load_config
+    import draftdata.tokenize.samples as tz
+    from draftdata.config.load import load_config
 
     recs = [
         response(
@@ -216,12 +218,12 @@ def test_too_many_skips_stop_the_stage_naming_the_top_reason(project, tok):
 
 def test_only_template_errors_become_skips(project, tok, monkeypatch):
     """A template that refuses a conversation is a skip; an error anywhere else is a bug and stops the stage."""
-    import stages.tokenize
+    import draftdata.tokenize.samples
 
     def broken(messages):
         raise KeyError("content")
 
-    monkeypatch.setattr(stages.tokenize, "template_messages", broken)
+    monkeypatch.setattr(draftdata.tokenize.samples, "template_messages", broken)
     with pytest.raises(KeyError):
         run_tokenize(project, [response(tok, "a", HISTORY, "Three.", ids=False)])
 
@@ -229,7 +231,7 @@ def test_only_template_errors_become_skips(project, tok, monkeypatch):
 def test_end_of_turn_ids_come_from_tokenizer_generation_config_and_template(tiny_model, tmp_path):
     import shutil
 
-    from stages.target import end_of_turn_ids
+    from draftdata.target.tokenizer import end_of_turn_ids
 
     tok = load_tokenizer(ModelConfig(path=str(tiny_model)))
     im_end = tok.convert_tokens_to_ids("<|im_end|>")
@@ -271,12 +273,13 @@ def test_a_plain_fast_tokenizer_loads_as_autotokenizer_loads_it_without_torch(ti
 
     from transformers import AutoTokenizer
 
-    from stages.target import plain_fast_tokenizer
+    from draftdata.target.tokenizer import plain_fast_tokenizer
 
     assert plain_fast_tokenizer(str(tiny_model))
     _same_tokenizer(load_tokenizer(ModelConfig(path=str(tiny_model))), AutoTokenizer.from_pretrained(tiny_model))
     code = (
-        "import sys; from stages.config import ModelConfig; from stages.target import load_tokenizer, end_of_turn_ids;"
+        "import sys; from draftdata.config.schema import ModelConfig; "
+        "from draftdata.target.tokenizer import load_tokenizer, end_of_turn_ids;"
         f"t = load_tokenizer(ModelConfig(path={str(tiny_model)!r})); end_of_turn_ids(t, ModelConfig(path="
         f"{str(tiny_model)!r})); print('torch' in sys.modules)"
     )

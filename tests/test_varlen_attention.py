@@ -9,9 +9,9 @@ import asyncio
 import pytest
 import torch
 
-from stages.backends import varlen_attention
-from stages.backends.varlen_attention import varlen_sdpa
-from stages.config import BackendConfig, BackendKind, Config, DatasetConfig, ModelConfig, SamplingConfig
+from draftdata.config.schema import BackendConfig, BackendKind, Config, DatasetConfig, ModelConfig, SamplingConfig
+from draftdata.generate.backends import varlen_attention
+from draftdata.generate.backends.varlen_attention import varlen_sdpa
 
 # (queries, keys) per sequence: a decode, a whole prompt, a later chunk of a prompt, a short decode, another prompt
 SEQS = [(1, 37), (50, 50), (20, 70), (1, 5), (33, 33)]
@@ -120,8 +120,9 @@ def sharp_model(tiny_model, tmp_path_factory):
 def test_greedy_answers_from_packed_chunked_prefills_equal_one_prompt_generation(sharp_model, monkeypatch):
     """Six prompts of different lengths at once, prefilled in chunks of 48 tokens beside the others' decodes: each
     greedy answer equals `generate` on that prompt alone, and the per-sequence path did the packed steps."""
-    from stages.backends import make_backend
-    from stages.target import end_of_turn_ids, load_model, load_tokenizer, render_prompt_ids
+    from draftdata.generate.backends import make_backend
+    from draftdata.target.model import load_model
+    from draftdata.target.tokenizer import end_of_turn_ids, load_tokenizer, render_prompt_ids
 
     calls = []
     handles = varlen_attention._handles
@@ -139,7 +140,7 @@ def test_greedy_answers_from_packed_chunked_prefills_equal_one_prompt_generation
     ]
 
     async def go():
-        from stages.backends import GenRequest
+        from draftdata.generate.backends import GenRequest
 
         backend = make_backend(cfg, tok)
         await backend.start()

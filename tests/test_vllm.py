@@ -18,12 +18,11 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
-
-from stages.backends import GenRequest, Partial, make_backend
-from stages.config import BackendConfig, BackendKind, Config, DatasetConfig, ModelConfig, TinyModelConfig
-from stages.target import load_tokenizer, render_prompt_ids
-
 from conftest import DEMO, server_process
+
+from draftdata.config.schema import BackendConfig, BackendKind, Config, DatasetConfig, ModelConfig, TinyModelConfig
+from draftdata.generate.backends import GenRequest, Partial, make_backend
+from draftdata.target.tokenizer import load_tokenizer, render_prompt_ids
 
 VLLM_PYTHON = os.environ.get("DRAFTDATA_VLLM_PYTHON")
 pytestmark = [
@@ -36,7 +35,7 @@ SAMPLING = {"temperature": 0.8, "top_p": 0.95, "top_k": -1}
 
 def build(out: Path, mean_response_tokens: int) -> Path:
     """The tiny target with vLLM-friendly heads (head_dim 64, which vLLM's CPU attention supports)."""
-    from stages.tiny_model import build_model, build_tokenizer, iter_demo_texts
+    from draftdata.target.tiny import build_model, build_tokenizer, iter_demo_texts
 
     tok = build_tokenizer(iter_demo_texts(DEMO), 2048)
     cfg = TinyModelConfig(hidden_size=128, num_heads=2, mean_response_tokens=mean_response_tokens)
@@ -194,7 +193,7 @@ def test_pipeline_through_vllm_is_token_exact(vllm, project):
     assert t["text_path_samples"] == 0 and t["samples"] == m["responses"] - t["skipped"].get("empty_output", 0)
 
 
-# --- the `vllm` hidden-states engine (stages/capture_vllm.py) ---------------------------------------------------
+# --- the `vllm` hidden-states engine (draftdata/hidden/engines/vllm.py) ---------------------------------------------
 
 CAPTURE_LAYERS = [1, 3, 4, 7]  # EAGLE-3's default for 8 layers, and the last layer (its output is the final pre-norm)
 CAPTURE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
@@ -217,7 +216,7 @@ def capture_target(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module", params=["aux", "hooks"])
 def vllm_engine(request, capture_target):
     """A VLLMEngine per capture path: vLLM's own EAGLE-3 aux hidden states, and forward hooks on the layers."""
-    from stages.capture_vllm import VLLMEngine
+    from draftdata.hidden.engines.vllm import VLLMEngine
 
     with pytest.MonkeyPatch.context() as mp:
         for k, v in CAPTURE_ENV.items():
@@ -242,8 +241,8 @@ def test_vllm_engine_matches_transformers(vllm_engine, capture_target):
     the reference HFEngine's."""
     import torch
 
-    from stages.capture import HFEngine
-    from stages.target import load_model
+    from draftdata.hidden.engines.hf import HFEngine
+    from draftdata.target.model import load_model
 
     cfg = ModelConfig(path=str(capture_target))
     model = load_model(cfg)
@@ -275,7 +274,7 @@ def test_vllm_engine_matches_transformers(vllm_engine, capture_target):
 def test_vllm_engine_final_norm_is_the_models(vllm_engine, capture_target):
     import torch
 
-    from stages.target import load_model
+    from draftdata.target.model import load_model
 
     norm = load_model(ModelConfig(path=str(capture_target))).model.norm
     spec = vllm_engine.final_norm
@@ -289,7 +288,7 @@ def test_vllm_engine_refuses_what_would_break_vllm(vllm_engine):
     still answers afterwards."""
     import torch
 
-    from stages.config import UserError
+    from draftdata.errors import UserError
 
     for bad in ([1] * 600, [1, 10**6], []):
         with pytest.raises(UserError) as e:
@@ -304,8 +303,8 @@ def test_vllm_engine_refuses_what_would_break_vllm(vllm_engine):
 
 
 def test_vllm_engine_bad_model_path_is_one_line(tmp_path, monkeypatch):
-    from stages.capture_vllm import VLLMEngine
-    from stages.config import UserError
+    from draftdata.errors import UserError
+    from draftdata.hidden.engines.vllm import VLLMEngine
 
     for k, v in CAPTURE_ENV.items():
         monkeypatch.setenv(k, v)
@@ -322,7 +321,7 @@ def test_vllm_engine_bad_model_path_is_one_line(tmp_path, monkeypatch):
 
 
 # A stand-in worker for the failure paths the real one cannot be made to take on demand: it answers start-up as
-# stages/vllm_worker.py does, then dies on the first batch.
+# draftdata/hidden/engines/vllm_worker.py does, then dies on the first batch.
 FAKE_WORKER = """
 import json, os, sys, torch
 from safetensors.torch import save_file
@@ -344,8 +343,8 @@ def test_vllm_engine_never_hangs_on_a_dead_worker(tmp_path, behaviour):
     """A worker that never answers, exits at start-up, or dies during a batch: one UserError line, promptly."""
     import sys
 
-    from stages.capture_vllm import VLLMEngine
-    from stages.config import UserError
+    from draftdata.errors import UserError
+    from draftdata.hidden.engines.vllm import VLLMEngine
 
     script = {
         "silent": "import time; time.sleep(600)",
@@ -376,7 +375,7 @@ def test_hidden_states_stage_gives_the_same_states_on_both_backends(project, tmp
     sample, and a store filled by one backend serves the other (the backend is how, not what)."""
     import torch
 
-    from stages.reader import HiddenStates
+    from draftdata.hidden.reader import HiddenStates
 
     for k, v in CAPTURE_ENV.items():
         monkeypatch.setenv(k, v)

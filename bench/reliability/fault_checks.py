@@ -18,11 +18,10 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import yaml
 
-from bench.reliability.fault_server import Attempt, GreedyModel
+from bench.fake_server import Attempt, GreedyModel
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "sources" / "demo"
@@ -30,8 +29,9 @@ DATASET = "B3_magicoder"
 SHAPE = "magicoder_oss"
 COMPLETE = ("stop", "length")
 PARKED = ("budget_cut", "interrupted")
-# The client's failure code for each way an attempt ended in the server's log (stages/backends/http.py). Anything
-# not here (`disconnected`, `aborted`) is an answer the client dropped on its own: never expected in these runs.
+# The client's failure code for each way an attempt ended in the server's log (draftdata/generate/backends/http.py).
+# Anything not here (`disconnected`, `aborted`) is an answer the client dropped on its own: never expected in these
+# runs.
 CODE = {
     "reset": "connection",
     "killed": "connection",
@@ -42,7 +42,7 @@ CODE = {
 NOT_RETRIED = {"bad_response"}  # retrying a broken answer only repeats it: the request fails at once
 
 
-def code_of(a: Attempt) -> Optional[str]:
+def code_of(a: Attempt) -> str | None:
     if a.outcome == "status":
         return f"http_{a.status}"
     return CODE.get(a.outcome)
@@ -54,7 +54,7 @@ def code_of(a: Attempt) -> Optional[str]:
 def build_target(path: Path) -> Path:
     """The target's tokenizer and chat template (all `generate` reads of a model): the demo's byte-level BPE, built
     from the demo prompts as the tiny_model stage builds it."""
-    from stages.tiny_model import build_tokenizer, iter_demo_texts
+    from draftdata.target.tiny import build_tokenizer, iter_demo_texts
 
     build_tokenizer(iter_demo_texts(DEMO), 2048).save_pretrained(path)
     return path
@@ -78,7 +78,7 @@ def dataset_params(max_prompts: int, max_tokens: int, concurrency: int) -> dict:
     }
 
 
-def write_project(path: Path, model: Path, dataset: dict, backend: dict, run: Optional[dict] = None) -> Path:
+def write_project(path: Path, model: Path, dataset: dict, backend: dict, run: dict | None = None) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     params = {
         "model": {"path": str(model), "revision": None, "chat_template": None, "template_kwargs": {}},
@@ -120,8 +120,8 @@ class Evidence:
     rc: int
     stderr: str
     rows: dict  # store key -> row (prompt_ids and output_ids as lists)
-    responses: Optional[list]  # responses.jsonl, None when the run wrote none
-    metrics: Optional[dict]  # generate_metrics.json, None when the run wrote none
+    responses: list | None  # responses.jsonl, None when the run wrote none
+    metrics: dict | None  # generate_metrics.json, None when the run wrote none
     log: list  # the servers' Attempts during this run
 
 

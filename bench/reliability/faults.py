@@ -4,7 +4,7 @@
 
 Each scenario runs the real stage, `python -m stages.generate dataset=<D>`, in a project of its own (the demo's
 B3_magicoder prompts, a budget no run reaches so that every prompt is answered) against one or three servers of
-bench/reliability/fault_server.py, which speak the OpenAI-compatible or SGLang protocol field by field and inject
+bench/fake_server.py, which speak the OpenAI-compatible or SGLang protocol field by field and inject
 one kind of fault. The right outcome is decided per scenario:
 - a transient fault (an HTTP 500, 503 or 429, a reset, a stall, a missing `usage` in a stream, a restart, one of
   three servers dying) costs retries, not data: the run completes, every prompt is answered;
@@ -27,10 +27,9 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
+from bench.fake_server import FakeServer, Fault, GreedyModel
 from bench.reliability import fault_checks as fc
-from bench.reliability.fault_server import Fault, FaultServer, GreedyModel
 
 PROMPTS = 24
 MAX_TOKENS = 32
@@ -57,9 +56,9 @@ class Scenario:
     prompt_format: str = "ids"  # openai: ids (/v1/completions, token ids back) | chat (/v1/chat/completions, text)
     stream: bool = True
     faults: dict = field(default_factory=dict)  # arrival index on the first server -> Fault
-    every: Optional[Fault] = None  # a fault every request to the first server meets
+    every: Fault | None = None  # a fault every request to the first server meets
     servers: int = 1
-    event: Optional[str] = None  # restart | one_dies | all_die | none_up
+    event: str | None = None  # restart | one_dies | all_die | none_up
     expected: str = "complete"  # complete | stopped
     cause: str = ""  # what the one line of a stopped run must name
     backend: dict = field(default_factory=dict)
@@ -165,7 +164,7 @@ def _backend(s: Scenario, urls: list[str]) -> dict:
 class Driver(threading.Thread):
     """Restarts or kills servers mid-run: once `EVENT_AFTER` answers have finished, while requests are in flight."""
 
-    def __init__(self, s: Scenario, servers: list[FaultServer]):
+    def __init__(self, s: Scenario, servers: list[FakeServer]):
         super().__init__(daemon=True)
         self.s, self.servers = s, servers
         self.done = threading.Event()  # the stage's run is over
@@ -190,8 +189,8 @@ class Driver(threading.Thread):
 @dataclass
 class Result:
     row: dict  # the table's row
-    evidence: Optional[fc.Evidence]  # what the run left (None: the stage never finished)
-    rerun: Optional[fc.Evidence] = None
+    evidence: fc.Evidence | None  # what the run left (None: the stage never finished)
+    rerun: fc.Evidence | None = None
     prompts: int = 0
 
 
@@ -199,10 +198,11 @@ def run_scenario(s: Scenario, ctx: Context) -> Result:
     project = ctx.work / s.name
     prompts = fc.copy_prompts(ctx.prompts_project, project)
     servers = [
-        FaultServer(
+        FakeServer(
             ctx.model,
             str(ctx.target),
-            faults=s.faults if i == 0 else None,
+            openai_flavour="vllm",
+            faults=s.faults if i == 0 else {},
             every=s.every if i == 0 else None,
             token_delay_s=TOKEN_DELAY_S,
         )
@@ -320,7 +320,7 @@ def _problems(problems: list[str]) -> str:
     return "; ".join(problems[:2])[:300] + more
 
 
-def _summary(ev: fc.Evidence, rerun: Optional[fc.Evidence]) -> str:
+def _summary(ev: fc.Evidence, rerun: fc.Evidence | None) -> str:
     if ev.metrics is None:
         kept = sum(r["finish_reason"] in fc.COMPLETE for r in ev.rows.values())
         return f"{kept} responses kept in the store; {ev.stderr.strip()[:160]}"

@@ -6,8 +6,9 @@ from __future__ import annotations
 import gzip
 import json
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import yaml
 
@@ -455,7 +456,7 @@ def _output_keys(ws: Workspace) -> set[str]:
     return {json.loads(line)["key"] for line in out.read_text().splitlines()} if out.exists() else set()
 
 
-def _store_kept(ws: Workspace) -> Optional[str]:
+def _store_kept(ws: Workspace) -> str | None:
     """Every response stored before the disk filled is still there, unchanged, and responses.jsonl, if rewritten,
     still holds the earlier ones (read once space is freed, as a user would)."""
     (ws.path / "store" / ".filler").unlink(missing_ok=True)
@@ -472,8 +473,8 @@ def _store_kept(ws: Workspace) -> Optional[str]:
     return None
 
 
-def _no_temp(name: str) -> Callable[[Workspace], Optional[str]]:
-    def check(ws: Workspace) -> Optional[str]:
+def _no_temp(name: str) -> Callable[[Workspace], str | None]:
+    def check(ws: Workspace) -> str | None:
         left = sorted(p.name for p in Path(ws.data).glob(f".{name}.*.tmp"))
         return f"temp file left behind: {left[0]}" if left else None
 

@@ -14,13 +14,14 @@ import hashlib
 import json
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any
 
 from bench.reliability.inputs_workspace import DATASET, Assets, SetupError, Workspace
 
-Name = Union[str, tuple]  # a string the line must hold, or a tuple of alternatives (any one will do)
+Name = str | tuple  # a string the line must hold, or a tuple of alternatives (any one will do)
 
 # Earlier outputs each stage reads, copied from the base project before the case's own setup.
 INPUTS = {
@@ -41,13 +42,13 @@ class Case:
     secret: str = ""  # what the output must never show (a key pasted where its variable's name belongs)
     # {metrics file: {dotted key: value}} for inputs the config says to skip; a value may be a function giving it
     # (called when judged, so a base output it counts is made only for the cases that run)
-    counted: Optional[dict] = None
+    counted: dict | None = None
     dataset: str = DATASET
     overrides: tuple = ()
-    inputs: Optional[tuple] = None  # earlier outputs to copy in; None: what the stage reads (INPUTS)
+    inputs: tuple | None = None  # earlier outputs to copy in; None: what the stage reads (INPUTS)
     may_change: tuple = ()  # path prefixes the run may rightly rewrite (e.g. the store it appends to)
-    after: Optional[Callable[[Workspace], Optional[str]]] = None  # what was lost (checked after the run), or None
-    max_s: Optional[float] = None  # a refusal slower than this did not fail fast (e.g. it waited on a hub)
+    after: Callable[[Workspace], str | None] | None = None  # what was lost (checked after the run), or None
+    max_s: float | None = None  # a refusal slower than this did not fail fast (e.g. it waited on a hub)
     sends: bool = False  # the bad input shows only once generation runs (a full disk): requests are expected
     timeout_s: float = 180.0
 
@@ -63,14 +64,14 @@ class Case:
 
 @dataclass
 class Outcome:
-    rc: Optional[int]  # None: killed at the case's timeout
+    rc: int | None  # None: killed at the case's timeout
     stderr: str = ""
     stdout: str = ""  # read only to make sure a secret is not shown
     seconds: float = 0.0
     requests: int = 0  # generation requests (POSTs) the servers received
     changed: list = field(default_factory=list)  # files that existed before the run and were changed or removed
     metrics: dict = field(default_factory=dict)  # metrics file -> its content, for counted cases
-    lost: Optional[str] = None  # the case's own check of earlier outputs
+    lost: str | None = None  # the case's own check of earlier outputs
 
 
 def judge(case: Case, out: Outcome) -> list[str]:
@@ -212,7 +213,7 @@ def changed_files(before: dict[str, str], after: dict[str, str]) -> list[str]:
     return [p for p, digest in before.items() if after.get(p) != digest]
 
 
-def _read_json(path: Path) -> Optional[dict]:
+def _read_json(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):

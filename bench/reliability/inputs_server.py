@@ -24,7 +24,7 @@ class CountingServer:
         self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
 
-    def start(self) -> "CountingServer":
+    def start(self) -> CountingServer:
         self._thread.start()
         return self
 

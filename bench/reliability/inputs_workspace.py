@@ -11,9 +11,10 @@ import resource
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import yaml
 
@@ -88,10 +89,10 @@ class Assets:
             s.reset()
 
     def _build_model(self, vocab_size: int = 2048) -> Path:
-        from stages.config import TinyModelConfig
         from transformers.utils import logging
 
-        from stages.tiny_model import build_model, build_tokenizer, iter_demo_texts
+        from draftdata.config.schema import TinyModelConfig
+        from draftdata.target.tiny import build_model, build_tokenizer, iter_demo_texts
 
         logging.disable_progress_bar()  # the suite prints its own table
         out = self.root / "models" / MODEL_DIR
@@ -124,7 +125,7 @@ class Assets:
     @cached_property
     def model_with_bigger_vocab(self) -> Path:
         """The target's weights (vocab 2054) beside a tokenizer trained to 4096 tokens: ids past the embedding."""
-        from stages.tiny_model import build_tokenizer, iter_demo_texts
+        from draftdata.target.tiny import build_tokenizer, iter_demo_texts
 
         out = self._variant("big_vocab")
         build_tokenizer(iter_demo_texts(DEMO), 4096).save_pretrained(out)
@@ -164,7 +165,7 @@ class Assets:
             },
         }
 
-    def workspace(self, name: str) -> "Workspace":
+    def workspace(self, name: str) -> Workspace:
         return Workspace(self.root / "cases" / name, copy.deepcopy(self.params()), self)
 
     def base_output(self, name: str) -> Path:
@@ -188,7 +189,7 @@ class Workspace:
         self.path, self.params, self.assets = path, params, assets
         self.path.mkdir(parents=True)
         self.cleanups: list[Callable[[], None]] = []
-        self.fsize_limit: Optional[int] = None  # RLIMIT_FSIZE for the judged run (the disk-full fallback)
+        self.fsize_limit: int | None = None  # RLIMIT_FSIZE for the judged run (the disk-full fallback)
         self.disk = ""  # how a full disk was made, when a case makes one
         self.notes: dict = {}  # what a case's setup records for its own check after the run
         self.save()

@@ -52,7 +52,6 @@ from collections import Counter
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import yaml
 
@@ -158,7 +157,7 @@ class Project:
         self.log = path / "stage.log"
         self._looked_at = float("-inf")
 
-    def create(self, params: dict) -> "Project":
+    def create(self, params: dict) -> Project:
         self.data.mkdir(parents=True, exist_ok=True)
         (self.path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
         return self
@@ -220,7 +219,7 @@ def dataset_params() -> dict:
     }
 
 
-def project_params(model: Path, backend: Optional[dict] = None) -> dict:
+def project_params(model: Path, backend: dict | None = None) -> dict:
     params = {
         "model": {"path": str(model), "revision": None, "chat_template": None, "template_kwargs": {}},
         "tokenize": {"max_seq_len": 1024, "on_too_long": "drop", "train_on": "last_turn"},
@@ -237,8 +236,8 @@ def project_params(model: Path, backend: Optional[dict] = None) -> dict:
 
 def build_model(out: Path) -> Path:
     """The demo target as the tests build it (shorter responses than the demo's, so a run takes seconds)."""
-    from stages.config import TinyModelConfig
-    from stages.tiny_model import build_target
+    from draftdata.config.schema import TinyModelConfig
+    from draftdata.target.tiny import build_target
 
     build_target(TinyModelConfig(path=str(out), corpus_dir=str(DEMO), mean_response_tokens=24))
     return out
@@ -299,7 +298,7 @@ class Clean:
 
 
 class Bench:
-    def __init__(self, root: Path, scenarios: list[Scenario], stack: ExitStack, model: Optional[Path] = None):
+    def __init__(self, root: Path, scenarios: list[Scenario], stack: ExitStack, model: Path | None = None):
         self.root = root
         self.model = model or build_model(root / "model")
         self.base = Project(root / "clean").create(project_params(self.model))
@@ -308,7 +307,7 @@ class Bench:
             self.timing[stage] = clean_run(self.base, stage)
         self.clean = read_clean(self.base)
         self.proxy = None
-        self.openai: Optional[dict] = None  # the backend params of the server scenario
+        self.openai: dict | None = None  # the backend params of the server scenario
         self.key_of_seed: dict[int, str] = {}
         if any(s.backend == "openai" for s in scenarios):
             self._start_server(stack)
@@ -369,10 +368,10 @@ def read_clean(base: Project) -> Clean:
 
 def seeds_to_keys(base: Project) -> dict[int, str]:
     """Every request's sampling seed -> its store key: the seed a request carries on the wire names its response."""
-    from stages.backends import seed_of
-    from stages.config import load_config
-    from stages.generate import plan_requests
-    from stages.target import load_tokenizer
+    from draftdata.config.load import load_config
+    from draftdata.generate.backends import seed_of
+    from draftdata.generate.selection import plan_requests
+    from draftdata.target.tokenizer import load_tokenizer
 
     # an absolute store path: the model's file hashes are cached beside it, not in this process's directory
     cfg = load_config(DATASET, [f"run.store_path={base.store}"], params_path=base.path / "params.yaml")
@@ -401,7 +400,7 @@ def hs_sample_list(hs: Path) -> list[dict]:
 # ---- one trial -------------------------------------------------------------------------------------------------- #
 
 
-def kill_once(project: Project, scenario: Scenario, timing: Timing, rng: random.Random) -> Optional[float]:
+def kill_once(project: Project, scenario: Scenario, timing: Timing, rng: random.Random) -> float | None:
     """Start the stage and SIGKILL it at a drawn moment; the moment (seconds from the start), or None when the run
     ended before it."""
     t0 = time.monotonic()

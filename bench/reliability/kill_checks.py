@@ -16,9 +16,9 @@ from __future__ import annotations
 import json
 import sqlite3
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional
 
 KINDS = ("lost", "duplicated", "stale")
 COMPLETE = ("stop", "length")  # a response; anything else in the store is a parked partial
@@ -110,7 +110,7 @@ def usable(r: dict) -> bool:
 # ---- files: complete or absent ------------------------------------------------------------------------------- #
 
 
-def torn_safetensors(path: Path) -> Optional[str]:
+def torn_safetensors(path: Path) -> str | None:
     """Why a safetensors file is not whole (None: it is): its header says how long the data must be."""
     try:
         with open(path, "rb") as f:
@@ -123,7 +123,7 @@ def torn_safetensors(path: Path) -> Optional[str]:
         return f"{type(e).__name__}: {e}"
 
 
-def unparseable(path: Path) -> Optional[str]:
+def unparseable(path: Path) -> str | None:
     """Why a final output file does not read completely (None: it does)."""
     try:
         if path.suffix == ".jsonl":
@@ -258,7 +258,7 @@ def compare_states(got_dir: Path, want_dir: Path) -> list[Problem]:
     sample is computed alone or with samples of its own length, so its batch does not change its arithmetic)."""
     import torch
 
-    from stages.reader import HiddenStates
+    from draftdata.hidden.reader import HiddenStates
 
     got, want = HiddenStates(got_dir), HiddenStates(want_dir)
     clean = {s.id: s for s in want}
@@ -422,7 +422,7 @@ def accounting(before: dict[str, dict], after: dict[str, dict], metrics: dict) -
 def wire_problems(
     killed: list, restart: list, snapshot: dict[str, dict], final: dict[str, dict], key_of_seed: dict[int, str]
 ) -> list[Problem]:
-    """What the logging proxy saw (stages.backends' requests carry seed_of(key), which names the response) against
+    """What the logging proxy saw (the backends' requests carry seed_of(key), which names the response) against
     the store after the kill (`snapshot`) and after the restart (`final`).
 
     - lost: an answer delivered before the kill that is not in the snapshot, although an answer delivered after it

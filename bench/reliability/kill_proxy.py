@@ -14,7 +14,6 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 # Not forwarded: they describe one hop's connection, and aiohttp sets its own.
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "content-encoding"}
@@ -25,13 +24,13 @@ class Exchange:
     """One request through the proxy."""
 
     path: str
-    seed: Optional[int]
+    seed: int | None
     started: float
     status: int = 0
     # time.time() when the whole answer (a 200; when streamed, up to its event with a finish reason or `[DONE]`) had
     # been written to the client's socket; None: never (the client went away first, or the answer was an error or
     # cut short)
-    delivered: Optional[float] = None
+    delivered: float | None = None
 
     @property
     def complete(self) -> bool:
@@ -120,7 +119,7 @@ class LoggingProxy:
         return resp
 
 
-def _seed(body: bytes) -> Optional[int]:
+def _seed(body: bytes) -> int | None:
     try:
         doc = json.loads(body) if body else None
     except ValueError:

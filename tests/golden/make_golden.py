@@ -9,7 +9,7 @@ versions; retrain it only on purpose (every golden file changes with it).
 
 Each golden file holds one conversation rendered with one template: the request (messages, tools,
 template_kwargs), the completion text, the rendered full conversation, and `input_ids` / `loss_mask` exactly as
-the tokenize stage's text path (`stages.tokenize.from_text`) produced them, plus the decoded trained span.
+the tokenize stage's text path (`draftdata.tokenize.samples.from_text`) produced them, plus the decoded trained span.
 tests/test_templates.py rebuilds each one and compares token by token.
 """
 
@@ -187,7 +187,7 @@ CASES["qwen3_thinking"] = {
 
 
 def train_tokenizer(path: Path = TOKENIZER) -> None:
-    from stages.tiny_model import iter_demo_texts, train_bpe
+    from draftdata.target.tiny import iter_demo_texts, train_bpe
 
     tok = train_bpe(iter_demo_texts(ROOT / "sources" / "demo"), VOCAB_SIZE, SPECIAL_TOKENS)
     tok.save(str(path), pretty=True)
@@ -209,8 +209,8 @@ def golden_path(template: str, case: str) -> Path:
 
 
 def build(template: str, case: str, spec: dict, tok) -> dict:
-    from stages.target import template_messages
-    from stages.tokenize import from_text
+    from draftdata.target.tokenizer import template_messages
+    from draftdata.tokenize.samples import from_text
 
     messages, tools, kwargs = copy.deepcopy(spec["messages"]), copy.deepcopy(spec["tools"]), spec["template_kwargs"]
     rec = {"messages": messages, "text": spec["completion"]}

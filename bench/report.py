@@ -1,0 +1,368 @@
+"""The benchmark figures of docs/benchmarks.md, rendered from bench/results/*.json.
+
+    python -m bench.report            # print the figures (markdown)
+    python -m bench.report --write    # rewrite docs/benchmarks.md's block between the bench-report markers
+
+Every figure in the block comes from the files each benchmark writes (budget.json, client.json, tokenize.json,
+hidden_states.json, reliability.json), so rerunning a benchmark and then `python -m bench.report --write` is all it
+takes to bring the page up to date; a test keeps the page's block equal to this output. Nothing here measures
+anything, and it imports nothing of the project.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from draftdata.util.blocks import between, replace_between
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+START = "<!-- bench-report:start -->"
+END = "<!-- bench-report:end -->"
+
+BUDGET_STRATEGIES = (
+    ("check_cancel", "check_cancel"),
+    ("ours", "ours (`on_budget: cancel`)"),
+    ("ours_keep_partial", "ours_keep_partial"),
+)
+
+
+# ---- formatting ------------------------------------------------------------------------------------------------ #
+
+
+def num(x: float, digits: int = 0) -> str:
+    return f"{x:,.{digits}f}"
+
+
+def budget_name(budget: int) -> str:
+    return f"{budget / 1e6:g}M" if budget >= 1_000_000 else f"{budget / 1e3:g}k"
+
+
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def goals_line(goals: dict[str, bool]) -> str:
+    return "Goals: " + ", ".join(f"`{name}` {'met' if ok else '**missed**'}" for name, ok in goals.items()) + "."
+
+
+def span(values: list[float], fmt: Callable[[float], str]) -> str:
+    lo, hi = min(values), max(values)
+    return fmt(lo) if fmt(lo) == fmt(hi) else f"{fmt(lo)} to {fmt(hi)}"
+
+
+# ---- one section per benchmark --------------------------------------------------------------------------------- #
+
+
+def budget(r: dict) -> list[str]:
+    s, rows = r["settings"], r["scenarios"]
+    seeds = {row["budget"]: row["seeds"] for row in rows}
+    out = [
+        "### Budget strategies: `python -m bench.budget`",
+        "",
+        f"A server with {s['concurrency']} slots; completion lengths lognormal (mean {num(s['mean_len'])}, sigma "
+        f"{s['sigma']:g}, capped at {num(s['max_tokens'])}); a throughput reading every {s['reading_s']:g} s with "
+        f"{' or '.join(f'{n:g} %' for n in s['noise_pct'])} noise; the cancel reaches the server "
+        f"{s['abort_latency_s'] * 1000:g} ms after the decision; compute_bound flat above {s['knee']} running "
+        f"requests, saturating with h = {s['saturation_h']:g}. Averaged over "
+        + ", ".join(f"{n} draws at {budget_name(b)}" for b, n in sorted(seeds.items()))
+        + ". Cells: overshoot % / waste % / lost % / time ÷ ideal.",
+        "",
+    ]
+    body = []
+    for row in rows:
+        cells = []
+        for name, _ in BUDGET_STRATEGIES:
+            m = row["strategies"][name]
+            cells.append(
+                f"{m['overshoot_pct']:.2f} / {m['waste_pct']:.2f} / {m['lost_pct']:.2f} / {m['time_vs_ideal']:.4f}"
+            )
+        missed = ", ".join(f"`{k}`" for k, ok in row["goals"].items() if not ok) or "none"
+        body.append([row["model"], budget_name(row["budget"]), f"{row['noise_pct']:g} %", *cells, missed])
+    out += table(["server", "budget", "noise", *(label for _, label in BUDGET_STRATEGIES), "missed goals"], body)
+    out += ["", "Ours against check_cancel, per server over its rows above (ranges over budgets and noises):", ""]
+    derived = []
+    for model in dict.fromkeys(row["model"] for row in rows):
+        mine = [row for row in rows if row["model"] == model]
+        cc = [row["strategies"]["check_cancel"] for row in mine]
+        ours = [row["strategies"]["ours"] for row in mine]
+        gap = [o["time_vs_ideal"] - c["time_vs_ideal"] for o, c in zip(ours, cc)]
+        extra = [
+            (o["time_vs_ideal"] - 1) / (c["time_vs_ideal"] - 1) for o, c in zip(ours, cc) if c["time_vs_ideal"] > 1
+        ]
+        waste = [c["waste_pct"] / o["waste_pct"] for o, c in zip(ours, cc) if o["waste_pct"] > 0]
+        parked = {}
+        for row, o in zip(mine, ours):
+            parked.setdefault(budget_name(row["budget"]), []).append(100 * o["parked_tokens"] / o["generated_tokens"])
+        derived.append(
+            [
+                model,
+                span(gap, lambda x: f"{x:+.4f}"),
+                span(extra, lambda x: f"{x:.2f}"),
+                span(waste, lambda x: f"{x:.1f}×"),
+                f"{max(o['lost_pct'] for o in ours):.2f} / {max(c['lost_pct'] for c in cc):.2f}",
+                ", ".join(f"{b}: {span(v, lambda x: f'{x:.1f}')}" for b, v in parked.items()),
+            ]
+        )
+    out += table(
+        [
+            "server",
+            "time ÷ ideal, minus check_cancel's",
+            "extra time (time ÷ ideal − 1) ÷ check_cancel's",
+            "check_cancel's waste ÷ ours",
+            "most lost %, ours / check_cancel",
+            "ours parked % of what it generated",
+        ],
+        derived,
+    )
+    kp = [row["strategies"]["ours_keep_partial"] for row in rows]
+    full = s["concurrency"] * s["mean_len"]
+    out += [
+        "",
+        f"ours_keep_partial in every row: waste at most {max(m['waste_pct'] for m in kp):.2f} %, time ÷ ideal at most "
+        f"{max(m['time_vs_ideal'] for m in kp):.4f}. A full batch holds about {s['concurrency']} × "
+        f"{num(s['mean_len'])} = {num(full)} tokens in flight.",
+    ]
+    order = [m for m in s.get("scenario_models", []) if m in r["models"]]
+    models = {m: r["models"][m] for m in [*order, *sorted(set(r["models"]) - set(order))]}
+    names = list(dict.fromkeys(name for m in models.values() for name in m))
+    out += [
+        "",
+        f"Without noise at {budget_name(s['budget'])}, every strategy (`cap` stops at {num(s['cap_samples'])} "
+        "samples; `ours_slack_N` is ours blind to the server's rate, with admit slack N). Cells: overshoot % / "
+        "waste % / time ÷ ideal.",
+        "",
+    ]
+    out += table(
+        ["strategy", *models],
+        [
+            [
+                name,
+                *(
+                    f"{m[name]['overshoot_pct']:.2f} / {m[name]['waste_pct']:.2f} / {m[name]['time_vs_ideal']:.4f}"
+                    for m in models.values()
+                ),
+            ]
+            for name in names
+        ],
+    )
+    missed = [f"`{model}.{k}`" for model, goals in r["goals"].items() for k, ok in goals.items() if not ok]
+    out += ["", f"Every goal in the file met: {'yes' if r['all_goals_met'] else 'no'}"]
+    out[-1] += f" (missed: {', '.join(missed)})." if missed else "."
+    return out
+
+
+def client(r: dict) -> list[str]:
+    s, runs, rounds = r["settings"], r["runs"], r["rounds"]
+    n = len(rounds["ours"])
+    labels = {
+        "ours": "ours (streamed, the default)",
+        "ours_unstreamed": "ours, not streamed",
+        "baseline": "baseline: thread pool, a new OpenAI client per request",
+        "raw": "raw: a bare aiohttp loop (the floor)",
+    }
+    body = []
+    for name, label in labels.items():
+        run = runs[name]
+        per_round = ", ".join(num(x["rps"], 1) for x in rounds[name]) if name in rounds else "one run"
+        body.append([label, num(run["rps"], 1), f"{run['cpu_s_per_1k']:.3f}", num(run["requests"]), per_round])
+    per_round_ratio = ", ".join(f"{o['rps'] / w['rps']:.2f}" for o, w in zip(rounds["ours"], rounds["raw"]))
+    return [
+        "### Client overhead: `python -m bench.client`",
+        "",
+        f"{s['concurrency']} requests in flight, prompts of {s['prompt_tokens']} tokens, {s['output_tokens']} "
+        f"output tokens; medians of {n} interleaved rounds (the baseline runs once, after them).",
+        "",
+        *table(["client", "req/s", "CPU ms per request", "requests", "req/s per round"], body),
+        "",
+        f"ours ÷ baseline: {r['ratio']:.2f}× in requests per second, "
+        f"{runs['baseline']['cpu_s_per_1k'] / runs['ours']['cpu_s_per_1k']:.0f}× less CPU per request; "
+        f"ours ÷ raw: {r['raw_ratio']:.3f} (per round: {per_round_ratio}). {goals_line(r['goals'])}",
+    ]
+
+
+def tokenize(r: dict) -> list[str]:
+    body = [
+        ["stage, text path (render, check, encode prompt and response, mask)", num(r["stage_tok_s"]), "stage"],
+        ["raw: `tokenizers` batch encode of the same texts", num(r["raw_tok_s"]), "raw"],
+        ["stage, id path (the server's token ids)", num(r["id_path_tok_s"]), "id_path"],
+    ]
+    body = [[label, tok_s, f"{r['wall_s'][key]:.2f}"] for label, tok_s, key in body]
+    return [
+        "### Tokenize: `python -m bench.tokenize`",
+        "",
+        f"{num(r['samples'])} synthetic multi-turn samples of {num(r['mean_tokens_per_sample'])} tokens on average.",
+        "",
+        *table(["path", "tokens/s", "seconds"], body),
+        "",
+        f"Text path ÷ raw: {r['ratio']:.3f}; {num(r['stage_samples_s'], 1)} samples/s on the text path; drift "
+        f"(re-encoded completion length ≠ the server's count) {r['drift_pct']:g} %. {goals_line(r['goals'])}",
+    ]
+
+
+def hidden_states(r: dict) -> list[str]:
+    s, m, paths = r["settings"], r["settings"]["model"], r["paths"]
+    labels = {
+        "ours": f"ours ({s['store_dtype']})",
+        "naive": f"naive (batches of {r['naive_batch']}, {s['naive_batch_rule']})",
+        "fp8": "ours, fp8",
+    }
+    body = [
+        [
+            label,
+            num(p["tok_s"]),
+            num(p["cpu_tok_s"]),
+            f"{100 * p['pad_share']:.1f} %",
+            num(p["bytes_per_token"], 2),
+            num(p["files"]),
+            num(p["peak_rss_mb"]),
+        ]
+        for name, label in labels.items()
+        for p in [paths[name]]
+    ]
+    avg = r["avg_padded_batch_tokens"]
+    return [
+        "### Hidden states: `python -m bench.hidden_states`",
+        "",
+        f"A random-weight Llama (hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, "
+        f"{m['num_attention_heads']} heads, MLP {m['intermediate_size']}, vocab {num(m['vocab_size'])}, "
+        f"{s['model_dtype']} weights), layers {s['layers']} plus the final state kept; {s['samples']} samples of "
+        f"lognormal length (mean {num(s['mean_len'])}, sigma {s['sigma']:g}, at most {num(s['max_len'])}; "
+        f"{s['mean_tokens_per_sample']:g} tokens on average), {s['rounds']} paired rounds of {s['window_samples']} "
+        f"samples; {s['device']}, {s['threads']} threads; torch {s['torch']}, transformers {s['transformers']}; "
+        f"{r['wall_s']:g} s in all.",
+        "",
+        *table(["path", "tokens/s", "tokens/s of CPU time", "padding", "bytes a token", "files", "peak RSS MB"], body),
+        "",
+        f"ours ÷ naive: {r['ratio']:.3f} in tokens/s (per round: {', '.join(f'{x:.3f}' for x in r['ratio_per_round'])}"
+        f"; median {r['ratio_median_of_rounds']:.3f}), {r['ratio_cpu']:.3f} by CPU time. Average padded batch: "
+        f"{num(avg['ours'])} tokens (ours) against {num(avg['naive'])} (naive). Bytes a token against the "
+        f"{s['store_dtype']} limit 2·(k+1)·H = {num(r['limit_bytes_per_token'])}: "
+        f"{r['bytes_per_token'] / r['limit_bytes_per_token']:.4f}; fp8 ÷ bf16: "
+        f"{r['fp8_bytes_per_token'] / r['bytes_per_token']:.2f}, relative error {r['fp8_rel_err']:.4f}. Peak RSS: "
+        f"{r['peak_rss_how']}. {goals_line(r['goals'])}",
+    ]
+
+
+def reliability(r: dict) -> list[str]:
+    kill, faults, inputs = r["kill"], r["faults"], r["inputs"]
+    phases = ("before", "working", "writing", "written")
+    keys = ("lost", "duplicated", "stale", "tmp_left", "failures")
+    body, totals = [], dict.fromkeys(("trials", *phases, *keys), 0)
+    for row in kill["summary"]:
+        values = {"trials": row["trials"], **row["phases"], **{k: row[k] for k in keys}}
+        for k, v in values.items():
+            totals[k] += v
+        body.append([row["label"], *(num(values[k]) for k in totals)])
+    body.append(["**all**", *(f"**{num(v)}**" for v in totals.values())])
+    out = [
+        "### Reliability: `python -m bench.reliability kill|faults|inputs`",
+        "",
+        f"**kill**: {num(kill['figures']['kill_trials'])} kills over {len(kill['summary'])} scenarios "
+        f"(seed {kill['seed']}, {kill['wall_s']:g} s); where each landed (before any work showed, working, writing "
+        "outputs, outputs written), then the problems the checks found after the restart.",
+        "",
+        *table(
+            [
+                "scenario",
+                "kills",
+                *phases,
+                "lost",
+                "duplicated",
+                "stale",
+                "temp files left",
+                "failed restarts",
+            ],
+            body,
+        ),
+        "",
+        f"**faults**: {faults['figures']['fault_scenarios']} scenarios, {faults['figures']['fault_failed']} failed "
+        f"({faults['wall_s']:g} s).",
+        "",
+        *table(
+            ["scenario", "backend", "expected", "outcome", "what the run did", "ok"],
+            [
+                [
+                    f"`{x['name']}`",
+                    x["backend"],
+                    x["expected"],
+                    x["outcome"],
+                    x["detail"].split("; error:")[0],  # the error line names the run's loopback ports
+                    "yes" if x["ok"] else "**no**",
+                ]
+                for x in faults["rows"]
+            ],
+        ),
+    ]
+    stages = list(dict.fromkeys(x["stage"] for x in inputs["rows"]))
+    rows = []
+    for stage in stages:
+        mine = [x for x in inputs["rows"] if x["stage"] == stage]
+        refused = sum(x["expected"].startswith("refused") for x in mine)
+        rows.append(
+            [stage, num(len(mine)), num(refused), num(len(mine) - refused), num(sum(not x["ok"] for x in mine))]
+        )
+    out += [
+        "",
+        f"**inputs**: {inputs['figures']['bad_inputs']} bad inputs and params, "
+        f"{inputs['figures']['bad_inputs_unclear']} unclear ({inputs['wall_s']:g} s).",
+        "",
+        *table(["stage", "cases", "to be refused in one line", "to be counted as a skip", "unclear"], rows),
+        "",
+        "Every suite's goal met: " + ("yes." if r["all_goals_met"] else "**no**."),
+    ]
+    return out
+
+
+SECTIONS = (
+    ("budget.json", "python -m bench.budget", budget),
+    ("client.json", "python -m bench.client", client),
+    ("tokenize.json", "python -m bench.tokenize", tokenize),
+    ("hidden_states.json", "python -m bench.hidden_states", hidden_states),
+    ("reliability.json", "python -m bench.reliability kill|faults|inputs", reliability),
+)
+
+
+def render(results: Path = RESULTS) -> str:
+    """The block: one section per benchmark, from its JSON file (a missing file says which command writes it)."""
+    parts = []
+    for name, command, section in SECTIONS:
+        path = results / name
+        if path.exists():
+            parts.append("\n".join(section(json.loads(path.read_text()))))
+        else:
+            parts.append(f"`bench/results/{name}` is missing: `{command}` writes it.")
+    return "\n\n".join(parts) + "\n"
+
+
+def replace_block(text: str, block_text: str) -> str:
+    return replace_between(text, START, END, block_text, DOC.name)
+
+
+def block(text: str) -> str:
+    """What stands between the markers (as `replace_block` writes it)."""
+    return between(text, START, END)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help="rewrite the block in docs/benchmarks.md")
+    args = parser.parse_args(argv)
+    figures = render()
+    if not args.write:
+        sys.stdout.write(figures)
+        return
+    text = DOC.read_text()
+    new = replace_block(text, figures)
+    if new != text:
+        DOC.write_text(new)
+    print(f"docs/benchmarks.md: benchmark figures {'updated' if new != text else 'already up to date'}")
+
+
+if __name__ == "__main__":
+    main()

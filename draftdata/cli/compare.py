@@ -1,0 +1,71 @@
+"""Compare experiments at a glance: `draftdata compare [dataset=<D> ...]`.
+
+`dvc exp show` names every column by its file and key (`data/B3_magicoder/summary.json:tokens`), so a budget sweep
+of one dataset is hundreds of columns wide. This reads the same data (`dvc exp show --json`) and prints, for each
+dataset, one short row per experiment: the figures of its `summary.json` (stages/summary.py). Without `dataset=`,
+the datasets whose figures differ between the rows are shown. Nothing is run or changed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+COLUMNS = ("budget", "tokens", "over_pct", "samples", "skipped", "new", "reused", "hs_gb")
+
+
+def experiments(doc: list) -> list[tuple[str, dict]]:
+    """(name, {dataset: summary}) per row of `dvc exp show --json`: the workspace, each baseline commit and its
+    experiments, in DVC's order."""
+    rows = []
+    for base in doc:
+        rev = base["rev"]
+        rows.append((base.get("name") or (rev if rev == "workspace" else rev[:7]), _summaries(base.get("data"))))
+        for exp in base.get("experiments") or []:
+            rev = exp["revs"][0]
+            rows.append((f"  {exp.get('name') or rev['rev'][:7]}", _summaries(rev.get("data"))))
+    return [(name, s) for name, s in rows if s]
+
+
+def _summaries(data: dict | None) -> dict:
+    out = {}
+    for path, value in ((data or {}).get("metrics") or {}).items():
+        parts = path.split("/")
+        if path.endswith("/summary.json") and len(parts) >= 2 and "data" in value:
+            out[parts[-2]] = value["data"]
+    return out
+
+
+def changed(rows: list[tuple[str, dict]]) -> list[str]:
+    names = sorted({d for _, s in rows for d in s})
+    return [d for d in names if len({json.dumps(s.get(d), sort_keys=True) for _, s in rows}) > 1]
+
+
+def table(rows: list[tuple[str, dict]], dataset: str) -> list[str]:
+    width = max(len("experiment"), *(len(name) for name, _ in rows))
+    lines = [f"{dataset}", f"{'experiment':<{width}}" + "".join(f"{c:>10}" for c in COLUMNS)]
+    for name, s in rows:
+        figures = s.get(dataset)
+        if figures is not None:
+            lines.append(f"{name:<{width}}" + "".join(f"{_fmt(figures.get(c)):>10}" for c in COLUMNS))
+    return lines
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    return f"{v:,}" if isinstance(v, int) else f"{v:g}"
+
+
+def run(argv: list[str]) -> None:
+    if "--help" in argv or "-h" in argv:
+        print(__doc__.strip())
+        return
+    wanted = [a.split("=", 1)[1] for a in argv if a.startswith("dataset=")]
+    proc = subprocess.run([sys.executable, "-m", "dvc", "exp", "show", "--json"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"error: dvc exp show failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+    rows = experiments(json.loads(proc.stdout))
+    for dataset in wanted or changed(rows) or sorted({d for _, s in rows for d in s}):
+        print("\n".join(table(rows, dataset)) + "\n")

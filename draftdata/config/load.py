@@ -1,0 +1,197 @@
+"""Composition of the config: schema defaults < conf/ presets < params.yaml < command line (Hydra's grammar), and the
+entry point every stage and command shares (`cli`): one line and exit status 2 for bad input, never a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from draftdata.config.schema import CONF_DIR, Config, validate
+from draftdata.errors import ConfigError, UserError
+
+
+def _read_params(path: Path) -> dict:
+    import yaml
+
+    if not path.exists():
+        return {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError(where, f"invalid YAML: {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), "must be a mapping at the top level")
+    return data
+
+
+def _check_sections(params: dict, source: str) -> None:
+    """Sections the schema reads as mappings, checked before composition: OmegaConf's merge error for a list or a
+    string in their place names no key."""
+
+    def mapping(key: str, value: Any) -> None:
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(key, f"must be a mapping of keys, got a {type(value).__name__} [from {source}]")
+
+    for name in Config.__dataclass_fields__:
+        if name != "dataset":
+            mapping(name, params.get(name))
+    for name, ds in (params.get("datasets") or {}).items():
+        mapping(f"datasets.{name}", ds)
+        for section in ("source", "sampling"):
+            mapping(f"datasets.{name}.{section}", (ds or {}).get(section))
+
+
+def _omegaconf_error(e: BaseException, source: str) -> ConfigError:
+    """Turn Hydra/OmegaConf's multi-line, chained messages into one line that starts with the full key.
+
+    Hydra wraps the OmegaConf error that knows the key (`full_key`) in a composition error that does not."""
+    cause: BaseException | None = e
+    while cause is not None and not getattr(cause, "full_key", None):
+        cause = cause.__cause__ or cause.__context__
+    err = cause or e
+    key = getattr(err, "full_key", None) or source
+    msg = str(getattr(err, "msg", None) or err).strip().splitlines()[0]
+    if msg.startswith("Key '") and " not in " in msg:  # a typo'd key: say so plainly
+        msg = f"unknown key ({msg})"
+    return ConfigError(key, f"{msg} [from {source}]")
+
+
+def _backend_presets() -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / "backend").glob("*.yaml"))
+
+
+def _known_backend(key: str, kind: Any, source: str) -> str:
+    if kind not in _backend_presets():
+        raise ConfigError(key, f"unknown backend {kind!r}; known: {', '.join(_backend_presets())} [from {source}]")
+    return kind
+
+
+def _command_line_backend(overrides: list[str]) -> tuple[str | None, list[str]]:
+    """The backend kind the command line names, by `backend=K` or `backend.kind=K` (one meaning), and the other
+    overrides. Both forms are taken out: the caller selects the preset and sets the kind itself."""
+    named: dict[str, str] = {}  # the override as written -> its kind
+    rest = []
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if sep and key.lstrip("+") in ("backend", "backend.kind"):
+            named[override] = _known_backend(key.lstrip("+"), value, "command line")
+        else:
+            rest.append(override)
+    if len(set(named.values())) > 1:
+        raise ConfigError("backend", f"the command line names two backends ({' and '.join(named)}); give one")
+    return next(iter(named.values()), None), rest
+
+
+def _select_backend(params: dict, overrides: list[str], params_path: Path) -> list[str]:
+    """Overrides that select the conf/backend/ preset of the run's backend kind, so its defaults apply.
+
+    The kind comes from the command line (`backend=K` or `backend.kind=K`), else from params.yaml's
+    `backend.kind`. params.yaml's other `backend` keys merge on top of the preset either way, also when they were
+    written for another kind: a run with `backend=sglang` keeps params.yaml's urls, and a key that does not fit
+    the chosen kind (e.g. no urls for a server) is reported by BackendConfig.check. params.yaml's own `kind` is
+    replaced by the command line's, since it is merged after the preset and would otherwise silently win."""
+    kind, overrides = _command_line_backend(overrides)
+    backend = params.get("backend")
+    if kind is not None:
+        if isinstance(backend, dict):
+            params["backend"] = dict(backend, kind=kind)
+    elif isinstance(backend, dict) and backend.get("kind") is not None:
+        kind = _known_backend("backend.kind", backend["kind"], str(params_path))
+    else:
+        return overrides  # conf/config.yaml's default preset
+    return [f"backend={kind}", *overrides]
+
+
+def load_config(
+    dataset: str | None,
+    overrides: list[str] | None = None,
+    params_path: Path | None = None,
+    need_dataset: bool = True,
+) -> Config:
+    """Compose conf/ + params.yaml + overrides into a validated `Config` object."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    params_path = params_path or Path(os.environ.get("DRAFTDATA_PARAMS", "params.yaml"))
+    params = _read_params(params_path)
+    _check_sections(params, str(params_path))
+    overrides = _select_backend(params, list(overrides or []), params_path)
+    cs = ConfigStore.instance()
+    cs.store(name="draftdata_schema", node=Config)
+    cs.store(name="draftdata_params", node=params)
+    if dataset is not None:
+        overrides.append(f"dataset={dataset}")
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            composed = compose("config", overrides=overrides)
+        cfg: Config = OmegaConf.to_object(composed)
+    except (OmegaConfBaseException, HydraException) as e:
+        source = "command line" if isinstance(e, HydraException) and "override" in str(e) else str(params_path)
+        raise _omegaconf_error(e, source) from None
+    validate(cfg, need_dataset=need_dataset)
+    return cfg
+
+
+def _print_help(overrides: list[str], need_dataset: bool, prog: str | None) -> None:
+    """`--help`: how to call the stage, then the config it would run with (params.yaml and the overrides given,
+    composed over conf/ and the schema's defaults) as YAML. Nothing runs and nothing is written."""
+    from omegaconf import OmegaConf
+
+    if prog is None:
+        spec = getattr(sys.modules["__main__"], "__spec__", None)
+        prog = f"python -m {spec.name if spec is not None else f'stages.{Path(sys.argv[0]).stem}'}"
+    print(f"usage: {prog}{' dataset=<D>' if need_dataset else ''} [key=value ...]")
+    print(
+        "Overrides in Hydra's grammar; last wins: schema defaults < conf/ preset < params.yaml < command line.\n"
+        "Every key is explained in docs/configuration.md. The config with these overrides:\n"
+    )
+    try:  # the keys, not one dataset's run: a dataset= override is left out and no source file is looked for
+        cfg: Any = load_config(None, [o for o in overrides if not o.startswith("dataset=")], need_dataset=False)
+    except UserError as e:
+        print(f"note: {e}; showing the schema's defaults", file=sys.stderr)
+        cfg = Config()
+    print(OmegaConf.to_yaml(OmegaConf.structured(cfg)), end="")
+
+
+def cli(
+    main: Callable[[Config], Any], need_dataset: bool = True, argv: list[str] | None = None, prog: str | None = None
+) -> None:
+    """Entry point of every stage (`python -m stages.<name> dataset=<D> [hydra overrides]`) and of the commands that
+    take the config (`draftdata plan|export ...`); `--help` (`-h`) shows the config and its defaults instead of
+    running."""
+    args = sys.argv[1:] if argv is None else argv
+    if "--help" in args or "-h" in args:
+        _print_help([a for a in args if a not in ("--help", "-h")], need_dataset, prog)
+        return
+    try:
+        main(load_config(dataset=None, overrides=args, need_dataset=need_dataset))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted: what was finished is kept; run again to go on", file=sys.stderr)
+        sys.exit(130)
+    except Exception as e:  # out of disk anywhere (a shard, the store's SQLite): one line, not a traceback
+        from draftdata.util.files import DiskFull, disk_full
+
+        if not disk_full(e):
+            raise
+        if isinstance(e, DiskFull):  # already names the file
+            print(f"error: {e}", file=sys.stderr)
+        else:
+            where = getattr(e, "filename", None) or ("the store (run.store_path)" if "database" in str(e) else None)
+            print(
+                f"error: No space left on device{f' writing {where}' if where else ''} ({str(e).splitlines()[0]});"
+                " what was produced before is kept: free space (or move run.store_path / data) and run again",
+                file=sys.stderr,
+            )
+        sys.exit(2)

@@ -1,0 +1,391 @@
+"""Typed configuration: the schema lives here (Hydra structured configs), the values in params.yaml.
+
+Composition order, last wins: schema defaults < conf/ presets (conf/config.yaml's defaults list) < params.yaml
+< command-line overrides (Hydra grammar). params.yaml is the single file DVC tracks; DVC's own Hydra composition
+stays off, so a user's edit of params.yaml is never overwritten (see docs/configuration.md).
+
+Every bad value ends in one `ConfigError` line that names the key, raised before any work starts.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from draftdata.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+CONF_DIR = ROOT / "conf"
+
+
+# The values this schema checks are owned here, so config sits below the modules that use them (sources, hidden).
+# The dataset shapes draftdata.sources.shapes adapts (it registers an adapter under each of these names, no other).
+SHAPES = ("opencodeinstruct", "magicoder_oss", "magicoder_evol", "messages", "conversations", "swe_agent", "glaive")
+SUFFIXES = (".jsonl", ".json", ".parquet")  # local source files, each optionally .gz
+DTYPES = ("bfloat16", "float16", "float32", "fp8")  # of stored hidden states
+
+
+def file_kind(path: Path) -> str | None:
+    """'.jsonl', '.json' or '.parquet' (a trailing .gz allowed), None when unsupported."""
+    name = path.name[:-3] if path.name.endswith(".gz") else path.name
+    return next((s for s in SUFFIXES if name.endswith(s)), None)
+
+
+class OnBadRecord(str, Enum):
+    fail = "fail"
+    skip = "skip"
+
+
+class BudgetUnit(str, Enum):
+    completion = "completion"
+    total = "total"
+
+
+class OnBudget(str, Enum):
+    cancel = "cancel"
+    keep_partial = "keep_partial"
+
+
+class OnTruncation(str, Enum):
+    keep = "keep"
+    drop = "drop"
+
+
+class OnTooLong(str, Enum):
+    drop = "drop"
+    truncate = "truncate"
+
+
+class TrainOn(str, Enum):
+    last_turn = "last_turn"  # only the regenerated final turn (earlier assistant turns are not the target's words)
+
+
+class BackendKind(str, Enum):
+    embedded = "embedded"
+    sglang = "sglang"
+    openai = "openai"
+
+
+@dataclass
+class SourceConfig:
+    shape: str = "???"
+    # Exactly one of `path` (local .jsonl/.json/.parquet, optionally .gz) or `hf_name` (HF `datasets`).
+    path: Optional[str] = None
+    hf_name: Optional[str] = None
+    hf_config: Optional[str] = None
+    split: str = "train"
+    revision: Optional[str] = None
+    data_files: Optional[List[str]] = None
+    keep_system: bool = True
+    user_template: Optional[str] = None
+
+    def check(self, key: str) -> None:
+        if self.shape not in SHAPES:
+            raise ConfigError(f"{key}.shape", f"unknown source shape {self.shape!r}; known: {', '.join(SHAPES)}")
+        if (self.path is None) == (self.hf_name is None):
+            raise ConfigError(key, "set exactly one of `path` (local file) or `hf_name` (HF datasets)")
+        if self.path is not None:
+            if not Path(self.path).exists():
+                raise ConfigError(f"{key}.path", f"file not found: {self.path}")
+            if file_kind(Path(self.path)) is None:
+                raise ConfigError(f"{key}.path", f"unsupported file type; use {', '.join(SUFFIXES)} (.gz ok)")
+        if self.user_template is not None and "{content}" not in self.user_template:
+            raise ConfigError(f"{key}.user_template", "must contain '{content}'")
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int = -1
+
+    def check(self, key: str) -> None:
+        if self.temperature < 0:
+            raise ConfigError(f"{key}.temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"{key}.top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:  # -1 (and 0, as vLLM and SGLang read it) keep every token
+            raise ConfigError(f"{key}.top_k", f"must be -1 (off) or a number of tokens >= 1, got {self.top_k}")
+
+    def as_dict(self) -> dict:
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+
+
+@dataclass
+class DatasetConfig:
+    source: SourceConfig = field(default_factory=SourceConfig)
+    # prompts
+    max_prompts: Optional[int] = None
+    max_prompt_tokens: Optional[int] = None
+    shuffle_seed: int = 0
+    on_bad_record: OnBadRecord = OnBadRecord.fail
+    # generate
+    token_budget: int = "???"  # type: ignore[assignment]  # mandatory
+    budget_unit: BudgetUnit = BudgetUnit.completion
+    max_tokens: int = 2048
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    on_budget: OnBudget = OnBudget.cancel
+    on_truncation: OnTruncation = OnTruncation.keep
+    # run-time knob: read, but not declared as a DVC param (changing it reruns nothing)
+    concurrency: int = 64
+
+    def check(self, key: str) -> None:
+        self.source.check(f"{key}.source")
+        self.sampling.check(f"{key}.sampling")
+        _positive(f"{key}.token_budget", self.token_budget)
+        _positive(f"{key}.max_tokens", self.max_tokens)
+        _positive(f"{key}.concurrency", self.concurrency)
+        if self.max_prompts is not None:
+            _positive(f"{key}.max_prompts", self.max_prompts)
+        if self.max_prompt_tokens is not None:
+            _positive(f"{key}.max_prompt_tokens", self.max_prompt_tokens)
+
+
+@dataclass
+class ModelConfig:
+    path: str = "models/tiny-llama"  # HF id or local directory
+    revision: Optional[str] = None
+    # A Jinja file that replaces the tokenizer's own chat template; None keeps the tokenizer's.
+    chat_template: Optional[str] = None
+    # Passed to apply_chat_template (e.g. enable_thinking); identical in generate and tokenize.
+    template_kwargs: Dict[str, Any] = field(default_factory=dict)
+    # Run the Python code a model repository ships (its own config, tokenizer or model classes). Off: code from a
+    # checkpoint runs only when asked for, as transformers itself decides.
+    trust_remote_code: bool = False
+
+
+@dataclass
+class TinyModelConfig:
+    path: str = "models/tiny-llama"
+    corpus_dir: str = "demo"
+    seed: int = 0
+    vocab_size: int = 2048
+    hidden_size: int = 64
+    num_layers: int = 8
+    num_heads: int = 4
+    max_position_embeddings: int = 4096
+    mean_response_tokens: int = 96
+
+
+@dataclass
+class TokenizeConfig:
+    max_seq_len: int = 4096
+    on_too_long: OnTooLong = OnTooLong.drop
+    train_on: TrainOn = TrainOn.last_turn
+    # the stage fails, naming the top reason, when more than this share of responses is skipped: a template or
+    # settings problem should stop the chain, not quietly shrink the training data
+    max_skip_pct: float = 5.0
+
+    def check(self, key: str) -> None:
+        _positive(f"{key}.max_seq_len", self.max_seq_len)
+        if not isinstance(self.max_skip_pct, (int, float)) or not 0 <= self.max_skip_pct <= 100:
+            raise ConfigError(f"{key}.max_skip_pct", f"must be a percentage in [0, 100], got {self.max_skip_pct!r}")
+
+
+@dataclass
+class HiddenStatesConfig:
+    # The layers whose outputs are kept, as physical 0-based ids (the output of decoder layer L; HF hidden_states[L+1];
+    # SGLang/SpecForge id L; vLLM/speculators id L+1). None: a draft config's, else EAGLE-3's [1, N//2 - 1, N - 4].
+    layers: Optional[List[int]] = None
+    draft_config: Optional[str] = None  # a draft model's config.json with eagle_aux_hidden_state_layer_ids
+    draft_numbering: str = "auto"  # its ids: sglang (SGLang, SpecForge) | vllm (vLLM, speculators) | auto
+    dtype: str = "bfloat16"  # bfloat16 | float16 | float32 | fp8 (e4m3, a scale per token and layer)
+    # run-time: how the states are computed, not what they are (changing these reruns nothing)
+    backend: str = "hf"  # hf (transformers in-process; torchrun for data parallel) | vllm (tensor/data parallel)
+    batch_tokens: int = 4096  # padded tokens per forward
+    window_samples: int = 2048  # samples read, sorted by length and batched at a time (bounds the memory)
+    shard_max_tokens: int = 65536  # tokens per shard file
+    device_map: Optional[str] = None  # hf: e.g. "auto" spreads a target bigger than one GPU over all of them
+    tensor_parallel_size: int = 1  # vllm
+    data_parallel_size: int = 1  # vllm
+    vllm_python: Optional[str] = None  # vllm: the Python that has vLLM (its own venv); None = this one
+    vllm_kwargs: Dict[str, Any] = field(default_factory=dict)  # vllm: extra vllm.LLM options (dtype, memory, ...)
+
+    def check(self, key: str) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"{key}.dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.backend not in ("hf", "vllm"):
+            raise ConfigError(f"{key}.backend", f"must be hf or vllm, got {self.backend!r}")
+        if self.draft_numbering not in ("auto", "sglang", "vllm"):
+            raise ConfigError(f"{key}.draft_numbering", f"must be auto, sglang or vllm, got {self.draft_numbering!r}")
+        if self.layers is not None and self.draft_config is not None:
+            raise ConfigError(f"{key}.layers", "set either layers or draft_config, not both")
+        for name in (
+            "batch_tokens",
+            "window_samples",
+            "shard_max_tokens",
+            "tensor_parallel_size",
+            "data_parallel_size",
+        ):
+            _positive(f"{key}.{name}", getattr(self, name))
+
+
+@dataclass
+class ExportConfig:
+    """`draftdata export`: the hidden states in a trainer's own layout (not a DVC stage: run it where you
+    train)."""
+
+    format: str = "specforge"  # specforge | speculators
+    dir: Optional[str] = None  # None: data/<dataset>/export-<format>
+
+    def check(self, key: str) -> None:
+        if self.format not in ("specforge", "speculators"):
+            raise ConfigError(f"{key}.format", f"must be specforge or speculators, got {self.format!r}")
+
+
+@dataclass
+class BackendConfig:
+    """Run-time: where generation runs. Not a DVC param: the same model gives the same data from any server."""
+
+    kind: BackendKind = BackendKind.embedded
+    urls: List[str] = field(default_factory=list)
+    api_key_env: Optional[str] = None  # the NAME of the variable holding the key; the key itself is never stored
+    request_timeout_s: float = 600.0
+    # embedded only: the most tokens one step of transformers' continuous batching computes (prefill and decodes)
+    max_batch_tokens: int = 2048
+    # embedded only: KV-cache blocks of 32 tokens, shared by the requests in flight (256: 8,192 tokens)
+    num_blocks: int = 256
+    # sglang and openai: what start() expects the server to serve; None = the basename of model.path
+    served_model_name: Optional[str] = None
+    # Retries of one request on 408/409/429/5xx, connection errors and timeouts; the delay before retry n is
+    # uniform(0, min(backoff_max_s, backoff_base_s * 2**n)) ("full jitter"), or the server's Retry-After if longer.
+    max_retries: int = 5
+    backoff_base_s: float = 0.5
+    backoff_max_s: float = 30.0
+    connect_timeout_s: float = 10.0
+    startup_timeout_s: float = 900.0  # how long start() waits for a server still loading (/health answers 503)
+    probe_interval_s: float = 5.0  # how often a server marked dead is probed before it is put back
+    # openai only. prompt_format: `ids` = /v1/completions with the token-id prompt (vLLM, SGLang; token-exact),
+    # `text` = /v1/completions with the prompt decoded to text (servers that take strings only, e.g.
+    # `transformers serve`; the server re-tokenizes), `chat` = /v1/chat/completions with the messages.
+    prompt_format: str = "ids"
+    return_token_ids: bool = False  # vLLM >= 0.10.2 returns the prompt and output token ids when asked
+    extra_body: Dict[str, Any] = field(default_factory=dict)  # merged into every request body (server knobs)
+    # Stream responses: the budget controller then sees each request's progress and the server's throughput
+    # (on_budget: keep_partial streams whatever this says).
+    stream: bool = True
+
+    def check(self, key: str) -> None:
+        if self.kind == BackendKind.embedded:
+            return
+        if not self.urls:
+            raise ConfigError(f"{key}.urls", f"backend.kind={self.kind.value} needs at least one server URL")
+        for i, url in enumerate(self.urls):
+            problem = _url_problem(url)
+            if problem:
+                raise ConfigError(f"{key}.urls[{i}]", f"{problem}, got {url!r}")
+        self._check_api_key_env(f"{key}.api_key_env")
+        if self.prompt_format not in ("ids", "text", "chat"):
+            raise ConfigError(f"{key}.prompt_format", f"must be ids, text or chat, got {self.prompt_format!r}")
+        if not isinstance(self.max_retries, int) or self.max_retries < 0:
+            raise ConfigError(f"{key}.max_retries", f"must be an integer >= 0, got {self.max_retries!r}")
+        for name in (
+            "request_timeout_s",
+            "backoff_base_s",
+            "backoff_max_s",
+            "connect_timeout_s",
+            "startup_timeout_s",
+            "probe_interval_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{key}.{name}", f"must be > 0, got {getattr(self, name)!r}")
+
+    def _check_api_key_env(self, key: str) -> None:
+        """The key is read from the environment variable this names (unset: no key is sent, as a local server
+        wants) and never written anywhere: a value that is not a variable's name (a pasted key, most likely) is
+        refused without being echoed."""
+        name = self.api_key_env
+        if name is None:
+            return
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(name)):
+            raise ConfigError(
+                key,
+                "must be the NAME of an environment variable holding the API key (e.g. "
+                "OPENAI_API_KEY), not the key itself; remove the key from params.yaml",
+            )
+
+
+def _url_problem(url: str) -> str | None:
+    """What is wrong with a server URL, or None: http(s), a host, a numeric port, no spaces."""
+    from urllib.parse import urlsplit
+
+    if not isinstance(url, str) or any(c.isspace() for c in url):
+        return "must be an http:// or https:// URL without spaces"
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        return "must start with http:// or https://"
+    if not parts.hostname:
+        return "has no host"
+    try:
+        _ = parts.port  # urlsplit checks the port only when it is read
+    except ValueError:
+        return "has a port that is not a number in 1-65535"
+    if parts.query or parts.fragment:
+        return "must be the server's base URL (no ?query or #fragment)"
+    return None
+
+
+@dataclass
+class RunConfig:
+    """Run-time knobs that do not change the data."""
+
+    store_path: str = ".draftdata/store.sqlite"
+    log_every_s: float = 10.0
+    progress: bool = True
+    # Stop the run when this many requests in a row failed with one cause (0: never): a bad request, a wrong
+    # server or a broken answer would otherwise be sent for every prompt.
+    fail_fast_after: int = 16
+
+    def check(self, key: str) -> None:
+        if not isinstance(self.fail_fast_after, int) or self.fail_fast_after < 0:
+            raise ConfigError(f"{key}.fail_fast_after", f"must be an integer >= 0, got {self.fail_fast_after!r}")
+
+
+@dataclass
+class Config:
+    dataset: Optional[str] = None  # which `datasets` entry a stage runs on
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tiny_model: TinyModelConfig = field(default_factory=TinyModelConfig)
+    datasets: Dict[str, DatasetConfig] = field(default_factory=dict)
+    tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
+    hidden_states: HiddenStatesConfig = field(default_factory=HiddenStatesConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @property
+    def ds(self) -> DatasetConfig:
+        return self.datasets[self.dataset]
+
+
+def _positive(key: str, value: int) -> None:
+    if not isinstance(value, int) or value <= 0:
+        raise ConfigError(key, f"must be a positive integer, got {value!r}")
+
+
+def validate(cfg: Config, need_dataset: bool) -> None:
+    if need_dataset:
+        if cfg.dataset is None:
+            raise ConfigError("dataset", f"not set; pass dataset=<name> (one of: {', '.join(cfg.datasets)})")
+        if cfg.dataset not in cfg.datasets:
+            raise ConfigError("dataset", f"unknown dataset {cfg.dataset!r}; known: {', '.join(cfg.datasets)}")
+    if cfg.dataset is not None and cfg.dataset not in cfg.datasets:
+        raise ConfigError("dataset", f"unknown dataset {cfg.dataset!r}; known: {', '.join(cfg.datasets)}")
+    # Types, enums and unknown keys of every dataset were checked by the schema during composition; the
+    # value checks (which also look for the source file) apply to the dataset this stage runs on.
+    if cfg.dataset is not None:
+        cfg.ds.check(f"datasets.{cfg.dataset}")
+    cfg.tokenize.check("tokenize")
+    cfg.hidden_states.check("hidden_states")
+    cfg.export.check("export")
+    cfg.backend.check("backend")
+    cfg.run.check("run")
+
+
+def check_all(cfg: Config) -> None:
+    """The values of every dataset (the schema, types, enums and unknown keys were checked on loading)."""
+    for name, ds in cfg.datasets.items():
+        ds.check(f"datasets.{name}")

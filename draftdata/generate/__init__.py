@@ -1,0 +1,1 @@
+"""Step 2, generate: store keys, the response store, the budget controller, the dispatcher and the backends."""

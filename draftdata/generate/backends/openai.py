@@ -1,0 +1,187 @@
+"""The `openai` backend: any OpenAI-compatible server (vLLM, SGLang's OpenAI API, `transformers serve`, hosted).
+
+`backend.prompt_format` picks the endpoint:
+- `ids`: `/v1/completions` with the token-id prompt (a list of ints; vLLM and SGLang take it), so the server sees
+  exactly the training prompt tokens;
+- `text`: `/v1/completions` with the prompt decoded to text, for servers whose completions take strings only
+  (`transformers serve`); the server re-tokenizes, and a prompt-token count that differs from ours is reported in
+  `GenResult.extra["prompt_tokens_drift"]`;
+- `chat`: `/v1/chat/completions` with the messages and tools; the server applies its own chat template.
+A request without prompt ids always goes to chat.
+
+`backend.return_token_ids: true` asks vLLM (>= 0.10.2) for `prompt_token_ids` and per-choice `token_ids` (whole
+lists in a plain answer, the new ids in each stream chunk). Servers that validate fields strictly reject it
+(`transformers serve`: 422), and without it only text comes back. Token counts are `usage.completion_tokens`; a stream
+asks for them with `stream_options.include_usage`. Stopping a request closes its connection, which vLLM treats as
+an abort (`transformers serve` too, for streamed requests only). A server running a reasoning parser moves the
+thinking out of `content` into `reasoning_content`, which is not kept here: run it without one, or ask for token ids.
+"""
+
+from __future__ import annotations
+
+from draftdata.generate.backends import GenRequest, GenResult, Partial, takes_token_ids
+from draftdata.generate.backends.http import (
+    Body,
+    EventStream,
+    Failure,
+    HttpBackend,
+    Server,
+    engine_error,
+    model_matches,
+    response_shape,
+    stream_cut,
+)
+
+
+def finish_reason(value: str | None) -> str:
+    """OpenAI's stop/length/tool_calls/content_filter, plus vLLM's abort, as stop | length | abort."""
+    if value in ("length", "abort"):
+        return value
+    return "stop"  # stop, tool_calls, function_call, content_filter: the model ended its turn
+
+
+class OpenAIBackend(HttpBackend):
+    name = "openai"
+    health_path = "/v1/models"
+
+    def __init__(self, cfg, tokenizer):
+        super().__init__(cfg, tokenizer)
+        self.model_ids: dict[str, str] = {}  # server url -> the `model` to send, as that server lists it
+        self.takes_token_ids = takes_token_ids(cfg)
+
+    async def _served_models(self, url: str) -> list[str]:
+        status, doc = await self._get_json(url + "/v1/models")
+        if status != 200:
+            raise Failure(f"http_{status}", f"/v1/models answered {status}")
+        with response_shape("/v1/models"):
+            entries = [(str(e["id"]), str(e.get("root") or "")) for e in doc["data"]]  # vLLM's root: the path
+        for model_id, root in entries:
+            if model_matches(self.expected_model, model_id) or (root and model_matches(self.expected_model, root)):
+                self.model_ids[url] = model_id
+                break
+        return [name for entry in entries for name in entry if name]
+
+    def _request(self, server: Server, req: GenRequest) -> tuple[str, dict]:
+        s = req.sampling
+        done = req.partial.completion_tokens  # > 0 only for a continuation, which needs the `ids` format
+        # a server that was down at start-up and is tried in panic mode has not told its name: use another's
+        model = self.model_ids.get(server.url) or next(iter(self.model_ids.values()))
+        body: dict = {
+            "model": model,
+            "max_tokens": req.max_tokens - done,
+            "temperature": s["temperature"],
+            "top_p": s["top_p"],
+        }
+        if s["top_k"] > 0:  # not an OpenAI field: strict servers reject it, and -1 means "off" anyway
+            body["top_k"] = s["top_k"]
+        seed = req.attempt_seed(done)
+        if seed is not None:  # OpenAI's own field: vLLM seeds the request's sampler with it
+            body["seed"] = seed
+        fmt = self.bcfg.prompt_format if req.prompt_ids is not None else "chat"
+        if fmt == "chat":
+            path = "/v1/chat/completions"
+            body["messages"] = req.messages
+            if req.tools:
+                body["tools"] = req.tools
+            if self.cfg.model.template_kwargs:
+                body["chat_template_kwargs"] = dict(self.cfg.model.template_kwargs)
+        else:
+            path = "/v1/completions"
+            body["prompt"] = self._input_ids(req) if fmt == "ids" else self.tokenizer.decode(req.prompt_ids)
+        if self.bcfg.return_token_ids:
+            body["return_token_ids"] = True
+        if req.stream:
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
+        body.update(self.bcfg.extra_body)
+        return path, body
+
+    async def _attempt(self, server: Server, req: GenRequest, rid: str) -> GenResult:
+        path, body = self._request(server, req)
+        chat = path == "/v1/chat/completions"
+        base = req.partial.completion_tokens
+        async with self.post(server, path, body) as resp:
+            # no abort endpoint (closing the connection is the abort): a stop's grace gets only what is on its way
+            if req.stream:
+                return await self._follow(server, req, EventStream(resp), chat, base)
+            return await self._plain(req, Body(resp), path, chat, base)
+
+    async def _plain(self, req: GenRequest, answer: Body, path: str, chat: bool, base: int) -> GenResult:
+        doc = await answer.json()
+        if isinstance(doc, dict) and "error" in doc:
+            raise engine_error(doc)
+        with response_shape(f"{path} answer"):
+            choice = doc["choices"][0]
+            ids = _output_ids(choice)
+            self._take_answer(req, ids, (choice["message"].get("content") or "") if chat else choice["text"])
+            res = self._complete(
+                req,
+                base,
+                int(doc["usage"]["completion_tokens"]),
+                finish_reason(choice.get("finish_reason")),
+                int(doc["usage"]["prompt_tokens"]) - base,
+                has_ids=ids is not None,
+                prompt_ids=choice.get("prompt_token_ids") or doc.get("prompt_token_ids"),
+            )
+        return self._with_drift(req, res)
+
+    async def _follow(self, server: Server, req: GenRequest, stream: EventStream, chat: bool, base: int) -> GenResult:
+        """Read the stream into `req.partial` (after the `base` tokens it held when the attempt began)."""
+        partial = req.partial
+        usage: dict | None = None
+        finish: str | None = None
+        prompt_ids: list | None = None
+        pieces = 0  # text pieces counted so far
+        with response_shape("stream chunk"):  # one guard for the whole stream, not one per chunk
+            async for event in stream.events():
+                if "error" in event:
+                    raise engine_error(event)
+                usage = event.get("usage") or usage
+                prompt_ids = event.get("prompt_token_ids") or prompt_ids
+                for choice in event.get("choices") or []:
+                    piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+                    if piece:
+                        partial.text += piece
+                        pieces += 1
+                    elif choice.get("finish_reason") == "stop":  # the end-of-turn step: a token with no text
+                        pieces += 1
+                    partial.output_ids.extend(int(t) for t in _output_ids(choice) or [])
+                    prompt_ids = choice.get("prompt_token_ids") or prompt_ids
+                    finish = choice.get("finish_reason") or finish
+                _count(partial, base, pieces)
+        if finish is None:
+            raise stream_cut(server.url)
+        with response_shape("stream usage"):
+            new = int(usage["completion_tokens"]) if usage else partial.completion_tokens - base
+            res = self._complete(
+                req,
+                base,
+                new,
+                finish_reason(finish),
+                int(usage["prompt_tokens"]) - base if usage else None,
+                has_ids=len(partial.output_ids) > base,
+                prompt_ids=prompt_ids,
+            )
+        if usage is None:
+            res.extra["completion_tokens_estimated"] = True
+        return self._with_drift(req, res)
+
+    def _with_drift(self, req: GenRequest, res: GenResult) -> GenResult:
+        """With a text prompt the server re-tokenizes: say so when its count differs from the exact prompt's."""
+        if self.bcfg.prompt_format == "text" and req.prompt_ids is not None and res.prompt_tokens:
+            drift = res.prompt_tokens - len(req.prompt_ids)
+            if drift:
+                res.extra["prompt_tokens_drift"] = drift
+        return res
+
+
+def _output_ids(choice: dict) -> list | None:
+    """vLLM names them `token_ids`; SGLang's OpenAI API, asked the same, `response_token_ids`."""
+    ids = choice.get("token_ids")
+    return ids if ids is not None else choice.get("response_token_ids")
+
+
+def _count(partial: Partial, base: int, pieces: int) -> None:
+    """Exact when the server streams token ids; otherwise one text piece per decode step, which is what vLLM and
+    `transformers serve` send (a guide for the budget while streaming; the final count is usage's)."""
+    partial.completion_tokens = len(partial.output_ids) if len(partial.output_ids) > base else base + pieces

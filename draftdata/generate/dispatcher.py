@@ -1,0 +1,237 @@
+"""The dispatcher of a generation run: it sends what the budget still needs through a backend, commits each
+response to the response store (store.py) as it arrives, and stops once the budget is met.
+
+The dispatcher only admits, waits and stops. The decisions are its parts': admission and the budget's end are the
+budget controller's (budget.py), what is committed, parked or lost the ledger's (ledger.py), the throughput
+readings the meter's (meter.py), and whether the run is failing the fail-fast window's (failfast.py).
+
+Nothing wrong is kept and nothing generated is lost (the rules are the ledger's):
+- only `stop` and `length` answers (and, under `on_budget: keep_partial`, partials cut at the budget) are responses;
+  a server's abort, an error or an empty answer is a failure, retried (the backend goes on from the tokens it had);
+- a request stopped before it finished (by the budget, Ctrl-C, a failure) is PARKED in the store with its token
+  ids, and the next run that needs it continues it (prompt ids + partial ids, the remaining max_tokens);
+- a request that finishes while its stop is under way is committed like any other.
+
+Requests are stopped by a signal (`GenRequest.stop`), never by cancelling them: the backend aborts on the server
+and returns what it has. Only a request whose backend has not returned STOP_WAIT_S after the signal is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from draftdata.config.schema import BudgetUnit, Config
+from draftdata.errors import UserError
+from draftdata.generate.backends import Backend, GenRequest, GenResult, seed_of, stopped_result
+from draftdata.generate.budget import BudgetController
+from draftdata.generate.failfast import FailFastWindow
+from draftdata.generate.ledger import Flight, Ledger, RunStats
+from draftdata.generate.meter import ThroughputMeter
+from draftdata.generate.selection import Planned
+from draftdata.generate.store import CUT, INTERRUPTED, ResponseStore, StoredResponse
+
+__all__ = ["Dispatcher", "Flight", "Interrupted", "RunFailed", "RunStats"]
+
+TICK_S = 0.05  # how often the loop looks at streamed progress between completions
+# How long stopped requests have to return. A backend that honours the stop takes at most its aborts' timeouts (5 s
+# each: a timed-out attempt's, then the stop's) and its grace (1 s); one that has not returned by then is cancelled.
+STOP_WAIT_S = 15.0
+
+
+class Interrupted(Exception):
+    """SIGINT/SIGTERM: admission stopped, in-flight requests aborted and parked, everything committed kept."""
+
+
+class RunFailed(UserError):
+    """The recent requests all failed with one cause: sending more would only repeat it."""
+
+
+class Dispatcher:
+    """Admits requests while the controller allows, commits each response as it arrives, stops at the budget."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        ctrl: BudgetController,
+        store: ResponseStore,
+        cfg: Config,
+        tok,
+        stream: bool,
+        parked: dict[str, StoredResponse],
+        progress,
+    ):
+        self.backend, self.ctrl, self.store, self.cfg = backend, ctrl, store, cfg
+        self.ds = cfg.ds
+        self.stream = stream
+        self.parked = parked  # key -> a partial to continue (from the store)
+        self.progress = progress
+        self.ledger = Ledger(cfg.ds, cfg.dataset, ctrl, tok, backend.name)
+        self.stats = self.ledger.stats
+        self.meter = ThroughputMeter(time.monotonic())
+        self.failfast = FailFastWindow(cfg.run.fail_fast_after)
+        self.flights: dict[asyncio.Task, Flight] = {}
+        self.stop = asyncio.Event()
+        self.failing: str | None = None  # set when the recent requests all failed with one cause
+        # Finished tasks are pushed here by their done-callbacks and a ticker wakes the loop every TICK_S, so a
+        # wake-up costs O(finished), not O(in flight) as asyncio.wait over every task would.
+        self._finished: list[asyncio.Task] = []
+        self._wake = asyncio.Event()
+
+    def in_flight_progress(self) -> list[int]:
+        """Completion tokens of each request in flight so far."""
+        return [f.req.partial.completion_tokens for f in self.flights.values()]
+
+    def in_flight_prompts(self) -> list[int]:
+        """The prompt tokens each request in flight counts toward the budget (budget_unit total; else none)."""
+        if self.ds.budget_unit != BudgetUnit.total:
+            return []
+        return [len(f.p.prompt_ids) for f in self.flights.values()]
+
+    async def run(self, todo: list[Planned]) -> RunStats:
+        ticker = asyncio.create_task(self._tick())
+        try:
+            await self._loop(iter(todo))
+        except BaseException:  # e.g. the store cannot take a commit (disk full): stop what is in flight first
+            await self._abandon()
+            raise
+        finally:
+            ticker.cancel()
+        if self.stop.is_set():
+            await self._stop_all(INTERRUPTED)
+            if self.failing:
+                raise RunFailed(self.failing)
+            raise Interrupted()
+        return self.stats
+
+    async def _loop(self, queue) -> None:
+        progress, prompts = self.in_flight_progress(), self.in_flight_prompts()
+        while not self.stop.is_set():
+            for _ in range(self.ctrl.admit_count(progress, prompts)):
+                if (p := next(queue, None)) is None:
+                    break
+                self._admit(p)
+            if not self.flights:
+                return
+            await self._wake.wait()
+            self._wake.clear()
+            self._observe_rate()
+            finished, self._finished = self._finished, []
+            self._record([(task.result(), self.flights.pop(task)) for task in finished])
+            progress, prompts = self.in_flight_progress(), self.in_flight_prompts()
+            if self.ctrl.reached(progress, prompts):
+                await self._stop_all(CUT)
+                if self.ctrl.reached():
+                    return
+                # keep_partial: some cut partials were unusable (e.g. nothing but whitespace), so go on
+                progress, prompts = [], []
+            self.progress.update(self)
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            self._wake.set()
+
+    def interrupt(self) -> None:
+        self.stop.set()
+        self._wake.set()
+
+    def _on_done(self, task: asyncio.Task) -> None:
+        if task in self.flights:  # not one collected by _stop_flights
+            self._finished.append(task)
+            self._wake.set()
+
+    def _admit(self, p: Planned) -> None:
+        partial = self.ledger.resume(self.parked.get(p.key), self.backend.takes_token_ids)
+        req = GenRequest(
+            p.key,
+            p.prompt_ids,
+            p.prompt["messages"],
+            p.prompt.get("tools"),
+            self.ds.max_tokens,
+            self.ds.sampling.as_dict(),
+            stream=self.stream,
+            partial=partial,
+            seed=seed_of(p.key),
+        )
+        task = asyncio.create_task(self.backend.generate(req))
+        task.add_done_callback(self._on_done)
+        self.flights[task] = Flight(p, req, partial.completion_tokens, time.monotonic())
+
+    def _observe_rate(self) -> None:
+        """Feed the controller the meter's readings; only a streaming backend shows the progress they need."""
+        if not self.stream:
+            return
+        reading = self.meter.observe(time.monotonic(), len(self.flights), self._generated_so_far)
+        if reading is not None:
+            self.ctrl.observe_rate(*reading)
+
+    def _generated_so_far(self) -> int:
+        """Tokens this run generated: committed, lost, and streamed so far by the requests in flight."""
+        return self.stats.generated + sum(
+            max(0, f.req.partial.completion_tokens - f.prefix) for f in self.flights.values()
+        )
+
+    def _record(
+        self,
+        done: list[tuple[GenResult, Flight]],
+        stopped: list[tuple[GenResult, Flight]] = (),
+        reason: str = CUT,
+    ) -> None:
+        """Store what ended since the last wake-up (the rows in one transaction), then count it, tell the
+        controller and look whether the run is failing."""
+        settled = self.ledger.settle(done, stopped, reason)
+        for failure in settled.failures:
+            self.store.put_failure(*failure)
+        if settled.rows:
+            self.store.put_many([r for r, _ in settled.rows])
+        self.ledger.commit(settled.rows)
+        for res, _ in done:
+            self.failfast.record(res.error)
+        self._check_failing(done)
+
+    def _check_failing(self, done: list[tuple[GenResult, Flight]]) -> None:
+        """Stop when the window shows one cause. The message is made once, from the batch that showed it (the
+        stop's own batch may hold no failure)."""
+        if self.failing or (cause := self.failfast.cause()) is None:
+            return
+        detail = next((res.detail for res, _ in reversed(done) if res.error == cause), "")
+        self.failing = self.failfast.message(cause, detail, self.stats.new)
+        self.interrupt()
+
+    # ---- stopping ------------------------------------------------------------------------------------------- #
+
+    async def _stop_all(self, reason: str) -> None:
+        """Stop every request in flight: answers that finished meanwhile are committed, the rest are parked with
+        what they produced (`reason`: cut by the budget, or interrupted)."""
+        ended = await self._stop_flights(reason)
+        done = [(res, f) for res, f in ended if not res.stopped]
+        stopped = [(res, f) for res, f in ended if res.stopped]
+        self._record(done, stopped, reason)
+
+    async def _abandon(self) -> None:
+        """Stop every request in flight and wait for them, committing nothing: the run is failing, and requests
+        left running would outlive the backend's connections (and bury the one line that says why)."""
+        await self._stop_flights(INTERRUPTED)
+
+    async def _stop_flights(self, reason: str) -> list[tuple[GenResult, Flight]]:
+        """Signal each request in flight to stop and wait for what its backend returns. A backend that has not
+        returned after STOP_WAIT_S ignored the signal: only then is its task cancelled."""
+        flights, self.flights = self.flights, {}
+        self._finished = []  # collected below with the others
+        for f in flights.values():
+            f.req.stop(reason)
+        if flights:
+            _, late = await asyncio.wait(flights, timeout=STOP_WAIT_S)
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.wait(late)
+        return [(self._outcome(task, f), f) for task, f in flights.items()]
+
+    def _outcome(self, task: asyncio.Task, f: Flight) -> GenResult:
+        """A stopped task's result. One that was cancelled, or raised on its way out, ended with what its
+        partial holds."""
+        if not task.cancelled() and task.exception() is None:
+            return task.result()
+        return stopped_result(f.req, self.backend.name)

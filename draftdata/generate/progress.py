@@ -1,0 +1,100 @@
+"""The progress display of generation: a bar on a terminal, a log line otherwise."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+
+from draftdata.config.schema import Config
+from draftdata.generate.dispatcher import Dispatcher, RunStats
+
+
+class Progress:
+    """A tqdm bar toward the budget on a terminal, a log line every `run.log_every_s` otherwise, both in the form
+    users read elsewhere: `8,353/9,000 tok (93%) | 61 resp (0 err) 0.5 req/s | 68 tok/s | avg_comp=137tok | ETA 12s`.
+    Rates are measured over the last RATE_WINDOW_S of generation, and there is no ETA before there is a rate (the
+    first seconds, loading and the first tokens, would otherwise predict hours for a run of minutes)."""
+
+    RATE_WINDOW_S = 30.0
+    MIN_RATE_SPAN_S = 3.0
+
+    def __init__(self, cfg: Config, committed: int):
+        from tqdm import tqdm
+
+        self.cfg, self.ds = cfg, cfg.ds
+        self.t0 = time.monotonic()
+        self.last_log = self.t0
+        self.marks: deque = deque()  # (time, tokens generated, responses) of recent updates
+        self.tty = cfg.run.progress and sys.stderr.isatty()
+        self.bar = tqdm(
+            total=self.ds.token_budget,
+            initial=min(committed, self.ds.token_budget),
+            unit="tok",
+            desc=f"generate {cfg.dataset}",
+            disable=not self.tty,
+            dynamic_ncols=True,
+            bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} tok {postfix}",
+        )
+
+    def update(self, d: Dispatcher, final: bool = False) -> None:
+        now = time.monotonic()
+        s = d.stats
+        self._mark(now, s.generated, s.new)
+        if final or not s.fill or now - self.t0 - s.fill[-1][0] >= 1.0:  # the budget-fill plot's points
+            s.fill.append((round(now - self.t0, 2), d.ctrl.committed))
+        if not final and now - self.last_log < (0.2 if self.tty else self.cfg.run.log_every_s):
+            return
+        self.last_log = now
+        line = self.line(d.ctrl.committed, s, len(d.flights))
+        if self.tty:
+            if d.ctrl.committed > self.bar.total:  # the last response may cross the budget: the bar ends there
+                self.bar.total = d.ctrl.committed
+            self.bar.n = d.ctrl.committed
+            self.bar.set_postfix_str(line.split(" | ", 1)[1], refresh=True)
+        else:
+            print(f"generate {self.cfg.dataset}: {line}", flush=True)
+
+    def _mark(self, now: float, generated: int, responses: int) -> None:
+        if generated == 0:
+            return  # the rate starts with the first token, not with loading
+        self.marks.append((now, generated, responses))
+        while len(self.marks) > 2 and now - self.marks[1][0] >= self.RATE_WINDOW_S:
+            self.marks.popleft()
+
+    def rates(self) -> tuple[float, float] | None:
+        """(tokens/s, responses/s) over the window, or None until it spans MIN_RATE_SPAN_S."""
+        if len(self.marks) < 2 or self.marks[-1][0] - self.marks[0][0] < self.MIN_RATE_SPAN_S:
+            return None
+        (t0, g0, r0), (t1, g1, r1) = self.marks[0], self.marks[-1]
+        return (g1 - g0) / (t1 - t0), (r1 - r0) / (t1 - t0)
+
+    def line(self, committed: int, s: RunStats, in_flight: int) -> str:
+        budget = self.ds.token_budget
+        rates = self.rates()
+        errors = sum(s.failed.values())
+        parts = [
+            f"{committed:,}/{budget:,} tok ({100 * committed / budget:.0f}%)",
+            f"{s.new} resp ({errors} err)" + (f" {rates[1]:.1f} req/s" if rates else ""),
+        ]
+        if rates:
+            parts.append(f"{rates[0]:,.0f} tok/s")
+        if s.new:
+            parts.append(f"avg_comp={s.completed_len / s.new:,.0f}tok")
+        parts.append(f"in_flight={in_flight}")
+        if rates and rates[0] > 0 and committed < budget:
+            parts.append(f"ETA {_duration((budget - committed) / rates[0])}")
+        return " | ".join(parts)
+
+    def close(self, d: Dispatcher | None = None) -> None:
+        if d is not None:
+            self.update(d, final=True)  # the last figures, not the last throttled ones
+        self.bar.close()
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f}s"
+    if seconds < 5400:
+        return f"{seconds / 60:.1f}min"
+    return f"{seconds / 3600:.1f}h"

@@ -1,0 +1,158 @@
+"""One generation run: what the budget still needs is sent through a backend by the dispatcher; the figures of the
+run for the metrics and plots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from collections import Counter
+from pathlib import Path
+
+from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, OnBudget
+from draftdata.generate.backends import make_backend, takes_token_ids
+from draftdata.generate.budget import BudgetController
+from draftdata.generate.dispatcher import Dispatcher, Interrupted, RunStats
+from draftdata.generate.progress import Progress
+from draftdata.generate.selection import Planned, needs_request, tokens_of, unusable_reason
+from draftdata.generate.store import CUT, ResponseStore, StoredResponse
+from draftdata.util.log import log
+from draftdata.util.plots import histogram, write_csv
+
+
+async def _generate(
+    cfg: Config,
+    tok,
+    todo: list[Planned],
+    ctrl: BudgetController,
+    store: ResponseStore,
+    parked: dict[str, StoredResponse],
+) -> RunStats:
+    stream = cfg.ds.on_budget == OnBudget.keep_partial or cfg.backend.stream
+    ctrl.observes_rate = stream
+    backend = make_backend(cfg, tok)
+    await backend.start()  # health and model checks, before any prompt is sent
+    progress = Progress(cfg, ctrl.committed)
+    dispatcher = Dispatcher(backend, ctrl, store, cfg, tok, stream, parked, progress)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, dispatcher.interrupt)
+    try:
+        return await dispatcher.run(todo)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        dispatcher.stats.server = ctrl.throughput.summary() if stream else {}
+        progress.close(dispatcher)
+        await backend.close()
+        s = dispatcher.stats
+        log(
+            "generate",
+            dataset=cfg.dataset,
+            new=s.new,
+            parked=s.parked,
+            continued=s.continued,
+            cancelled=s.cancelled,
+            failed=sum(s.failed.values()),
+            lost_tokens=s.lost,
+        )
+
+
+def _run(cfg: Config, tok, plan: list[Planned], stored: dict[str, StoredResponse], store: ResponseStore) -> RunStats:
+    """Generate what the budget still needs. Parked partials are continued rather than counted: the budget counts
+    complete responses, and keep_partial's cut ones only once no more generation is wanted."""
+    ds = cfg.ds
+    complete = [r for r in stored.values() if not r.partial and unusable_reason(r, ds) is None]
+    ctrl = BudgetController(
+        ds.token_budget,
+        ds.max_tokens,
+        ds.concurrency,
+        keep_partial=ds.on_budget == OnBudget.keep_partial,
+        committed=sum(tokens_of(r.prompt_tokens, r.completion_tokens, ds.budget_unit) for r in complete),
+    )
+    for r in complete:
+        ctrl.lengths.add(r.completion_tokens)  # completion lengths only: bounded by max_tokens, whatever the unit
+    todo = [p for p in plan if needs_request(stored.get(p.key))]
+    if ds.budget_unit == BudgetUnit.total and todo:
+        ctrl.prompt_mean = sum(len(p.prompt_ids) for p in todo) / len(todo)
+    parked = {k: r for k, r in stored.items() if r.partial}
+    log(
+        "generate",
+        dataset=cfg.dataset,
+        committed=ctrl.committed,
+        budget=ds.token_budget,
+        stored=len(complete),
+        parked=sum(p.key in parked for p in todo),
+        to_send=len(todo),
+        backend=cfg.backend.kind.value,
+        continues=takes_token_ids(cfg),
+    )
+    try:
+        return asyncio.run(_generate(cfg, tok, todo, ctrl, store, parked))
+    except Interrupted:
+        log(
+            "generate",
+            dataset=cfg.dataset,
+            status="interrupted: in-flight requests aborted and parked, every committed response kept in the store",
+        )
+        sys.exit(130)
+
+
+def _metrics(
+    ds: DatasetConfig, selected, total: int, skipped: Counter, stats: RunStats, reused: int, wall: float
+) -> dict:
+    in_output = sum(stats.new_by_key.get(r.key, 0) for _, r in selected)
+    return {
+        "responses": len(selected),
+        "completion_tokens": sum(r.completion_tokens for _, r in selected),
+        "prompt_tokens": sum(r.prompt_tokens for _, r in selected),
+        "budget": ds.token_budget,
+        "budget_unit": ds.budget_unit.value,
+        "budget_tokens": total,
+        "budget_met": total >= ds.token_budget,
+        "overshoot_tokens": max(0, total - ds.token_budget),
+        "overshoot_pct": round(100.0 * max(0, total - ds.token_budget) / ds.token_budget, 4),
+        "truncated": sum(r.finish_reason == "length" for _, r in selected),
+        "cut_by_budget": sum(r.finish_reason == CUT for _, r in selected),
+        "skipped": dict(sorted(skipped.items())),
+        "failed": dict(sorted(stats.failed.items())),
+        "attempt_failures": dict(sorted(stats.attempt_failures.items())),
+        "cancelled_in_flight": stats.cancelled,
+        "reused_from_store": reused,
+        "newly_generated": stats.new + stats.parked,
+        "continued": stats.continued,
+        "new_tokens": stats.generated,
+        "kept_tokens": stats.kept,
+        "parked_tokens": stats.parked_tokens,
+        "continued_tokens": stats.continued_tokens,
+        "lost_tokens": stats.lost,
+        "lost_estimated": stats.lost_estimated,
+        "completion_tokens_estimated": stats.estimated,  # responses counted from streamed text (no usage, no ids)
+        # generated by this run but not in the output: parked, lost, or past the budget (kept in the store)
+        "wasted_tokens": stats.generated - in_output,
+        "new_in_output_tokens": in_output,  # the output's completion tokens this run generated (the rest reused)
+        "server": stats.server,
+        "wall_s": round(wall, 2),
+        "new_tok_per_s": round(stats.generated / wall, 1) if wall > 0 else 0.0,
+    }
+
+
+def write_plots(out: Path, lengths: list[int], max_tokens: int, fill: list[tuple[float, int]]) -> None:
+    write_csv(out / "completion_lengths.csv", histogram(lengths, max_tokens), ["length", "responses"])
+    write_csv(out / "budget_fill.csv", [{"seconds": t, "tokens": n} for t, n in fill], ["seconds", "tokens"])
+
+
+def _output_record(p: Planned, r: StoredResponse) -> dict:
+    rec = {"id": p.prompt["id"], "key": r.key, "messages": p.prompt["messages"]}
+    if p.prompt.get("tools"):
+        rec["tools"] = p.prompt["tools"]
+    rec.update(
+        prompt_ids=r.prompt_ids,
+        output_ids=r.output_ids,
+        text=r.text,
+        prompt_tokens=r.prompt_tokens,
+        completion_tokens=r.completion_tokens,
+        finish_reason=r.finish_reason,
+    )
+    return rec

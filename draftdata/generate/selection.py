@@ -1,0 +1,105 @@
+"""What to send and what to keep: the store key of a prompt, which stored responses are usable, and the output
+selected in prompt order up to the budget.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, OnBudget, OnTruncation
+from draftdata.errors import ConfigError, UserError
+from draftdata.generate.store import CUT, StoredResponse
+from draftdata.target.fingerprint import model_fingerprint
+from draftdata.target.tokenizer import render_prompt_ids
+from draftdata.util.hashing import content_hash
+from draftdata.util.sqlite import hash_cache_path
+
+
+@dataclass
+class Planned:
+    prompt: dict
+    key: str
+    prompt_ids: list[int]  # rendered with the chat template: exactly what the target is sent
+
+
+def request_key(model_fp: str, prompt_ids: list[int], sampling: dict, max_tokens: int) -> str:
+    """Same model + same exact prompt tokens (template and its kwargs included) + same sampling = same key,
+    whichever run or dataset asks."""
+    return content_hash(
+        {"model": model_fp, "prompt_ids": prompt_ids, "sampling": sampling, "max_tokens": max_tokens}, n=32
+    )
+
+
+def tokens_of(prompt_tokens: int, completion_tokens: int, unit: BudgetUnit) -> int:
+    return completion_tokens + (prompt_tokens if unit == BudgetUnit.total else 0)
+
+
+def unusable_reason(r: StoredResponse, ds: DatasetConfig) -> str | None:
+    """Why a stored response does not enter the output (None: it does)."""
+    if r.partial and not (r.finish_reason == CUT and ds.on_budget == OnBudget.keep_partial):
+        return "cut_by_budget" if r.finish_reason == CUT else "interrupted"  # parked: continued when needed
+    if r.completion_tokens == 0 or not r.text.strip():  # text is decoded without special tokens
+        return "empty"
+    if r.finish_reason == "length" and ds.on_truncation == OnTruncation.drop:
+        return "truncated_dropped"
+    return None
+
+
+def needs_request(r: StoredResponse | None) -> bool:
+    """Whether a run that generates sends this prompt: missing, parked (to continue), or an empty answer stored by an
+    earlier version."""
+    return r is None or r.partial or r.completion_tokens == 0
+
+
+def select_responses(plan: list[Planned], stored: dict[str, StoredResponse], ds: DatasetConfig):
+    """Prompt order, usable responses only, until the budget is reached (the last one may cross it)."""
+    selected: list[tuple[Planned, StoredResponse]] = []
+    skipped: Counter = Counter()
+    total = 0
+    for p in plan:
+        r = stored.get(p.key)
+        if r is None:
+            continue
+        reason = unusable_reason(r, ds)
+        if reason:
+            skipped[reason] += 1
+            continue
+        if total >= ds.token_budget:
+            break
+        selected.append((p, r))
+        total += tokens_of(r.prompt_tokens, r.completion_tokens, ds.budget_unit)
+    return selected, total, skipped
+
+
+def check_context(plan: list[Planned], cfg: Config, context: int | None) -> None:
+    """Before any request: a prompt and its max_tokens must fit the target's context, or every such request would
+    come back an error (or be cut short) after costing a round trip."""
+    if context is None:
+        return
+    key = f"datasets.{cfg.dataset}"
+    if cfg.ds.max_tokens >= context:
+        raise ConfigError(
+            f"{key}.max_tokens",
+            f"{cfg.ds.max_tokens:,} leaves no room for a prompt in the target's context of {context:,} tokens",
+        )
+    room = context - cfg.ds.max_tokens
+    over = [p for p in plan if len(p.prompt_ids) > room]
+    if over:
+        first = over[0]
+        raise UserError(
+            f"{first.prompt.get('where', first.prompt['id'])}: a prompt of {len(first.prompt_ids):,} "
+            f"tokens + max_tokens {cfg.ds.max_tokens:,} exceeds the target's context of {context:,} "
+            f"({len(over)} prompts like it); set {key}.max_prompt_tokens to at most {room:,} (the "
+            "prompts stage then drops them) or lower max_tokens"
+        )
+
+
+def plan_requests(cfg: Config, prompts: list[dict], tok) -> list[Planned]:
+    ds, kwargs = cfg.ds, dict(cfg.model.template_kwargs)
+    fp = model_fingerprint(cfg.model.path, cfg.model.revision, hash_cache_path(cfg.run.store_path))
+    plan = []
+    for rec in prompts:
+        ids = render_prompt_ids(tok, rec["messages"], rec.get("tools"), kwargs)
+        plan.append(Planned(rec, request_key(fp, ids, ds.sampling.as_dict(), ds.max_tokens), ids))
+    return plan

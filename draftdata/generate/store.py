@@ -1,0 +1,150 @@
+"""The response store: every generated response, committed as it arrives, outside DVC's outputs.
+
+DVC deletes a stage's outputs before rerunning it and `dvc exp run` rolls persisted outputs back, so responses
+kept there would be lost on the next run. SQLite (WAL) in a git- and dvc-ignored file survives both, and a kill
+loses at most the requests in flight. Keyed by a content hash of (model, exact prompt, sampling), so any run,
+experiment or dataset that asks the same question reuses the answer.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from draftdata.util.sqlite import open_db
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS responses (
+    key TEXT PRIMARY KEY,
+    dataset TEXT NOT NULL,
+    prompt_id TEXT NOT NULL,
+    prompt_ids TEXT,                -- JSON list, when the prompt was sent as token ids
+    output_ids TEXT,                -- JSON list, when the server returned ids
+    text TEXT NOT NULL,
+    prompt_tokens INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL,
+    finish_reason TEXT NOT NULL,    -- stop | length, or a parked partial: budget_cut | interrupted
+    server TEXT NOT NULL,
+    latency_s REAL NOT NULL,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS failures (
+    key TEXT NOT NULL,
+    dataset TEXT NOT NULL,
+    prompt_id TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    detail TEXT NOT NULL,
+    server TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS failures_key ON failures(key);
+"""
+
+
+# Parked partial responses: what a request had produced when it was stopped, kept so that a later run continues it
+# (prompt ids + these ids) instead of starting over.
+CUT = "budget_cut"  # stopped by the budget: usable as it is under on_budget: keep_partial
+INTERRUPTED = "interrupted"  # stopped by anything else (server abort, failure, Ctrl-C): never usable as it is
+PARTIAL = (CUT, INTERRUPTED, "abort")  # "abort": aborted answers stored by earlier versions, continued like the rest
+
+
+@dataclass
+class StoredResponse:
+    key: str
+    dataset: str
+    prompt_id: str
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+    server: str
+    latency_s: float
+    prompt_ids: list[int] | None = None
+    output_ids: list[int] | None = None
+    created_at: float = field(default_factory=time.time)
+
+    @property
+    def partial(self) -> bool:
+        return self.finish_reason in PARTIAL
+
+    def continuable(self) -> bool:
+        """A parked partial whose token ids are all known: a continuation can start from it."""
+        return self.partial and self.output_ids is not None and len(self.output_ids) == self.completion_tokens > 0
+
+
+_COLS = [f.name for f in fields(StoredResponse)]
+_PARTIAL_SQL = "(" + ", ".join(f"'{r}'" for r in PARTIAL) + ")"
+# One row per key, never duplicated: a complete response already stored (another run got there first) is kept. A
+# parked partial (or an empty answer stored by an earlier version) gives way to a complete response or to a longer
+# partial (its continuation, cut again).
+_PUT = (
+    f"INSERT INTO responses ({', '.join(_COLS)}) VALUES ({', '.join(':' + c for c in _COLS)}) "
+    f"ON CONFLICT(key) DO UPDATE SET {', '.join(f'{c} = excluded.{c}' for c in _COLS if c != 'key')} "
+    f"WHERE (responses.finish_reason IN {_PARTIAL_SQL} OR responses.completion_tokens = 0) "
+    f"AND (excluded.finish_reason NOT IN {_PARTIAL_SQL} "
+    f"OR excluded.completion_tokens > responses.completion_tokens)"
+)
+
+
+class ResponseStore:
+    def __init__(self, path: Path | str):
+        path = Path(path)
+        self.db = open_db(path, "response store", SCHEMA)
+
+    def close(self) -> None:
+        self.db.close()
+
+    def put(self, r: StoredResponse) -> None:
+        self.put_many([r])
+
+    def put_many(self, responses: list[StoredResponse]) -> None:
+        """Commit responses that arrived together in one transaction (group commit: the commit, not the row, is
+        what costs; a kill still loses nothing that was handed to this call once it returns)."""
+        rows = []
+        for r in responses:
+            row = dict(vars(r))  # shallow: dataclasses.asdict would deep-copy every token id
+            row["prompt_ids"] = _ids(r.prompt_ids)
+            row["output_ids"] = _ids(r.output_ids)
+            rows.append(row)
+        self.db.execute("BEGIN")
+        try:
+            self.db.executemany(_PUT, rows)
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
+    def put_failure(self, key: str, dataset: str, prompt_id: str, reason: str, detail: str, server: str) -> None:
+        self.db.execute(
+            "INSERT INTO failures VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (key, dataset, prompt_id, reason, detail[:2000], server, time.time()),
+        )
+
+    def get_many(self, keys: Iterable[str]) -> dict[str, StoredResponse]:
+        keys = list(keys)
+        out: dict[str, StoredResponse] = {}
+        for i in range(0, len(keys), 500):  # SQLite caps the number of bound parameters
+            chunk = keys[i : i + 500]
+            marks = ",".join("?" * len(chunk))
+            cur = self.db.execute(f"SELECT * FROM responses WHERE key IN ({marks})", chunk)
+            names = [d[0] for d in cur.description]
+            for values in cur:
+                row = dict(zip(names, values))
+                row["prompt_ids"] = _unids(row["prompt_ids"])
+                row["output_ids"] = _unids(row["output_ids"])
+                out[row["key"]] = StoredResponse(**row)
+        return out
+
+    def count(self) -> int:
+        return self.db.execute("SELECT COUNT(*) FROM responses").fetchone()[0]
+
+
+def _ids(ids: list[int] | None) -> str | None:
+    return None if ids is None else "[" + ",".join(map(str, ids)) + "]"  # JSON, at a third of json.dumps' cost
+
+
+def _unids(blob: str | None) -> list[int] | None:
+    return None if blob is None else json.loads(blob)

@@ -1,0 +1,94 @@
+"""Running the target over samples and capturing what an EAGLE-3 drafter trains on.
+
+An engine takes batches of token-id lists and returns, per sample, the outputs of the chosen decoder layers
+(`aux`, [T, k, H], physical 0-based layer ids) and the final state BEFORE the final norm (`final`, [T, H]), both on
+the CPU in float32 or the model's own dtype. The final norm's parameters come with the engine (`FinalNorm`), so the
+post-norm state that SpecForge trains on is computed exactly from the stored pre-norm one, and speculators' pre-norm
+state is stored as is.
+
+Engines: `HFEngine` (transformers, in-process, `device_map` for a target bigger than one GPU) here, and
+`VLLMEngine` (draftdata/hidden/engines/vllm.py: vLLM with tensor/data parallelism, in a Python that has vLLM).
+"""
+
+from __future__ import annotations
+
+from draftdata.config.schema import ModelConfig
+from draftdata.errors import UserError
+from draftdata.hidden.engines.base import find_decoder
+from draftdata.hidden.norm import FinalNorm
+
+
+def final_norm_of(norm) -> FinalNorm:
+    """Read a final-norm module's parameters, and check that `FinalNorm.apply` reproduces it on random input: a norm
+    of another formula stops here, before any GPU time is spent, rather than silently converting wrongly."""
+    import torch
+
+    name = type(norm).__name__
+    weight = norm.weight.detach().float().cpu()
+    eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+    if isinstance(norm, torch.nn.LayerNorm):
+        spec = FinalNorm("layer", eps, weight, None if norm.bias is None else norm.bias.detach().float().cpu())
+    else:
+        spec = FinalNorm("rms", eps, weight, weight_offset=1.0 if "Gemma" in name else 0.0)
+    x = torch.randn(4, weight.shape[0], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        own = norm(x.to(norm.weight.device, norm.weight.dtype)).float().cpu()
+    if not torch.allclose(spec.apply(x.to(norm.weight.dtype)), own, rtol=1e-2, atol=1e-2):
+        raise UserError(
+            f"model.path: the final norm ({name}) is neither RMSNorm nor LayerNorm as known here; the "
+            "post-norm state could not be derived from the stored pre-norm one"
+        )
+    return spec
+
+
+class HFEngine:
+    """transformers in-process. Hooks capture the chosen layers' outputs and the final norm's input; the decoder runs
+    without the LM head (no logits). Batches are padded on the right and run WITHOUT an attention mask: under causal
+    attention a real token only sees the positions before it, all real, so its states are exact, and attention keeps
+    its fast mask-free path (a padding mask costs ~1.8× in attention on a CPU and rules out flash kernels on a GPU).
+    The pad positions' own states are computed and dropped; `pad_tokens` counts them."""
+
+    def __init__(self, model_cfg: ModelConfig, layers: list[int], device_map: str | None = None):
+        from draftdata.target.model import load_model
+
+        self.model = load_model(model_cfg, device_map=device_map)
+        self.decoder = find_decoder(self.model)
+        self.n_layers = len(self.decoder.layers)
+        self.hidden_size = self.model.config.get_text_config().hidden_size
+        self.final_norm = final_norm_of(self.decoder.norm)
+        self.layers = layers
+        self.pad_tokens = 0
+        self._out: dict = {}
+        self._handles = [self.decoder.layers[i].register_forward_hook(self._keep(i)) for i in layers]
+        self._handles.append(self.decoder.norm.register_forward_pre_hook(self._keep_input))
+
+    def _keep(self, layer: int):
+        def hook(_module, _inputs, output):
+            self._out[layer] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def _keep_input(self, _module, inputs):
+        self._out["final"] = inputs[0]
+
+    def forward(self, batch: list[list[int]]) -> list[tuple[object, object]]:
+        import torch
+
+        width = max(len(x) for x in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        for i, x in enumerate(batch):
+            ids[i, : len(x)] = torch.tensor(x)
+        self.pad_tokens += len(batch) * width - sum(len(x) for x in batch)
+        device = self.decoder.layers[0].parameters().__next__().device
+        with torch.inference_mode():
+            self.decoder(input_ids=ids.to(device), use_cache=False)
+        # one copy to the host per batch, not one per sample (each is a device sync); in the model's own dtype: a
+        # bf16 target's states stored as bf16 need no float32 round trip
+        aux = torch.stack([self._out[i] for i in self.layers], dim=2).cpu()  # [B, W, k, H]
+        final = self._out["final"].cpu()
+        self._out.clear()
+        return [(aux[i, : len(x)], final[i, : len(x)]) for i, x in enumerate(batch)]
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()

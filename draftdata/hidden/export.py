@@ -1,0 +1,258 @@
+"""Command `export`: `data/<D>/hidden_states/` → a trainer's own offline-training layout.
+
+    draftdata export dataset=<D> export.format=specforge|speculators [export.dir=...]
+
+Not a DVC stage: run it where the drafter is trained. It reads the stage output through `draftdata.hidden.HiddenStates`
+one sample at a time and writes the trainer's files, one sample in memory at a time. The whole export is built in
+a hidden sibling directory (`.<dir>.partial`) and renamed into place after its end marker (`draftdata_export.json`)
+is written, so a killed export never sits at the export path: a trainer pointed there finds either nothing or a
+complete export (both trainers' readers ignore the marker file). A rerun replaces an earlier export (one with the
+marker; it is moved to `.<dir>.old` for the swap) and refuses a file or any other non-empty directory. Row/file i is
+sample i of `samples.parquet` (already shuffled by the prompts stage); the trainers shuffle or split on their own.
+
+Both trainers get bfloat16 states, the dtype their own capture writes and trains on: exact for states stored in
+bfloat16 (the default), rounded once for float32/float16/fp8 storage. The aux layers come in index order
+(`HiddenStates.layers`); the marker records their ids in the trainer's numbering, for the draft config's
+`eagle_aux_hidden_state_layer_ids`.
+
+specforge (`<dir>/rows_<g>-<g+2000>/data_<i>.ckpt`, sample i of the dataset):
+  one `torch.save` dict per sample: `input_ids` int64 [T], `loss_mask` int64 [T], `aux_hidden_state` bf16
+  [1, T, k*H] (the aux layers concatenated) and `hidden_state` bf16 [1, T, H] AFTER the target's final norm (its
+  target head applies lm_head only). No vocab mapping is written: it depends on the draft vocabulary size, and
+  SpecForge's trainer derives it itself at start from these files' loss-masked tokens (below). Where a mapping file
+  must be given (`model.vocab_mapping_path`, required for disaggregated runs), make it from the export with
+  SpecForge's own code:
+      python -c "import torch; from specforge.training.vocab_mapping import count_effective_feature_tokens as c; \
+        from specforge.data.preprocessing import process_token_dict_to_mappings as m; \
+        d2t, t2d = m(c('<dir>'), DRAFT_VOCAB, TARGET_VOCAB); torch.save({'d2t': d2t, 't2d': t2d}, 'vocab_mapping.pt')"
+
+speculators (`<dir>` is the `--data-path` of `speculators train`):
+  a `datasets` `save_to_disk` dataset (columns `input_ids`, `loss_mask` int64 lists, `seq_len` int64; torch format,
+  as its preprocessing saves it), `hidden_states/hs_<i>.safetensors` for row i (`token_ids` int64 [T],
+  `hidden_states` bf16 [T, k+1, H]: the aux layers, then the final state BEFORE the final norm, which its trainer
+  applies itself) and `token_freq.pt` (a dict token id → count of loss-masked tokens, what its preparation saves;
+  its trainer turns it into d2t/t2d for the `--draft-vocab-size` it is given).
+
+facts checked in specforge 0.2.0 (the package, and scripts/prepare_hidden_states.py of its repository, which the
+wheel does not ship):
+- specforge/runtime/data_plane/offline_reader.py: `OfflineManifestReader` (what `specforge train` uses offline,
+  via specforge/algorithms/eagle3/data.py `build_offline_reader`) walks the directory recursively and takes every
+  file ending in `.ckpt` or `.ckpt.gz`, sorted by path; other files (this marker) are ignored. Required keys:
+  input_ids, loss_mask, hidden_state, aux_hidden_state. Files are loaded lazily with
+  `torch.load(path, weights_only=False, mmap=True)` (runtime/data_plane/feature_store.py `load_feature_file`).
+- specforge/algorithms/eagle3/data.py `normalize_offline_sample` (and the older
+  specforge/data/preprocessing.py `OfflineEagle3Dataset.process_data`, same files via `list_local_files`):
+  `aux_hidden_state.squeeze(0)` → the draft input `hidden_state`, `hidden_state.squeeze(0)` → `target`, both
+  [1, T, ...] after truncation to max_len; the loss mask's last position is zeroed; no dtype conversion.
+- scripts/prepare_hidden_states.py: files `rows_{g}-{g + 2000}/data_{idx}.ckpt` (`--file-group-size` 2000), the
+  dict built by the eagle3 `OfflineCaptureLayout` (input_ids, loss_mask, aux_hidden_state, hidden_state), states
+  `.cpu().clone().unsqueeze(0)` in the target's dtype (bf16 for a bf16 model); the vocab mapping goes to
+  `<output>/vocab_mapping/vocab_mapping.pt` ({"d2t", "t2d"}, from the loss-masked token counts and the draft
+  vocab size). specforge/training/assembly.py `_ensure_offline_vocab_mapping`: offline training without
+  `model.vocab_mapping_path` recounts the tokens from the .ckpt files themselves
+  (training/vocab_mapping.py `count_effective_feature_tokens`: input_ids where loss_mask, up to max_length).
+- specforge/modeling/target/target_head.py `TargetHead.forward` is lm_head only: `hidden_state` is post-norm.
+
+facts checked in speculators 0.9.0 (and hs-connectors 0.9.0, which it reads the files with):
+- speculators/train/data.py `ArrowDataset` (built by train/dataloader.py `create_train_val_loaders`):
+  `load_from_disk(data_path)`, lengths from the `seq_len` column, row i's states from
+  `hidden_states/hs_{i}.safetensors` (hs_connectors/transfer.py `FileTransfer.get_cached`, `safetensors load_file`,
+  keys `token_ids` and `hidden_states`); `torch.equal(token_ids, row["input_ids"])` must hold (so the dataset is
+  saved in torch format), then `hidden_states[:, :-1].flatten(1)` → `hidden_states` [T, k*H] and
+  `hidden_states[:, -1]` → `verifier_last_hidden_states` [T, H]; `loss_mask` comes from the row. `CollateFn`
+  casts the states to `--hidden-states-dtype` (bfloat16 by default) and packs samples into `total_seq_len`.
+- speculators/models/eagle3/core.py applies `verifier_norm` to `verifier_last_hidden_states`: pre-norm.
+- speculators/data_generation/preprocessing.py: rows `input_ids`/`loss_mask` int64, `seq_len`, `set_format("torch")`
+  before speculators/cli/prepare_data.py `save_to_disk`; `token_freq.pt` next to it
+  (train/vocab_mapping.py `save_token_frequency_distribution`: dict of input_ids where loss_mask → count);
+  train/cli.py reads `<data_path>/token_freq.pt` with `torch.load(weights_only=True)`.
+- hs_connectors/fp8_hidden_states_connector.py documents the file vLLM writes: `token_ids` int64 [T],
+  `hidden_states` [T, num_layers, H] in the target's dtype (the aux layers and the last layer's output).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from draftdata.config.schema import Config
+from draftdata.errors import ConfigError, UserError
+from draftdata.hidden.reader import HiddenStates, Sample
+from draftdata.util.files import atomic_path, data_dir
+
+MARKER = "draftdata_export.json"
+SPECFORGE_GROUP = 2000  # prepare_hidden_states.py's --file-group-size default: files per rows_* folder
+SOURCE_FILES = ("index.json", "samples.parquet", "final_norm.safetensors")
+# per format: the numbering its draft configs use for the aux layer ids, and the final state it trains on
+LAYER_NUMBERING = {"specforge": "sglang_specforge", "speculators": "vllm_speculators"}
+FINAL_STATE = {"specforge": "post_norm", "speculators": "pre_norm"}
+
+
+@dataclass
+class ExportTally:
+    samples: int = 0
+    tokens: int = 0
+    trained_tokens: int = 0
+    token_freq: Counter = field(default_factory=Counter)
+
+
+# ---- where: source, target, the swap --------------------------------------------------------------------------- #
+
+
+def export_dir(cfg: Config) -> Path:
+    return Path(cfg.export.dir) if cfg.export.dir else data_dir(cfg.dataset) / f"export-{cfg.export.format}"
+
+
+def check_source(src: Path, dataset: str) -> None:
+    for name in SOURCE_FILES:
+        if not (src / name).is_file():
+            raise UserError(
+                f"{src / name}: not found; run the hidden_states stage first (dvc repro hidden_states@{dataset})"
+            )
+
+
+def check_target(out: Path) -> None:
+    """Refuse a path that is not ours to replace: a file, or a non-empty directory without the end marker."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError("export.dir", f"{out} is a file, not a directory; choose another export.dir")
+    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
+        raise ConfigError(
+            "export.dir",
+            f"{out} is a non-empty directory without {MARKER} (not an export of "
+            "this command); choose another export.dir or empty it",
+        )
+
+
+def staging_dir(out: Path) -> Path:
+    """A fixed name beside `out`: a rerun clears what a killed run left."""
+    staging = out.parent / f".{out.name}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def publish(staging: Path, out: Path) -> None:
+    """Rename the finished export into place; an earlier export is moved aside first, then deleted."""
+    old = out.parent / f".{out.name}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if out.exists():
+        os.replace(out, old)
+    os.replace(staging, out)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# ---- specforge --------------------------------------------------------------------------------------------------- #
+
+
+def specforge_path(i: int, group: int = SPECFORGE_GROUP) -> str:
+    g = i // group * group
+    return f"rows_{g}-{g + group}/data_{i}.ckpt"
+
+
+def specforge_record(s: Sample) -> dict:
+    """Keys, dtypes and shapes as prepare_hidden_states.py saves them (batch dim 1 on the states)."""
+    import torch
+
+    n = s.aux.shape[0]
+    return {
+        "input_ids": s.input_ids.to(torch.int64),
+        "loss_mask": s.loss_mask.to(torch.int64),
+        "aux_hidden_state": s.aux.reshape(n, -1).to(torch.bfloat16).unsqueeze(0),
+        "hidden_state": s.final_post_norm.to(torch.bfloat16).unsqueeze(0),
+    }
+
+
+def write_specforge(hs: HiddenStates, staging: Path, tally: ExportTally) -> None:
+    import torch
+
+    for i, s in enumerate(hs):
+        path = staging / specforge_path(i)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:
+            torch.save(specforge_record(s), tmp)
+        count(s, tally)
+
+
+# ---- speculators ------------------------------------------------------------------------------------------------- #
+
+
+def speculators_tensors(s: Sample) -> dict:
+    """One `hs_<i>.safetensors`: the aux layers then the PRE-norm final state, along dim 1."""
+    import torch
+
+    states = torch.cat([s.aux, s.final_pre_norm.unsqueeze(1)], dim=1).to(torch.bfloat16)
+    return {"token_ids": s.input_ids.to(torch.int64).contiguous(), "hidden_states": states.contiguous()}
+
+
+def speculators_row(s: Sample) -> dict:
+    return {"input_ids": s.input_ids.tolist(), "loss_mask": s.loss_mask.tolist(), "seq_len": int(s.input_ids.shape[0])}
+
+
+def speculators_features():
+    """The columns and types speculators' preprocessing saves (int64 lists from torch.long tensors)."""
+    from datasets import Features, Sequence, Value
+
+    return Features(
+        {"input_ids": Sequence(Value("int64")), "loss_mask": Sequence(Value("int64")), "seq_len": Value("int64")}
+    )
+
+
+def write_speculators(hs: HiddenStates, staging: Path, tally: ExportTally) -> None:
+    """The states file by file; the rows go to one Arrow file as they come (no dataset in memory), which
+    `save_to_disk` then lays out as speculators' preparation does, in torch format."""
+    import torch
+    from datasets import Dataset
+    from datasets.arrow_writer import ArrowWriter
+    from safetensors.torch import save_file
+
+    (staging / "hidden_states").mkdir()
+    rows = staging.with_name(f"{staging.name}.rows.arrow")  # beside, not in: save_to_disk won't write over its source
+    try:
+        with ArrowWriter(features=speculators_features(), path=str(rows)) as writer:
+            for i, s in enumerate(hs):
+                with atomic_path(staging / "hidden_states" / f"hs_{i}.safetensors") as tmp:
+                    save_file(speculators_tensors(s), str(tmp))
+                writer.write(speculators_row(s))
+                count(s, tally)
+            writer.finalize()
+        Dataset.from_file(str(rows)).with_format("torch").save_to_disk(str(staging))
+    finally:
+        rows.unlink(missing_ok=True)
+    with atomic_path(staging / "token_freq.pt") as tmp:
+        torch.save(dict(tally.token_freq), tmp)
+
+
+# ---- the run ----------------------------------------------------------------------------------------------------- #
+
+
+def count(s: Sample, tally: ExportTally) -> None:
+    """Tokens, and the loss-masked token frequencies both trainers build their draft vocabulary from."""
+    trained = s.input_ids[s.loss_mask.bool()]
+    ids, counts = trained.unique(return_counts=True)
+    tally.token_freq.update(dict(zip(ids.tolist(), counts.tolist())))
+    tally.samples += 1
+    tally.tokens += int(s.input_ids.shape[0])
+    tally.trained_tokens += int(trained.shape[0])
+
+
+def marker(fmt: str, hs: HiddenStates, src: Path, tally: ExportTally) -> dict:
+    return {
+        "format": fmt,
+        "source": str(src),
+        "model": hs.index["model"],
+        "samples": tally.samples,
+        "tokens": tally.tokens,
+        "trained_tokens": tally.trained_tokens,
+        "hidden_size": hs.hidden_size,
+        "dtype": "bfloat16",
+        "aux_layer_ids": hs.layers[LAYER_NUMBERING[fmt]],
+        "aux_layer_numbering": LAYER_NUMBERING[fmt],
+        "final_state": FINAL_STATE[fmt],
+        "order": "sample i of the source (samples.parquet order) is file/row i",
+    }
+
+
+WRITERS = {"specforge": write_specforge, "speculators": write_speculators}

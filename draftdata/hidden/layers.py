@@ -1,0 +1,82 @@
+"""Which layers' outputs are captured: EAGLE-3's default, a draft config's ids, and both engines' numberings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from draftdata.config.schema import Config
+from draftdata.errors import ConfigError, UserError
+
+
+def default_layers(n_layers: int) -> list[int]:
+    """EAGLE-3's reference choice: outputs of layers 1, N//2 - 1 and N - 4 (inputs to 2, N//2, N - 3)."""
+    return [1, n_layers // 2 - 1, n_layers - 4]
+
+
+def resolve_layers(cfg: Config, n_layers: int) -> list[int]:
+    """Physical 0-based ids of the layers whose outputs are kept: `hidden_states.layers`, else a draft config's
+    `eagle_aux_hidden_state_layer_ids` (in its own numbering), else EAGLE-3's default for this model."""
+    hs = cfg.hidden_states
+    if hs.layers is not None:
+        return _valid(list(hs.layers), n_layers, "hidden_states.layers")
+    if hs.draft_config is not None:
+        ids, numbering = _draft_layer_ids(Path(hs.draft_config), hs.draft_numbering)
+        return _valid([i - 1 for i in ids] if numbering == "vllm" else ids, n_layers, "hidden_states.draft_config")
+    layers = default_layers(n_layers)
+    if len(set(layers)) != 3 or min(layers) < 0:
+        raise UserError(
+            f"model.path: the target has {n_layers} decoder layers, too few for EAGLE-3's default "
+            f"[1, N//2-1, N-4] = {layers} to be three distinct layers; choose them in "
+            "hidden_states.layers"
+        )
+    return layers
+
+
+def _valid(layers: list[int], n_layers: int, key: str) -> list[int]:
+    bad = [i for i in layers if not 0 <= i < n_layers]
+    if bad:
+        raise ConfigError(
+            key, f"layer ids {bad} out of range for the target's {n_layers} decoder layers (physical ids: 0 .. N-1)"
+        )
+    if len(set(layers)) != len(layers):
+        raise ConfigError(key, f"layer ids must be distinct, got {layers}")
+    return layers
+
+
+def _draft_layer_ids(path: Path, numbering: str) -> tuple[list[int], str]:
+    """The draft config's layer ids and their numbering: `sglang` (SGLang, SpecForge: id L is the output of layer
+    L) or `vllm` (vLLM, speculators: id L is the output of layer L - 1). `auto` tells them apart by the config's
+    shape: a speculators config (`speculators_config`) numbers like vLLM, a SpecForge one (an *Eagle3
+    architecture) like SGLang."""
+    key = "hidden_states.draft_config"
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(key, f"file not found: {path}") from None
+    except ValueError as e:
+        raise ConfigError(key, f"{path}: not JSON ({e})") from None
+    ids = doc.get("eagle_aux_hidden_state_layer_ids")
+    if not (isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids)):
+        raise ConfigError(key, f"{path}: no eagle_aux_hidden_state_layer_ids list of layer ids")
+    if numbering == "auto":
+        if "speculators_config" in doc or "speculators_model_type" in doc:
+            numbering = "vllm"
+        elif any("Eagle3" in a for a in doc.get("architectures") or []):
+            numbering = "sglang"
+        else:
+            raise ConfigError(
+                "hidden_states.draft_numbering",
+                f"cannot tell which numbering {path} uses; set "
+                "sglang (SpecForge/SGLang: L = output of layer L) or vllm (speculators/vLLM: L + 1)",
+            )
+    return ids, numbering
+
+
+def layer_numberings(layers: list[int]) -> dict:
+    return {
+        "physical": layers,
+        "hf_hidden_states_index": [i + 1 for i in layers],
+        "sglang_specforge": layers,
+        "vllm_speculators": [i + 1 for i in layers],
+    }

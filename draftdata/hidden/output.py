@@ -1,0 +1,61 @@
+"""What the hidden-states stage writes beside the shards: index.json (settings, layer ids in every trainer's
+numbering, the final-state convention) and the metrics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from draftdata.config.schema import Config
+from draftdata.hidden.compute import HiddenTally, LazyEngine
+from draftdata.hidden.layers import layer_numberings
+from draftdata.hidden.shards import FORMAT_VERSION
+from draftdata.hidden.state_store import Target
+
+
+def index_doc(cfg: Config, target: Target, settings: dict, layers: list[int], view: dict) -> dict:
+    return {
+        "format": "draftdata-hidden-states",
+        "version": FORMAT_VERSION,
+        "model": {
+            "path": cfg.model.path,
+            "revision": cfg.model.revision,
+            "fingerprint": settings["model"],
+            "n_layers": target.n_layers,
+            "hidden_size": target.hidden_size,
+        },
+        "layers": layer_numberings(layers),
+        "layer_convention": "physical id L = output of decoder layer L (0-based) = HF hidden_states[L + 1] = "
+        "SGLang/SpecForge id L = vLLM/speculators id L + 1",
+        "final_state": "pre_norm",
+        "final_norm": {"file": "final_norm.safetensors", **target.norm.describe()},
+        "dtype": settings["dtype"],
+        "shards": view["shards"],
+        "link": view["link"],
+        "tensors": {"aux_hidden_states": "[T, k, H]", "final_hidden_states": "[T, H], before the final norm"},
+    }
+
+
+def output_metrics(
+    out: Path, engine: LazyEngine, target: Target, hs, layers: list[int], view: dict, tally: HiddenTally
+) -> dict:
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    # over the shards' own bytes and tokens: a linked shard may also hold other datasets' samples
+    shard_bytes, shard_tokens = view["sizes"]
+    computed = tally.computed_tokens
+    m = {
+        "samples": tally.samples,
+        "tokens": tally.tokens,
+        "computed_samples": tally.computed,
+        "computed_tokens": computed,
+        "reused_samples": tally.samples - tally.computed,
+        "torn_shards_redone": tally.torn,
+        "dtype": hs.dtype,
+        "bytes": size,
+        "bytes_per_token": round(shard_bytes / shard_tokens, 2) if shard_tokens else 0.0,
+        "limit_bytes_per_token": 2 * (len(layers) + 1) * target.hidden_size,  # bf16, k aux layers + final
+        "padded_compute_share": round(engine.pad_tokens / (computed + engine.pad_tokens), 4) if computed else 0.0,
+        "tok_s": round(computed / tally.seconds, 1) if tally.seconds else 0.0,
+    }
+    if hs.dtype == "fp8" and tally.fp8_err_den:
+        m["fp8_rel_err"] = round((tally.fp8_err_num / tally.fp8_err_den) ** 0.5, 5)
+    return m

@@ -1,0 +1,172 @@
+"""The hidden-state store: every sample's states computed once, kept outside DVC's outputs.
+
+A persisted DVC output is never restored from DVC's run cache and a stage's output is deleted before it reruns, so
+states kept only there were recomputed by every budget round trip, queued experiment or rerun after a kill. Here
+they live beside the response store (`<store dir>/states/`), keyed by a content hash of (model, layers, dtype,
+input ids): shard files written once, and an SQLite index from sample key to (shard, row). The stage's output links
+the shards it needs (hard links: no second copy on disk), so any run that needs a sample already computed under the
+same settings reuses it, whatever DVC did to the output directory.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftdata.hidden.shards import torn
+from draftdata.util.hashing import content_hash
+from draftdata.util.sqlite import open_db
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS states (
+    key TEXT PRIMARY KEY,
+    shard TEXT NOT NULL,
+    row INTEGER NOT NULL,
+    n_tokens INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS shards (
+    name TEXT PRIMARY KEY,
+    settings TEXT NOT NULL,
+    n_samples INTEGER NOT NULL,
+    n_tokens INTEGER NOT NULL,
+    bytes INTEGER NOT NULL,
+    created_at REAL NOT NULL
+);
+"""
+
+
+@dataclass
+class Target:
+    norm: object  # draftdata.hidden.engines.hf.FinalNorm
+    n_layers: int
+    hidden_size: int
+
+
+@dataclass(frozen=True)
+class Location:
+    shard: str  # file name, relative to the store's directory
+    row: int
+    n_tokens: int
+
+
+def state_key(settings_hash: str, input_ids: list[int]) -> str:
+    return content_hash({"settings": settings_hash, "input_ids": input_ids}, n=32)
+
+
+class StateStore:
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.db = open_db(self.root / "index.sqlite", "hidden-state store", SCHEMA)  # creates the directory
+        self._sweep_temp_files()
+
+    def _sweep_temp_files(self, older_than_s: float = 3600.0) -> None:
+        """Shards half-written by a killed run (temp names, never indexed). Only old ones: a torchrun job's other
+        ranks may be writing theirs right now."""
+        now = time.time()
+        for tmp in self.root.glob(".*.safetensors.*.tmp"):
+            try:
+                if now - tmp.stat().st_mtime > older_than_s:
+                    tmp.unlink()
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        self.db.close()
+
+    def path(self, shard: str) -> Path:
+        return self.root / shard
+
+    def new_shard_name(self, settings_hash: str) -> str:
+        return f"{settings_hash}/{uuid.uuid4().hex}.safetensors"
+
+    def lookup(self, keys: Iterable[str]) -> dict[str, Location]:
+        keys = list(keys)
+        out: dict[str, Location] = {}
+        for i in range(0, len(keys), 500):  # SQLite caps the number of bound parameters
+            chunk = keys[i : i + 500]
+            rows = self.db.execute(
+                f"SELECT key, shard, row, n_tokens FROM states WHERE key IN ({','.join('?' * len(chunk))})", chunk
+            )
+            out.update((k, Location(s, r, n)) for k, s, r, n in rows)
+        return out
+
+    def add_shard(self, name: str, settings_hash: str, keys: list[str], lengths: list[int], size: int) -> None:
+        """Record a shard already renamed into place: a kill before this commit leaves an unreferenced file,
+        never a reference to a missing one."""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            self.db.execute(
+                "INSERT OR REPLACE INTO shards VALUES (?, ?, ?, ?, ?, ?)",
+                (name, settings_hash, len(keys), sum(lengths), size, time.time()),
+            )
+            self.db.executemany(
+                "INSERT OR REPLACE INTO states VALUES (?, ?, ?, ?)",
+                [(k, name, row, n) for row, (k, n) in enumerate(zip(keys, lengths))],
+            )
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
+    def sizes(self, shards: Iterable[str]) -> tuple[int, int]:
+        """(bytes, tokens) of these shards, as recorded when they were written."""
+        shards = list(shards)
+        total_bytes = total_tokens = 0
+        for i in range(0, len(shards), 500):
+            chunk = shards[i : i + 500]
+            b, t = self.db.execute(
+                f"SELECT COALESCE(SUM(bytes), 0), COALESCE(SUM(n_tokens), 0) FROM shards "
+                f"WHERE name IN ({','.join('?' * len(chunk))})",
+                chunk,
+            ).fetchone()
+            total_bytes, total_tokens = total_bytes + b, total_tokens + t
+        return total_bytes, total_tokens
+
+    def save_target(self, settings_hash: str, target: Target) -> None:
+        """What the output needs of the target besides its states (its final norm, sizes), kept with the states so
+        that a run that computes nothing never loads the model."""
+        from safetensors.torch import save_file
+
+        from draftdata.util.files import atomic_path
+
+        folder = self.root / settings_hash
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors = {"weight": target.norm.weight.contiguous()}
+        if target.norm.bias is not None:
+            tensors["bias"] = target.norm.bias.contiguous()
+        with atomic_path(folder / "final_norm.safetensors") as tmp:
+            save_file(tensors, str(tmp))
+        with atomic_path(folder / "target.json") as tmp:
+            tmp.write_text(
+                json.dumps(
+                    {"norm": target.norm.describe(), "n_layers": target.n_layers, "hidden_size": target.hidden_size}
+                )
+            )
+
+    def target(self, settings_hash: str) -> Target | None:
+        from safetensors.torch import load_file
+
+        from draftdata.hidden.norm import FinalNorm
+
+        folder = self.root / settings_hash
+        try:
+            doc = json.loads((folder / "target.json").read_text())
+            params = load_file(str(folder / "final_norm.safetensors"))
+        except (OSError, ValueError):
+            return None
+        spec = doc["norm"]
+        norm = FinalNorm(spec["kind"], spec["eps"], params["weight"], params.get("bias"), spec["weight_offset"])
+        return Target(norm, doc["n_layers"], doc["hidden_size"])
+
+    def drop_torn(self, shards: Iterable[str]) -> list[str]:
+        """Forget shards whose file is missing or cut short (their samples are then computed again)."""
+        bad = [s for s in set(shards) if torn(self.path(s))]
+        for s in bad:
+            self.db.execute("DELETE FROM states WHERE shard = ?", (s,))
+            self.db.execute("DELETE FROM shards WHERE name = ?", (s,))
+            self.path(s).unlink(missing_ok=True)
+        return bad

@@ -1,0 +1,112 @@
+"""The target model: where it lives, its limits (context, vocabulary) read from its config, and loading it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftdata.config.schema import ModelConfig
+from draftdata.errors import ConfigError
+
+
+def looks_local(path: str) -> bool:
+    """Whether `model.path` names a local directory: a hub id is `name` or `org/name`; a path that starts with `.`,
+    `/` or `~`, has more than one `/`, or whose first component is a directory here, is meant as a local one."""
+    parts = Path(path).parts
+    return (
+        path.startswith((".", "/", "~"))
+        or path.count("/") > 1
+        or (len(parts) > 1 and Path(parts[0]).expanduser().is_dir())
+    )
+
+
+def check_model_path(path: str) -> None:
+    """A mistyped local path fails here, at once, instead of after the hub's retries (tens of seconds) with an
+    error about connecting to it."""
+    if looks_local(path) and not Path(path).expanduser().exists():
+        raise ConfigError("model.path", f"{path}: no such directory (a local path; a hub id is 'org/name')")
+
+
+def load_error(e: Exception, what: str, path: str) -> ConfigError:
+    if "trust_remote_code" in str(e):  # the checkpoint ships its own Python: run only when the user says so
+        return ConfigError(
+            "model.trust_remote_code",
+            f"{path!r} ships its own code for {what}; set "
+            "model.trust_remote_code: true if you trust it (it runs on this machine)",
+        )
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return ConfigError("model.path", f"cannot load {what} from {path!r}: {first}")
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    context: int | None  # max_position_embeddings of the text model
+    vocab: int | None  # rows of its embedding matrix
+
+
+def model_limits(model: ModelConfig) -> ModelLimits:
+    """The target's context length and vocabulary size, from its config alone (no weights). Unknown (None) where
+    there is no config to read: a directory holding only the tokenizer, for a model that lives on the server."""
+    check_model_path(model.path)
+    local = Path(model.path).expanduser() / "config.json"
+    if local.is_file():
+        conf = json.loads(local.read_text())
+        conf = conf.get("text_config") or conf  # a multimodal wrapper's language model
+        return ModelLimits(_context(conf), conf.get("vocab_size"))
+    if looks_local(model.path) or Path(model.path).expanduser().is_dir():
+        return ModelLimits(None, None)
+    from transformers import AutoConfig
+
+    try:  # a hub id: its config is cached beside the tokenizer just loaded
+        conf = AutoConfig.from_pretrained(
+            model.path, revision=model.revision, trust_remote_code=model.trust_remote_code
+        ).get_text_config()
+    except (OSError, ValueError):
+        return ModelLimits(None, None)
+    return ModelLimits(_context(conf.to_dict()), getattr(conf, "vocab_size", None))
+
+
+def _context(conf: dict) -> int | None:
+    """The context a server gives the target: max_position_embeddings, times the RoPE scaling factor where the
+    config scales the length it states (Qwen's YaRN: factor 4 over original_max_position_embeddings equal to it);
+    Llama 3.1 states the scaled length already (131,072 over an original 8,192)."""
+    n = conf.get("max_position_embeddings")
+    scaling = conf.get("rope_scaling") or {}
+    factor = scaling.get("factor") if isinstance(scaling, dict) else None
+    if n and factor and scaling.get("original_max_position_embeddings", n) == n:
+        return int(n * factor)
+    return n
+
+
+def check_tokenizer_fits(tok, model: ModelConfig, limits: ModelLimits) -> None:
+    """A tokenizer with ids the model has no embedding for is another model's: refused before any work (the
+    target would index past its embeddings, or a server would answer for ids that mean something else)."""
+    if limits.vocab is not None and len(tok) > limits.vocab:
+        raise ConfigError(
+            "model.path",
+            f"the tokenizer at {model.path!r} has {len(tok):,} tokens but the model's "
+            f"embeddings only {limits.vocab:,}: they are not a pair (a tokenizer from another model?)",
+        )
+
+
+def load_model(model: ModelConfig, device_map: str | None = None):
+    """The target's weights, in eval mode and their own dtype: spread over the GPUs by `device_map` (e.g. "auto")
+    for a target bigger than one, else on the GPU when there is one."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    check_model_path(model.path)
+    try:
+        net = AutoModelForCausalLM.from_pretrained(
+            model.path,
+            revision=model.revision,
+            dtype="auto",
+            trust_remote_code=model.trust_remote_code,
+            **({"device_map": device_map} if device_map else {}),
+        )
+    except (OSError, ValueError) as e:
+        raise load_error(e, "a model", model.path) from None
+    if not device_map:
+        net = net.to("cuda" if torch.cuda.is_available() else "cpu")
+    return net.eval()

@@ -1,0 +1,184 @@
+"""The target model as the stages see it: its tokenizer with the configured chat template, how a prompt becomes
+token ids, and a fingerprint that changes whenever the model or its tokenizer does."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+from draftdata.config.schema import ModelConfig
+from draftdata.errors import ConfigError
+from draftdata.target.model import check_model_path, load_error
+
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+# Tokens that end an assistant turn in the templates of common targets (ChatML, Llama 3 incl. 3.1's ipython
+# <|eom_id|>, Phi, gpt-oss's <|return|> and <|call|>, Gemma); counted only where the vocabulary has them.
+KNOWN_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>")
+
+
+def end_of_turn_ids(tok, model: ModelConfig | None, template_kwargs: dict | None = None) -> set[int]:
+    """Every token that ends the target's turn: the tokenizer's eos, the generation config's eos list (Llama 3.1
+    lists <|end_of_text|>, <|eom_id|> and <|eot_id|>), the token the chat template writes right after an assistant
+    message, and the known end-of-turn specials the vocabulary has. Without a model, no generation config."""
+    ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    if model is not None:
+        ids |= _generation_config_eos(model)
+    template_end = _template_end_token(tok, template_kwargs or {})
+    if template_end is not None:
+        ids.add(template_end)
+    for token in KNOWN_END_OF_TURN:
+        tid = tok.convert_tokens_to_ids(token)
+        if isinstance(tid, int) and tid != tok.unk_token_id:
+            ids.add(tid)
+    return ids
+
+
+def _generation_config_eos(model: ModelConfig) -> set[int]:
+    local = Path(model.path).expanduser()
+    if local.is_dir():  # read as the JSON it is: transformers' GenerationConfig imports torch (seconds per stage)
+        try:
+            eos = json.loads((local / "generation_config.json").read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):  # none (or unreadable): the tokenizer's eos is all there is
+            return set()
+        return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    from transformers import GenerationConfig
+
+    try:
+        gen = GenerationConfig.from_pretrained(
+            model.path, revision=model.revision, trust_remote_code=model.trust_remote_code
+        )
+    except (OSError, ValueError):  # no generation_config.json: the tokenizer's eos is all there is
+        return set()
+    eos = gen.eos_token_id
+    return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
+def _template_end_token(tok, template_kwargs: dict) -> int | None:
+    """The first token the template writes after an assistant message's content (a probe conversation), if it is
+    a special token: what a turn ends with, in this template's own words."""
+    probe = "draftdata end-of-turn probe"
+    user = [{"role": "user", "content": "Hello"}]
+    try:
+        prompt = tok.apply_chat_template(user, add_generation_prompt=True, tokenize=False, **template_kwargs)
+        full = tok.apply_chat_template(
+            user + [{"role": "assistant", "content": probe}], tokenize=False, **template_kwargs
+        )
+    except Exception:  # noqa: BLE001 - a template that rejects the probe says nothing about its end token
+        return None
+    at = full.find(probe, len(prompt) if full.startswith(prompt) else 0)
+    if at < 0:
+        return None
+    after = tok.backend_tokenizer.encode(full[at + len(probe) :], add_special_tokens=False).ids
+    if after and after[0] in set(tok.all_special_ids) | set(tok.added_tokens_decoder):
+        return after[0]
+    return None
+
+
+# Model types whose tokenizer AutoTokenizer takes from tokenizer_config.json as it stands ("" : no config.json)
+_HUB_TOKENIZER_CLASS_KEPT = ("llama", "")
+_GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def plain_fast_tokenizer(path: str) -> bool:
+    """Whether AutoTokenizer would load this local directory as transformers' generic Rust-backed tokenizer
+    (`TokenizersBackend`), decided as AutoTokenizer decides for these files: a tokenizer.json, a generic class named
+    in tokenizer_config.json, no code of its own (auto_map), no Mistral tekken file, and a model type that keeps the
+    class the tokenizer config names (Llama's, or no config.json; AutoTokenizer overrides it for types such as
+    qwen2). Then that class loads it directly: the same tokenizer without AutoTokenizer's reading of the model
+    config, whose classes import torch (about 2.5 s of each CPU-only stage's start)."""
+    root = Path(path).expanduser()
+    try:
+        tok_conf = json.loads((root / "tokenizer_config.json").read_text())
+        conf = json.loads((root / "config.json").read_text()) if (root / "config.json").exists() else {}
+    except (OSError, ValueError):
+        return False
+    return (
+        (root / "tokenizer.json").is_file()
+        and not (root / "tekken.json").exists()
+        and isinstance(tok_conf, dict)
+        and isinstance(conf, dict)
+        and tok_conf.get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES
+        and "auto_map" not in tok_conf
+        and conf.get("model_type", "") in _HUB_TOKENIZER_CLASS_KEPT
+    )
+
+
+def load_tokenizer(model: ModelConfig, need_template: bool = True):
+    check_model_path(model.path)
+    try:
+        if Path(model.path).expanduser().is_dir() and plain_fast_tokenizer(model.path):
+            from transformers import PreTrainedTokenizerFast  # TokenizersBackend: what AutoTokenizer returns here
+
+            tok = PreTrainedTokenizerFast.from_pretrained(model.path)
+        else:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(
+                model.path, revision=model.revision, trust_remote_code=model.trust_remote_code
+            )
+    except (OSError, ValueError) as e:
+        raise load_error(e, "a tokenizer", model.path) from None
+    if model.chat_template is not None:
+        path = Path(model.chat_template)
+        if not path.exists():
+            raise ConfigError("model.chat_template", f"file not found: {path}")
+        tok.chat_template = path.read_text()
+    if need_template and not tok.chat_template:
+        raise ConfigError("model.chat_template", f"the tokenizer at {model.path!r} has no chat template; set one")
+    return tok
+
+
+def render_prompt_ids(tok, messages: list[dict], tools: list[dict] | None, template_kwargs: dict) -> list[int]:
+    """The exact prompt tokens the target sees: chat template + generation prompt, no re-encoding later."""
+    ids = tok.apply_chat_template(
+        template_messages(messages),
+        tools=tools,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+        **template_kwargs,
+    )
+    return list(ids)
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """HF chat templates expect tool-call arguments as a mapping; prompts keep OpenAI's JSON string."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls"):
+            m = dict(m, tool_calls=[_call_with_mapping(c) for c in m["tool_calls"]])
+        out.append(m)
+    return out
+
+
+def _call_with_mapping(call: dict) -> dict:
+    fn = call.get("function", {})
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            pass  # keep the string: the template renders it verbatim
+    return dict(call, function=dict(fn, arguments=args))
+
+
+def tokenizer_fingerprint(tok, model: ModelConfig) -> dict:
+    """What a tokenized file records so that a changed tokenizer or template is detectable."""
+    files = {}
+    root = Path(model.path)
+    if root.is_dir():
+        for name in _TOKENIZER_FILES:
+            if (root / name).exists():
+                files[name] = hashlib.sha256((root / name).read_bytes()).hexdigest()[:16]
+    return {
+        "name_or_path": model.path,
+        "revision": model.revision,
+        "files_sha256": files,
+        "chat_template_sha256": hashlib.sha256(tok.chat_template.encode()).hexdigest()[:16],
+        "template_kwargs": dict(model.template_kwargs),
+    }

@@ -1,0 +1,240 @@
+"""Stage `tokenize@D`: responses → `data/<D>/samples.parquet`, token-exact.
+
+Where the server returned ids, a sample is `prompt_ids + output_ids` and the loss mask is 0 over the prompt and 1
+over what the target generated, its end-of-turn token included — no re-encoding, no regex. Where only text came
+back, the renderer's own rule finds the boundary: the prompt rendered with the generation prompt must be a prefix
+of the whole conversation rendered with the response (else the sample is skipped as
+`template_not_prefix_stable`); the whole text is encoded once and the boundary falls at a token edge. The mask
+then runs to the first end-of-turn token, and what the template adds after it is not part of the sample (so
+both paths give the same sample). The drift between the re-encoded completion length and the server's count is
+measured. Every skipped response is counted by reason.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+from jinja2.exceptions import TemplateError
+
+from draftdata.config.schema import Config, OnTooLong
+from draftdata.errors import UserError
+from draftdata.target.tokenizer import end_of_turn_ids, load_tokenizer, template_messages
+
+# Every reason a response is skipped for (template_error:<type> adds the exception's name); the skips plot lists
+# them all, zeros included, so runs line up.
+SKIP_REASONS = (
+    "empty_output",
+    "over_max_seq_len",
+    "no_trained_tokens_after_truncation",
+    "template_not_prefix_stable",
+    "template_alters_response",
+    "no_end_of_turn",
+    "text_before_end_of_turn",
+)
+# Above this many text-path records, on a machine with this many cores, rendering (Python-bound Jinja) is spread
+# over processes (see text_samples_parallel).
+PARALLEL_MIN_RECORDS = 4000
+PARALLEL_MIN_CPUS = 4
+
+
+@dataclass
+class Tokenized:
+    id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+class Skip(Exception):
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def from_ids(prompt_ids: list[int], output_ids: list[int]) -> tuple[list[int], list[int]]:
+    """The exact tokens the target saw and produced; the mask is built with the ids."""
+    return prompt_ids + output_ids, [0] * len(prompt_ids) + [1] * len(output_ids)
+
+
+def render_texts(tok, rec: dict, template_kwargs: dict) -> tuple[str, str]:
+    """(prompt with the generation prompt, whole conversation with the response), as the template renders them."""
+    messages, tools = template_messages(rec["messages"]), rec.get("tools")
+    prompt = tok.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False, **template_kwargs
+    )
+    full = tok.apply_chat_template(
+        messages + [{"role": "assistant", "content": rec["text"]}], tools=tools, tokenize=False, **template_kwargs
+    )
+    return prompt, full
+
+
+def check_rendering(prompt: str, full: str, text: str) -> str:
+    """The renderer's rule, and what follows the response; returns the text the template writes after it."""
+    if not full.startswith(prompt):
+        raise Skip("template_not_prefix_stable")
+    rest = full[len(prompt) :]
+    if not rest.startswith(text):  # e.g. a template that strips or rewrites the last assistant turn
+        raise Skip("template_alters_response")
+    return rest[len(text) :]
+
+
+def assemble(
+    prompt_ids: list[int], text_ids: list[int], suffix_ids: list[int], end_ids: set[int], ended: bool
+) -> tuple[list[int], list[int]]:
+    """prompt + response + its end-of-turn token, each encoded on its own as a server would (a prompt's trailing
+    whitespace tokenizes differently when text follows it). `ended`: the target ended its turn (finish_reason
+    stop); a response cut by max_tokens or the budget never produced the end-of-turn token, so it is left out."""
+    if not suffix_ids or not any(t in end_ids for t in suffix_ids):
+        raise Skip("no_end_of_turn")
+    end = suffix_ids[0]
+    if end not in end_ids:  # the template writes something between the response and its end of turn: that text
+        raise Skip("text_before_end_of_turn")  # is neither in the response nor a token the target ends with
+    out = text_ids + ([end] if ended else [])
+    return prompt_ids + out, [0] * len(prompt_ids) + [1] * len(out)
+
+
+def _ended(rec: dict) -> bool:
+    return rec.get("finish_reason", "stop") == "stop"
+
+
+def from_text(tok, rec: dict, template_kwargs: dict, ends: set[int] | None = None) -> tuple[list[int], list[int]]:
+    """One record through the text path; raises the Skip that explains a record it cannot use. `ends`: the target's
+    end-of-turn ids (default: the tokenizer's and its template's)."""
+    ends = ends if ends is not None else end_of_turn_ids(tok, None, template_kwargs)
+    result = text_samples(tok, [rec], template_kwargs, ends)[0]
+    if isinstance(result, Skip):
+        raise result
+    return result
+
+
+def rendered_parts(tok, recs: list[dict], template_kwargs: dict) -> list:
+    """Per record: (rendered prompt, the template's text after the response), or the Skip that explains it."""
+    out: list = []
+    for rec in recs:
+        try:
+            prompt, full = render_texts(tok, rec, template_kwargs)
+            out.append((prompt, check_rendering(prompt, full, rec["text"])))
+        except Skip as e:
+            out.append(e)
+        except TemplateError as e:  # the template refuses this conversation (e.g. a role it does not accept);
+            out.append(Skip(f"template_error:{type(e).__name__}"))  # any other exception is a bug: it stops here
+    return out
+
+
+def text_samples(tok, recs: list[dict], template_kwargs: dict, ends: set[int], parts: list | None = None) -> list:
+    """Encode prompts, responses and suffixes in three batches (the Rust tokenizer uses every core) and assemble.
+    Returns, per record, (ids, mask) or the Skip that explains it."""
+    out = parts if parts is not None else rendered_parts(tok, recs, template_kwargs)
+    ok = [i for i, r in enumerate(out) if not isinstance(r, Skip)]
+    if not ok:
+        return out
+    backend = tok.backend_tokenizer
+    prompts = backend.encode_batch([out[i][0] for i in ok], add_special_tokens=False)
+    texts = backend.encode_batch([recs[i]["text"] for i in ok], add_special_tokens=False)
+    suffixes = backend.encode_batch([out[i][1] for i in ok], add_special_tokens=False)
+    for i, prompt, text, suffix in zip(ok, prompts, texts, suffixes):
+        try:
+            out[i] = assemble(prompt.ids, text.ids, suffix.ids, ends, _ended(recs[i]))
+        except Skip as e:
+            out[i] = e
+    return out
+
+
+_worker_tok = None
+
+
+def _init_worker(model_cfg) -> None:
+    global _worker_tok
+    _worker_tok = load_tokenizer(model_cfg)
+
+
+def _worker_render(args) -> list:
+    recs, kwargs = args
+    return rendered_parts(_worker_tok, recs, kwargs)
+
+
+def text_samples_parallel(tok, recs: list[dict], cfg: Config) -> list:
+    """Large inputs render (Python-bound Jinja) in worker processes, which send back only the rendered prompt and
+    suffix strings; encoding stays one batch here, where the Rust tokenizer already uses every core."""
+    kwargs = dict(cfg.model.template_kwargs)
+    ends = end_of_turn_ids(tok, cfg.model, kwargs)
+    workers = min(os.cpu_count() or 1, 16)
+    # With few cores the Rust encode already fills them and rendering is ~10 % of the work: a pool's start-up and
+    # pickling cost more than it saves (measured with bench/tokenize.py on 2 cores). With many, rendering in one
+    # process becomes the bottleneck.
+    if len(recs) < PARALLEL_MIN_RECORDS or workers < PARALLEL_MIN_CPUS:
+        return text_samples(tok, recs, kwargs, ends)
+    size = -(-len(recs) // (workers * 4))
+    chunks = [
+        ([{k: r.get(k) for k in ("messages", "tools", "text")} for r in recs[i : i + size]], kwargs)
+        for i in range(0, len(recs), size)
+    ]
+    with ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(cfg.model,)) as pool:
+        parts = [p for part in pool.map(_worker_render, chunks) for p in part]
+    return text_samples(tok, recs, kwargs, ends, parts)
+
+
+def limit_length(s: Tokenized, max_len: int, policy: OnTooLong) -> Tokenized:
+    if len(s.input_ids) <= max_len:
+        return s
+    if policy == OnTooLong.drop:
+        raise Skip("over_max_seq_len")
+    s = Tokenized(s.id, s.input_ids[:max_len], s.loss_mask[:max_len])
+    if not any(s.loss_mask):  # the prompt alone fills max_seq_len: nothing left to train on
+        raise Skip("no_trained_tokens_after_truncation")
+    return s
+
+
+@dataclass
+class TokenizeTally:
+    skipped: Counter
+    text_path: int = 0
+    drift: int = 0  # text-path samples whose re-encoded completion length differs from the server's count
+    truncated: int = 0
+
+
+def build_samples(recs: list[dict], tok, cfg: Config) -> tuple[list[Tokenized], TokenizeTally]:
+    tally = TokenizeTally(Counter())
+    usable = []
+    for rec in recs:
+        if rec["completion_tokens"] == 0 or not rec["text"].strip():
+            tally.skipped["empty_output"] += 1
+        else:
+            usable.append(rec)
+    by_ids = [r for r in usable if r.get("prompt_ids") is not None and r.get("output_ids") is not None]
+    by_text = [r for r in usable if r.get("prompt_ids") is None or r.get("output_ids") is None]
+    built: dict[str, object] = {r["id"]: from_ids(r["prompt_ids"], r["output_ids"]) for r in by_ids}
+    for rec, result in zip(by_text, text_samples_parallel(tok, by_text, cfg)):
+        built[rec["id"]] = result
+        if not isinstance(result, Skip):
+            tally.text_path += 1
+            tally.drift += int(sum(result[1]) != rec["completion_tokens"])
+    samples = []
+    for rec in usable:  # response order, which is prompt order
+        result = built[rec["id"]]
+        if isinstance(result, Skip):
+            tally.skipped[result.reason] += 1
+            continue
+        ids, mask = result
+        try:
+            s = limit_length(Tokenized(rec["id"], ids, mask), cfg.tokenize.max_seq_len, cfg.tokenize.on_too_long)
+        except Skip as e:
+            tally.skipped[e.reason] += 1
+            continue
+        tally.truncated += int(len(s.input_ids) < len(ids))
+        samples.append(s)
+    return samples, tally
+
+
+def check_skips(skipped: Counter, responses: int, max_pct: float) -> None:
+    """Too many skips stop the stage before anything is written, naming the top reason."""
+    n = sum(skipped.values())
+    if responses and 100.0 * n / responses > max_pct:
+        reason, count = skipped.most_common(1)[0]
+        raise UserError(
+            f"tokenize: {n} of {responses} responses skipped ({100.0 * n / responses:.1f} % > "
+            f"tokenize.max_skip_pct {max_pct:g}); top reason: {reason} ({count}); see the reasons in "
+            "docs/outputs.md, or raise tokenize.max_skip_pct"
+        )

@@ -1,0 +1,1 @@
+"""Small helpers every step uses: files written atomically, log lines, content hashes, SQLite, plot data."""

@@ -1,0 +1,41 @@
+"""Data files for `dvc plots`: small CSVs the stages write beside their metrics, shown per dataset by
+`dvc plots show` and compared across experiments by `dvc plots diff`.
+
+- `plots/completion_lengths.csv` (generate): the selected responses' completion lengths in HISTOGRAM_BINS bins of
+  equal width up to max_tokens (the same bins in every run of a dataset, so experiments line up);
+- `plots/budget_fill.csv` (generate): tokens counted toward the budget against seconds since generation began
+  (every finished response counts, so the line may end a little past the output's total when responses finishing
+  together crossed the budget: the output keeps the plan-order prefix that meets it, the rest stay in the store);
+- `plots/skips.csv` (tokenize): responses skipped, by reason (every reason, zeros included, so runs line up).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Iterable
+from pathlib import Path
+
+from draftdata.util.files import atomic_path
+
+HISTOGRAM_BINS = 16
+
+
+def histogram(lengths: Iterable[int], max_tokens: int, bins: int = HISTOGRAM_BINS) -> list[dict]:
+    """Rows {length: "lo-hi", responses: n}; the last bin holds max_tokens itself (a response cut at the limit)."""
+    width = max(1, math.ceil(max_tokens / bins))
+    counts = [0] * bins
+    for n in lengths:
+        counts[min(bins - 1, n // width)] += 1
+    digits = len(str(max_tokens))  # zero-padded: the labels sort as the bins do
+    return [
+        {"length": f"{i * width:0{digits}d}-{min(max_tokens, (i + 1) * width - 1):0{digits}d}", "responses": c}
+        for i, c in enumerate(counts)
+    ]
+
+
+def write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)

@@ -1,0 +1,127 @@
+"""SQLite as both stores use it (the response store and the hidden-state store): where they live, how they open
+(WAL on local disks, rollback journal on network file systems), and the model files' hash cache beside them.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sqlite3
+import time
+from pathlib import Path
+
+# File systems where SQLite's WAL is unsafe: its index lives in shared memory that only processes on one host share,
+# and these mounts may be written from several (SQLite's docs: "WAL does not work over a network filesystem").
+NETWORK_FS = (
+    "nfs",
+    "nfs4",
+    "cifs",
+    "smb3",
+    "smbfs",
+    "afs",
+    "ceph",
+    "glusterfs",
+    "lustre",
+    "gpfs",
+    "beegfs",
+    "9p",
+    "panfs",
+    "wekafs",
+    "fuse.sshfs",
+    "fuse.glusterfs",
+    "fuse.ceph",
+    "fuse.s3fs",
+    "fuse.gcsfuse",
+)
+
+
+def fs_type(path: Path) -> str:
+    """The type of the file system `path` is on, from the kernel's mount table ("" where it cannot tell)."""
+    try:
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return ""
+    target = str(Path(path).resolve())
+    best, kind = "", ""
+    for line in mounts:
+        fields_ = line.split()
+        if len(fields_) < 3:
+            continue
+        point = fields_[1].replace("\\040", " ")
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields_[2]
+    return kind
+
+
+def open_db(path: Path, what: str, schema: str) -> sqlite3.Connection:
+    """A store's SQLite database with its `schema`: WAL on a local disk; a rollback journal, with a warning, on a
+    network file system. A busy timeout lets several processes (torchrun ranks, two generate runs on one store)
+    commit side by side. isolation_level=None: no implicit transactions; writers open and commit their own."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=600)
+        db.execute("PRAGMA schema_version").fetchall()  # opens the file: a directory or a non-database fails here
+    except (OSError, sqlite3.Error) as e:
+        from draftdata.errors import ConfigError
+
+        raise ConfigError("run.store_path", f"cannot open the {what} at {path}: {e}") from None
+    kind = fs_type(path.parent)
+    network = kind in NETWORK_FS
+    if network:
+        from draftdata.util.log import log
+
+        log(
+            what,
+            warning=f"{path} is on a network file system ({kind}), where SQLite's WAL is not safe: using a "
+            "rollback journal (slower, and one machine at a time). Put run.store_path on a local disk.",
+        )
+    _setup(db, network, schema)
+    return db
+
+
+def _setup(db: sqlite3.Connection, network: bool, schema: str, attempts: int = 50) -> None:
+    """Journal mode and schema. Processes that open a new store at the same moment (torchrun ranks) can meet
+    SQLITE_BUSY where SQLite does not wait on the busy timeout (a journal-mode change on a file another is creating,
+    a lock upgrade that would deadlock): such a step is retried after a short pause."""
+    for attempt in range(attempts):
+        try:
+            if network:
+                db.execute("PRAGMA journal_mode=DELETE")
+                db.execute("PRAGMA synchronous=FULL")
+            else:
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute(
+                    "PRAGMA synchronous=NORMAL"
+                )  # WAL + NORMAL: a crash never corrupts, may lose the last commit
+            db.executescript(schema)
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or attempt == attempts - 1:
+                raise
+            time.sleep(0.05 + random.random() * 0.1)
+
+
+def hash_cache_path(store_path: str) -> Path:
+    """Where file hashes of the model are cached between runs (draftdata.target.fingerprint.model_fingerprint):
+    beside the store, so experiments that share the store share the cache."""
+    return resolve_store_path(store_path).parent / "file_hashes.json"
+
+
+def resolve_store_path(configured: str, cwd: Path | None = None) -> Path:
+    """Where the store lives. `DRAFTDATA_STORE` wins; an absolute path stays; a relative one is taken from the
+    project root. `dvc exp run --temp` and `--queue` run in a copy of the workspace under
+    `<root>/.dvc/tmp/exps/`: the root is then the original workspace, so experiments share one store and every
+    response they generate is there for the next run."""
+    env = os.environ.get("DRAFTDATA_STORE")
+    if env:
+        return Path(env)
+    path = Path(configured)
+    if path.is_absolute():
+        return path
+    cwd = (cwd or Path.cwd()).resolve()
+    parts = cwd.parts
+    for i in range(len(parts) - 3):
+        if parts[i : i + 4] == (".dvc", "tmp", "exps", parts[i + 3]) and i > 0:
+            return Path(*parts[:i]) / path
+    return cwd / path

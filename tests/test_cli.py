@@ -1,0 +1,74 @@
+"""`draftdata <command>`: one console script for what a user runs beside `dvc repro`, and the reader API a trainer
+imports without the pipeline's machinery."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from draftdata.cli import COMMANDS
+
+
+def draftdata(*args: str, cwd=ROOT) -> subprocess.CompletedProcess:
+    # `python -m draftdata` is the console script's module: the same main()
+    return subprocess.run(
+        [sys.executable, "-m", "draftdata", *args], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_help_lists_every_command():
+    proc = draftdata("--help")
+    assert proc.returncode == 0
+    listed = [line.split()[0] for line in proc.stdout.splitlines() if line.startswith("  ")]
+    assert listed == ["plan", "export", "compare", "reference"] == list(COMMANDS)
+
+
+def test_an_unknown_command_is_one_error_line_and_status_2(tmp_path):
+    proc = draftdata("exprot", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[0] == "error: unknown command 'exprot'"
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "command, first",
+    [
+        ("plan", "Command `plan`: what the configured budgets will cost"),
+        ("export", "usage: draftdata export dataset=<D> [key=value ...]"),
+        ("compare", "Compare experiments at a glance: `draftdata compare"),
+        ("reference", "usage: draftdata reference"),
+    ],
+)
+def test_each_command_has_its_help(command, first):
+    proc = draftdata(command, "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(first), proc.stdout[:300]
+
+
+def test_plan_and_export_take_hydra_overrides_as_the_stages_do():
+    """The config's help shows the value an override sets: the same grammar and composition as a stage."""
+    for command in ("plan", "export"):
+        proc = draftdata(command, "--help", "datasets.B3_magicoder.token_budget=12345")
+        assert proc.returncode == 0, proc.stderr
+        assert "token_budget: 12345" in proc.stdout
+
+
+def test_the_reader_imports_no_pipeline_machinery():
+    """`from draftdata.hidden import HiddenStates` in a trainer's process loads the reader and the shard format only:
+    no DVC, Hydra, OmegaConf, transformers, engine or step of the pipeline."""
+    code = (
+        "import sys; from draftdata.hidden import HiddenStates; "
+        "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('dvc', 'hydra', 'omegaconf', 'transformers', 'draftdata'))))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    loaded = set(proc.stdout.split())
+    assert "draftdata.hidden.reader" in loaded
+    assert not {m for m in loaded if not m.startswith("draftdata")}, loaded
+    assert not {
+        m for m in loaded if m.startswith(("draftdata.hidden.engines", "draftdata.config", "draftdata.generate"))
+    }

@@ -1,0 +1,150 @@
+"""The dispatcher with a scripted in-process backend: at the budget (or on an interrupt) it stops the requests in
+flight by signal (`GenRequest.stop`), commits an answer that completed meanwhile, parks the rest, and cancels a
+request only when its backend ignored the signal for STOP_WAIT_S. The run's task is not left cancelling, so an
+`asyncio.timeout` around the run, or after it, still works. (The backends' side of the stop: tests/test_backends.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from draftdata.config.schema import Config, DatasetConfig, OnBudget, RunConfig
+from draftdata.generate import dispatcher as dispatcher_module
+from draftdata.generate.backends import GenRequest, GenResult, stopped_result
+from draftdata.generate.budget import BudgetController
+from draftdata.generate.dispatcher import Dispatcher, Interrupted
+from draftdata.generate.selection import Planned
+from draftdata.generate.store import CUT, INTERRUPTED, ResponseStore
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def run(coro, timeout: float = 30.0):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def not_left_cancelling() -> None:
+    """The current task carries no cancellation request: the next asyncio.timeout fires as a TimeoutError."""
+    assert asyncio.current_task().cancelling() == 0
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.02):
+            await asyncio.sleep(1)
+
+
+# ---- the dispatcher -------------------------------------------------------------------------------------------- #
+
+
+class Streaming:
+    """A backend that streams one token per `step_s` until max_tokens, and records how each request ended.
+    `honours_stop=False`: it ignores the signal (the dispatcher must cancel it); `finish_on_stop`: the answer
+    completes during the stop (it must be committed)."""
+
+    name = "scripted"
+    takes_token_ids = True
+
+    def __init__(self, step_s: float = 0.002, honours_stop: bool = True, finish_on_stop: bool = False):
+        self.step_s, self.honours_stop, self.finish_on_stop = step_s, honours_stop, finish_on_stop
+        self.cancelled: list[str] = []
+        self.stopped: list[str] = []
+
+    async def generate(self, req: GenRequest) -> GenResult:
+        try:
+            while req.partial.completion_tokens < req.max_tokens:
+                if req.stopping and self.honours_stop:
+                    return self._stopped(req)
+                await asyncio.sleep(self.step_s)
+                req.partial.output_ids.append(len(req.partial.output_ids) + 10)
+                req.partial.text += "x"
+                req.partial.completion_tokens += 1
+            return self._answer(req)
+        except asyncio.CancelledError:
+            self.cancelled.append(req.rid)
+            raise
+
+    def _stopped(self, req: GenRequest) -> GenResult:
+        self.stopped.append(req.rid)
+        if self.finish_on_stop:
+            return self._answer(req, extra=1)  # the last token came while the stop was on its way
+        return stopped_result(req, self.name)
+
+    def _answer(self, req: GenRequest, extra: int = 0) -> GenResult:
+        ids = list(req.partial.output_ids) + [99] * extra
+        return GenResult(req.rid, ids, "x" * len(ids), len(req.prompt_ids), len(ids), "length", server=self.name)
+
+
+class Quiet:
+    def update(self, _dispatcher) -> None:
+        pass
+
+
+def dispatcher(tmp_path, backend, budget: int, on_budget=OnBudget.keep_partial, concurrency: int = 4) -> Dispatcher:
+    """keep_partial by default: the tokens in flight count, so the budget is reached mid-answer."""
+    max_tokens = 400
+    ds = DatasetConfig(token_budget=budget, max_tokens=max_tokens, concurrency=concurrency, on_budget=on_budget)
+    cfg = Config(
+        dataset="d",
+        datasets={"d": ds},
+        run=RunConfig(store_path=str(tmp_path / "store.sqlite"), progress=False),
+    )
+    ctrl = BudgetController(budget, max_tokens, concurrency, keep_partial=on_budget == OnBudget.keep_partial)
+    return Dispatcher(backend, ctrl, ResponseStore(cfg.run.store_path), cfg, None, True, {}, Quiet())
+
+
+def plan(n: int) -> list[Planned]:
+    return [Planned({"id": f"p{i}", "messages": []}, f"{i:032x}", [1, 2, 3]) for i in range(n)]
+
+
+def stored(d: Dispatcher) -> dict[str, str]:
+    return {r.key: r.finish_reason for r in d.store.get_many(p.key for p in plan(50)).values()}
+
+
+def test_the_budget_stops_requests_by_signal_inside_a_timeout(tmp_path):
+    """Four requests of 400 tokens against a budget of 100: none completes, each is stopped at the budget and
+    parked with its tokens, no task is cancelled, and the run's task is not left cancelling."""
+    backend = Streaming()
+    d = dispatcher(tmp_path, backend, budget=100)
+
+    async def go():
+        async with asyncio.timeout(30):
+            stats = await d.run(plan(4))
+        await not_left_cancelling()
+        return stats
+
+    stats = run(go())
+    assert backend.cancelled == [] and sorted(backend.stopped) == sorted(p.key for p in plan(4))
+    assert stats.cancelled == 4 and stats.parked == stats.cut == 4 and stats.new == 0 and stats.lost == 0
+    assert set(stored(d).values()) == {CUT} and stats.parked_tokens >= 100
+
+
+def test_an_answer_that_completes_during_the_stop_is_committed(tmp_path):
+    backend = Streaming(finish_on_stop=True)
+    d = dispatcher(tmp_path, backend, budget=100)
+    stats = run(d.run(plan(4)))
+    assert stats.new == 4 and stats.cancelled == 0 and stats.parked == 0 and set(stored(d).values()) == {"length"}
+
+
+def test_a_backend_that_ignores_the_stop_is_cancelled_after_the_wait(tmp_path, monkeypatch):
+    monkeypatch.setattr(dispatcher_module, "STOP_WAIT_S", 0.2)
+    backend = Streaming(step_s=0.01, honours_stop=False)
+    d = dispatcher(tmp_path, backend, budget=40)
+    t0 = time.monotonic()
+    stats = run(d.run(plan(2)))
+    assert time.monotonic() - t0 < 3  # not the 4 s the answers would take
+    assert sorted(backend.cancelled) == sorted(p.key for p in plan(2)) and backend.stopped == []
+    assert stats.cancelled == 2 and stats.parked == 2  # parked with what their partials held
+
+
+def test_an_interrupt_parks_what_is_in_flight_as_interrupted(tmp_path):
+    backend = Streaming(step_s=0.01)
+    d = dispatcher(tmp_path, backend, budget=10_000, on_budget=OnBudget.cancel)
+
+    async def go():
+        asyncio.get_running_loop().call_later(0.2, d.interrupt)
+        with pytest.raises(Interrupted):
+            await d.run(plan(4))
+        await not_left_cancelling()
+
+    run(go())
+    assert backend.cancelled == [] and d.stats.cancelled == 4 and set(stored(d).values()) == {INTERRUPTED}
