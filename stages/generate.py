@@ -14,7 +14,7 @@ from draftdata.config.load import cli
 from draftdata.config.schema import Config
 from draftdata.errors import UserError
 from draftdata.generate.dispatcher import RunStats
-from draftdata.generate.run import _metrics, _output_record, _run, write_plots
+from draftdata.generate.run import generate_missing, output_record, run_metrics, write_plots
 from draftdata.generate.selection import check_context, plan_requests, select_responses, tokens_of, unusable_reason
 from draftdata.generate.store import ResponseStore
 from draftdata.target.model import check_tokenizer_fits, model_limits
@@ -48,15 +48,16 @@ def main(cfg: Config) -> None:
                 status=f"budget met: {committed:,} >= {ds.token_budget:,} tokens from {len(usable):,} responses",
             )
         else:
-            stats = _run(cfg, tok, plan, stored, store)
+            stats = generate_missing(cfg, tok, plan, stored, store)
             stored = store.get_many(p.key for p in plan)
         selected, total, skipped = select_responses(plan, stored, ds)
-        write_jsonl(out / "responses.jsonl", (_output_record(p, r) for p, r in selected))
+        write_jsonl(out / "responses.jsonl", (output_record(p, r) for p, r in selected))
         write_plots(
             out / "plots", [r.completion_tokens for _, r in selected], ds.max_tokens, stats.fill or [(0.0, total)]
         )
         write_json(
-            out / "generate_metrics.json", _metrics(ds, selected, total, skipped, stats, len(usable), time.time() - t0)
+            out / "generate_metrics.json",
+            run_metrics(ds, selected, total, skipped, stats, len(usable), time.time() - t0),
         )
     finally:
         store.close()

@@ -59,7 +59,9 @@ async def _generate(
         )
 
 
-def _run(cfg: Config, tok, plan: list[Planned], stored: dict[str, StoredResponse], store: ResponseStore) -> RunStats:
+def generate_missing(
+    cfg: Config, tok, plan: list[Planned], stored: dict[str, StoredResponse], store: ResponseStore
+) -> RunStats:
     """Generate what the budget still needs. Parked partials are continued rather than counted: the budget counts
     complete responses, and keep_partial's cut ones only once no more generation is wanted."""
     ds = cfg.ds
@@ -99,7 +101,7 @@ def _run(cfg: Config, tok, plan: list[Planned], stored: dict[str, StoredResponse
         sys.exit(130)
 
 
-def _metrics(
+def run_metrics(
     ds: DatasetConfig, selected, total: int, skipped: Counter, stats: RunStats, reused: int, wall: float
 ) -> dict:
     in_output = sum(stats.new_by_key.get(r.key, 0) for _, r in selected)
@@ -143,7 +145,7 @@ def write_plots(out: Path, lengths: list[int], max_tokens: int, fill: list[tuple
     write_csv(out / "budget_fill.csv", [{"seconds": t, "tokens": n} for t, n in fill], ["seconds", "tokens"])
 
 
-def _output_record(p: Planned, r: StoredResponse) -> dict:
+def output_record(p: Planned, r: StoredResponse) -> dict:
     rec = {"id": p.prompt["id"], "key": r.key, "messages": p.prompt["messages"]}
     if p.prompt.get("tools"):
         rec["tools"] = p.prompt["tools"]
