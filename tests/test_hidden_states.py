@@ -400,6 +400,72 @@ def test_device_map_gives_the_same_states(tiny_model):
         assert torch.equal(a, b) and torch.equal(f, g)
 
 
+class OnAnotherDevice(torch.Tensor):
+    """A tensor on torch's meta device (no data) whose copy to the host gives the values it stands for: a layer's
+    output left on a second GPU, on a machine without one."""
+
+    def cpu(self, *args, **kwargs):
+        return self.host
+
+    def to(self, *args, **kwargs):
+        return self.host.to(*args, **kwargs)
+
+
+def test_layers_captured_on_two_devices_are_returned_on_the_cpu(tiny_model):
+    """`device_map: auto` over several GPUs leaves each captured layer's output on its layer's GPU: layer 3's faked
+    onto another device here, the engine still stacks the layers and returns the same states, on the CPU."""
+    from draftdata.config.schema import ModelConfig
+    from draftdata.hidden.engines.hf import HFEngine
+
+    batch = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    plain = HFEngine(ModelConfig(path=str(tiny_model)), [1, 3, 4]).forward(batch)
+    engine = HFEngine(ModelConfig(path=str(tiny_model)), [1, 3, 4])
+
+    def elsewhere(_module, _inputs, _output):  # runs after the engine's own hook on that layer
+        host = engine._out[3]
+        engine._out[3] = torch.Tensor._make_subclass(OnAnotherDevice, torch.empty_like(host, device="meta"))
+        engine._out[3].host = host
+
+    engine.decoder.layers[3].register_forward_hook(elsewhere)
+    split = engine.forward(batch)
+    for (a, f), (b, g) in zip(plain, split):
+        assert type(b) is torch.Tensor and b.device.type == "cpu"
+        assert torch.equal(a, b) and torch.equal(f, g)
+
+
+def test_unsorted_layers_are_stored_in_ascending_order(hs_project, tiny_model, capsys):
+    """SGLang and vLLM collect the aux states in ascending layer order inside the forward, whatever order the ids
+    come in: `hidden_states.layers: [5, 1, 3]` is stored and indexed as [1, 3, 5] (the list as given kept beside),
+    with a line saying so; a draft config's unsorted ids likewise."""
+    from transformers import AutoModelForCausalLM
+
+    from draftdata.config.load import load_config
+    from draftdata.hidden.layers import resolve_layers
+
+    hs_project.set("hidden_states.layers", [5, 1, 3])
+    hs_project.run("hidden_states", "B3")
+    assert "hidden_states layers=[1, 3, 5] given=[5, 1, 3] note=hidden_states.layers sorted" in capsys.readouterr().out
+    out = hs_project.data("B3") / "hidden_states"
+    index = json.loads((out / "index.json").read_text())
+    assert index["layers"]["physical"] == [1, 3, 5] and index["layers"]["vllm_speculators"] == [2, 4, 6]
+    assert index["layers_as_given"] == [5, 1, 3]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    for s in list(HiddenStates(out))[:3]:
+        with torch.inference_mode():
+            hs = model(input_ids=s.input_ids.unsqueeze(0), output_hidden_states=True).hidden_states
+        expected = torch.stack([hs[layer + 1][0] for layer in (1, 3, 5)], dim=1)
+        torch.testing.assert_close(s.aux, expected, atol=1e-5, rtol=1e-5)
+
+    draft = hs_project.path / "draft.json"
+    draft.write_text(json.dumps({"speculators_config": {}, "eagle_aux_hidden_state_layer_ids": [6, 2, 4]}))
+    cfg = load_config(
+        "B3",
+        ["hidden_states.layers=null", f"hidden_states.draft_config={draft}"],
+        params_path=hs_project.path / "params.yaml",
+    )
+    assert resolve_layers(cfg, 8) == [1, 3, 5]
+
+
 def test_every_file_produced_gets_the_umask_mode(hs_project):
     """Outputs on a shared cluster must be readable by whoever the umask lets read them (temp files start 0600)."""
     from draftdata.util.files import FILE_MODE

@@ -189,6 +189,7 @@ class TokenizeConfig:
 class HiddenStatesConfig:
     # The layers whose outputs are kept, as physical 0-based ids (the output of decoder layer L; HF hidden_states[L+1];
     # SGLang/SpecForge id L; vLLM/speculators id L+1). None: a draft config's, else EAGLE-3's [1, N//2 - 1, N - 4].
+    # Stored in ascending order, as SGLang and vLLM collect them (index.json keeps the list as given).
     layers: Optional[List[int]] = None
     draft_config: Optional[str] = None  # a draft model's config.json with eagle_aux_hidden_state_layer_ids
     draft_numbering: str = "auto"  # its ids: sglang (SGLang, SpecForge) | vllm (vLLM, speculators) | auto

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from draftdata.config.schema import Config
 from draftdata.errors import ConfigError, UserError
+from draftdata.util.log import log
 
 
 def default_layers(n_layers: int) -> list[int]:
@@ -15,8 +16,9 @@ def default_layers(n_layers: int) -> list[int]:
 
 
 def resolve_layers(cfg: Config, n_layers: int) -> list[int]:
-    """Physical 0-based ids of the layers whose outputs are kept: `hidden_states.layers`, else a draft config's
-    `eagle_aux_hidden_state_layer_ids` (in its own numbering), else EAGLE-3's default for this model."""
+    """Physical 0-based ids of the layers whose outputs are kept, in ascending order: `hidden_states.layers`, else a
+    draft config's `eagle_aux_hidden_state_layer_ids` (in its own numbering), else EAGLE-3's default for this
+    model."""
     hs = cfg.hidden_states
     if hs.layers is not None:
         return _valid(list(hs.layers), n_layers, "hidden_states.layers")
@@ -41,7 +43,16 @@ def _valid(layers: list[int], n_layers: int, key: str) -> list[int]:
         )
     if len(set(layers)) != len(layers):
         raise ConfigError(key, f"layer ids must be distinct, got {layers}")
-    return layers
+    if layers != sorted(layers):
+        # SGLang and vLLM collect the aux states in the forward, so in ascending layer order whatever the list's:
+        # stored in another order, a drafter would train on one order and be served another
+        log(
+            "hidden_states",
+            layers=sorted(layers),
+            given=layers,
+            note=f"{key} sorted: SGLang and vLLM collect the aux states in ascending layer order",
+        )
+    return sorted(layers)
 
 
 def _draft_layer_ids(path: Path, numbering: str) -> tuple[list[int], str]:
