@@ -82,10 +82,11 @@ class HFEngine:
         device = self.decoder.layers[0].parameters().__next__().device
         with torch.inference_mode():
             self.decoder(input_ids=ids.to(device), use_cache=False)
-        # one copy to the host per layer and batch, not one per sample (each is a device sync), before stacking:
-        # under a device_map the layers' outputs are on their layers' GPUs; in the model's own dtype: a bf16
+        # under a device_map the layers' outputs sit on their layers' GPUs: gathered on the first one's, then one
+        # copy to the host per batch, not one per sample (each is a device sync); in the model's own dtype: a bf16
         # target's states stored as bf16 need no float32 round trip
-        aux = torch.stack([self._out[i].cpu() for i in self.layers], dim=2)  # [B, W, k, H]
+        outs = [self._out[i] for i in self.layers]
+        aux = torch.stack([o.to(outs[0].device) for o in outs], dim=2).cpu()  # [B, W, k, H]
         final = self._out["final"].cpu()
         self._out.clear()
         return [(aux[i, : len(x)], final[i, : len(x)]) for i, x in enumerate(batch)]
