@@ -182,12 +182,15 @@ class Fault:
     answer's body), `stall` (silence after `after` tokens, until the client gives up or aborts), `malformed` (a plain
     body, or a stream line after `after` tokens, that is not JSON), `stream_error` (a stream reports `{"error": ...}`
     after `after` tokens, as SGLang does for a ValueError; a plain answer is clean).
-    A faulty answer: `no_usage` (an OpenAI answer without `usage`), `empty` (finished, "stop", without a token)."""
+    A faulty answer: `no_usage` (an OpenAI answer without `usage`), `empty` (finished, "stop", without a token),
+    `finish` (an OpenAI answer with every token but `reason` as its `finish_reason`: `content_filter`, None for
+    null, or a value outside the protocol; a stream sends it in its last chunk)."""
 
     kind: str
     status: int = 0
     retry_after: str | None = None
     after: int = 0
+    reason: str | None = None  # the finish_reason of a `finish` fault
 
 
 @dataclass
@@ -235,8 +238,9 @@ class Attempt:
     retry_after: float | None = None
     sent: list[int] = field(default_factory=list)  # token ids a client could read (whole stream chunks or body)
     finish: str | None = None  # the finish reason sent; None: the answer never finished
-    # complete | status | drop | hang | reset | stall | malformed | stream_error | no_usage | empty (a faulty
-    # answer) | killed (the server died under it) | disconnected (the client went away) | aborted (by /abort_request)
+    # complete | status | drop | hang | reset | stall | malformed | stream_error | no_usage | empty | finish (a
+    # faulty answer) | killed (the server died under it) | disconnected (the client went away) | aborted (by
+    # /abort_request)
     outcome: str = ""
     t_end: float = 0.0
 
@@ -460,6 +464,8 @@ class FakeServer:
         planned, finish = self.model.answer(wire.context, max_new)
         if a.fault == "empty":
             planned, finish, a.outcome = [], "stop", "empty"
+        elif a.fault == "finish":
+            finish, a.outcome = fault.reason, "finish"
         try:
             if a.fault in ("status", "drop", "hang"):
                 return await self._fail_at_once(request, a, wire, fault)

@@ -33,7 +33,9 @@ def main(cfg: Config) -> None:
     tok = load_tokenizer(cfg.model)
     limits = model_limits(cfg.model)
     check_tokenizer_fits(tok, cfg.model, limits)
-    plan = plan_requests(cfg, list(read_jsonl(prompts_path)), tok)
+    prompts = list(read_jsonl(prompts_path))
+    plan = plan_requests(cfg, prompts, tok)  # one per key: prompts the template renders alike are asked once
+    duplicates = len(prompts) - len(plan)
     check_context(plan, cfg, limits.context)
     store = ResponseStore(resolve_store_path(cfg.run.store_path))
     try:
@@ -57,7 +59,7 @@ def main(cfg: Config) -> None:
         )
         write_json(
             out / "generate_metrics.json",
-            run_metrics(ds, selected, total, skipped, stats, len(usable), time.time() - t0),
+            run_metrics(ds, selected, total, skipped, stats, len(usable), duplicates, time.time() - t0),
         )
     finally:
         store.close()

@@ -21,7 +21,7 @@ import aiohttp
 import pytest
 from conftest import free_port, transformers_serve
 
-from bench.fake_server import EOS_ID, FakeServer, Faults, fake_output_ids, fake_text
+from bench.fake_server import EOS_ID, FakeServer, Fault, Faults, fake_output_ids, fake_text
 from draftdata.config.schema import BackendConfig, BackendKind, Config, DatasetConfig, ModelConfig
 from draftdata.errors import UserError
 from draftdata.generate.backends import GenRequest, Partial, make_backend
@@ -750,3 +750,39 @@ def test_embedded_stop_cancels_in_the_manager_and_returns_the_streamed_partial(e
     assert res.stopped and 5 <= res.completion_tokens < 2000
     assert res.output_ids == req.partial.output_ids and len(res.output_ids) == res.completion_tokens
     assert res.text == tok.decode(res.output_ids, skip_special_tokens=True)
+
+
+# ---- openai: finish reasons that do not say the model ended its turn ----------------------------------------------- #
+
+
+@pytest.mark.parametrize(
+    "reason, code, stream",
+    [
+        ("content_filter", "content_filter", False),
+        ("content_filter", "content_filter", True),
+        (None, "bad_response", False),  # a stream without one is cut: see the next test
+        ("gremlins", "bad_response", False),
+        ("gremlins", "bad_response", True),
+    ],
+    ids=["content_filter-plain", "content_filter-stream", "null-plain", "unknown-plain", "unknown-stream"],
+)
+def test_openai_answer_that_did_not_end_its_turn_fails_unretried(fake, reason, code, stream):
+    """A filtered answer, or one whose finish reason is missing or outside the protocol, is no response: a failure
+    that is not retried (the same prompt meets the same filter), its tokens thrown away, so that nothing of it is
+    parked or stored."""
+    srv = fake(stop_after=5, every=Fault("finish", reason=reason))
+    req = request(max_tokens=16, stream=stream)
+    res = run(generate(config(BackendKind.openai, [srv.url], return_token_ids=True), req))
+    assert [a.finish for a in srv.log] == [reason] and [a.outcome for a in srv.log] == ["finish"]
+    assert not res.ok and res.error == code and res.detail and req.attempt_errors == [code]
+    assert len(srv.generate_calls) == 1  # not retried
+    # nothing left in the partial for the caller to park or store, and the answer's tokens counted as thrown away
+    assert (req.partial.output_ids, req.partial.text, req.partial.completion_tokens) == ([], "", 0)
+    assert req.discarded_tokens == 6
+
+
+def test_openai_stream_without_a_finish_reason_is_a_cut_stream_retried(fake):
+    srv = fake(stop_after=5, every=Fault("finish", reason=None))
+    cfg = config(BackendKind.openai, [srv.url], return_token_ids=True, max_retries=2)
+    res = run(generate(cfg, request(stream=True)))
+    assert res.error == "retries_exhausted" and res.detail.startswith("connection") and len(srv.generate_calls) == 3

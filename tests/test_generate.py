@@ -267,3 +267,41 @@ def test_a_tokenizer_from_another_model_is_refused(project, tiny_model, tmp_path
         with pytest.raises(ConfigError) as err:
             check()
         assert err.value.key == "model.path" and "not a pair" in str(err.value)
+
+
+def test_prompts_the_template_renders_alike_are_one_sample(project, tmp_path):
+    """The prompts stage dedups by message JSON; a template that trims the content renders "Hello" and "Hello\\n" to
+    the same ids, hence one store key. Generate asks it once and outputs it once, the first prompt's, with its
+    tokens counted once toward the budget, and says how many it dropped."""
+    from draftdata.target.tiny import CHAT_TEMPLATE
+
+    untrimmed = "(message.content or '')"
+    assert untrimmed in CHAT_TEMPLATE
+    template = tmp_path / "trimming.jinja"
+    template.write_text(CHAT_TEMPLATE.replace(untrimmed, f"({untrimmed} | trim)"))
+    source = tmp_path / "twins.jsonl"
+    contents = ["Hello", "Hello\n", "Write a function that adds two numbers.", "Sort a list of words."]
+    source.write_text("".join(json.dumps({"messages": [{"role": "user", "content": c}]}) + "\n" for c in contents))
+    project.set("model.chat_template", str(template))
+    project.set("datasets.B3.source", {"shape": "messages", "path": str(source)})
+    project.set("datasets.B3.max_prompts", None)
+    project.set("datasets.B3.token_budget", 100_000)  # every prompt is answered: the source runs out first
+    project.run("prompts", "B3")
+    prompts = list(read_jsonl(project.data("B3") / "prompts.jsonl"))
+    assert len(prompts) == 4  # different messages: both survive the prompts stage
+    hello = [p["id"] for p in prompts if p["messages"][0]["content"].strip() == "Hello"]
+
+    project.run("generate", "B3")
+    m = metrics(project)
+    rows = list(read_jsonl(project.data("B3") / "responses.jsonl"))
+    assert len(rows) == len({r["key"] for r in rows}) == m["responses"] == 3
+    assert m["duplicate_after_template"] == 1
+    assert [r["id"] for r in rows if r["id"] in hello] == hello[:1]  # the first in prompt order wins
+    assert m["budget_tokens"] == sum(r["completion_tokens"] for r in rows)  # each response counted once
+    assert sorted(store_keys(project)) == sorted(r["key"] for r in rows)
+
+
+def test_no_duplicates_after_template_is_said_too(project):
+    project.run("prompts", "B3")
+    project.run("generate", "B3")
+    assert metrics(project)["duplicate_after_template"] == 0

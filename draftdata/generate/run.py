@@ -102,7 +102,14 @@ def generate_missing(
 
 
 def run_metrics(
-    ds: DatasetConfig, selected, total: int, skipped: Counter, stats: RunStats, reused: int, wall: float
+    ds: DatasetConfig,
+    selected,
+    total: int,
+    skipped: Counter,
+    stats: RunStats,
+    reused: int,
+    duplicates: int,
+    wall: float,
 ) -> dict:
     in_output = sum(stats.new_by_key.get(r.key, 0) for _, r in selected)
     return {
@@ -118,6 +125,8 @@ def run_metrics(
         "truncated": sum(r.finish_reason == "length" for _, r in selected),
         "cut_by_budget": sum(r.finish_reason == CUT for _, r in selected),
         "skipped": dict(sorted(skipped.items())),
+        # prompts whose rendered ids (hence store key) an earlier prompt had: asked and output once, the first's
+        "duplicate_after_template": duplicates,
         "failed": dict(sorted(stats.failed.items())),
         "attempt_failures": dict(sorted(stats.attempt_failures.items())),
         "cancelled_in_flight": stats.cancelled,

@@ -5,6 +5,7 @@ selected in prompt order up to the budget.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, OnBudget, OnTruncation
@@ -95,11 +96,17 @@ def check_context(plan: list[Planned], cfg: Config, context: int | None) -> None
         )
 
 
-def plan_requests(cfg: Config, prompts: list[dict], tok) -> list[Planned]:
+def plan_requests(cfg: Config, prompts: Iterable[dict], tok) -> list[Planned]:
+    """One request per store key, in prompt order. The prompts stage dedups by message JSON, but prompts that differ
+    only in what the chat template drops (a template that trims whitespace renders "Hello" and "Hello\\n" alike)
+    get one key. The first is kept and the others dropped: else one response would be sent, output and counted
+    toward the budget once per prompt. The number dropped is the number of prompts less the plan's length
+    (generate_metrics' duplicate_after_template)."""
     ds, kwargs = cfg.ds, dict(cfg.model.template_kwargs)
     fp = model_fingerprint(cfg.model.path, cfg.model.revision, hash_cache_path(cfg.run.store_path))
-    plan = []
+    plan: dict[str, Planned] = {}
     for rec in prompts:
         ids = render_prompt_ids(tok, rec["messages"], rec.get("tools"), kwargs)
-        plan.append(Planned(rec, request_key(fp, ids, ds.sampling.as_dict(), ds.max_tokens), ids))
-    return plan
+        key = request_key(fp, ids, ds.sampling.as_dict(), ds.max_tokens)
+        plan.setdefault(key, Planned(rec, key, ids))
+    return list(plan.values())

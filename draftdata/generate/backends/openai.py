@@ -32,12 +32,24 @@ from draftdata.generate.backends.http import (
     stream_cut,
 )
 
+ENDED_TURN = ("stop", "tool_calls", "function_call")  # OpenAI's finish reasons of a model that ended its turn
+
 
 def finish_reason(value: str | None) -> str:
-    """OpenAI's stop/length/tool_calls/content_filter, plus vLLM's abort, as stop | length | abort."""
+    """OpenAI's finish_reason (plus vLLM's abort) as stop | length | abort, or the Failure of an answer that is no
+    response, not retried: `content_filter` (the server's filter withheld or cut the answer; the same prompt meets
+    the same filter), and `bad_response` for a missing (null) or unknown finish reason, since nothing then says the
+    answer is whole. A stream that ends without one never gets here: it is a cut stream (`stream_cut`), retried."""
     if value in ("length", "abort"):
         return value
-    return "stop"  # stop, tool_calls, function_call, content_filter: the model ended its turn
+    if value in ENDED_TURN:
+        return "stop"
+    if value == "content_filter":
+        raise Failure("content_filter", "the server's content filter withheld or cut the answer")
+    raise Failure(
+        "bad_response",
+        f"finish_reason {value!r} does not say how the answer ended (stop, length, tool_calls, function_call, abort)",
+    )
 
 
 class OpenAIBackend(HttpBackend):
@@ -112,13 +124,15 @@ class OpenAIBackend(HttpBackend):
             raise engine_error(doc)
         with response_shape(f"{path} answer"):
             choice = doc["choices"][0]
+            # before the answer enters the partial: one that is no response is not parked, its tokens lost
+            finish = _finish(req, choice.get("finish_reason"), (doc.get("usage") or {}).get("completion_tokens", 0))
             ids = _output_ids(choice)
             self._take_answer(req, ids, (choice["message"].get("content") or "") if chat else choice["text"])
             res = self._complete(
                 req,
                 base,
                 int(doc["usage"]["completion_tokens"]),
-                finish_reason(choice.get("finish_reason")),
+                finish,
                 int(doc["usage"]["prompt_tokens"]) - base,
                 has_ids=ids is not None,
                 prompt_ids=choice.get("prompt_token_ids") or doc.get("prompt_token_ids"),
@@ -128,6 +142,7 @@ class OpenAIBackend(HttpBackend):
     async def _follow(self, server: Server, req: GenRequest, stream: EventStream, chat: bool, base: int) -> GenResult:
         """Read the stream into `req.partial` (after the `base` tokens it held when the attempt began)."""
         partial = req.partial
+        text_at_base = len(partial.text)
         usage: dict | None = None
         finish: str | None = None
         prompt_ids: list | None = None
@@ -153,11 +168,17 @@ class OpenAIBackend(HttpBackend):
             raise stream_cut(server.url)
         with response_shape("stream usage"):
             new = int(usage["completion_tokens"]) if usage else partial.completion_tokens - base
+            try:
+                finish = _finish(req, finish, new)
+            except Failure:  # the streamed answer is no response: back to what the attempt started from
+                del partial.output_ids[base:]
+                partial.text, partial.completion_tokens = partial.text[:text_at_base], base
+                raise
             res = self._complete(
                 req,
                 base,
                 new,
-                finish_reason(finish),
+                finish,
                 int(usage["prompt_tokens"]) - base if usage else None,
                 has_ids=len(partial.output_ids) > base,
                 prompt_ids=prompt_ids,
@@ -173,6 +194,16 @@ class OpenAIBackend(HttpBackend):
             if drift:
                 res.extra["prompt_tokens_drift"] = drift
         return res
+
+
+def _finish(req: GenRequest, value: str | None, new_tokens: int) -> str:
+    """`finish_reason`, counting the answer's `new_tokens` as thrown away when it is no response (neither parked
+    nor continued: a filtered or unexplained answer is not a prefix to go on from)."""
+    try:
+        return finish_reason(value)
+    except Failure:
+        req.discarded_tokens += int(new_tokens)
+        raise
 
 
 def _output_ids(choice: dict) -> list | None:
