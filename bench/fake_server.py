@@ -29,6 +29,9 @@ Tokens come `token_delay_s` apart, slowly enough to abort. With `knee` set the s
 delay grows with the number running above the knee (aggregate throughput flat), and `noise` makes every delay vary
 by that relative standard deviation, as real throughput does.
 
+Sampling: with `generation_config` set, a sampling field a request leaves out takes the model's default from it, as
+vLLM (`--generation-config auto`) and SGLang do; each `Attempt` records the sampling it ran with.
+
 Faults: `faults` is a `Faults` (what the next requests meet, in order: the tests' way) or a dict from arrival index
 to `Fault` (planned: the benches' way), and `every` a fault every other request meets. `stop()` kills the server (its
 listener and every open connection close) and `start()` brings it back on the same port. Every generation request
@@ -64,6 +67,19 @@ GENERATE_FIELDS = set(
 # received but had not read yet, so without the pause the tokens it saw would depend on its scheduling).
 RESET_PAUSE_S = 0.2
 MID_STREAM = ("reset", "stall", "malformed", "stream_error")  # the faults that cut a stream after `after` tokens
+# The sampling fields a request may leave out and what each is then, unless `generation_config` says otherwise: the
+# protocols' own defaults (SGLang's SamplingParams, vLLM's SamplingParams).
+SAMPLING_DEFAULTS = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": -1,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
+# what vLLM (`--generation-config auto`) and SGLang take from the model's generation_config.json for an omitted field
+GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 VLLM_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError", 503: "ServiceUnavailableError"}
 
 
@@ -233,6 +249,7 @@ class Attempt:
     stream: bool = False
     context: list[int] = field(default_factory=list)  # the ids the answer follows: the prompt, or it + a partial
     max_new: int = 0
+    sampling: dict = field(default_factory=dict)  # the effective sampling: what it sent, the server's defaults else
     fault: str | None = None
     status: int = 0  # the HTTP error status it was answered with (a fault, or a refused request)
     retry_after: float | None = None
@@ -263,6 +280,9 @@ class FakeServer:
     stream_interval: int = 1  # like --stream-interval: a stream chunk every this many tokens (and at the end)
     starting_s: float = 0.0  # /health answers 503 for this long after start
     has_model_info: bool = True  # False: an older server with /get_model_info only
+    # The model's generation_config.json, as vLLM (`--generation-config auto`, its default) and SGLang read it: a
+    # sampling field a request leaves out takes its value from here (GENERATION_CONFIG_FIELDS); None: no file.
+    generation_config: dict | None = None
     faults: Faults | dict[int, Fault] = field(default_factory=Faults)
     every: Fault | None = None  # a fault every request meets (unless `faults` names another)
     port: int = 0
@@ -414,6 +434,12 @@ class FakeServer:
         self.log.append(a)
         return a
 
+    def _sampling(self, a: Attempt, sent: dict) -> None:
+        """The sampling the request runs with: the fields it sent, the generation_config's for those it left out,
+        the protocol's defaults for the rest."""
+        filled = {k: v for k, v in (self.generation_config or {}).items() if k in GENERATION_CONFIG_FIELDS}
+        a.sampling = {k: sent.get(k, filled.get(k, default)) for k, default in SAMPLING_DEFAULTS.items()}
+
     @staticmethod
     def _refuse(a: Attempt, response: web.Response) -> web.Response:
         a.status, a.outcome, a.t_end = response.status, "status", time.monotonic()
@@ -425,6 +451,7 @@ class FakeServer:
         problem = _sglang_invalid(body)
         if problem:
             return self._refuse(a, _sglang_error(400, problem))
+        self._sampling(a, body.get("sampling_params") or {})
         rid = body.get("rid") or f"gen-{a.index}"
         if rid in self._running:
             return self._refuse(a, _sglang_error(400, f"Duplicate request ID {rid}"))
@@ -450,6 +477,7 @@ class FakeServer:
         else:
             what = "messages must be a list" if chat else "prompt must be a string or a list of token ids"
             return self._refuse(a, _openai_error(vllm, 400, what))
+        self._sampling(a, body)
         wire = OpenAI(self, f"{'chatcmpl' if chat else 'cmpl'}-{a.index}", list(context), body, chat)
         return await self._answer(request, a, wire, int(body.get("max_tokens") or 16))
 

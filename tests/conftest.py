@@ -125,6 +125,7 @@ def backend_project(request, project) -> Project:
             "urls": [url],
             "prompt_format": "chat",
             "return_token_ids": False,
+            "openai_fields_only": True,  # it refuses top_k, min_p, repetition_penalty (422)
             "request_timeout_s": 60.0,
         }
         project.save()

@@ -22,15 +22,25 @@ import pytest
 from conftest import free_port, transformers_serve
 
 from bench.fake_server import EOS_ID, FakeServer, Fault, Faults, fake_output_ids, fake_text
-from draftdata.config.schema import BackendConfig, BackendKind, Config, DatasetConfig, ModelConfig
-from draftdata.errors import UserError
+from draftdata.config.schema import (
+    BackendConfig,
+    BackendKind,
+    Config,
+    DatasetConfig,
+    ModelConfig,
+    SamplingConfig,
+)
+from draftdata.errors import ConfigError, UserError
 from draftdata.generate.backends import GenRequest, Partial, make_backend
+from draftdata.generate.selection import request_key
 from draftdata.target.tokenizer import load_tokenizer, render_prompt_ids
 
 pytestmark = pytest.mark.timeout(90)
 
 IDS = [5, 6, 7]
 SAMPLING = {"temperature": 0.7, "top_p": 1.0, "top_k": -1}
+# what goes on the wire for SAMPLING: every sampling field, the neutral value for those it leaves out
+SENT = dict(SAMPLING, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
 MESSAGES = [{"role": "user", "content": "Write a function that adds two numbers."}]
 
 
@@ -116,7 +126,7 @@ def test_sglang_sends_native_fields_and_round_trips_ids(fake):
     assert first == {
         "input_ids": IDS,
         "stream": False,
-        "sampling_params": {"max_new_tokens": 16, "temperature": 0.7, "top_p": 1.0, "top_k": -1},
+        "sampling_params": {"max_new_tokens": 16, **SENT},
     }
     assert stop.ok and stop.finish_reason == "stop" and stop.server == srv.url
     assert stop.output_ids == fake_output_ids(IDS, 5) + [EOS_ID] and stop.text == fake_text(fake_output_ids(IDS, 5))
@@ -449,7 +459,7 @@ def test_openai_sends_the_token_id_prompt_and_reads_token_ids(fake, stream):
     res = run(generate(config(BackendKind.openai, [srv.url], return_token_ids=True), req))
     body = srv.generate_calls[0]
     assert body["prompt"] == IDS and body["model"] == "models/tiny-llama" and body["max_tokens"] == 16
-    assert body["return_token_ids"] is True and "top_k" not in body  # top_k=-1 ("off") is not sent
+    assert body["return_token_ids"] is True and {k: body[k] for k in SENT} == SENT  # every field, neutral ones too
     assert body.get("stream_options") == ({"include_usage": True} if stream else None)
     expected = fake_output_ids(IDS, 5) + [EOS_ID]
     assert res.ok and res.output_ids == expected and res.prompt_ids == IDS and res.finish_reason == "stop"
@@ -550,6 +560,7 @@ def serve(endless_model, tmp_path_factory):
 
 
 def openai(url: str, model: Path, **backend) -> Config:
+    backend.setdefault("openai_fields_only", True)  # it refuses top_k, min_p and repetition_penalty (422)
     return config(BackendKind.openai, [url], model_path=str(model), **backend)
 
 
@@ -786,3 +797,92 @@ def test_openai_stream_without_a_finish_reason_is_a_cut_stream_retried(fake):
     cfg = config(BackendKind.openai, [srv.url], return_token_ids=True, max_retries=2)
     res = run(generate(cfg, request(stream=True)))
     assert res.error == "retries_exhausted" and res.detail.startswith("connection") and len(srv.generate_calls) == 3
+
+
+# ---- sampling: what the store key says is what the server samples with ------------------------------------------- #
+
+# Qwen3's generation_config.json plus a repetition penalty: vLLM (`--generation-config auto`) and SGLang fill an
+# omitted sampling field from it
+QWEN3_LIKE = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1}
+SAMPLED_LIKE = [("sglang", "ids"), ("openai", "ids"), ("openai", "chat")]
+
+
+def _sampling_config(kind: str, fmt: str, url: str, sampling: SamplingConfig, **backend) -> Config:
+    if kind == "openai":
+        backend.update(prompt_format=fmt, return_token_ids=True)
+    cfg = config(BackendKind(kind), [url], **backend)
+    cfg.ds.sampling = sampling
+    return cfg
+
+
+@pytest.mark.parametrize("kind,fmt", SAMPLED_LIKE, ids=["sglang", "openai-completions", "openai-chat"])
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingConfig(temperature=0.7), SamplingConfig(temperature=0.9, top_k=5, min_p=0.1, repetition_penalty=1.05)],
+    ids=["defaults", "set"],
+)
+def test_request_leaves_no_sampling_field_to_the_servers_generation_config(fake, kind, fmt, sampling):
+    """The fake fills what a request leaves out from the model's generation_config, as vLLM and SGLang do: the
+    sampling it runs with must be exactly what the store key says, neutral values included."""
+    srv = fake(stop_after=3, generation_config=QWEN3_LIKE)
+    key = sampling.as_dict()
+    req = GenRequest("r1", list(IDS), MESSAGES, None, 8, dict(key))
+    res = run(generate(_sampling_config(kind, fmt, srv.url, sampling), req))
+    assert res.ok, res.detail
+    said = dict(temperature=0.7, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0)
+    said = dict(said, frequency_penalty=0.0, **key)
+    assert srv.log[0].sampling == said
+
+
+@pytest.mark.parametrize("kind,fmt", SAMPLED_LIKE[:2], ids=["sglang", "openai"])
+def test_sampling_extra_is_sent_where_the_protocol_takes_it(fake, kind, fmt):
+    name = "min_new_tokens" if kind == "sglang" else "min_tokens"  # SGLang's and vLLM's names
+    sampling = SamplingConfig(extra={name: 2})
+    srv = fake(stop_after=3)
+    req = GenRequest("r1", list(IDS), MESSAGES, None, 8, sampling.as_dict())
+    assert run(generate(_sampling_config(kind, fmt, srv.url, sampling), req)).ok
+    body = srv.generate_calls[0]
+    assert (body["sampling_params"] if kind == "sglang" else body)[name] == 2
+
+
+@pytest.mark.parametrize("name", ["model", "prompt", "max_tokens", "stream", "n", "seed", "top_k"])
+def test_colliding_extra_body_is_refused_before_any_request(fake, name):
+    srv = fake()
+    cfg = config(BackendKind.openai, [srv.url], extra_body={name: 1})
+    with pytest.raises(ConfigError) as err:
+        run(generate(cfg, request()))
+    assert err.value.key == f"backend.extra_body.{name}" and "\n" not in str(err.value)
+    assert srv.log == [] and srv.health_calls == 0  # refused before any connection
+    with pytest.raises(ConfigError) as err:
+        cfg.backend.check("backend")  # what config validation runs
+    assert err.value.key == f"backend.extra_body.{name}"
+
+
+def test_sglang_refuses_extra_body_instead_of_dropping_it(fake):
+    srv = fake()
+    with pytest.raises(ConfigError) as err:
+        run(generate(sglang(srv.url, extra_body={"min_new_tokens": 4}), request()))
+    assert err.value.key == "backend.extra_body" and "sampling.extra" in str(err.value) and srv.log == []
+
+
+def test_sampling_extra_naming_a_field_we_set_is_refused():
+    with pytest.raises(ConfigError) as err:
+        SamplingConfig(extra={"top_k": 20}).check("datasets.D.sampling")
+    assert err.value.key == "datasets.D.sampling.extra.top_k" and "datasets.D.sampling.top_k" in str(err.value)
+
+
+def test_what_changes_the_data_changes_the_store_key():
+    key = lambda s: request_key("fp", IDS, s.as_dict(), 16)  # noqa: E731
+    base = key(SamplingConfig())
+    # the neutral values leave the key as it was before those fields existed
+    assert SamplingConfig().as_dict() == {"temperature": 0.7, "top_p": 1.0, "top_k": -1}
+    changed = [
+        SamplingConfig(extra={"min_tokens": 4}),
+        SamplingConfig(extra={"min_tokens": 5}),
+        SamplingConfig(min_p=0.05),
+        SamplingConfig(repetition_penalty=1.1),
+        SamplingConfig(presence_penalty=0.5),
+        SamplingConfig(frequency_penalty=0.5),
+    ]
+    keys = {key(s) for s in changed}
+    assert len(keys) == len(changed) and base not in keys

@@ -296,3 +296,29 @@ def test_the_context_follows_rope_scaling_as_servers_do():
     assert _context({"max_position_embeddings": 32768, "rope_scaling": yarn}) == 131072
     llama31 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}
     assert _context({"max_position_embeddings": 131072, "rope_scaling": llama31}) == 131072
+
+
+@pytest.mark.parametrize(
+    "backend,setting",
+    [
+        ({"kind": "embedded"}, {"min_p": 0.1}),
+        ({"kind": "embedded"}, {"frequency_penalty": 0.5}),
+        ({"kind": "embedded"}, {"extra": {"min_tokens": 4}}),
+        ({"kind": "openai", "urls": ["http://127.0.0.1:8000"], "openai_fields_only": True}, {"top_k": 20}),
+    ],
+)
+def test_a_sampling_setting_the_backend_cannot_send_is_refused(tmp_path, backend, setting):
+    """No backend drops a setting silently: what it cannot send stops the run at validation."""
+    from draftdata.config.schema import BackendConfig, Config, DatasetConfig, SamplingConfig, validate
+
+    name = next(iter(setting))
+    cfg = Config(
+        datasets={"D": DatasetConfig(sampling=SamplingConfig(**setting))},
+        dataset="D",
+        backend=BackendConfig(**backend),
+    )
+    (tmp_path / "p.jsonl").write_text("")
+    cfg.ds.source.shape, cfg.ds.source.path, cfg.ds.token_budget = "messages", str(tmp_path / "p.jsonl"), 10
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, need_dataset=True)
+    assert err.value.key == f"datasets.D.sampling.{name}"

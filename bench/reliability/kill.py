@@ -326,6 +326,7 @@ class Bench:
             "urls": [proxy_url],
             "prompt_format": "chat",
             "return_token_ids": False,
+            "openai_fields_only": True,
             "request_timeout_s": 60.0,
         }
         on_server = next(s for s in SCENARIOS if s.backend == "openai")

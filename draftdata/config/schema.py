@@ -96,11 +96,35 @@ class SourceConfig:
             raise ConfigError(f"{key}.user_template", "must contain '{content}'")
 
 
+# The value of each sampling field that changes nothing. Every field is sent on every request, these values included:
+# vLLM (`--generation-config auto`, its default) and SGLang fill an OMITTED field from the model's
+# generation_config.json (Qwen3: top_k 20), so leaving one out samples from a distribution the store key does not say.
+NEUTRAL_SAMPLING = {
+    "top_k": -1,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
+# Request fields the backends set themselves: neither `backend.extra_body` nor `sampling.extra` may name them.
+SET_FIELDS = frozenset(
+    "model prompt messages tools max_tokens max_new_tokens stream stream_options n seed sampling_seed"
+    " return_token_ids chat_template_kwargs rid input_ids sampling_params temperature top_p".split()
+) | frozenset(NEUTRAL_SAMPLING)
+
+
 @dataclass
 class SamplingConfig:
     temperature: float = 0.7
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Other server sampling fields that change the data (e.g. {min_tokens: 8}): part of the store key, sent by the
+    # sglang backend inside sampling_params and by the openai one at the top level; the embedded backend refuses it.
+    extra: Dict[str, Any] = field(default_factory=dict)
 
     def check(self, key: str) -> None:
         if self.temperature < 0:
@@ -109,9 +133,36 @@ class SamplingConfig:
             raise ConfigError(f"{key}.top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:  # -1 (and 0, as vLLM and SGLang read it) keep every token
             raise ConfigError(f"{key}.top_k", f"must be -1 (off) or a number of tokens >= 1, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ConfigError(f"{key}.min_p", f"must be in [0, 1], got {self.min_p}")
+        if not self.repetition_penalty > 0:
+            raise ConfigError(f"{key}.repetition_penalty", f"must be > 0 (1.0: off), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ConfigError(f"{key}.{name}", f"must be in [-2, 2] (0.0: off), got {getattr(self, name)}")
+        for name in self.extra:
+            if name in SET_FIELDS:
+                raise ConfigError(
+                    f"{key}.extra.{name}",
+                    f"is set by draftdata itself{' (use ' + key + '.' + name + ')' if hasattr(self, name) else ''}",
+                )
 
     def as_dict(self) -> dict:
-        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+        """The sampling as the store key holds it. A field at its neutral value (and an empty `extra`) is left out,
+        so the keys made before the field existed still match; `sent` gives every field."""
+        d = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+        for name, neutral in NEUTRAL_SAMPLING.items():
+            if name != "top_k" and getattr(self, name) != neutral:
+                d[name] = getattr(self, name)
+        if self.extra:
+            d["extra"] = dict(self.extra)
+        return d
+
+
+def sent(sampling: dict) -> dict:
+    """Every sampling field of a store key's `sampling` dict, the neutral value for what it leaves out (`extra`
+    stays apart: the backends place it)."""
+    return {**NEUTRAL_SAMPLING, **{k: v for k, v in sampling.items() if k != "extra"}}
 
 
 @dataclass
@@ -264,12 +315,28 @@ class BackendConfig:
     # `transformers serve`; the server re-tokenizes), `chat` = /v1/chat/completions with the messages.
     prompt_format: str = "ids"
     return_token_ids: bool = False  # vLLM >= 0.10.2 returns the prompt and output token ids when asked
-    extra_body: Dict[str, Any] = field(default_factory=dict)  # merged into every request body (server knobs)
+    # openai only: merged into every request body, for server knobs that do NOT change the data (e.g. priority);
+    # what changes it goes in datasets.<name>.sampling.extra (part of the store key). A field draftdata sets itself
+    # (model, prompt, max_tokens, stream, n, seed, the sampling fields, ...) is refused.
+    extra_body: Dict[str, Any] = field(default_factory=dict)
+    # openai only: send only OpenAI's own sampling fields, for servers that refuse others (`transformers serve`:
+    # 422). top_k, min_p and repetition_penalty are then not sent: they must be neutral, and the server's own
+    # defaults (its generation_config) apply to them, which the store key cannot see.
+    openai_fields_only: bool = False
     # Stream responses: the budget controller then sees each request's progress and the server's throughput
     # (on_budget: keep_partial streams whatever this says).
     stream: bool = True
 
     def check(self, key: str) -> None:
+        if self.kind != BackendKind.openai and self.extra_body:
+            raise ConfigError(
+                f"{key}.extra_body",
+                f"the {self.kind.value} backend sends no extra_body; put sampling fields in "
+                "datasets.<name>.sampling.extra",
+            )
+        for name in self.extra_body:
+            if name in SET_FIELDS:
+                raise ConfigError(f"{key}.extra_body.{name}", "is a field draftdata sets itself; remove it")
         if self.kind == BackendKind.embedded:
             return
         if not self.urls:
@@ -379,11 +446,30 @@ def validate(cfg: Config, need_dataset: bool) -> None:
     # value checks (which also look for the source file) apply to the dataset this stage runs on.
     if cfg.dataset is not None:
         cfg.ds.check(f"datasets.{cfg.dataset}")
+        check_sampling_sent(cfg)
     cfg.tokenize.check("tokenize")
     cfg.hidden_states.check("hidden_states")
     cfg.export.check("export")
     cfg.backend.check("backend")
     cfg.run.check("run")
+
+
+def check_sampling_sent(cfg: Config) -> None:
+    """Every sampling setting of the dataset reaches the backend, or the run stops here: none is dropped silently."""
+    s, key = cfg.ds.sampling, f"datasets.{cfg.dataset}.sampling"
+    if cfg.backend.kind == BackendKind.embedded:
+        unsent = ["min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"]
+        why = "the embedded backend samples with temperature, top_p and top_k only"
+    elif cfg.backend.kind == BackendKind.openai and cfg.backend.openai_fields_only:
+        unsent = ["top_k", "min_p", "repetition_penalty"]
+        why = "backend.openai_fields_only sends OpenAI's own sampling fields only"
+    else:
+        return
+    for name in unsent:
+        if getattr(s, name) != NEUTRAL_SAMPLING[name]:
+            raise ConfigError(f"{key}.{name}", f"{why}; leave it at {NEUTRAL_SAMPLING[name]}")
+    if cfg.backend.kind == BackendKind.embedded and s.extra:
+        raise ConfigError(f"{key}.extra", "the embedded backend takes no extra sampling fields")
 
 
 def check_all(cfg: Config) -> None:

@@ -32,7 +32,7 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from draftdata.config.schema import BackendKind, Config
+from draftdata.config.schema import BackendKind, Config, check_sampling_sent
 
 
 @dataclass
@@ -205,6 +205,8 @@ def takes_token_ids(cfg: Config) -> bool:
 
 def make_backend(cfg: Config, tokenizer) -> Backend:
     cfg.backend.check("backend")  # before any connection is opened
+    if cfg.dataset is not None:
+        check_sampling_sent(cfg)  # no sampling setting is dropped silently
     kind = cfg.backend.kind
     if kind == BackendKind.embedded:
         from draftdata.generate.backends.embedded import EmbeddedBackend

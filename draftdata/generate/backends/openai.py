@@ -15,10 +15,15 @@ lists in a plain answer, the new ids in each stream chunk). Servers that validat
 asks for them with `stream_options.include_usage`. Stopping a request closes its connection, which vLLM treats as
 an abort (`transformers serve` too, for streamed requests only). A server running a reasoning parser moves the
 thinking out of `content` into `reasoning_content`, which is not kept here: run it without one, or ask for token ids.
+
+Every sampling field is sent, neutral values included (vLLM and SGLang fill an omitted one from the model's
+generation_config.json), then `sampling.extra`; `backend.openai_fields_only` leaves out the fields OpenAI does not
+have (checked neutral at validation), and `backend.extra_body` may name none of the fields set here.
 """
 
 from __future__ import annotations
 
+from draftdata.config.schema import sent
 from draftdata.generate.backends import GenRequest, GenResult, Partial, takes_token_ids
 from draftdata.generate.backends.http import (
     Body,
@@ -32,6 +37,7 @@ from draftdata.generate.backends.http import (
     stream_cut,
 )
 
+OPENAI_ABSENT = ("top_k", "min_p", "repetition_penalty")  # not OpenAI fields: `backend.openai_fields_only` omits them
 ENDED_TURN = ("stop", "tool_calls", "function_call")  # OpenAI's finish reasons of a model that ended its turn
 
 
@@ -78,14 +84,13 @@ class OpenAIBackend(HttpBackend):
         done = req.partial.completion_tokens  # > 0 only for a continuation, which needs the `ids` format
         # a server that was down at start-up and is tried in panic mode has not told its name: use another's
         model = self.model_ids.get(server.url) or next(iter(self.model_ids.values()))
-        body: dict = {
-            "model": model,
-            "max_tokens": req.max_tokens - done,
-            "temperature": s["temperature"],
-            "top_p": s["top_p"],
-        }
-        if s["top_k"] > 0:  # not an OpenAI field: strict servers reject it, and -1 means "off" anyway
-            body["top_k"] = s["top_k"]
+        # Every sampling field, neutral ones included: vLLM and SGLang fill an omitted one from the model's
+        # generation_config.json. top_k, min_p and repetition_penalty are vLLM's and SGLang's extra fields.
+        sampling = sent(s)
+        if self.bcfg.openai_fields_only:  # checked neutral at validation; the server's defaults apply to them
+            for name in OPENAI_ABSENT:
+                sampling.pop(name)
+        body: dict = {"model": model, "max_tokens": req.max_tokens - done, **sampling, **s.get("extra", {})}
         seed = req.attempt_seed(done)
         if seed is not None:  # OpenAI's own field: vLLM seeds the request's sampler with it
             body["seed"] = seed
@@ -105,7 +110,7 @@ class OpenAIBackend(HttpBackend):
         if req.stream:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
-        body.update(self.bcfg.extra_body)
+        body.update(self.bcfg.extra_body)  # checked at validation: it names no field set above
         return path, body
 
     async def _attempt(self, server: Server, req: GenRequest, rid: str) -> GenResult:

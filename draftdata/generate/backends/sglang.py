@@ -3,7 +3,7 @@
 The chat template is applied locally, so `input_ids` are exactly the training prompt tokens. Field names are
 SGLang's own:
 - request: `GenerateReqInput` in python/sglang/srt/managers/io_struct.py (`rid`, `input_ids`, `sampling_params`
-  with `max_new_tokens`/`temperature`/`top_p`/`top_k`, `stream`);
+  with `max_new_tokens`, every sampling field and `sampling.extra`, `stream`);
 - answer and stream chunks: `{text, output_ids, meta_info: {id, finish_reason: {type: stop|length|abort, ...},
   prompt_tokens, completion_tokens, ...}}`, streamed by `generate_request` in
   python/sglang/srt/entrypoints/http_server.py as `data: {json}` lines ending with `data: [DONE]`; an error inside
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import aiohttp
 
+from draftdata.config.schema import sent
 from draftdata.generate.backends import GenRequest, GenResult
 from draftdata.generate.backends.http import (
     ABORT_TIMEOUT_S,
@@ -78,12 +79,9 @@ class SGLangBackend(HttpBackend):
             )
         done = req.partial.completion_tokens
         s = req.sampling
-        sampling = {
-            "max_new_tokens": req.max_tokens - done,
-            "temperature": s["temperature"],
-            "top_p": s["top_p"],
-            "top_k": s["top_k"],
-        }  # SGLang's top_k=-1 is "off", like ours
+        # every field, neutral ones included (a server may fill an omitted one from the model's generation config);
+        # SGLang's top_k=-1 is "off", like ours
+        sampling = {"max_new_tokens": req.max_tokens - done, **sent(s), **s.get("extra", {})}
         seed = req.attempt_seed(done)
         if seed is not None:  # honoured by servers started with --enable-deterministic-inference
             sampling["sampling_seed"] = seed
