@@ -322,3 +322,30 @@ def test_a_sampling_setting_the_backend_cannot_send_is_refused(tmp_path, backend
     with pytest.raises(ConfigError) as err:
         validate(cfg, need_dataset=True)
     assert err.value.key == f"datasets.D.sampling.{name}"
+
+
+def _hub_source(revision):
+    return {"shape": "glaive", "hf_name": "glaiveai/glaive-function-calling-v2", "revision": revision}
+
+
+def test_an_unpinned_hub_source_is_a_warning_of_check_params(project, capsys):
+    """DVC hashes the params, not the hub's rows: a source without a commit is named, one line each; a pinned
+    source and a local file are not."""
+    from conftest import dataset_params
+
+    project.params["datasets"]["B1"] = dataset_params("B1_glaive", "glaive", source=_hub_source(None))
+    project.params["datasets"]["B2"] = dataset_params("B1_glaive", "glaive", source=_hub_source("main"))
+    project.params["datasets"]["B4"] = dataset_params("B1_glaive", "glaive", source=_hub_source("0123abcd" * 5))
+    project.save()
+    capsys.readouterr()
+    project.run("check_params", None)
+    warned = [line for line in capsys.readouterr().out.splitlines() if "warning=" in line]
+    assert len(warned) == 2
+    assert warned[0].startswith("config warning=datasets.B1.source.revision is None, not a commit hash")
+    assert warned[1].startswith("config warning=datasets.B2.source.revision is 'main', not a commit hash")
+    assert all("pin the dataset's commit" in line for line in warned)
+
+    del project.params["datasets"]["B1"], project.params["datasets"]["B2"]
+    project.save()
+    project.run("check_params", None)
+    assert "warning=" not in capsys.readouterr().out  # B3 is a local file, B4 a commit

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from draftdata.errors import ConfigError
 from draftdata.target import fingerprint as target
 from draftdata.target.fingerprint import model_fingerprint
 from draftdata.util.hashing import content_hash
@@ -202,7 +203,82 @@ def test_local_dir_download_metadata(tmp_path, reads):
     assert weights in reads
 
 
-def test_hub_id_is_fingerprinted_by_name_and_revision():
-    assert fingerprint(Path("org/no-such-local-dir"), "main") == content_hash(
-        {"hub_id": "org/no-such-local-dir", "revision": "main"}
+COMMIT_A, COMMIT_B = "a" * 40, "b" * 40
+
+
+def hub_snapshot(cache: Path, repo_id: str, commit: str, files: dict[str, bytes], ref: str | None = "main") -> Path:
+    """An HF hub cache entry as huggingface_hub writes it: refs/<ref> holds the commit, snapshots/<commit>/ links
+    to blobs/<sha256> (what the hub names LFS files by)."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for name, data in files.items():
+        sha = hashlib.sha256(data).hexdigest()
+        (repo / "blobs" / sha).write_bytes(data)
+        (snapshot / name).symlink_to(f"../../blobs/{sha}")
+    if ref is not None:
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    return snapshot
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch) -> Path:
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    return cache
+
+
+def test_a_hub_id_is_the_files_of_its_cached_snapshot(hub_cache, reads):
+    """`revision: main` (or null) resolves through refs/main to a commit and fingerprints that snapshot's files:
+    weights re-uploaded under the same branch are another target, not the old one's stored responses."""
+    config = b'{"model_type": "llama"}'
+    old = {"config.json": config, "model.safetensors": b"old weights"}
+    hub_snapshot(hub_cache, "org/name", COMMIT_A, old)
+    first = fingerprint(Path("org/name"), "main")
+    assert fingerprint(Path("org/name"), None) == first  # null is the default branch
+    sha = {n: hashlib.sha256(d).hexdigest() for n, d in old.items()}
+    assert first == expected(sha, COMMIT_A)
+    assert first == fingerprint(hub_cache / "models--org--name" / "snapshots" / COMMIT_A, COMMIT_A)
+    assert reads == []  # every blob is named by its sha256: nothing read
+
+    hub_snapshot(hub_cache, "org/name", COMMIT_B, {"config.json": config, "model.safetensors": b"new weights"})
+    second = fingerprint(Path("org/name"), "main")
+    assert second != first
+    # a commit hash names its snapshot directly, whatever the refs say
+    assert fingerprint(Path("org/name"), COMMIT_A) == first
+    assert fingerprint(Path("org/name"), COMMIT_B) == second
+
+
+def test_hf_home_locates_the_hub_cache(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    hub_snapshot(tmp_path / "hf" / "hub", "org/name", COMMIT_A, {"model.safetensors": b"w"})
+    assert fingerprint(Path("org/name"), None) == expected(
+        {"model.safetensors": hashlib.sha256(b"w").hexdigest()}, COMMIT_A
     )
+
+
+@pytest.mark.parametrize(
+    ("path", "revision"),
+    [("org/not-downloaded", None), ("org/name", "v2"), ("org/name", "c" * 40), ("gpt2", "main")],
+)
+def test_a_hub_id_not_in_the_local_cache_is_refused(hub_cache, path, revision):
+    """Refused in one line that names the keys and the download command, before any request is planned."""
+    hub_snapshot(hub_cache, "org/name", COMMIT_A, {"model.safetensors": b"w"})
+    with pytest.raises(ConfigError) as err:
+        fingerprint(Path(path), revision)
+    msg = str(err.value)
+    assert err.value.key == "model.path" and "\n" not in msg
+    assert "model.revision" in msg and f"hf download {path} --revision {revision or 'main'}" in msg
+
+
+def test_a_hub_id_with_a_missing_snapshot_is_refused(hub_cache):
+    """refs/main names a commit whose snapshot folder is gone (a pruned cache): not resolvable here."""
+    repo = hub_cache / "models--org--name"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(COMMIT_B)
+    with pytest.raises(ConfigError, match=r"^model\.path: .*download it first"):
+        fingerprint(Path("org/name"), "main")

@@ -190,6 +190,21 @@ def test_bad_params_stop_the_plan_with_one_line(project):
     assert res.stderr.startswith("error: datasets.B3.concurency: unknown key") and res.stderr.count("\n") == 1
 
 
+def test_an_unpinned_hub_source_is_a_warning_of_the_plan(project, capsys):
+    """Checked whole, as check_params does: a hub source without a commit in a dataset not planned is named too."""
+    source = {"shape": "glaive", "hf_name": "glaiveai/glaive-function-calling-v2", "revision": None}
+    project.params["datasets"]["B1"] = dataset_params("B1_glaive", "glaive", source=source)
+    project.save()
+    plan(project, "dataset=B3")
+    warned = [line for line in capsys.readouterr().out.splitlines() if "warning=" in line]
+    assert len(warned) == 1 and "datasets.B1.source.revision is None, not a commit hash" in warned[0]
+
+    project.params["datasets"]["B1"]["source"]["revision"] = "f" * 40
+    project.save()
+    plan(project, "dataset=B3")
+    assert "warning=" not in capsys.readouterr().out
+
+
 def test_plan_options_are_checked():
     from draftdata.cli.plan import parse_options, split_options
 

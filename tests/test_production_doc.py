@@ -117,3 +117,17 @@ def test_disk_arithmetic_matches_the_budgets(params):
         f"In all: {total:,} tokens, {total * bf16 / 1e9:,.1f} GB in bfloat16, {total * fp8 / 1e9:,.1f} GB in fp8"
         in text
     )
+
+
+def test_every_source_says_to_pin_its_revision(params_path, capsys):
+    """The recipe cannot know the commits to pin: each source's `revision` says so, and check_params names each."""
+    lines = [line for line in doc_yaml().splitlines() if line.strip().startswith("revision:")]
+    sources = [line for line in lines if line.startswith("      ")]
+    assert len(sources) == len(DATASETS)
+    assert all("pin: the dataset's commit hash" in line for line in sources)
+    capsys.readouterr()
+    check_all(load_config(None, params_path=params_path, need_dataset=False))
+    warned = [line for line in capsys.readouterr().out.splitlines() if "warning=" in line]
+    assert [line.split("warning=")[1].split(".source.revision")[0] for line in warned] == [
+        f"datasets.{d}" for d in DATASETS
+    ]

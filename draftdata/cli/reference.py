@@ -37,7 +37,9 @@ ANY_DATASET = "<name>"
 
 # Meanings for keys whose comment in draftdata/config/schema.py is missing or says too little (appended to the comment).
 MEANINGS = {
-    "model.revision": "The revision (branch, tag or commit) to load when `model.path` is a hub id.",
+    "model.revision": "The revision (branch, tag or commit; null: `main`) to load when `model.path` is a hub id; "
+    "resolved to its commit in the local HF cache, whose snapshot's files are the target's fingerprint (a hub id "
+    "not downloaded there is refused).",
     "tiny_model.path": "Where the `tiny_model` stage writes the demo target.",
     "tiny_model.corpus_dir": "The prompt files the demo target's tokenizer and weights are fitted to.",
     "tiny_model.seed": "Seed of the demo target's random weights.",
@@ -54,7 +56,7 @@ MEANINGS = {
     "datasets.<name>.source.hf_config": "The HF dataset's configuration (subset); null for its default.",
     "datasets.<name>.source.split": "The HF dataset's split.",
     "datasets.<name>.source.revision": "The HF dataset's revision; pin a commit so that the prompts cannot change "
-    "under DVC (the hub is not a DVC dependency).",
+    "under DVC (the hub is not a DVC dependency): check_params and plan warn while it is not a commit hash.",
     "datasets.<name>.source.data_files": "Only these files of the HF dataset.",
     "datasets.<name>.source.keep_system": "Keep the source's system prompts; false drops them (the target answers "
     "in its own style).",

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from draftdata.errors import ConfigError
+from draftdata.util.log import log
 
 ROOT = Path(__file__).resolve().parents[2]
 CONF_DIR = ROOT / "conf"
@@ -473,6 +474,29 @@ def check_sampling_sent(cfg: Config) -> None:
 
 
 def check_all(cfg: Config) -> None:
-    """The values of every dataset (the schema, types, enums and unknown keys were checked on loading)."""
+    """The values of every dataset (the schema, types, enums and unknown keys were checked on loading); a warning
+    line for each hub source whose revision is not pinned."""
     for name, ds in cfg.datasets.items():
         ds.check(f"datasets.{name}")
+    for warning in unpinned_sources(cfg):
+        log("config", warning=warning)
+
+
+_COMMIT_HASH = re.compile(r"[0-9a-f]{40}")
+
+
+def unpinned_sources(cfg: Config) -> list[str]:
+    """One line per HF hub source whose `revision` is not a commit hash: DVC hashes the params, not the hub's rows,
+    so it calls the prompts up to date while the branch moves on. A local file, or a local dataset directory named
+    by `hf_name`, has nothing to pin."""
+    out = []
+    for name, ds in cfg.datasets.items():
+        src = ds.source
+        if src.hf_name is None or Path(src.hf_name).expanduser().exists():
+            continue
+        if src.revision is None or not _COMMIT_HASH.fullmatch(src.revision):
+            out.append(
+                f"datasets.{name}.source.revision is {src.revision!r}, not a commit hash: the rows of "
+                f"{src.hf_name} can change while DVC calls the prompts up to date; pin the dataset's commit"
+            )
+    return out

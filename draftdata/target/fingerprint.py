@@ -1,5 +1,6 @@
 """The target's identity: a hash over its weight and config files (hub snapshots read the sha256 their blobs are
-named by; local files are hashed once and cached by size and mtime beside the store).
+named by; a hub id is its cached snapshot at the commit its revision resolves to; local files are hashed once and
+cached by size and mtime beside the store).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from draftdata.target.model import check_model_path
+from draftdata.target.model import check_model_path, hub_snapshot
 from draftdata.target.tokenizer import _SHA256_HEX
 from draftdata.util.files import atomic_path
 from draftdata.util.hashing import content_hash
@@ -43,8 +44,15 @@ _HASH_CACHE_VERSION = 1
 
 @lru_cache(maxsize=8)
 def model_fingerprint(path: str, revision: str | None, cache_path: Path | None = None) -> str:
-    """Identity of the target for the response-store key: a local directory by the sha256 of every top-level file,
-    a hub id by revision.
+    """Identity of the target for the response-store and state-store keys: a local directory by the sha256 of every
+    top-level file, a hub id by the same of its snapshot in the local HF cache, its revision resolved to a commit.
+
+    A hub id's branch or tag (null: the default branch) is followed through the cache's refs/ to the commit it
+    names, and the formula is that of the snapshot folder given as a local path with that commit as its revision.
+    Weights re-uploaded under the same branch are a new commit, so a new target; so is any new commit, one that
+    only edits a README too: the cache may hold only some of the repo's files (the tokenizer, for a target served
+    elsewhere), and then only the commit tells the weights apart. A hub id not cached here is refused
+    (`hf download` it first): its name and branch cannot tell which weights answered.
 
     Every byte counts (two fine-tunes of one base have equal file names and sizes), yet a 600 GB checkpoint stays
     cheap: in an HF cache snapshot, or a directory written by `hf download --local-dir` and untouched since, the
@@ -54,7 +62,7 @@ def model_fingerprint(path: str, revision: str | None, cache_path: Path | None =
     check_model_path(path)  # a mistyped local path must not pass for a hub id
     root = Path(path)
     if not root.is_dir():
-        return content_hash({"hub_id": path, "revision": revision})
+        root, revision = hub_snapshot(path, revision)
     files = [f for f in sorted(root.iterdir()) if f.is_file() and not f.name.startswith(".")]
     # The same formula as when every file was read in full, so existing response stores keep their keys.
     return content_hash({"files": _files_sha256(root, files, cache_path), "revision": revision})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,36 @@ def check_model_path(path: str) -> None:
     error about connecting to it."""
     if looks_local(path) and not Path(path).expanduser().exists():
         raise ConfigError("model.path", f"{path}: no such directory (a local path; a hub id is 'org/name')")
+
+
+def hub_cache_dir() -> Path:
+    """Where huggingface_hub keeps downloaded repos, by its own precedence (HF_HUB_CACHE, else HF_HOME/hub), read
+    now rather than when huggingface_hub was imported."""
+    from huggingface_hub import constants
+
+    for var, sub in (("HF_HUB_CACHE", ""), ("HUGGINGFACE_HUB_CACHE", ""), ("HF_HOME", "hub")):
+        if os.environ.get(var):
+            return Path(os.path.expandvars(os.environ[var])).expanduser() / sub
+    return Path(constants.HF_HUB_CACHE)
+
+
+def hub_snapshot(path: str, revision: str | None) -> tuple[Path, str]:
+    """A hub id's snapshot folder in the local HF cache and its commit: a branch or tag (null: the default branch)
+    through refs/<revision>, a commit hash directly. Nothing is downloaded; a repo or revision not cached here is
+    refused in one line."""
+    from huggingface_hub import snapshot_download
+
+    rev = revision or "main"
+    cache = hub_cache_dir()
+    try:
+        folder = Path(snapshot_download(path, revision=rev, cache_dir=cache, local_files_only=True))
+    except (OSError, ValueError):  # LocalEntryNotFoundError (an OSError), HFValidationError (a ValueError)
+        raise ConfigError(
+            "model.path",
+            f"hub id {path!r} at model.revision {rev!r} is not in the local HF cache ({cache}); the target is "
+            f"identified by the files of that snapshot, so download it first: hf download {path} --revision {rev}",
+        ) from None
+    return folder, folder.name
 
 
 def load_error(e: Exception, what: str, path: str) -> ConfigError:
