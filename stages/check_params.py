@@ -10,12 +10,15 @@ every dataset. It writes nothing.
 from __future__ import annotations
 
 from draftdata.config.load import cli
-from draftdata.config.schema import Config, check_all
+from draftdata.config.schema import Config, check_all, length_warnings
+from draftdata.target.model import local_context
 from draftdata.util.log import log
 
 
 def main(cfg: Config) -> None:
     check_all(cfg)
+    for line in length_warnings(cfg, context=local_context(cfg.model)):  # samples tokenize may drop: told, not refused
+        log("check_params", warning=line)
     log("check_params", datasets=len(cfg.datasets), ok=True)
 
 

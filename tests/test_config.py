@@ -349,3 +349,55 @@ def test_an_unpinned_hub_source_is_a_warning_of_check_params(project, capsys):
     project.save()
     project.run("check_params", None)
     assert "warning=" not in capsys.readouterr().out  # B3 is a local file, B4 a commit
+
+
+def _lengths_config(tmp_path, **ds):
+    """Two datasets (the demo source), a target whose config.json states a context of 1,024, max_seq_len 900."""
+    import json
+
+    from conftest import DEMO
+
+    from draftdata.config.schema import Config, DatasetConfig, ModelConfig, SourceConfig, TokenizeConfig
+
+    model = tmp_path / "model"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps({"max_position_embeddings": 1024}))
+    source = SourceConfig(shape="magicoder_oss", path=str(DEMO / "B3_magicoder.jsonl.gz"))
+    fits = DatasetConfig(source=source, token_budget=100, max_prompt_tokens=512, max_tokens=256)
+    return Config(
+        model=ModelConfig(path=str(model)),
+        tokenize=TokenizeConfig(max_seq_len=900),
+        datasets={"fits": fits, "D": DatasetConfig(source=source, token_budget=100, **ds)},
+    )
+
+
+def test_check_params_warns_of_samples_longer_than_max_seq_len(tmp_path, capsys):
+    """The budget is met on responses and tokenize drops the longer samples, up to max_skip_pct of them without
+    failing: check_params says so in one line naming the keys (a warning; the run may accept drops)."""
+    from stages.check_params import main
+
+    main(_lengths_config(tmp_path, max_prompt_tokens=700, max_tokens=256))
+    out = capsys.readouterr().out.splitlines()
+    (warning,) = [line for line in out if "warning=" in line]
+    assert warning.startswith("check_params warning=datasets.D.max_prompt_tokens + datasets.D.max_tokens = 956 ")
+    assert "exceeds tokenize.max_seq_len (900)" in warning and "tokenize.max_skip_pct=5%" in warning
+    assert out[-1] == "check_params datasets=2 ok=True"
+
+    # longer than the target's context too (read from the local config.json): a second line, for generate
+    main(_lengths_config(tmp_path / "b", max_prompt_tokens=900, max_tokens=256))
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "warning=" in line]
+    assert len(warnings) == 2 and "exceeds the target's context (1,024, model.path)" in warnings[1]
+    assert "refuses prompts longer than 768" in warnings[1]
+
+    # no limit on prompts: any sample may be too long
+    main(_lengths_config(tmp_path / "c", max_prompt_tokens=None, max_tokens=256))
+    (warning,) = [line for line in capsys.readouterr().out.splitlines() if "warning=" in line]
+    assert "datasets.D.max_prompt_tokens is null" in warning and "may exceed tokenize.max_seq_len (900)" in warning
+    assert warning.endswith("set it to at most 644")
+
+
+def test_check_params_is_quiet_when_every_sample_fits(tmp_path, capsys):
+    from stages.check_params import main
+
+    main(_lengths_config(tmp_path, max_prompt_tokens=644, max_tokens=256))
+    assert capsys.readouterr().out.splitlines() == ["check_params datasets=2 ok=True"]

@@ -148,3 +148,55 @@ def test_an_interrupt_parks_what_is_in_flight_as_interrupted(tmp_path):
 
     run(go())
     assert backend.cancelled == [] and d.stats.cancelled == 4 and set(stored(d).values()) == {INTERRUPTED}
+
+
+class FirstRound(Streaming):
+    """keep_partial's cut that does not end the run: the first `n` requests stream nothing but spaces, so their
+    cut partials are unusable, except `finisher`, whose answer completes during the stop; later requests stream
+    "x" and fill the budget."""
+
+    def __init__(self, first: list[str], finisher: str):
+        super().__init__()
+        self.first, self.finisher = set(first), finisher
+        self.started: list[str] = []
+
+    async def generate(self, req: GenRequest) -> GenResult:
+        self.started.append(req.rid)
+        res = await super().generate(req)
+        if req.rid in self.first and req.rid != self.finisher:
+            res.text = " " * len(res.text)
+        return res
+
+    def _stopped(self, req: GenRequest) -> GenResult:
+        self.stopped.append(req.rid)
+        if req.rid == self.finisher:
+            return self._answer(req, extra=1)
+        if req.rid in self.first:
+            req.partial.text = " " * len(req.partial.text)
+        return stopped_result(req, self.name)
+
+
+def test_a_cut_that_goes_on_records_each_request_once(tmp_path):
+    """keep_partial, the budget reached mid-answer, one answer completing during the stop, and the run going on
+    after it (the other cut partials are only whitespace): the requests admitted next are each recorded once,
+    none is abandoned, and the answer that completed during the stop is not collected again (a KeyError)."""
+    first = [p.key for p in plan(4)]
+    backend = FirstRound(first, finisher=first[0])
+    d = dispatcher(tmp_path, backend, budget=100)
+    put: list[str] = []
+    put_many = d.store.put_many
+
+    def spy(rows):
+        put.extend(r.key for r in rows)
+        return put_many(rows)
+
+    d.store.put_many = spy
+    stats = run(d.run(plan(8)))
+    keys = [p.key for p in plan(8)]
+    assert backend.started == keys and backend.cancelled == []  # the second round was admitted, none cancelled
+    assert sorted(put) == sorted(keys)  # each request recorded once
+    assert sorted(backend.stopped) == sorted(keys)
+    assert stats.new == 1 and stats.cut == stats.parked == 7 and stats.cancelled == 7
+    s = stored(d)
+    assert s.pop(first[0]) == "length" and set(s.values()) == {CUT} and len(s) == 7
+    assert d.ctrl.reached() and d.flights == {} and d._finished == []

@@ -139,6 +139,23 @@ class ConnectionCounter:
         self.sock.close()
 
 
+def test_the_plan_warns_of_samples_longer_than_max_seq_len(project, capsys):
+    """max_prompt_tokens + max_tokens over tokenize.max_seq_len (the project's 1,024): tokenize would drop the
+    longer samples after their tokens counted toward the budget; over the tiny target's context (4,096) too."""
+    one(project)
+    assert "warning:" not in capsys.readouterr().out  # 512 + 48 fit
+    one(project, "datasets.B3.max_tokens=600", opts=_opts(out=str(project.path / "plan.json")))
+    (warning,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: ")]
+    assert "datasets.B3.max_prompt_tokens + datasets.B3.max_tokens = 1,112 exceeds tokenize.max_seq_len" in warning
+    assert json.loads((project.path / "plan.json").read_text())["warnings"] == [warning.removeprefix("warning: ")]
+    one(project, "datasets.B3.max_tokens=3700")
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: ")]
+    assert len(warnings) == 2 and "exceeds the target's context (4,096, model.path)" in warnings[1]
+    one(project, "datasets.B3.max_prompt_tokens=null")
+    (warning,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: ")]
+    assert "datasets.B3.max_prompt_tokens is null" in warning and "may exceed tokenize.max_seq_len" in warning
+
+
 def test_nothing_is_sent_and_no_weights_are_loaded(project, monkeypatch):
     import transformers
 

@@ -4,8 +4,10 @@
 the prompts available, the budget, the tokens the response store already holds toward it (keys computed exactly
 as generate computes them: tokenizer and model fingerprint, no weights), the tokens and requests still to
 generate, the GPU time they take at a given or measured rate, and the disk the whole budget takes (responses,
-samples, hidden states). Nothing is sent to any server and no backend is started; the only things it may write
-are the model's file-hash cache beside the store (as every stage does) and, with `plan.out`, a JSON copy.
+samples, hidden states); it warns of a dataset whose longest sample (max_prompt_tokens + max_tokens) exceeds
+`tokenize.max_seq_len` or the target's context. Nothing is sent to any server and no backend is started; the only
+things it may write are the model's file-hash cache beside the store (as every stage does) and, with `plan.out`, a
+JSON copy.
 
 `plan.*` keys are this command's own (not in params.yaml): `plan.tok_s` is the generation rate to assume, in
 tokens per second (default: the `new_tok_per_s` of the dataset's last `generate_metrics.json`); `plan.out` a file
@@ -16,16 +18,18 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from draftdata.config.load import cli
-from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, check_all
+from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, check_all, length_warnings
 from draftdata.errors import ConfigError
 from draftdata.generate.budget import MIN_OBSERVED as MIN_LENGTHS
 from draftdata.generate.budget import LengthModel
 from draftdata.generate.selection import needs_request, plan_requests, tokens_of, unusable_reason
 from draftdata.generate.store import ResponseStore, StoredResponse
+from draftdata.target.model import model_limits
 from draftdata.util.files import data_dir, read_jsonl, write_json
 from draftdata.util.sqlite import resolve_store_path
 
@@ -342,7 +346,7 @@ def table(headers: list[str], rows: list[list[str]], left: tuple[int, ...] = (0,
     return lines
 
 
-def render(plans: list[DatasetPlan], shape: ModelShape, cfg: Config) -> str:
+def render(plans: list[DatasetPlan], shape: ModelShape, cfg: Config, warnings: Sequence[str] = ()) -> str:
     all_gpu = all(p.gpu_s is not None for p in plans)
     prompts_known = all(p.prompts is not None for p in plans)
     tokens_rows = [
@@ -447,7 +451,7 @@ def render(plans: list[DatasetPlan], shape: ModelShape, cfg: Config) -> str:
             left=(0, 2, 9),
         ),
     ]
-    notes = [
+    notes = [f"warning: {w}" for w in warnings] + [
         f"{p.dataset}: about {p.requests:,} requests needed, {p.prompts_left:,} prompts left to send: the "
         "prompts run out before the budget"
         for p in plans
@@ -467,9 +471,10 @@ def _disk_basis(p: DatasetPlan) -> str:
     return "responses measured" if p.responses_from == "measured" else "samples measured"
 
 
-def to_json(plans: list[DatasetPlan], shape: ModelShape) -> dict:
+def to_json(plans: list[DatasetPlan], shape: ModelShape, warnings: Sequence[str] = ()) -> dict:
     return {
         "model": asdict(shape),
+        "warnings": list(warnings),
         "datasets": [dict(asdict(p), disk_bytes=p.disk_bytes) for p in plans],
         "total": {
             k: sum(getattr(p, k) for p in plans)
@@ -498,6 +503,8 @@ def main(cfg: Config, opts: Options | None = None) -> list[DatasetPlan]:
     check_all(cfg)  # params.yaml whole, as the check_params stage does
     names = [cfg.dataset] if cfg.dataset is not None else list(cfg.datasets)
     shape = model_shape(cfg)
+    # samples tokenize would drop (or generate refuse) for their length: told here, not refused
+    warnings = length_warnings(cfg, names, model_limits(cfg.model).context)
     store_path = resolve_store_path(cfg.run.store_path)
     store = ResponseStore(store_path) if store_path.exists() else None  # no store yet: nothing stored, none made
     tokenizer = _tokenizer_loader(cfg)
@@ -506,9 +513,9 @@ def main(cfg: Config, opts: Options | None = None) -> list[DatasetPlan]:
     finally:
         if store is not None:
             store.close()
-    print(render(plans, shape, cfg))
+    print(render(plans, shape, cfg, warnings))
     if opts.out:
-        write_json(opts.out, to_json(plans, shape))
+        write_json(opts.out, to_json(plans, shape, warnings))
     return plans
 
 

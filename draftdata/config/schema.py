@@ -500,3 +500,39 @@ def unpinned_sources(cfg: Config) -> list[str]:
                 f"{src.hf_name} can change while DVC calls the prompts up to date; pin the dataset's commit"
             )
     return out
+
+
+def length_warnings(cfg: Config, names: Optional[List[str]] = None, context: Optional[int] = None) -> List[str]:
+    """One line per dataset whose longest sample may not fit: the budget is met on responses, and tokenize then
+    drops (or truncates) the samples longer than `tokenize.max_seq_len`, up to `tokenize.max_skip_pct` of them
+    without failing. Warnings, not errors: a user may accept a few drops. `context`: the target's, where known
+    (generate refuses a prompt that leaves max_tokens no room in it)."""
+    msl, tk = cfg.tokenize.max_seq_len, cfg.tokenize
+    fate = (
+        f"dropped by tokenize (up to tokenize.max_skip_pct={tk.max_skip_pct:g}% without failing)"
+        if tk.on_too_long == OnTooLong.drop
+        else "truncated by tokenize"
+    )
+    lines = []
+    for name in names if names is not None else list(cfg.datasets):
+        ds, key = cfg.datasets[name], f"datasets.{name}"
+        if ds.max_prompt_tokens is None:
+            room = msl - ds.max_tokens
+            fix = f"set it to at most {room:,}" if room > 0 else f"lower {key}.max_tokens"
+            lines.append(
+                f"{key}.max_prompt_tokens is null: a prompt + {key}.max_tokens ({ds.max_tokens:,}) may exceed "
+                f"tokenize.max_seq_len ({msl:,}); such samples count toward the budget, then are {fate}; {fix}"
+            )
+            continue
+        longest = ds.max_prompt_tokens + ds.max_tokens
+        if longest > msl:
+            lines.append(
+                f"{key}.max_prompt_tokens + {key}.max_tokens = {longest:,} exceeds tokenize.max_seq_len "
+                f"({msl:,}): the longer samples count toward the budget, then are {fate}"
+            )
+        if context is not None and longest > context:
+            lines.append(
+                f"{key}.max_prompt_tokens + {key}.max_tokens = {longest:,} exceeds the target's context "
+                f"({context:,}, model.path): generate refuses prompts longer than {max(0, context - ds.max_tokens):,}"
+            )
+    return lines

@@ -141,3 +141,16 @@ def load_model(model: ModelConfig, device_map: str | None = None):
     if not device_map:
         net = net.to("cuda" if torch.cuda.is_available() else "cpu")
     return net.eval()
+
+
+def local_context(model: ModelConfig) -> int | None:
+    """The target's context from a local config.json only (None otherwise): no hub, no network, no error for a
+    model directory not built yet."""
+    local = Path(model.path).expanduser() / "config.json"
+    if not local.is_file():
+        return None
+    try:
+        conf = json.loads(local.read_text())
+    except (OSError, ValueError):
+        return None
+    return _context(conf.get("text_config") or conf)
