@@ -79,3 +79,31 @@ def test_no_hand_written_benchmark_figures_outside_the_block():
     for name, text in pages.items():
         found = [m.group(0) for pattern in patterns for m in [re.search(pattern, text)] if m]
         assert not found, f"{name} restates benchmark figures by hand: {found}; leave them to `python -m bench.report`"
+
+
+def test_committed_results_hold_no_path_of_the_machine_that_ran_them():
+    """Results are read from any checkout: no absolute path of the project or of a suite's temp directory."""
+    import tempfile
+
+    for path in sorted((ROOT / "bench" / "results").glob("*.json")):
+        text = path.read_text()
+        assert str(ROOT) not in text and f"{tempfile.gettempdir()}/" not in text, path.name
+
+
+def test_the_reliability_suites_record_portable_paths():
+    import tempfile
+
+    from bench.reliability.__main__ import ROOT as PROJECT
+    from bench.reliability.__main__ import portable
+
+    work = f"{tempfile.gettempdir()}/draftdata-inputs-ab12_cd3"
+    got = portable(
+        {
+            "rows": [{"got": f"the tokenizer at '{work}/variants/x' has no chat template"}, 3],
+            "source": f"{PROJECT}/sources/demo/B3_magicoder.jsonl.gz",
+        }
+    )
+    assert got == {
+        "rows": [{"got": "the tokenizer at '<workdir>/variants/x' has no chat template"}, 3],
+        "source": "sources/demo/B3_magicoder.jsonl.gz",
+    }

@@ -14,11 +14,28 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import re
+import tempfile
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent.parent / "results" / "reliability.json"
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "bench" / "results" / "reliability.json"
 SUITES = ("kill", "faults", "inputs")
+# The suites' work directories (tempfile prefixes in kill.py, faults.py, inputs.py), named the same on every machine
+_WORKDIR = re.compile(re.escape(tempfile.gettempdir()) + r"/(?:draftdata-kill-|draftdata-inputs-|faults-)[\w]+")
+
+
+def portable(value):
+    """`value` with this machine's paths taken out of every string: the project's root made relative, a suite's
+    temp work directory written `<workdir>`. Committed results then read the same from any checkout."""
+    if isinstance(value, dict):
+        return {k: portable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [portable(v) for v in value]
+    if isinstance(value, str):
+        return _WORKDIR.sub("<workdir>", value.replace(f"{ROOT}/", ""))
+    return value
 
 
 def main(argv=None) -> None:
@@ -34,7 +51,7 @@ def main(argv=None) -> None:
     res = importlib.import_module(f"bench.reliability.{args.suite}").run(args)
     res["wall_s"] = round(time.perf_counter() - t0, 1)
     doc = json.loads(args.out.read_text()) if args.out.exists() else {}
-    doc[args.suite] = res
+    doc[args.suite] = portable(res)
     for name in SUITES:  # the goal figures at the top level, from each suite's latest run
         doc.update(doc.get(name, {}).get("figures", {}))
     doc["all_goals_met"] = all(s in doc and doc[s].get("goal_met") for s in SUITES)
