@@ -100,14 +100,19 @@ class SGLangBackend(HttpBackend):
         with response_shape("/generate answer"):
             meta = out["meta_info"]
             self._take_answer(req, out["output_ids"], out.get("text") or "")
-            return self._complete(
-                req,
-                base,
-                int(meta["completion_tokens"]),
-                finish_reason(meta["finish_reason"]),
-                int(meta["prompt_tokens"]) - base,
-                has_ids=True,
-            )
+            return self._ended(req, meta, base)
+
+    def _ended(self, req: GenRequest, meta: dict, base: int) -> GenResult:
+        """The answer's end, from its `meta_info` (the plain answer's, or the stream's last): a response or a
+        failure."""
+        return self._complete(
+            req,
+            base,
+            int(meta["completion_tokens"]),
+            finish_reason(meta["finish_reason"]),
+            int(meta["prompt_tokens"]) - base,
+            has_ids=True,
+        )
 
     async def _follow(self, server: Server, req: GenRequest, stream: EventStream, base: int) -> GenResult:
         """Read the stream into `req.partial` (after the `base` tokens it held when the attempt began)."""
@@ -130,11 +135,4 @@ class SGLangBackend(HttpBackend):
         if meta is None or meta.get("finish_reason") is None:
             raise stream_cut(server.url)
         with response_shape("/generate stream end"):
-            return self._complete(
-                req,
-                base,
-                int(meta["completion_tokens"]),
-                finish_reason(meta["finish_reason"]),
-                int(meta["prompt_tokens"]) - base,
-                has_ids=True,
-            )
+            return self._ended(req, meta, base)
