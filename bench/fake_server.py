@@ -199,8 +199,8 @@ class Fault:
     body, or a stream line after `after` tokens, that is not JSON), `stream_error` (a stream reports `{"error": ...}`
     after `after` tokens, as SGLang does for a ValueError; a plain answer is clean).
     A faulty answer: `no_usage` (an OpenAI answer without `usage`), `empty` (finished, "stop", without a token),
-    `finish` (an OpenAI answer with every token but `reason` as its `finish_reason`: `content_filter`, None for
-    null, or a value outside the protocol; a stream sends it in its last chunk)."""
+    `finish` (an answer with every token but `reason` as its `finish_reason`: `content_filter`, None for null, or a
+    value outside the protocol, SGLang's as `{"type": reason}`; a stream sends it in its last chunk)."""
 
     kind: str
     status: int = 0
@@ -643,6 +643,8 @@ class SGLang:
             reason = {"type": "length", "length": len(out)}
         elif finish == "abort":
             reason = {"type": "abort", "message": "Abort in the middle of decoding."}
+        elif finish is not None:  # a `finish` fault's type outside the protocol
+            reason = {"type": finish}
         return {
             "id": self.rid,
             "finish_reason": reason,

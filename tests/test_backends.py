@@ -763,27 +763,40 @@ def test_embedded_stop_cancels_in_the_manager_and_returns_the_streamed_partial(e
     assert res.text == tok.decode(res.output_ids, skip_special_tokens=True)
 
 
-# ---- openai: finish reasons that do not say the model ended its turn ----------------------------------------------- #
+# ---- finish reasons that do not say the model ended its turn ----------------------------------------------------- #
 
 
 @pytest.mark.parametrize(
-    "reason, code, stream",
+    "kind, reason, code, stream",
     [
-        ("content_filter", "content_filter", False),
-        ("content_filter", "content_filter", True),
-        (None, "bad_response", False),  # a stream without one is cut: see the next test
-        ("gremlins", "bad_response", False),
-        ("gremlins", "bad_response", True),
+        ("openai", "content_filter", "content_filter", False),
+        ("openai", "content_filter", "content_filter", True),
+        ("openai", None, "bad_response", False),  # a stream without one is cut: see the next test
+        ("openai", "gremlins", "bad_response", False),
+        ("openai", "gremlins", "bad_response", True),
+        ("sglang", None, "bad_response", False),
+        ("sglang", "gremlins", "bad_response", False),
+        ("sglang", "gremlins", "bad_response", True),
     ],
-    ids=["content_filter-plain", "content_filter-stream", "null-plain", "unknown-plain", "unknown-stream"],
+    ids=[
+        "openai-content_filter-plain",
+        "openai-content_filter-stream",
+        "openai-null-plain",
+        "openai-unknown-plain",
+        "openai-unknown-stream",
+        "sglang-null-plain",
+        "sglang-unknown-plain",
+        "sglang-unknown-stream",
+    ],
 )
-def test_openai_answer_that_did_not_end_its_turn_fails_unretried(fake, reason, code, stream):
+def test_answer_that_did_not_end_its_turn_fails_unretried(fake, kind, reason, code, stream):
     """A filtered answer, or one whose finish reason is missing or outside the protocol, is no response: a failure
     that is not retried (the same prompt meets the same filter), its tokens thrown away, so that nothing of it is
     parked or stored."""
     srv = fake(stop_after=5, every=Fault("finish", reason=reason))
     req = request(max_tokens=16, stream=stream)
-    res = run(generate(config(BackendKind.openai, [srv.url], return_token_ids=True), req))
+    extra = {"return_token_ids": True} if kind == "openai" else {}
+    res = run(generate(config(BackendKind(kind), [srv.url], **extra), req))
     assert [a.finish for a in srv.log] == [reason] and [a.outcome for a in srv.log] == ["finish"]
     assert not res.ok and res.error == code and res.detail and req.attempt_errors == [code]
     assert len(srv.generate_calls) == 1  # not retried
@@ -792,9 +805,11 @@ def test_openai_answer_that_did_not_end_its_turn_fails_unretried(fake, reason, c
     assert req.discarded_tokens == 6
 
 
-def test_openai_stream_without_a_finish_reason_is_a_cut_stream_retried(fake):
+@pytest.mark.parametrize("kind", ["openai", "sglang"])
+def test_stream_without_a_finish_reason_is_a_cut_stream_retried(fake, kind):
     srv = fake(stop_after=5, every=Fault("finish", reason=None))
-    cfg = config(BackendKind.openai, [srv.url], return_token_ids=True, max_retries=2)
+    extra = {"return_token_ids": True} if kind == "openai" else {}
+    cfg = config(BackendKind(kind), [srv.url], max_retries=2, **extra)
     res = run(generate(cfg, request(stream=True)))
     assert res.error == "retries_exhausted" and res.detail.startswith("connection") and len(srv.generate_calls) == 3
 

@@ -579,6 +579,16 @@ def engine_error(answer: dict) -> Failure:
     return Failure("engine_error", str(message)[:500])
 
 
+def finish_or_discard(req: GenRequest, parse: Callable[[object], str], value, new_tokens: int) -> str:
+    """`parse(value)` (a finish reason), counting the answer's `new_tokens` as thrown away when it is no response
+    (neither parked nor continued: a filtered or unexplained answer is not a prefix to go on from)."""
+    try:
+        return parse(value)
+    except Failure:
+        req.discarded_tokens += int(new_tokens)
+        raise
+
+
 def stream_cut(url: str) -> Failure:
     """A stream that ended before its finish reason: the answer is incomplete, try again."""
     return Failure("connection", f"the stream from {url} ended before a finish reason", retry=True)

@@ -32,6 +32,7 @@ from draftdata.generate.backends.http import (
     HttpBackend,
     Server,
     engine_error,
+    finish_or_discard,
     model_matches,
     response_shape,
     stream_cut,
@@ -130,7 +131,9 @@ class OpenAIBackend(HttpBackend):
         with response_shape(f"{path} answer"):
             choice = doc["choices"][0]
             # before the answer enters the partial: one that is no response is not parked, its tokens lost
-            finish = _finish(req, choice.get("finish_reason"), (doc.get("usage") or {}).get("completion_tokens", 0))
+            finish = finish_or_discard(
+                req, finish_reason, choice.get("finish_reason"), (doc.get("usage") or {}).get("completion_tokens", 0)
+            )
             ids = _output_ids(choice)
             self._take_answer(req, ids, (choice["message"].get("content") or "") if chat else choice["text"])
             res = self._complete(
@@ -174,7 +177,7 @@ class OpenAIBackend(HttpBackend):
         with response_shape("stream usage"):
             new = int(usage["completion_tokens"]) if usage else partial.completion_tokens - base
             try:
-                finish = _finish(req, finish, new)
+                finish = finish_or_discard(req, finish_reason, finish, new)
             except Failure:  # the streamed answer is no response: back to what the attempt started from
                 del partial.output_ids[base:]
                 partial.text, partial.completion_tokens = partial.text[:text_at_base], base
@@ -199,16 +202,6 @@ class OpenAIBackend(HttpBackend):
             if drift:
                 res.extra["prompt_tokens_drift"] = drift
         return res
-
-
-def _finish(req: GenRequest, value: str | None, new_tokens: int) -> str:
-    """`finish_reason`, counting the answer's `new_tokens` as thrown away when it is no response (neither parked
-    nor continued: a filtered or unexplained answer is not a prefix to go on from)."""
-    try:
-        return finish_reason(value)
-    except Failure:
-        req.discarded_tokens += int(new_tokens)
-        raise
 
 
 def _output_ids(choice: dict) -> list | None:

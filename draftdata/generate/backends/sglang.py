@@ -33,16 +33,23 @@ from draftdata.generate.backends.http import (
     HttpBackend,
     Server,
     engine_error,
+    finish_or_discard,
     response_shape,
     stream_cut,
 )
 from draftdata.target.tokenizer import render_prompt_ids
 
+SGLANG_ENDS = ("stop", "length", "abort")  # FINISH_MATCHED_TOKEN/_STR/_REGEX, FINISH_LENGTH, FINISH_ABORT
+
 
 def finish_reason(value) -> str:
-    """`meta_info.finish_reason` is `{"type": "stop"|"length"|"abort", ...}` (a bare string on some versions)."""
+    """`meta_info.finish_reason` is `{"type": "stop"|"length"|"abort", ...}` (a bare string on some versions).
+    Anything else (null in a plain answer, an unknown type) says nothing of how the answer ended: a `bad_response`,
+    not retried, rather than a response stored as complete."""
     kind = value.get("type") if isinstance(value, dict) else value
-    return kind if kind in ("length", "abort") else "stop"
+    if kind in SGLANG_ENDS:
+        return kind
+    raise Failure("bad_response", f"finish_reason {value!r} does not say how the answer ended (stop, length, abort)")
 
 
 def is_increment(have: int, chunk: int, total: int) -> bool:
@@ -99,20 +106,11 @@ class SGLangBackend(HttpBackend):
             raise engine_error(out)
         with response_shape("/generate answer"):
             meta = out["meta_info"]
+            new = int(meta["completion_tokens"])
+            # before the answer enters the partial: one that is no response is not parked, its tokens lost
+            finish = finish_or_discard(req, finish_reason, meta["finish_reason"], new)
             self._take_answer(req, out["output_ids"], out.get("text") or "")
-            return self._ended(req, meta, base)
-
-    def _ended(self, req: GenRequest, meta: dict, base: int) -> GenResult:
-        """The answer's end, from its `meta_info` (the plain answer's, or the stream's last): a response or a
-        failure."""
-        return self._complete(
-            req,
-            base,
-            int(meta["completion_tokens"]),
-            finish_reason(meta["finish_reason"]),
-            int(meta["prompt_tokens"]) - base,
-            has_ids=True,
-        )
+            return self._complete(req, base, new, finish, int(meta["prompt_tokens"]) - base, has_ids=True)
 
     async def _follow(self, server: Server, req: GenRequest, stream: EventStream, base: int) -> GenResult:
         """Read the stream into `req.partial` (after the `base` tokens it held when the attempt began)."""
@@ -135,4 +133,10 @@ class SGLangBackend(HttpBackend):
         if meta is None or meta.get("finish_reason") is None:
             raise stream_cut(server.url)
         with response_shape("/generate stream end"):
-            return self._ended(req, meta, base)
+            new = int(meta["completion_tokens"])
+            try:
+                finish = finish_or_discard(req, finish_reason, meta["finish_reason"], new)
+            except Failure:  # the streamed answer is no response: back to what the attempt started from
+                partial.output_ids, partial.text, partial.completion_tokens = base_ids, base_text, base
+                raise
+            return self._complete(req, base, new, finish, int(meta["prompt_tokens"]) - base, has_ids=True)
