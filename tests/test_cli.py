@@ -72,3 +72,16 @@ def test_the_reader_imports_no_pipeline_machinery():
     assert not {
         m for m in loaded if m.startswith(("draftdata.hidden.engines", "draftdata.config", "draftdata.generate"))
     }
+
+
+def test_compare_shows_every_summary_figure_in_120_columns():
+    """`draftdata compare` rows carry each key stages/summary.py writes (the trained share of the budget too)."""
+    from draftdata.cli.compare import COLUMNS, table
+    from stages.summary import summarise
+
+    generate = {"budget": 1000, "budget_tokens": 1004, "overshoot_pct": 0.4, "completion_tokens": 1004}
+    figures = summarise(generate, {"samples": 9, "skipped": {"too_long": 1}, "trained_tokens": 950}, {"bytes": 0})
+    assert set(COLUMNS) == set(figures)
+    lines = table([("workspace", {"D": figures}), ("  exp-budget-2k", {"D": figures})], "D")
+    header, row = lines[1].split(), lines[2].split()
+    assert row[header.index("trained")] == "95" and max(map(len, lines)) <= 120

@@ -12,7 +12,7 @@ import json
 import subprocess
 import sys
 
-COLUMNS = ("budget", "tokens", "over_pct", "samples", "skipped", "new", "reused", "hs_gb")
+COLUMNS = ("budget", "tokens", "over_pct", "samples", "skipped", "trained", "new", "reused", "hs_gb")
 
 
 def experiments(doc: list) -> list[tuple[str, dict]]:
