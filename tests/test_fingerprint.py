@@ -282,3 +282,23 @@ def test_a_hub_id_with_a_missing_snapshot_is_refused(hub_cache):
     (repo / "refs" / "main").write_text(COMMIT_B)
     with pytest.raises(ConfigError, match=r"^model\.path: .*download it first"):
         fingerprint(Path("org/name"), "main")
+
+
+def test_a_hub_id_is_loaded_from_the_snapshot_its_fingerprint_names(hub_cache, tiny_model, monkeypatch):
+    """The tokenizer, the model's limits and its weights load from the cached snapshot at the commit the revision
+    resolves to, the one the stores record, not by the revision (which, with a network, fetches the hub's newest)."""
+    from draftdata.config.schema import ModelConfig
+    from draftdata.target.model import load_model, model_dir, model_limits
+    from draftdata.target.tokenizer import load_tokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing here may need the hub
+    files = {p.name: p.read_bytes() for p in tiny_model.iterdir() if p.is_file()}
+    a = hub_snapshot(hub_cache, "org/tiny", COMMIT_A, files)
+    b = hub_snapshot(hub_cache, "org/tiny", COMMIT_B, dict(files, **{"chat_template.jinja": b"{{ 'B' }}"}))
+    for revision, snapshot, template in [(None, b, "{{ 'B' }}"), (COMMIT_A, a, files["chat_template.jinja"].decode())]:
+        cfg = ModelConfig(path="org/tiny", revision=revision)
+        assert model_dir(cfg) == str(snapshot)
+        tok = load_tokenizer(cfg)
+        assert tok.name_or_path == str(snapshot) and tok.chat_template == template
+    cfg = ModelConfig(path="org/tiny", revision=COMMIT_A)
+    assert model_limits(cfg).vocab == load_model(cfg).config.vocab_size

@@ -38,8 +38,8 @@ ANY_DATASET = "<name>"
 # Meanings for keys whose comment in draftdata/config/schema.py is missing or says too little (appended to the comment).
 MEANINGS = {
     "model.revision": "The revision (branch, tag or commit; null: `main`) to load when `model.path` is a hub id; "
-    "resolved to its commit in the local HF cache, whose snapshot's files are the target's fingerprint (a hub id "
-    "not downloaded there is refused).",
+    "resolved to its commit in the local HF cache, whose snapshot's files are the target's fingerprint and are "
+    "what every stage loads (a hub id not downloaded there is refused).",
     "tiny_model.path": "Where the `tiny_model` stage writes the demo target.",
     "tiny_model.corpus_dir": "The prompt files the demo target's tokenizer and weights are fitted to.",
     "tiny_model.seed": "Seed of the demo target's random weights.",

@@ -29,7 +29,7 @@ from draftdata.hidden.engines.base import Engine
 from draftdata.hidden.shards import FORMAT_VERSION, SampleStates, check, encode, write
 from draftdata.hidden.state_store import StateStore, Target, state_key
 from draftdata.target.fingerprint import model_fingerprint
-from draftdata.target.model import check_tokenizer_fits, model_limits
+from draftdata.target.model import check_tokenizer_fits, model_dir, model_limits
 from draftdata.target.tokenizer import load_tokenizer
 from draftdata.util.files import atomic_path
 from draftdata.util.hashing import content_hash
@@ -423,7 +423,5 @@ def n_layers_of(cfg: Config) -> int:
 
     limits = model_limits(cfg.model)
     check_tokenizer_fits(load_tokenizer(cfg.model, need_template=False), cfg.model, limits)
-    conf = AutoConfig.from_pretrained(
-        cfg.model.path, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
-    )
+    conf = AutoConfig.from_pretrained(model_dir(cfg.model), trust_remote_code=cfg.model.trust_remote_code)
     return conf.get_text_config().num_hidden_layers

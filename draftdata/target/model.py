@@ -59,6 +59,15 @@ def hub_snapshot(path: str, revision: str | None) -> tuple[Path, str]:
     return folder, folder.name
 
 
+def model_dir(model: ModelConfig) -> str:
+    """Where the target's files are loaded from: a local path as given; for a hub id, its snapshot in the local HF
+    cache at the commit `model.revision` resolves to, the one the fingerprint names, so that what is loaded is
+    what the stores record (loading by the revision would fetch the hub's newer commit where there is a network)."""
+    if looks_local(model.path) or Path(model.path).expanduser().is_dir():
+        return model.path
+    return str(hub_snapshot(model.path, model.revision)[0])
+
+
 def load_error(e: Exception, what: str, path: str) -> ConfigError:
     if "trust_remote_code" in str(e):  # the checkpoint ships its own Python: run only when the user says so
         return ConfigError(
@@ -80,22 +89,12 @@ def model_limits(model: ModelConfig) -> ModelLimits:
     """The target's context length and vocabulary size, from its config alone (no weights). Unknown (None) where
     there is no config to read: a directory holding only the tokenizer, for a model that lives on the server."""
     check_model_path(model.path)
-    local = Path(model.path).expanduser() / "config.json"
+    local = Path(model_dir(model)).expanduser() / "config.json"
     if local.is_file():
         conf = json.loads(local.read_text())
         conf = conf.get("text_config") or conf  # a multimodal wrapper's language model
         return ModelLimits(_context(conf), conf.get("vocab_size"))
-    if looks_local(model.path) or Path(model.path).expanduser().is_dir():
-        return ModelLimits(None, None)
-    from transformers import AutoConfig
-
-    try:  # a hub id: its config is cached beside the tokenizer just loaded
-        conf = AutoConfig.from_pretrained(
-            model.path, revision=model.revision, trust_remote_code=model.trust_remote_code
-        ).get_text_config()
-    except (OSError, ValueError):
-        return ModelLimits(None, None)
-    return ModelLimits(_context(conf.to_dict()), getattr(conf, "vocab_size", None))
+    return ModelLimits(None, None)
 
 
 def _context(conf: dict) -> int | None:
@@ -130,8 +129,7 @@ def load_model(model: ModelConfig, device_map: str | None = None):
     check_model_path(model.path)
     try:
         net = AutoModelForCausalLM.from_pretrained(
-            model.path,
-            revision=model.revision,
+            model_dir(model),
             dtype="auto",
             trust_remote_code=model.trust_remote_code,
             **({"device_map": device_map} if device_map else {}),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from draftdata.config.schema import ModelConfig
 from draftdata.errors import ConfigError
-from draftdata.target.model import check_model_path, load_error
+from draftdata.target.model import check_model_path, load_error, model_dir
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -110,17 +110,16 @@ def plain_fast_tokenizer(path: str) -> bool:
 
 def load_tokenizer(model: ModelConfig, need_template: bool = True):
     check_model_path(model.path)
+    source = model_dir(model)
     try:
-        if Path(model.path).expanduser().is_dir() and plain_fast_tokenizer(model.path):
+        if Path(source).expanduser().is_dir() and plain_fast_tokenizer(source):
             from transformers import PreTrainedTokenizerFast  # TokenizersBackend: what AutoTokenizer returns here
 
-            tok = PreTrainedTokenizerFast.from_pretrained(model.path)
+            tok = PreTrainedTokenizerFast.from_pretrained(source)
         else:
             from transformers import AutoTokenizer
 
-            tok = AutoTokenizer.from_pretrained(
-                model.path, revision=model.revision, trust_remote_code=model.trust_remote_code
-            )
+            tok = AutoTokenizer.from_pretrained(source, trust_remote_code=model.trust_remote_code)
     except (OSError, ValueError) as e:
         raise load_error(e, "a tokenizer", model.path) from None
     if model.chat_template is not None:

@@ -31,6 +31,7 @@ from pathlib import Path
 from draftdata.config.schema import ModelConfig
 from draftdata.errors import UserError
 from draftdata.hidden.norm import FinalNorm
+from draftdata.target.model import model_dir
 
 ROOT = Path(__file__).resolve().parents[3]
 STARTUP_TIMEOUT_S = 3600.0  # loading a ~1T-parameter target over 8 GPUs takes many minutes
@@ -238,11 +239,10 @@ class VLLMEngine:
         self.workers: list[Worker] = []
         self._batches = 0
         self._finalizer = weakref.finalize(self, _cleanup, self.workers, self.dir)
-        # A local model directory is passed resolved, so that it means the same wherever vLLM's processes run.
-        path = str(Path(model_cfg.path).resolve()) if Path(model_cfg.path).exists() else model_cfg.path
+        # The model's directory (a hub id's cached snapshot at its resolved commit) passed resolved, so that it
+        # means the same wherever vLLM's processes run
         settings = {
-            "model": path,
-            "revision": model_cfg.revision,
+            "model": str(Path(model_dir(model_cfg)).expanduser().resolve()),
             "layers": self.layers,
             "tensor_parallel_size": tensor_parallel_size,
             "max_batch_tokens": max_batch_tokens,

@@ -302,7 +302,6 @@ def max_model_len(settings: dict) -> int:
     derived = (
         EngineArgs(
             model=settings["model"],
-            revision=settings.get("revision"),
             skip_tokenizer_init=True,
             **settings.get("llm_kwargs", {}),
         )
@@ -318,7 +317,6 @@ def load(settings: dict):
     budget = int(settings["max_batch_tokens"])
     kwargs = dict(
         model=settings["model"],
-        revision=settings.get("revision"),
         skip_tokenizer_init=True,  # prompts arrive as token ids; nothing is decoded
         tensor_parallel_size=int(settings["tensor_parallel_size"]),
         enable_prefix_caching=False,  # every position must be computed, none taken from a cache
