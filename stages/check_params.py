@@ -4,7 +4,8 @@ Each chain stage checks the schema and its own dataset's values when it runs, an
 declared params changed; so a typo in a run-time key (`concurency`) or a bad value in a dataset that nothing reruns
 would pass `dvc repro` unnoticed until that stage next ran, perhaps hours into a run. This stage depends on
 params.yaml itself, so DVC runs it on every edit; it loads the config as every stage does and checks the values of
-every dataset. It writes nothing.
+every dataset, and, where the target's tokenizer is on this disk, that its chat template ends the turn on a token
+the target stops on. It writes nothing.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ from __future__ import annotations
 from draftdata.config.load import cli
 from draftdata.config.schema import Config, check_all, length_warnings
 from draftdata.target.model import local_context
+from draftdata.target.tokenizer import check_local_target
 from draftdata.util.log import log
 
 
 def main(cfg: Config) -> None:
     check_all(cfg)
+    check_local_target(cfg.model)  # a chat template that ends the turn where the target does not stop
     for line in length_warnings(cfg, context=local_context(cfg.model)):  # samples tokenize may drop: told, not refused
         log("check_params", warning=line)
     log("check_params", datasets=len(cfg.datasets), ok=True)

@@ -17,8 +17,7 @@ from draftdata.generate.dispatcher import RunStats
 from draftdata.generate.run import generate_missing, output_record, run_metrics, write_plots
 from draftdata.generate.selection import check_context, plan_requests, select_responses, tokens_of, unusable_reason
 from draftdata.generate.store import ResponseStore
-from draftdata.target.model import check_tokenizer_fits, model_limits
-from draftdata.target.tokenizer import load_tokenizer
+from draftdata.target.tokenizer import load_target_tokenizer
 from draftdata.util.files import data_dir, read_jsonl, write_json, write_jsonl
 from draftdata.util.log import log
 from draftdata.util.sqlite import resolve_store_path
@@ -30,9 +29,7 @@ def main(cfg: Config) -> None:
     prompts_path = out / "prompts.jsonl"
     if not prompts_path.exists():
         raise UserError(f"{prompts_path}: not found; run the prompts stage first (dvc repro prompts@{cfg.dataset})")
-    tok = load_tokenizer(cfg.model)
-    limits = model_limits(cfg.model)
-    check_tokenizer_fits(tok, cfg.model, limits)
+    tok, limits = load_target_tokenizer(cfg.model)  # its ids fit the model, its template ends the turn where it stops
     prompts = list(read_jsonl(prompts_path))
     plan = plan_requests(cfg, prompts, tok)  # one per key: prompts the template renders alike are asked once
     duplicates = len(prompts) - len(plan)

@@ -148,3 +148,46 @@ def endless_model(tiny_model, tmp_path_factory) -> Path:
     ).save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+# Harmony (gpt-oss) message format, the way the model writes it: after the generation prompt `<|start|>assistant`
+# it writes `<|channel|>analysis<|message|>…<|end|><|start|>assistant<|channel|>final<|message|>…<|return|>`. As in
+# openai/gpt-oss-20b's template, the final assistant message ends with <|return|> (or <|call|> for a tool call), an
+# earlier one with <|end|>; the last one is written as the model wrote it, channels and all.
+HARMONY_SPECIAL = ["<|endoftext|>", "<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>"]
+HARMONY_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' and loop.last and not add_generation_prompt -%}"
+    "{{- '<|start|>assistant' + m.content + '<|return|>' -}}"
+    "{%- elif m.role == 'assistant' -%}"
+    "{{- '<|start|>assistant<|channel|>final<|message|>' + m.content + '<|end|>' -}}"
+    "{%- else -%}{{- '<|start|>' + m.role + '<|message|>' + m.content + '<|end|>' -}}{%- endif -%}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}"
+)
+
+
+@pytest.fixture(scope="session")
+def harmony_model(tmp_path_factory) -> Path:
+    """A tiny target in the harmony format: eos <|return|>, generation config eos [<|return|>, <|call|>] (gpt-oss
+    also lists <|endoftext|>), random Llama weights whose greedy answer is <|end|> at every step."""
+    import json
+
+    from transformers import PreTrainedTokenizerFast
+
+    from draftdata.config.schema import TinyModelConfig
+    from draftdata.target.tiny import _plant_eos_rate, build_model, iter_demo_texts, train_bpe
+
+    out = tmp_path_factory.mktemp("harmony") / "harmony"
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=train_bpe(iter_demo_texts(DEMO), 512, HARMONY_SPECIAL),
+        eos_token="<|return|>",
+        pad_token="<|endoftext|>",
+    )
+    tok.chat_template = HARMONY_TEMPLATE
+    ret, call, end = tok.convert_tokens_to_ids(["<|return|>", "<|call|>", "<|end|>"])
+    model = build_model(TinyModelConfig(num_layers=2, mean_response_tokens=10**9), len(tok), ret, tok.pad_token_id)
+    _plant_eos_rate(model, end, 2)  # <|end|> has the highest logit (and <|return|> none above the rest)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [ret, call], "pad_token_id": 0}))
+    return out

@@ -549,6 +549,26 @@ def test_embedded_stops_on_every_end_of_turn_of_the_generation_config(endless_mo
     assert ended.ok and ended.output_ids == [first] and ended.finish_reason == "stop"
 
 
+def test_embedded_goes_on_past_gpt_oss_end_of_message(harmony_model):
+    """gpt-oss's <|end|> closes its reasoning, not its turn: a target whose every greedy token is <|end|> is not
+    stopped by it; it runs to max_tokens, as a server stopping on <|return|> and <|call|> would let it."""
+    sampling = SamplingConfig(temperature=0.0)
+    cfg = Config(
+        model=ModelConfig(path=str(harmony_model)), datasets={"d": DatasetConfig(sampling=sampling)}, dataset="d"
+    )
+    tok = load_tokenizer(cfg.model)
+    end, ret, call = tok.convert_tokens_to_ids(["<|end|>", "<|return|>", "<|call|>"])
+
+    async def go():
+        async with started(cfg, tok) as backend:
+            res = await backend.generate(request(ids=render_prompt_ids(tok, MESSAGES, None, {}), max_tokens=6))
+            return backend.stop_ids, res
+
+    stop_ids, res = run(go(), timeout=60)
+    assert stop_ids == {ret, call}
+    assert res.ok and res.output_ids == [end] * 6 and res.finish_reason == "length"
+
+
 # ---- openai: a real `transformers serve` --------------------------------------------------------------------------- #
 
 

@@ -401,3 +401,28 @@ def test_check_params_is_quiet_when_every_sample_fits(tmp_path, capsys):
 
     main(_lengths_config(tmp_path, max_prompt_tokens=644, max_tokens=256))
     assert capsys.readouterr().out.splitlines() == ["check_params datasets=2 ok=True"]
+
+
+def test_a_template_ending_the_turn_where_the_target_does_not_stop_fails_first(project, harmony_model):
+    """A chat template whose final assistant message ends with gpt-oss's <|end|> (not an eos of the target): the
+    first stage of the pipeline, check_params, says so in one line naming the key, the token and the fix, and
+    generate refuses it before any request (no store opened)."""
+    from conftest import HARMONY_SPECIAL, HARMONY_TEMPLATE
+
+    project.set("model.path", str(harmony_model))
+    project.run("check_params", None)  # the target's own template ends with <|return|>: fine
+    closes_with_end = project.path / "closes_with_end.jinja"
+    closes_with_end.write_text(HARMONY_TEMPLATE.replace("'<|return|>'", "'<|end|>'"))
+    project.set("model.chat_template", str(closes_with_end))
+    with pytest.raises(ConfigError) as err:
+        project.run("check_params", None)
+    message = str(err.value)
+    assert message.startswith("model.chat_template: the chat template ends an assistant turn with '<|end|>'")
+    end = HARMONY_SPECIAL.index("<|end|>")  # the trainer gives the special tokens the first ids
+    assert f"add {end} to eos_token_id in generation_config.json" in message and "\n" not in message
+
+    project.run("prompts", "B3")
+    with pytest.raises(ConfigError) as again:
+        project.run("generate", "B3")
+    assert str(again.value) == message
+    assert not (project.path / "store.sqlite").exists()

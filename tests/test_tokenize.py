@@ -4,11 +4,13 @@ round-trips and HF datasets reads the output."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+from conftest import HARMONY_TEMPLATE
 
 from draftdata.config.schema import ModelConfig
-from draftdata.errors import UserError
+from draftdata.errors import ConfigError, UserError
 from draftdata.target.tokenizer import load_tokenizer, render_prompt_ids, tokenizer_fingerprint
 from draftdata.tokenize.parquet import read_metadata
 from draftdata.tokenize.samples import from_ids, from_text
@@ -228,25 +230,78 @@ def test_only_template_errors_become_skips(project, tok, monkeypatch):
         run_tokenize(project, [response(tok, "a", HISTORY, "Three.", ids=False)])
 
 
-def test_end_of_turn_ids_come_from_tokenizer_generation_config_and_template(tiny_model, tmp_path):
+def test_end_of_turn_ids_are_the_eos_and_the_generation_config_only(tiny_model, harmony_model, tmp_path):
+    """What servers stop on, no names: Qwen's generation config lists <|im_end|> and <|endoftext|>; gpt-oss's
+    <|return|> and <|call|>, and its <|end|> (which closes the reasoning channel) is not an end of turn."""
     import shutil
 
     from draftdata.target.tokenizer import end_of_turn_ids
 
     tok = load_tokenizer(ModelConfig(path=str(tiny_model)))
-    im_end = tok.convert_tokens_to_ids("<|im_end|>")
-    model = tmp_path / "m"
+    im_end, endoftext = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    model = tmp_path / "qwen"
     shutil.copytree(tiny_model, model)
-    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [im_end, 42]}))
-    assert end_of_turn_ids(tok, ModelConfig(path=str(model))) >= {im_end, 42}
-    assert 42 not in end_of_turn_ids(tok, None)
-    # a template's own end of turn counts, though neither the eos nor a known name
-    tok.add_special_tokens({"additional_special_tokens": ["<|turn_done|>"]})
-    tok.chat_template = (
-        "{% for m in messages %}{{ m.role }}: {{ m.content }}<|turn_done|>{% endfor %}"
-        "{% if add_generation_prompt %}assistant: {% endif %}"
-    )
-    assert tok.convert_tokens_to_ids("<|turn_done|>") in end_of_turn_ids(tok, None)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [im_end, endoftext]}))
+    assert end_of_turn_ids(tok, ModelConfig(path=str(model))) == {im_end, endoftext}
+    assert end_of_turn_ids(tok, None) == {im_end}  # a tokenizer on its own: its eos
+
+    harmony = load_tokenizer(ModelConfig(path=str(harmony_model)))
+    ret, call, end = harmony.convert_tokens_to_ids(["<|return|>", "<|call|>", "<|end|>"])
+    assert end_of_turn_ids(harmony, ModelConfig(path=str(harmony_model))) == {ret, call}
+
+
+def test_llama_3_ends_its_turn_by_the_generation_config(tmp_path):
+    """Llama 3 (8B-Instruct's first release): the tokenizer's eos is <|end_of_text|>, the template ends a turn with
+    <|eot_id|>, and only the generation config's [128001, 128009] makes that a stop. Without it no server would stop
+    there: refused in one line. The golden tokenizer's <|endoftext|> stands for <|end_of_text|>."""
+    import importlib.util
+
+    from draftdata.target.tokenizer import end_of_turn_ids
+
+    golden = importlib.util.spec_from_file_location("make_golden", Path(__file__).parent / "golden" / "make_golden.py")
+    make_golden = importlib.util.module_from_spec(golden)
+    golden.loader.exec_module(make_golden)
+    tok = make_golden.load_tokenizer("llama3")
+    tok.eos_token = "<|endoftext|>"
+    eos, eot = tok.convert_tokens_to_ids(["<|endoftext|>", "<|eot_id|>"])
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, eot]}))
+    assert end_of_turn_ids(tok, ModelConfig(path=str(tmp_path))) == {eos, eot}
+    (tmp_path / "generation_config.json").unlink()
+    with pytest.raises(ConfigError) as err:
+        end_of_turn_ids(tok, ModelConfig(path=str(tmp_path)))
+    assert err.value.key == "model.path" and f"'<|eot_id|>' (id {eot})" in str(err.value)
+
+
+HARMONY_TEXT = (
+    "<|channel|>analysis<|message|>Two and two make four.<|end|><|start|>assistant<|channel|>final<|message|>Four."
+)
+
+
+def test_text_path_ends_a_harmony_turn_at_return_not_at_end(project, harmony_model):
+    """gpt-oss's reasoning ends with <|end|> and its answer with <|return|>: a response holding both is one sample
+    trained through <|return|>. A template that closes the final message with <|end|> (as some fine-tuning copies of
+    gpt-oss's do) would train an end the target never makes: refused in one line, nothing written."""
+
+    project.set("model.path", str(harmony_model))
+    tok = load_tokenizer(ModelConfig(path=str(harmony_model)))
+    end, ret = tok.convert_tokens_to_ids(["<|end|>", "<|return|>"])
+    rows, m = run_tokenize(project, [response(tok, "a", HISTORY[1:2], HARMONY_TEXT, ids=False)])
+    assert m["samples"] == 1 and m["text_path_samples"] == 1
+    (row,) = rows
+    trained = [t for t, keep in zip(row["input_ids"], row["loss_mask"]) if keep]
+    assert trained[-1] == ret and trained.count(end) == 1 and trained.count(ret) == 1
+    assert tok.decode(trained) == HARMONY_TEXT + "<|return|>"
+
+    closes_with_end = project.path / "closes_with_end.jinja"
+    closes_with_end.write_text(HARMONY_TEMPLATE.replace("'<|return|>'", "'<|end|>'"))
+    project.set("model.chat_template", str(closes_with_end))
+    (project.data("B3") / "samples.parquet").unlink()
+    with pytest.raises(ConfigError) as err:
+        run_tokenize(project, [response(tok, "a", HISTORY[1:2], HARMONY_TEXT, ids=False)])
+    message = str(err.value)
+    assert err.value.key == "model.chat_template" and "\n" not in message
+    assert f"'<|end|>' (id {end})" in message and "eos_token_id in generation_config.json" in message
+    assert not (project.data("B3") / "samples.parquet").exists()
 
 
 def _same_tokenizer(a, b) -> None:

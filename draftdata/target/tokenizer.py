@@ -10,31 +10,31 @@ from pathlib import Path
 
 from draftdata.config.schema import ModelConfig
 from draftdata.errors import ConfigError
-from draftdata.target.model import check_model_path, load_error, model_dir
+from draftdata.target.model import (
+    ModelLimits,
+    check_model_path,
+    check_tokenizer_fits,
+    load_error,
+    model_dir,
+    model_limits,
+)
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
-# Tokens that end an assistant turn in the templates of common targets (ChatML, Llama 3 incl. 3.1's ipython
-# <|eom_id|>, Phi, gpt-oss's <|return|> and <|call|>, Gemma); counted only where the vocabulary has them.
-KNOWN_END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>")
-
-
 def end_of_turn_ids(tok, model: ModelConfig | None, template_kwargs: dict | None = None) -> set[int]:
-    """Every token that ends the target's turn: the tokenizer's eos, the generation config's eos list (Llama 3.1
-    lists <|end_of_text|>, <|eom_id|> and <|eot_id|>), the token the chat template writes right after an assistant
-    message, and the known end-of-turn specials the vocabulary has. Without a model, no generation config."""
+    """Every token that ends the target's turn: the tokenizer's eos and the generation config's `eos_token_id`
+    (Llama 3.1: <|end_of_text|>, <|eom_id|>, <|eot_id|>; gpt-oss: <|return|>, <|endoftext|>, <|call|>), which is
+    what vLLM and SGLang stop on. No list of names: gpt-oss's <|end|> closes a message (its reasoning channel), not
+    the turn. The chat template must end an assistant turn with one of them, else it fails here (see
+    check_template_end). Without a model (a tokenizer on its own, as the golden files have), the tokenizer's eos."""
     ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
     if model is not None:
         ids |= _generation_config_eos(model)
-    template_end = _template_end_token(tok, template_kwargs or {})
-    if template_end is not None:
-        ids.add(template_end)
-    for token in KNOWN_END_OF_TURN:
-        tid = tok.convert_tokens_to_ids(token)
-        if isinstance(tid, int) and tid != tok.unk_token_id:
-            ids.add(tid)
+    if template_kwargs is None:
+        template_kwargs = dict(model.template_kwargs) if model is not None else {}
+    check_template_end(tok, ids, model, template_kwargs)
     return ids
 
 
@@ -58,9 +58,27 @@ def _generation_config_eos(model: ModelConfig) -> set[int]:
     return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
 
+def check_template_end(tok, ends: set[int], model: ModelConfig | None, template_kwargs: dict) -> None:
+    """A template that ends the turn with a special token the target does not stop on is refused in one line,
+    before any request: servers would generate past it, and tokenize would train an end the target never makes."""
+    end = _template_end_token(tok, template_kwargs)
+    if end is None or end in ends:
+        return
+    key = "model.path" if model is not None and model.chat_template is None else "model.chat_template"
+    names = ", ".join(f"{tok.convert_ids_to_tokens(i)!r} ({i})" for i in sorted(ends)) or "none"
+    raise ConfigError(
+        key,
+        f"the chat template ends an assistant turn with {tok.convert_ids_to_tokens(end)!r} (id {end}), which is not "
+        f"an end of turn of the target (its tokenizer's eos and generation_config.json's eos_token_id: {names}), so "
+        f"servers would not stop on it; add {end} to eos_token_id in generation_config.json, or use a template "
+        "that ends the turn with one of those",
+    )
+
+
 def _template_end_token(tok, template_kwargs: dict) -> int | None:
-    """The first token the template writes after an assistant message's content (a probe conversation), if it is
-    a special token: what a turn ends with, in this template's own words."""
+    """The first token the template writes after the final assistant message's content (a probe conversation), if
+    it is a special token: what a turn ends with, in this template's own words. The probe's assistant message is
+    the last one, as a training sample's response is: gpt-oss writes <|return|> there, <|end|> after earlier ones."""
     probe = "draftdata end-of-turn probe"
     user = [{"role": "user", "content": "Hello"}]
     try:
@@ -130,6 +148,26 @@ def load_tokenizer(model: ModelConfig, need_template: bool = True):
     if need_template and not tok.chat_template:
         raise ConfigError("model.chat_template", f"the tokenizer at {model.path!r} has no chat template; set one")
     return tok
+
+
+def check_local_target(model: ModelConfig) -> None:
+    """What check_params can tell of a target whose tokenizer is on this disk already: it loads, has a chat
+    template, and that template ends the turn on a token the target stops on. A hub id, or a directory a stage has
+    not built yet, is checked by the stages that load it (generate before any request)."""
+    root = Path(model.path).expanduser()
+    if (root / "tokenizer.json").is_file() or (root / "tokenizer_config.json").is_file():
+        end_of_turn_ids(load_tokenizer(model), model)
+
+
+def load_target_tokenizer(model: ModelConfig) -> tuple[object, ModelLimits]:
+    """The tokenizer generate works with and the model's limits, refused before any request where it cannot be the
+    target's: ids past the model's embeddings, or a chat template that ends the turn on a token the target does not
+    stop on."""
+    tok = load_tokenizer(model)
+    limits = model_limits(model)  # after the tokenizer: a hub id's config is cached beside it
+    check_tokenizer_fits(tok, model, limits)
+    end_of_turn_ids(tok, model)
+    return tok, limits
 
 
 def render_prompt_ids(tok, messages: list[dict], tools: list[dict] | None, template_kwargs: dict) -> list[int]:

@@ -101,7 +101,8 @@ def _ended(rec: dict) -> bool:
 
 def from_text(tok, rec: dict, template_kwargs: dict, ends: set[int] | None = None) -> tuple[list[int], list[int]]:
     """One record through the text path; raises the Skip that explains a record it cannot use. `ends`: the target's
-    end-of-turn ids (default: the tokenizer's and its template's)."""
+    end-of-turn ids; by default the tokenizer's eos, for a tokenizer without a model directory (the golden files');
+    the stage passes the model's (text_samples_parallel)."""
     ends = ends if ends is not None else end_of_turn_ids(tok, None, template_kwargs)
     result = text_samples(tok, [rec], template_kwargs, ends)[0]
     if isinstance(result, Skip):

@@ -41,11 +41,13 @@ class EmbeddedBackend:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
         ds = self.cfg.ds
+        # the turn ends where a server's would: on the tokenizer's eos and every id of the generation config's
+        # eos_token_id (gpt-oss: <|return|>, <|call|>; never <|end|>, which closes its reasoning); checked before the
+        # weights are loaded
+        self.stop_ids = end_of_turn_ids(self.tokenizer, self.cfg.model, dict(self.cfg.model.template_kwargs))
         model = load_model(self.cfg.model)
         eos = self.tokenizer.eos_token_id
         sampling = ds.sampling
-        # the turn ends on any of the target's end-of-turn tokens (its generation config may list several)
-        self.stop_ids = end_of_turn_ids(self.tokenizer, self.cfg.model, dict(self.cfg.model.template_kwargs))
         gen = GenerationConfig(
             max_new_tokens=ds.max_tokens,
             eos_token_id=sorted(self.stop_ids),
