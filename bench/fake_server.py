@@ -20,7 +20,9 @@ Protocols (the ones the `sglang` and `openai` backends speak):
   `stream_options.include_usage`; then `data: [DONE]`). `return_token_ids: true` adds vLLM's `prompt_token_ids` and
   `token_ids` per choice (all of them in a plain answer, the new ones in each chunk). vLLM adds `stop_reason`,
   `prompt_logprobs`, `usage.prompt_tokens_details` and the model card's `parent` and `permission`, and its errors
-  are `{"error": {message, type, param, code}}`; SGLang's are its own error body above.
+  are `{"error": {message, type, param, code}}`; SGLang's are its own error body above. With `parsed`, chat answers
+  come as from a server running a reasoning and a tool-call parser (vLLM's and SGLang's protocol files: the message's
+  `tool_calls` and `reasoning`/`reasoning_content`; streamed, `delta.tool_calls` pieces keyed by `index`).
 
 Models: `FakeModel` (the tests': no tokenizer, tokens a function of the prompt, see `fake_output_ids`) or
 `GreedyModel` (the benches': greedy and deterministic over a real tokenizer). Either way an answer continued from a
@@ -43,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import socket
 import struct
 import threading
@@ -283,6 +286,10 @@ class FakeServer:
     # The model's generation_config.json, as vLLM (`--generation-config auto`, its default) and SGLang read it: a
     # sampling field a request leaves out takes its value from here (GENERATION_CONFIG_FIELDS); None: no file.
     generation_config: dict | None = None
+    # The parts a server's parsers take out of every chat answer: {"reasoning": str} as with `--reasoning-parser`,
+    # {"tool_calls": [{"name", "arguments"}]} as with a tool-call parser (for a request that offers tools). They
+    # come as the parsers send them (see `OpenAI`); the answer's token ids and usage count the model's text only.
+    parsed: dict | None = None
     faults: Faults | dict[int, Fault] = field(default_factory=Faults)
     every: Fault | None = None  # a fault every request meets (unless `faults` names another)
     port: int = 0
@@ -599,6 +606,8 @@ class FakeServer:
         if cut is not None:
             return await self._fail_mid_stream(request, resp, a, wire, fault, out, sent)
         finish = finish if len(out) == len(planned) else "abort"  # aborted: the last chunk says so
+        for chunk in wire.stream_tail():
+            await _sse(resp, chunk)
         await _sse(resp, wire.chunk(out, sent, finish))
         self._ended(a, out, finish)  # a stream without usage still delivered every token: complete
         if wire.wants_usage() and a.fault != "no_usage":
@@ -659,6 +668,9 @@ class SGLang:
     def stream_start(self) -> list[dict]:
         return []
 
+    def stream_tail(self) -> list[dict]:
+        return []
+
     def chunk(self, out: list[int], sent: int, finish: str | None) -> dict:
         """Cumulative `text` and `output_ids`, or only those since the last chunk (`incremental`)."""
         ids = out[sent:] if self.incremental else out
@@ -682,6 +694,12 @@ class OpenAI:
             "model": body.get("model"),
         }
         self.chunk_head = dict(self.head, object="chat.completion.chunk" if chat else "text_completion")
+        parsed = (server.parsed or {}) if chat else {}
+        self.reasoning = parsed.get("reasoning")
+        # a tool-call parser runs for a request that offers tools (vLLM: tool_choice auto, its default then)
+        self.tool_calls = parsed.get("tool_calls") if body.get("tools") else None
+        # where the thinking goes: SGLang's and vLLM < 0.11's `reasoning_content`; vLLM's `reasoning` now
+        self.reasoning_key = "reasoning" if self.vllm else "reasoning_content"
 
     def error(self, status: int, message: str, headers: dict | None = None) -> web.Response:
         return _openai_error(self.vllm, status, message, headers)
@@ -702,7 +720,10 @@ class OpenAI:
         elif delta:
             content = {"delta": {"content": text}}
         else:
-            content = {"message": {"role": "assistant", "content": text, "tool_calls": [], "reasoning_content": None}}
+            message = {"role": "assistant", "content": text, "tool_calls": self._calls()}
+            content = {"message": dict(message, **{self.reasoning_key: self.reasoning})}
+        if finish == "stop" and self.tool_calls:  # a parsed call ends the turn as `tool_calls`
+            finish = "tool_calls"
         choice = {"index": 0, **content, "logprobs": None, "finish_reason": finish}
         if self.vllm and not (self.chat and delta):
             choice["stop_reason"] = None
@@ -724,7 +745,39 @@ class OpenAI:
         if not self.chat:
             return []
         role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-        return [dict(self.chunk_head, choices=[role])]
+        # the thinking comes first, a decode step (here: a word) per delta, under the reasoning parser's key
+        words = re.findall(r"\s*\S+", self.reasoning or "")
+        return [dict(self.chunk_head, choices=[role])] + [self._delta({self.reasoning_key: w}) for w in words]
+
+    def stream_tail(self) -> list[dict]:
+        """A parsed tool call's deltas, keyed by `index`: the id, type and function name first, then the arguments
+        string in pieces (vLLM's hermes parser streams them as the model writes them)."""
+        out = []
+        for i, call in enumerate(self._calls()):
+            fn = call["function"]
+            out.append(
+                self._delta(
+                    {"tool_calls": [dict(index=i, id=call["id"], type="function", function={"name": fn["name"]})]}
+                )
+            )
+            half = len(fn["arguments"]) // 2
+            for piece in (fn["arguments"][:half], fn["arguments"][half:]):
+                out.append(self._delta({"tool_calls": [{"index": i, "function": {"arguments": piece}}]}))
+        return out
+
+    def _delta(self, delta: dict) -> dict:
+        return dict(self.chunk_head, choices=[{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
+
+    def _calls(self) -> list[dict]:
+        """The tool calls as a message carries them: an id, type `function`, the arguments a JSON string."""
+        return [
+            {
+                "id": f"chatcmpl-tool-{self.rid}-{i}",
+                "type": "function",
+                "function": {"name": c["name"], "arguments": c["arguments"]},
+            }
+            for i, c in enumerate(self.tool_calls or [])
+        ]
 
     def chunk(self, out: list[int], sent: int, finish: str | None) -> dict:
         """The tokens since the last chunk (the end-of-turn token's text is empty, as vLLM sends it)."""

@@ -154,7 +154,7 @@ class Ledger:
         self.stats.cancelled += 1
         self.stats.attempt_failures.update(f.req.attempt_errors)
         self._lose(f.req.discarded_tokens)
-        part = Partial(list(res.output_ids or []), res.text, res.completion_tokens)
+        part = Partial(list(res.output_ids or []), res.text, res.completion_tokens, res.reasoning, res.tool_calls)
         if not f.req.stream and part.completion_tokens == f.prefix:  # nothing came back: how much was there?
             self._lose_unseen(f)
         elif (row := self._partial_row(f, part, reason)) is not None:
@@ -177,6 +177,7 @@ class Ledger:
             res.server,
             res.latency_s,
             prompt_ids=prompt_ids,
+            parsed=res,
         )
 
     def _partial_row(self, f: Flight, part: Partial, reason: str) -> StoredResponse | None:
@@ -198,6 +199,7 @@ class Ledger:
             reason,
             self.server,
             self.clock() - f.t0,
+            parsed=part,
         )
 
     def _lose(self, tokens: int) -> None:
@@ -223,8 +225,10 @@ class Ledger:
         server,
         latency,
         prompt_ids=None,
+        parsed: GenResult | Partial | None = None,
     ) -> StoredResponse:
-        """`prompt_ids`: the prompt as the server tokenized it, when it said (else the ids we rendered)."""
+        """`prompt_ids`: the prompt as the server tokenized it, when it said (else the ids we rendered); `parsed`:
+        what holds the thinking and tool calls a server's parsers moved out of the text."""
         return StoredResponse(
             key=p.key,
             dataset=self.dataset,
@@ -237,4 +241,6 @@ class Ledger:
             latency_s=latency,
             prompt_ids=prompt_ids or p.prompt_ids,
             output_ids=output_ids,
+            reasoning=(parsed.reasoning or None) if parsed else None,
+            tool_calls=(parsed.tool_calls or None) if parsed else None,
         )

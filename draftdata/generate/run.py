@@ -10,8 +10,9 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, OnBudget
+from draftdata.config.schema import BackendKind, BudgetUnit, Config, DatasetConfig, OnBudget
 from draftdata.generate.backends import make_backend, takes_token_ids
+from draftdata.generate.backends.openai import check_chat_rendering
 from draftdata.generate.budget import BudgetController
 from draftdata.generate.dispatcher import Dispatcher, Interrupted, RunStats
 from draftdata.generate.progress import Progress
@@ -76,6 +77,8 @@ def generate_missing(
     for r in complete:
         ctrl.lengths.add(r.completion_tokens)  # completion lengths only: bounded by max_tokens, whatever the unit
     todo = [p for p in plan if needs_request(stored.get(p.key))]
+    if cfg.backend.kind == BackendKind.openai and todo:  # before any request
+        check_chat_rendering(cfg, tok, [p.prompt for p in todo])
     if ds.budget_unit == BudgetUnit.total and todo:
         ctrl.prompt_mean = sum(len(p.prompt_ids) for p in todo) / len(todo)
     parked = {k: r for k, r in stored.items() if r.partial}
@@ -166,4 +169,8 @@ def output_record(p: Planned, r: StoredResponse) -> dict:
         completion_tokens=r.completion_tokens,
         finish_reason=r.finish_reason,
     )
+    if r.reasoning:  # the key HF chat templates read
+        rec["reasoning_content"] = r.reasoning
+    if r.tool_calls:
+        rec["tool_calls"] = r.tool_calls
     return rec

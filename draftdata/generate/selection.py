@@ -40,7 +40,8 @@ def unusable_reason(r: StoredResponse, ds: DatasetConfig) -> str | None:
     """Why a stored response does not enter the output (None: it does)."""
     if r.partial and not (r.finish_reason == CUT and ds.on_budget == OnBudget.keep_partial):
         return "cut_by_budget" if r.finish_reason == CUT else "interrupted"  # parked: continued when needed
-    if r.completion_tokens == 0 or not r.text.strip():  # text is decoded without special tokens
+    # text is decoded without special tokens; a chat answer may be all thinking or tool calls, which are not in it
+    if r.completion_tokens == 0 or not (r.text.strip() or r.reasoning or r.tool_calls):
         return "empty"
     if r.finish_reason == "length" and ds.on_truncation == OnTruncation.drop:
         return "truncated_dropped"

@@ -29,7 +29,9 @@ CREATE TABLE IF NOT EXISTS responses (
     finish_reason TEXT NOT NULL,    -- stop | length, or a parked partial: budget_cut | interrupted
     server TEXT NOT NULL,
     latency_s REAL NOT NULL,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    reasoning TEXT,                 -- a chat answer's thinking, moved out of `text` by a server's reasoning parser
+    tool_calls TEXT                 -- JSON list of OpenAI tool calls, moved out of `text` by a tool-call parser
 );
 CREATE TABLE IF NOT EXISTS failures (
     key TEXT NOT NULL,
@@ -65,6 +67,8 @@ class StoredResponse:
     prompt_ids: list[int] | None = None
     output_ids: list[int] | None = None
     created_at: float = field(default_factory=time.time)
+    reasoning: str | None = None
+    tool_calls: list[dict] | None = None
 
     @property
     def partial(self) -> bool:
@@ -93,6 +97,7 @@ class ResponseStore:
     def __init__(self, path: Path | str):
         path = Path(path)
         self.db = open_db(path, "response store", SCHEMA)
+        _add_columns(self.db)
 
     def close(self) -> None:
         self.db.close()
@@ -108,6 +113,7 @@ class ResponseStore:
             row = dict(vars(r))  # shallow: dataclasses.asdict would deep-copy every token id
             row["prompt_ids"] = _ids(r.prompt_ids)
             row["output_ids"] = _ids(r.output_ids)
+            row["tool_calls"] = json.dumps(r.tool_calls) if r.tool_calls else None
             rows.append(row)
         self.db.execute("BEGIN")
         try:
@@ -135,11 +141,23 @@ class ResponseStore:
                 row = dict(zip(names, values))
                 row["prompt_ids"] = _unids(row["prompt_ids"])
                 row["output_ids"] = _unids(row["output_ids"])
+                row["tool_calls"] = _unids(row["tool_calls"])
                 out[row["key"]] = StoredResponse(**row)
         return out
 
     def count(self) -> int:
         return self.db.execute("SELECT COUNT(*) FROM responses").fetchone()[0]
+
+
+# Columns added after the first stores were written: an older store gets them (empty) when it is opened.
+ADDED_COLUMNS = {"reasoning": "TEXT", "tool_calls": "TEXT"}
+
+
+def _add_columns(db) -> None:
+    have = {row[1] for row in db.execute("PRAGMA table_info(responses)")}
+    for name, kind in ADDED_COLUMNS.items():
+        if name not in have:
+            db.execute(f"ALTER TABLE responses ADD COLUMN {name} {kind}")
 
 
 def _ids(ids: list[int] | None) -> str | None:

@@ -193,6 +193,50 @@ def template_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
+def assistant_message(rec: dict) -> dict:
+    """A response as the assistant turn a chat template renders: its text, and the thinking (HF templates read
+    `reasoning_content`) and tool calls that a server's parsers moved out of that text."""
+    message = {"role": "assistant", "content": rec["text"]}
+    if rec.get("reasoning_content"):
+        message["reasoning_content"] = rec["reasoning_content"]
+    if rec.get("tool_calls"):
+        message["tool_calls"] = rec["tool_calls"]
+    return message
+
+
+_PROBE_TOOL = "draftdata_probe"
+_PROBE_ARGUMENT = "draftdata argument probe"
+_PROBE_REASONING = "draftdata reasoning probe"
+
+
+def unrendered_parts(tok, template_kwargs: dict) -> list[str]:
+    """The parts of an answer ("reasoning", "tool_calls") the chat template leaves out of the last assistant turn:
+    a probe answer carrying each is rendered, and what follows the prompt must show it."""
+    user = [{"role": "user", "content": "Hello"}]
+    tools = [{"type": "function", "function": {"name": _PROBE_TOOL, "parameters": {"type": "object"}}}]
+    arguments = json.dumps({"probe": _PROBE_ARGUMENT})
+    call = {"id": "call_0", "type": "function", "function": {"name": _PROBE_TOOL, "arguments": arguments}}
+    probes = {
+        "reasoning": ({"text": "ok", "reasoning_content": _PROBE_REASONING}, [_PROBE_REASONING]),
+        "tool_calls": ({"text": "ok", "tool_calls": [call]}, [_PROBE_TOOL, _PROBE_ARGUMENT]),
+    }
+    dropped = []
+    for part, (rec, needles) in probes.items():
+        try:
+            prompt = tok.apply_chat_template(
+                user, tools=tools, add_generation_prompt=True, tokenize=False, **template_kwargs
+            )
+            turns = template_messages(user + [assistant_message(rec)])
+            full = tok.apply_chat_template(turns, tools=tools, tokenize=False, **template_kwargs)
+        except Exception:  # noqa: BLE001 - a template that rejects the part cannot render it
+            dropped.append(part)
+            continue
+        rest = full[len(prompt) :] if full.startswith(prompt) else ""
+        if not all(needle in rest for needle in needles):
+            dropped.append(part)
+    return dropped
+
+
 def _call_with_mapping(call: dict) -> dict:
     fn = call.get("function", {})
     args = fn.get("arguments")

@@ -21,7 +21,7 @@ from jinja2.exceptions import TemplateError
 
 from draftdata.config.schema import Config, OnTooLong
 from draftdata.errors import UserError
-from draftdata.target.tokenizer import end_of_turn_ids, load_tokenizer, template_messages
+from draftdata.target.tokenizer import assistant_message, end_of_turn_ids, load_tokenizer, template_messages
 
 # Every reason a response is skipped for (template_error:<type> adds the exception's name); the skips plot lists
 # them all, zeros included, so runs line up.
@@ -60,12 +60,16 @@ def from_ids(prompt_ids: list[int], output_ids: list[int]) -> tuple[list[int], l
 
 def render_texts(tok, rec: dict, template_kwargs: dict) -> tuple[str, str]:
     """(prompt with the generation prompt, whole conversation with the response), as the template renders them."""
-    messages, tools = template_messages(rec["messages"]), rec.get("tools")
+    return _render(tok, rec, assistant_message(rec), template_kwargs)
+
+
+def _render(tok, rec: dict, answer: dict, template_kwargs: dict) -> tuple[str, str]:
+    messages, tools = rec["messages"], rec.get("tools")
     prompt = tok.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=True, tokenize=False, **template_kwargs
+        template_messages(messages), tools=tools, add_generation_prompt=True, tokenize=False, **template_kwargs
     )
     full = tok.apply_chat_template(
-        messages + [{"role": "assistant", "content": rec["text"]}], tools=tools, tokenize=False, **template_kwargs
+        template_messages(messages + [answer]), tools=tools, tokenize=False, **template_kwargs
     )
     return prompt, full
 
@@ -78,6 +82,34 @@ def check_rendering(prompt: str, full: str, text: str) -> str:
     if not rest.startswith(text):  # e.g. a template that strips or rewrites the last assistant turn
         raise Skip("template_alters_response")
     return rest[len(text) :]
+
+
+_MARK = "draftdata response mark"
+
+
+def rendered_answer(tok, rec: dict, template_kwargs: dict) -> tuple[str, str, str]:
+    """(rendered prompt, the response as the template writes it, the template's text after the response). A
+    response with parts a server's parsers took out of the text (thinking, tool calls) is the whole rendered
+    assistant turn up to what the template writes after any answer (found by rendering a marker answer): the
+    tokens the model wrote, in the template's own words."""
+    prompt, full = render_texts(tok, rec, template_kwargs)
+    if not (rec.get("reasoning_content") or rec.get("tool_calls")):
+        return prompt, rec["text"], check_rendering(prompt, full, rec["text"])
+    if not full.startswith(prompt):
+        raise Skip("template_not_prefix_stable")
+    marked = _render(tok, rec, {"role": "assistant", "content": _MARK}, template_kwargs)[1]
+    at = marked.find(_MARK)
+    suffix = marked[at + len(_MARK) :]
+    response = full[len(prompt) : len(full) - len(suffix)]
+    if at < 0 or not full.endswith(suffix) or not _shows_parts(response, rec):
+        raise Skip("template_alters_response")
+    return prompt, response, suffix
+
+
+def _shows_parts(response: str, rec: dict) -> bool:
+    """The rendered turn holds the text, the thinking and every call's name (a template may drop a part)."""
+    calls = [c["function"]["name"] for c in rec.get("tool_calls") or []]
+    return all(part in response for part in [rec["text"], rec.get("reasoning_content") or "", *calls])
 
 
 def assemble(
@@ -111,12 +143,11 @@ def from_text(tok, rec: dict, template_kwargs: dict, ends: set[int] | None = Non
 
 
 def rendered_parts(tok, recs: list[dict], template_kwargs: dict) -> list:
-    """Per record: (rendered prompt, the template's text after the response), or the Skip that explains it."""
+    """Per record: (rendered prompt, response, the template's text after it), or the Skip that explains it."""
     out: list = []
     for rec in recs:
         try:
-            prompt, full = render_texts(tok, rec, template_kwargs)
-            out.append((prompt, check_rendering(prompt, full, rec["text"])))
+            out.append(rendered_answer(tok, rec, template_kwargs))
         except Skip as e:
             out.append(e)
         except TemplateError as e:  # the template refuses this conversation (e.g. a role it does not accept);
@@ -133,8 +164,8 @@ def text_samples(tok, recs: list[dict], template_kwargs: dict, ends: set[int], p
         return out
     backend = tok.backend_tokenizer
     prompts = backend.encode_batch([out[i][0] for i in ok], add_special_tokens=False)
-    texts = backend.encode_batch([recs[i]["text"] for i in ok], add_special_tokens=False)
-    suffixes = backend.encode_batch([out[i][1] for i in ok], add_special_tokens=False)
+    texts = backend.encode_batch([out[i][1] for i in ok], add_special_tokens=False)
+    suffixes = backend.encode_batch([out[i][2] for i in ok], add_special_tokens=False)
     for i, prompt, text, suffix in zip(ok, prompts, texts, suffixes):
         try:
             out[i] = assemble(prompt.ids, text.ids, suffix.ids, ends, _ended(recs[i]))
@@ -144,6 +175,7 @@ def text_samples(tok, recs: list[dict], template_kwargs: dict, ends: set[int], p
 
 
 _worker_tok = None
+RENDERED_KEYS = ("messages", "tools", "text", "reasoning_content", "tool_calls")  # what rendering a record reads
 
 
 def _init_worker(model_cfg) -> None:
@@ -157,8 +189,8 @@ def _worker_render(args) -> list:
 
 
 def text_samples_parallel(tok, recs: list[dict], cfg: Config) -> list:
-    """Large inputs render (Python-bound Jinja) in worker processes, which send back only the rendered prompt and
-    suffix strings; encoding stays one batch here, where the Rust tokenizer already uses every core."""
+    """Large inputs render (Python-bound Jinja) in worker processes, which send back only the rendered strings;
+    encoding stays one batch here, where the Rust tokenizer already uses every core."""
     kwargs = dict(cfg.model.template_kwargs)
     ends = end_of_turn_ids(tok, cfg.model, kwargs)
     workers = min(os.cpu_count() or 1, 16)
@@ -169,8 +201,7 @@ def text_samples_parallel(tok, recs: list[dict], cfg: Config) -> list:
         return text_samples(tok, recs, kwargs, ends)
     size = -(-len(recs) // (workers * 4))
     chunks = [
-        ([{k: r.get(k) for k in ("messages", "tools", "text")} for r in recs[i : i + size]], kwargs)
-        for i in range(0, len(recs), size)
+        ([{k: r.get(k) for k in RENDERED_KEYS} for r in recs[i : i + size]], kwargs) for i in range(0, len(recs), size)
     ]
     with ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(cfg.model,)) as pool:
         parts = [p for part in pool.map(_worker_render, chunks) for p in part]
@@ -200,7 +231,9 @@ def build_samples(recs: list[dict], tok, cfg: Config) -> tuple[list[Tokenized], 
     tally = TokenizeTally(Counter())
     usable = []
     for rec in recs:
-        if rec["completion_tokens"] == 0 or not rec["text"].strip():
+        if rec["completion_tokens"] == 0 or not (
+            rec["text"].strip() or rec.get("reasoning_content") or rec.get("tool_calls")
+        ):
             tally.skipped["empty_output"] += 1
         else:
             usable.append(rec)

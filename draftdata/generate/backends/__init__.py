@@ -42,10 +42,15 @@ class Partial:
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
     completion_tokens: int = 0
+    # A chat answer's parts that a server's parsers take out of `text` (see `backends/openai.py`): the thinking
+    # (`--reasoning-parser`) and the tool calls (`--tool-call-parser`), OpenAI-shaped, arguments a JSON string.
+    reasoning: str = ""
+    tool_calls: list[dict] = field(default_factory=list)
 
     def clear(self) -> None:
         """In place, so a caller holding this object sees the restart of a retried request."""
         self.output_ids, self.text, self.completion_tokens = [], "", 0
+        self.reasoning, self.tool_calls = "", []
 
     def continuable(self) -> bool:
         """Token ids for every token produced: the next attempt can go on from here."""
@@ -115,6 +120,8 @@ class GenResult:
     # the request's prompt_ids only when the server applied its own chat template or re-tokenized text.
     prompt_ids: list[int] | None = None
     continued_from: int = 0  # output tokens that came from the parked partial or an earlier attempt
+    reasoning: str = ""  # a chat answer's thinking and tool calls, when a server parser moved them out of `text`
+    tool_calls: list[dict] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -143,6 +150,8 @@ def stopped_result(req: GenRequest, server: str, latency_s: float = 0.0) -> GenR
         finish_reason=STOPPED,
         server=server,
         latency_s=latency_s,
+        reasoning=p.reasoning,
+        tool_calls=list(p.tool_calls),
     )
 
 

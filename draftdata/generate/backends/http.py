@@ -396,6 +396,8 @@ class HttpBackend:
             finish_reason=finish,
             prompt_ids=None if base else prompt_ids,
             continued_from=base,
+            reasoning=p.reasoning,
+            tool_calls=list(p.tool_calls),
         )
 
     async def _attempt_on(self, server: Server, req: GenRequest, rid: str) -> GenResult | None:

@@ -13,8 +13,15 @@ A request without prompt ids always goes to chat.
 lists in a plain answer, the new ids in each stream chunk). Servers that validate fields strictly reject it
 (`transformers serve`: 422), and without it only text comes back. Token counts are `usage.completion_tokens`; a stream
 asks for them with `stream_options.include_usage`. Stopping a request closes its connection, which vLLM treats as
-an abort (`transformers serve` too, for streamed requests only). A server running a reasoning parser moves the
-thinking out of `content` into `reasoning_content`, which is not kept here: run it without one, or ask for token ids.
+an abort (`transformers serve` too, for streamed requests only).
+
+A chat answer's parts that a server's parsers move out of `content` are kept with the response, so tokenize renders
+the assistant message the model really wrote: a tool parser's (vLLM `--tool-call-parser`, SGLang's)
+`message.tool_calls` (streamed: `delta.tool_calls` fragments keyed by `index`, the id and function name first, then
+`arguments` string pieces) and a reasoning parser's thinking (`reasoning_content`, vLLM >= 0.10 `reasoning`). A
+template that cannot render one of them refuses the run before any request (`check_chat_rendering`), or its answer
+(`unrenderable`, not retried): a sample must not train on another answer than the model gave. Token ids, when the
+server returns them, win over all of this in tokenize.
 
 Every sampling field is sent, neutral values included (vLLM and SGLang fill an omitted one from the model's
 generation_config.json), then `sampling.extra`; `backend.openai_fields_only` leaves out the fields OpenAI does not
@@ -23,7 +30,8 @@ have (checked neutral at validation), and `backend.extra_body` may name none of 
 
 from __future__ import annotations
 
-from draftdata.config.schema import sent
+from draftdata.config.schema import Config, sent
+from draftdata.errors import UserError
 from draftdata.generate.backends import GenRequest, GenResult, Partial, takes_token_ids
 from draftdata.generate.backends.http import (
     Body,
@@ -37,6 +45,7 @@ from draftdata.generate.backends.http import (
     response_shape,
     stream_cut,
 )
+from draftdata.target.tokenizer import unrendered_parts
 
 OPENAI_ABSENT = ("top_k", "min_p", "repetition_penalty")  # not OpenAI fields: `backend.openai_fields_only` omits them
 ENDED_TURN = ("stop", "tool_calls", "function_call")  # OpenAI's finish reasons of a model that ended its turn
@@ -67,6 +76,9 @@ class OpenAIBackend(HttpBackend):
         super().__init__(cfg, tokenizer)
         self.model_ids: dict[str, str] = {}  # server url -> the `model` to send, as that server lists it
         self.takes_token_ids = takes_token_ids(cfg)
+        # what the chat template drops from an answer; with token ids back the ids are the sample, not a rendering
+        ids_back = self.bcfg.return_token_ids or tokenizer is None
+        self.unrendered = set() if ids_back else set(unrendered_parts(tokenizer, dict(cfg.model.template_kwargs)))
 
     async def _served_models(self, url: str) -> list[str]:
         status, doc = await self._get_json(url + "/v1/models")
@@ -135,7 +147,14 @@ class OpenAIBackend(HttpBackend):
                 req, finish_reason, choice.get("finish_reason"), (doc.get("usage") or {}).get("completion_tokens", 0)
             )
             ids = _output_ids(choice)
-            self._take_answer(req, ids, (choice["message"].get("content") or "") if chat else choice["text"])
+            if chat:
+                message = choice["message"]
+                self._take_answer(req, ids, message.get("content") or "")
+                req.partial.reasoning += _reasoning(message)
+                req.partial.tool_calls = [_call(c) for c in message.get("tool_calls") or []]
+                self._check_rendered(req, (doc.get("usage") or {}).get("completion_tokens", 0))
+            else:
+                self._take_answer(req, ids, choice["text"])
             res = self._complete(
                 req,
                 base,
@@ -162,11 +181,11 @@ class OpenAIBackend(HttpBackend):
                 usage = event.get("usage") or usage
                 prompt_ids = event.get("prompt_token_ids") or prompt_ids
                 for choice in event.get("choices") or []:
-                    piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-                    if piece:
-                        partial.text += piece
+                    piece, parsed = _delta(partial, choice.get("delta") or {}) if chat else (choice.get("text"), False)
+                    if piece or parsed:  # a delta is one decode step, also when a parser took its text
+                        partial.text += piece or ""
                         pieces += 1
-                    elif choice.get("finish_reason") == "stop":  # the end-of-turn step: a token with no text
+                    elif choice.get("finish_reason") in ENDED_TURN:  # the end-of-turn step: a token with no text
                         pieces += 1
                     partial.output_ids.extend(int(t) for t in _output_ids(choice) or [])
                     prompt_ids = choice.get("prompt_token_ids") or prompt_ids
@@ -178,6 +197,7 @@ class OpenAIBackend(HttpBackend):
             new = int(usage["completion_tokens"]) if usage else partial.completion_tokens - base
             try:
                 finish = finish_or_discard(req, finish_reason, finish, new)
+                self._check_rendered(req, new)
             except Failure:  # the streamed answer is no response: back to what the attempt started from
                 del partial.output_ids[base:]
                 partial.text, partial.completion_tokens = partial.text[:text_at_base], base
@@ -194,6 +214,15 @@ class OpenAIBackend(HttpBackend):
         if usage is None:
             res.extra["completion_tokens_estimated"] = True
         return self._with_drift(req, res)
+
+    def _check_rendered(self, req: GenRequest, new_tokens: int) -> None:
+        """An answer with a part the chat template drops would be stored as another answer: refuse it, not retried
+        (the next answer would meet the same template), its `new_tokens` thrown away."""
+        found = {"reasoning": bool(req.partial.reasoning), "tool_calls": bool(req.partial.tool_calls)}
+        dropped = sorted(part for part in self.unrendered if found[part])
+        if dropped:
+            req.discarded_tokens += int(new_tokens)
+            raise Failure("unrenderable", unrenderable_detail(dropped))
 
     def _with_drift(self, req: GenRequest, res: GenResult) -> GenResult:
         """With a text prompt the server re-tokenizes: say so when its count differs from the exact prompt's."""
@@ -214,3 +243,52 @@ def _count(partial: Partial, base: int, pieces: int) -> None:
     """Exact when the server streams token ids; otherwise one text piece per decode step, which is what vLLM and
     `transformers serve` send (a guide for the budget while streaming; the final count is usage's)."""
     partial.completion_tokens = len(partial.output_ids) if len(partial.output_ids) > base else base + pieces
+
+
+def _reasoning(message: dict) -> str:
+    """The thinking a reasoning parser moved out of `content`: SGLang's and vLLM < 0.11's `reasoning_content`,
+    newer vLLM's `reasoning`."""
+    return message.get("reasoning_content") or message.get("reasoning") or ""
+
+
+def _call(call: dict) -> dict:
+    """One tool call as OpenAI's message carries it (arguments a JSON string), with nothing else of the server's."""
+    fn = call["function"]
+    return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": fn["arguments"]}}
+
+
+def _delta(partial: Partial, delta: dict) -> tuple[str | None, bool]:
+    """A chat stream's delta: (its `content`, whether it carried thinking or tool-call pieces, taken into the
+    partial here). A call's pieces share its `index`: the id and name come first, then `arguments` fragments."""
+    reasoning = _reasoning(delta)
+    partial.reasoning += reasoning
+    for piece in delta.get("tool_calls") or []:
+        index = int(piece["index"])
+        while len(partial.tool_calls) <= index:
+            partial.tool_calls.append({"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+        call, fn = partial.tool_calls[index], piece.get("function") or {}
+        call["id"] = piece.get("id") or call["id"]
+        call["function"]["name"] += fn.get("name") or ""
+        call["function"]["arguments"] += fn.get("arguments") or ""
+    return delta.get("content"), bool(reasoning or delta.get("tool_calls"))
+
+
+def unrenderable_detail(parts: list[str]) -> str:
+    return (
+        f"a server parser moved the answer's {' and '.join(parts)} out of its text and the chat template drops "
+        "that from the assistant turn, so the sample would be another answer: serve without the parser, set "
+        "model.chat_template to one that renders it, or set backend.return_token_ids"
+    )
+
+
+def check_chat_rendering(cfg: Config, tok, prompts: list[dict]) -> None:
+    """Before any request: a chat-format run over prompts with tools whose template drops tool calls from the
+    assistant turn would store answers that tokenize cannot render as the model wrote them."""
+    if cfg.backend.prompt_format != "chat" or cfg.backend.return_token_ids:
+        return
+    if any(p.get("tools") for p in prompts) and "tool_calls" in unrendered_parts(tok, dict(cfg.model.template_kwargs)):
+        raise UserError(
+            f"backend.prompt_format chat: dataset {cfg.dataset} has tools, and a server's tool-call parser moves a "
+            "call out of the answer's text, but the chat template drops tool_calls from the assistant turn; set "
+            "model.chat_template to one that renders them, or backend.return_token_ids: true"
+        )
