@@ -19,9 +19,11 @@ token ids is continued the same way by the next attempt, so a server abort or a 
 Error codes: `http_<status>` (a status that is not retried), `connection`, `timeout` (when retries are off),
 `aborted` (the server aborted the request: its restart, an operator's `abort_request`; retried),
 `empty` (an answer with no tokens; retried), `retries_exhausted` (the last cause in `detail`), `bad_response`
-(unparseable answer, or an OpenAI answer with a missing or unknown finish reason), `content_filter` (an OpenAI server's
-filter withheld or cut the answer), `engine_error` (the server reported a failure inside a 200 answer). A successful
-result's `finish_reason` is `stop` or `length`, never `abort`: an aborted answer is not a response.
+(unparseable answer, or an OpenAI answer with a missing or unknown finish reason), `content_filter` (an OpenAI
+server's filter withheld or cut the answer), `unrenderable` (a chat answer with a part, moved out of its text by a
+server parser, that the chat template cannot render), `engine_error` (the server reported a failure inside a 200
+answer). A successful result's `finish_reason` is `stop` or `length`, never `abort`: an aborted answer is not a
+response.
 """
 
 from __future__ import annotations
