@@ -507,3 +507,34 @@ def test_temp_files_of_killed_writers_are_swept(tmp_path):
     os.utime(old, (time.time() - 7200, time.time() - 7200))
     StateStore(root).close()
     assert not old.exists() and recent.exists()
+
+
+def test_hf_index_in_index_json_names_the_state_hf_returns(tiny_model):
+    """Each HF index index.json gives for a captured layer is that layer's output in transformers' own
+    hidden_states; the last layer's output (kept before the final norm) is none of them, so it gets none."""
+    from transformers import AutoModelForCausalLM
+
+    from draftdata.hidden.layers import layer_numberings
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    decoder = model.model.layers
+    n = len(decoder)
+    outputs: dict[int, torch.Tensor] = {}
+    hooks = [
+        layer.register_forward_hook(
+            lambda _m, _i, out, i=i: outputs.__setitem__(i, out[0] if isinstance(out, tuple) else out)
+        )
+        for i, layer in enumerate(decoder)
+    ]
+    try:
+        with torch.inference_mode():
+            hs = model(input_ids=torch.tensor([[5, 17, 42, 99, 7]]), output_hidden_states=True).hidden_states
+    finally:
+        for h in hooks:
+            h.remove()
+    layers = [0, 1, n - 2, n - 1]
+    index = layer_numberings(layers, n)["hf_hidden_states_index"]
+    assert index[-1] is None
+    assert not torch.allclose(hs[n], outputs[n - 1])  # HF's last entry is post-norm: not the layer's output
+    for layer, i in zip(layers[:-1], index[:-1]):
+        torch.testing.assert_close(hs[i], outputs[layer])

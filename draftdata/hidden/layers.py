@@ -84,10 +84,12 @@ def _draft_layer_ids(path: Path, numbering: str) -> tuple[list[int], str]:
     return ids, numbering
 
 
-def layer_numberings(layers: list[int]) -> dict:
+def layer_numberings(layers: list[int], n_layers: int) -> dict:
     return {
         "physical": layers,
-        "hf_hidden_states_index": [i + 1 for i in layers],
+        # HF's hidden_states[N] is the last layer's output after the final norm, not the pre-norm output we keep:
+        # that layer has no index there (null)
+        "hf_hidden_states_index": [i + 1 if i + 1 < n_layers else None for i in layers],
         "sglang_specforge": layers,
         "vllm_speculators": [i + 1 for i in layers],
     }

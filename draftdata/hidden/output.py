@@ -23,10 +23,12 @@ def index_doc(cfg: Config, target: Target, settings: dict, layers: list[int], vi
             "n_layers": target.n_layers,
             "hidden_size": target.hidden_size,
         },
-        "layers": layer_numberings(layers),
+        "layers": layer_numberings(layers, target.n_layers),
         "layers_as_given": cfg.hidden_states.layers,  # hidden_states.layers in the user's order (null: not set)
         "layer_convention": "physical id L = output of decoder layer L (0-based) = HF hidden_states[L + 1] = "
-        "SGLang/SpecForge id L = vLLM/speculators id L + 1; in ascending order, as SGLang and vLLM collect them",
+        "SGLang/SpecForge id L = vLLM/speculators id L + 1; in ascending order, as SGLang and vLLM collect them; "
+        "the last layer's (L = N - 1) is kept before the final norm, which HF's hidden_states[N] is not: its HF "
+        "index is null",
         "final_state": "pre_norm",
         "final_norm": {"file": "final_norm.safetensors", **target.norm.describe()},
         "dtype": settings["dtype"],
