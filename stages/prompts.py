@@ -18,10 +18,10 @@ from draftdata.util.log import log
 def main(cfg: Config) -> None:
     ds = cfg.ds
     drops: Counter = Counter()
-    records = dedup(adapt_rows(iter_rows(ds.source), ds, drops), drops)
-    n_read = len(records) + sum(drops.values())
+    records = dedup(adapt_rows(iter_rows(ds.source), ds, drops), drops)  # a stream: the source is never held whole
     count_tokens = _token_counter(cfg) if ds.max_prompt_tokens is not None else None
     kept = select_prompts(records, ds.shuffle_seed, ds.max_prompts, ds.max_prompt_tokens, count_tokens, drops)
+    n_read = len(kept) + sum(drops.values())  # every row read is kept or counted under one drop reason
     out = data_dir(cfg.dataset)
     write_jsonl(out / "prompts.jsonl", kept)
     metrics = {

@@ -152,3 +152,82 @@ def test_dedup_order_and_filters(project):
     assert len(output(project)) == 10
     # the long prompt is either reached (token filter) or not (max_prompts): every row is accounted for once
     assert dropped["over_max_prompts"] + dropped.get("over_max_prompt_tokens", 0) == 21
+
+
+def _sorted_selection(records, seed, max_prompts, max_prompt_tokens, count_tokens, drops):
+    """The selection as a full sort of the source and a walk in its order: what the bounded one must equal."""
+    from draftdata.util.hashing import content_hash
+
+    kept = []
+    for rec in sorted(records, key=lambda r: content_hash([seed, r["id"]])):
+        if max_prompts is not None and len(kept) >= max_prompts:
+            drops["over_max_prompts"] += 1
+            continue
+        if max_prompt_tokens is not None:
+            n = count_tokens(rec)
+            if n > max_prompt_tokens:
+                drops["over_max_prompt_tokens"] += 1
+                continue
+            rec["prompt_tokens"] = n
+        kept.append(rec)
+    return kept
+
+
+def _records(n: int, dup_every: int = 7):
+    """n source records (every dup_every-th repeats an earlier id, with another `where`)."""
+    from draftdata.sources.select import prompt_id
+
+    for i in range(n):
+        j = i // 2 if i % dup_every == dup_every - 1 else i
+        messages = [{"role": "user", "content": f"prompt {j}"}]
+        yield {"id": prompt_id(messages, None), "messages": messages, "where": f"src:{i}"}
+
+
+def _length(rec: dict) -> int:
+    return int(rec["id"][:2], 16)  # 0..255, fixed by the prompt
+
+
+@pytest.mark.parametrize(
+    "n,max_prompts,max_prompt_tokens",
+    [(500, 50, None), (500, 50, 60), (300, 280, 200), (300, 400, 100), (200, None, 128), (1000, 1, 30), (50, 50, 10)],
+)
+@pytest.mark.parametrize("seed", [0, 1, 12345])
+def test_bounded_selection_equals_the_full_sort(seed, n, max_prompts, max_prompt_tokens):
+    from collections import Counter
+
+    from draftdata.sources.select import dedup, select_prompts
+
+    want_drops, got_drops = Counter(), Counter()
+    want = _sorted_selection(
+        list(dedup(_records(n), want_drops)), seed, max_prompts, max_prompt_tokens, _length, want_drops
+    )
+    got = select_prompts(dedup(_records(n), got_drops), seed, max_prompts, max_prompt_tokens, _length, got_drops)
+    assert got == want and dict(got_drops) == dict(want_drops)
+    assert len(got) + sum(got_drops.values()) == n
+
+
+def test_selection_holds_at_most_max_prompts_records():
+    """The source streams through the selection: records it did not keep are freed as it goes (5M rows to keep
+    100k must not all be held and sorted)."""
+    import weakref
+    from collections import Counter
+
+    from draftdata.sources.select import dedup, select_prompts
+
+    class Rec(dict):  # a dict that can be watched for being freed
+        pass
+
+    alive: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+    most = 0
+
+    def source():
+        nonlocal most
+        for rec in _records(3000):
+            most = max(most, len(alive))
+            r = Rec(rec)
+            alive[id(r)] = r
+            yield r
+
+    kept = select_prompts(dedup(source(), Counter()), 3, 40, 200, _length, Counter())
+    assert len(kept) == 40
+    assert most <= 40 + 2  # the kept ones, plus the one in hand and the one before it (iterators may hold them)

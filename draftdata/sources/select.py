@@ -8,6 +8,7 @@ counted by reason in `data/<D>/prompts_metrics.json`.
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 
@@ -48,20 +49,19 @@ def adapt_rows(rows: Iterable[Row], ds: DatasetConfig, drops: Counter) -> Iterat
         yield rec
 
 
-def dedup(records: Iterable[dict], drops: Counter) -> list[dict]:
+def dedup(records: Iterable[dict], drops: Counter) -> Iterator[dict]:
+    """The first record of each id, as a stream: only the ids seen are held."""
     seen: set[str] = set()
-    out = []
     for rec in records:
         if rec["id"] in seen:
             drops["duplicate"] += 1
             continue
         seen.add(rec["id"])
-        out.append(rec)
-    return out
+        yield rec
 
 
 def select_prompts(
-    records: list[dict],
+    records: Iterable[dict],
     seed: int,
     max_prompts: int | None,
     max_prompt_tokens: int | None,
@@ -71,19 +71,67 @@ def select_prompts(
     """Seeded shuffle, then keep prompts within the token limit until `max_prompts` are kept.
 
     Shuffling by a sort on (hash of seed and id) makes the order independent of the source's row order, so
-    appending rows to a source keeps the earlier prompts' relative order.
+    appending rows to a source keeps the earlier prompts' relative order. The prompts kept are the `max_prompts`
+    first in that order that fit `max_prompt_tokens`; they are chosen as the records stream by, holding at most
+    `max_prompts` of them (5M source rows to keep 100k must not all sit in memory and be sorted).
     """
-    order = sorted(records, key=lambda r: content_hash([seed, r["id"]]))
-    kept = []
-    for rec in order:
-        if max_prompts is not None and len(kept) >= max_prompts:
+    fits = _fits(max_prompt_tokens, count_tokens)
+    if max_prompts is None:
+        kept = []
+        for _, rec in sorted(((_order(seed, rec), rec) for rec in records), key=lambda e: e[0]):
+            if fits(rec):
+                kept.append(rec)
+            else:
+                drops["over_max_prompt_tokens"] += 1
+        return kept
+    return _first_in_order(records, seed, max_prompts, fits, drops)
+
+
+def _order(seed: int, rec: dict) -> str:
+    return content_hash([seed, rec["id"]])
+
+
+def _fits(max_prompt_tokens: int | None, count_tokens: Callable[[dict], int]) -> Callable[[dict], bool]:
+    """Whether a prompt is within the token limit; one that is records its count (`prompt_tokens`)."""
+
+    def fits(rec: dict) -> bool:
+        if max_prompt_tokens is None:
+            return True
+        n = count_tokens(rec)
+        if n > max_prompt_tokens:
+            return False
+        rec["prompt_tokens"] = n
+        return True
+
+    return fits
+
+
+def _first_in_order(
+    records: Iterable[dict], seed: int, limit: int, fits: Callable[[dict], bool], drops: Counter
+) -> list[dict]:
+    """The `limit` records first in the seeded order that fit, and the drops counted as if every record had been
+    sorted and walked in that order: too long if before the last one kept, else over max_prompts.
+
+    `kept` is a max-heap (entries negated) of the records that fit; a record after its last one once it is full can
+    never be kept, so its tokens are not counted. `too_long` holds the order of the records that did not fit while
+    they were ahead of the last one kept (only the order keys: no records)."""
+    kept: list[tuple[tuple[int, int], dict]] = []  # (negated (order, arrival), record): the last one kept on top
+    too_long: list[tuple[int, int]] = []  # negated (order, arrival)
+    for seq, rec in enumerate(records):
+        at = (-int(_order(seed, rec), 16), -seq)  # ties in the order (none for distinct ids) go by arrival, as sorted
+        if len(kept) == limit and at < kept[0][0]:
             drops["over_max_prompts"] += 1
             continue
-        if max_prompt_tokens is not None:
-            n = count_tokens(rec)
-            if n > max_prompt_tokens:
-                drops["over_max_prompt_tokens"] += 1
-                continue
-            rec["prompt_tokens"] = n
-        kept.append(rec)
-    return kept
+        if not fits(rec):
+            heapq.heappush(too_long, at)
+            continue
+        heapq.heappush(kept, (at, rec))
+        if len(kept) > limit:
+            heapq.heappop(kept)
+            drops["over_max_prompts"] += 1
+        while too_long and len(kept) == limit and too_long[0] < kept[0][0]:
+            heapq.heappop(too_long)
+            drops["over_max_prompts"] += 1
+    if too_long:
+        drops["over_max_prompt_tokens"] += len(too_long)
+    return [rec for _, rec in sorted(kept, key=lambda e: e[0], reverse=True)]
