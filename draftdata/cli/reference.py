@@ -63,7 +63,8 @@ MEANINGS = {
     "datasets.<name>.source.user_template": "A wrapper for the first user turn, containing `{content}`; null sends "
     "the turn as it is.",
     "datasets.<name>.max_prompts": "Prompts kept after the seeded shuffle (null: all); the budget stops "
-    "generation earlier when it is met.",
+    "generation earlier when it is met. The source streams through: at most this many prompts are held (plus the "
+    "ids seen, for dedup).",
     "datasets.<name>.max_prompt_tokens": "Prompts longer than this under the target's chat template are dropped "
     "(null: no limit).",
     "datasets.<name>.shuffle_seed": "Seed of the prompt order (a sort by hash of seed and prompt id).",
