@@ -232,3 +232,26 @@ def test_plan_options_are_checked():
         parse_options({"plan.tok_s": "0"})
     with pytest.raises(ConfigError, match=r"^plan\.tokens: unknown key"):
         parse_options({"plan.tokens": "1"})
+
+
+def test_a_fresh_clone_plans_before_the_demo_target_is_built(tmp_path, monkeypatch, capsys):
+    """models/tiny-llama does not exist before `dvc repro tiny_model`, and it looks like a hub id then: the plan
+    says which stage makes it and plans what it can, instead of trying huggingface.co."""
+    import shutil
+
+    from draftdata.cli.plan import main
+
+    for name in ("dvc.yaml", "params.yaml"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    for name in ("conf", "sources"):
+        shutil.copytree(ROOT / name, tmp_path / name)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # were the hub asked, fail at once rather than after its retries
+    cfg = load_config(None, [], params_path=tmp_path / "params.yaml", need_dataset=False)
+    assert cfg.model.path == "models/tiny-llama" and not (tmp_path / "models").exists()
+    plans = main(cfg)
+    out = capsys.readouterr().out
+    assert "models/tiny-llama does not exist yet; dvc.yaml's stage tiny_model makes it" in out
+    assert "huggingface" not in out
+    assert [p.dataset for p in plans] == list(cfg.datasets)
+    assert all(p.prompts and p.prompts_from.startswith("source") and p.to_generate == p.budget for p in plans)

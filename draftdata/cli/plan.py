@@ -29,7 +29,7 @@ from draftdata.generate.budget import MIN_OBSERVED as MIN_LENGTHS
 from draftdata.generate.budget import LengthModel
 from draftdata.generate.selection import needs_request, plan_requests, tokens_of, unusable_reason
 from draftdata.generate.store import ResponseStore, StoredResponse
-from draftdata.target.model import model_limits
+from draftdata.target.model import ModelNotBuilt, model_limits
 from draftdata.util.files import data_dir, read_jsonl, write_json
 from draftdata.util.sqlite import resolve_store_path
 
@@ -223,14 +223,14 @@ def model_shape(cfg: Config) -> ModelShape:
 
 
 def plan_dataset(
-    cfg: Config, name: str, tokenizer, store: ResponseStore | None, shape: ModelShape, opts: Options
+    cfg: Config, name: str, tokenizer, store: ResponseStore | None, shape: ModelShape | None, opts: Options
 ) -> DatasetPlan:
     cfg = replace(cfg, dataset=name)
     ds, out = cfg.ds, data_dir(name)
     stored: dict[str, StoredResponse] = {}
     planned = []
     prompts_path = out / "prompts.jsonl"
-    if prompts_path.exists():
+    if prompts_path.exists() and tokenizer is not None:
         # the same keys generate computes (rendered prompt ids, model fingerprint, sampling, max_tokens)
         planned = plan_requests(cfg, list(read_jsonl(prompts_path)), tokenizer())
         stored = store.get_many(p.key for p in planned) if store is not None else {}
@@ -276,7 +276,7 @@ def plan_dataset(
         sequence_tokens=seq,
         responses_bytes=round(seq * (resp_rate or RESPONSES_BYTES_PER_TOKEN)),
         samples_bytes=round(seq * (samp_rate or SAMPLES_BYTES_PER_TOKEN)),
-        hidden_bytes=seq * shape.bytes_per_token,
+        hidden_bytes=seq * shape.bytes_per_token if shape else 0,
         responses_from="measured" if resp_rate else "estimate",
         samples_from="measured" if samp_rate else "estimate",
     )
@@ -346,7 +346,7 @@ def table(headers: list[str], rows: list[list[str]], left: tuple[int, ...] = (0,
     return lines
 
 
-def render(plans: list[DatasetPlan], shape: ModelShape, cfg: Config, warnings: Sequence[str] = ()) -> str:
+def render(plans: list[DatasetPlan], shape: ModelShape | None, cfg: Config, warnings: Sequence[str] = ()) -> str:
     all_gpu = all(p.gpu_s is not None for p in plans)
     prompts_known = all(p.prompts is not None for p in plans)
     tokens_rows = [
@@ -414,8 +414,7 @@ def render(plans: list[DatasetPlan], shape: ModelShape, cfg: Config, warnings: S
     )
     lines = [
         f"plan: {len(plans)} dataset(s); nothing is sent to any server",
-        f"target: {cfg.model.path} ({shape.n_layers} layers, hidden {shape.hidden_size}); hidden states: "
-        f"layers {shape.layers} + final, {shape.dtype}, {shape.bytes_per_token:,} bytes/token",
+        _target_line(cfg, shape),
         "",
         *table(
             [
@@ -465,15 +464,24 @@ def render(plans: list[DatasetPlan], shape: ModelShape, cfg: Config, warnings: S
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
+def _target_line(cfg: Config, shape: ModelShape | None) -> str:
+    if shape is None:
+        return f"target: {cfg.model.path} (not built yet: hidden states not sized)"
+    return (
+        f"target: {cfg.model.path} ({shape.n_layers} layers, hidden {shape.hidden_size}); hidden states: "
+        f"layers {shape.layers} + final, {shape.dtype}, {shape.bytes_per_token:,} bytes/token"
+    )
+
+
 def _disk_basis(p: DatasetPlan) -> str:
     if p.responses_from == p.samples_from:
         return p.responses_from
     return "responses measured" if p.responses_from == "measured" else "samples measured"
 
 
-def to_json(plans: list[DatasetPlan], shape: ModelShape, warnings: Sequence[str] = ()) -> dict:
+def to_json(plans: list[DatasetPlan], shape: ModelShape | None, warnings: Sequence[str] = ()) -> dict:
     return {
-        "model": asdict(shape),
+        "model": asdict(shape) if shape else None,  # None: the model is not built yet
         "warnings": list(warnings),
         "datasets": [dict(asdict(p), disk_bytes=p.disk_bytes) for p in plans],
         "total": {
@@ -502,12 +510,19 @@ def main(cfg: Config, opts: Options | None = None) -> list[DatasetPlan]:
     opts = opts or Options()
     check_all(cfg)  # params.yaml whole, as the check_params stage does
     names = [cfg.dataset] if cfg.dataset is not None else list(cfg.datasets)
-    shape = model_shape(cfg)
+    try:
+        shape = model_shape(cfg)
+    except ModelNotBuilt as e:  # a fresh clone before the demo: say so, and plan from the sources alone
+        shape, not_built = None, str(e)
     # samples tokenize would drop (or generate refuse) for their length: told here, not refused
-    warnings = length_warnings(cfg, names, model_limits(cfg.model).context)
+    if shape is None:
+        warnings = [f"{not_built}; until then prompts are counted from the sources and hidden states are not sized"]
+        warnings += length_warnings(cfg, names, None)
+    else:
+        warnings = length_warnings(cfg, names, model_limits(cfg.model).context)
     store_path = resolve_store_path(cfg.run.store_path)
     store = ResponseStore(store_path) if store_path.exists() else None  # no store yet: nothing stored, none made
-    tokenizer = _tokenizer_loader(cfg)
+    tokenizer = _tokenizer_loader(cfg) if shape else None
     try:
         plans = [plan_dataset(cfg, name, tokenizer, store, shape, opts) for name in names]
     finally:

@@ -22,11 +22,40 @@ def looks_local(path: str) -> bool:
     )
 
 
+class ModelNotBuilt(ConfigError):
+    """`model.path` is an output of a dvc.yaml stage that has not run yet (the demo's models/tiny-llama on a fresh
+    clone)."""
+
+
 def check_model_path(path: str) -> None:
     """A mistyped local path fails here, at once, instead of after the hub's retries (tens of seconds) with an
-    error about connecting to it."""
-    if looks_local(path) and not Path(path).expanduser().exists():
+    error about connecting to it; so does a path a dvc.yaml stage makes, not made yet (it may look like a hub id:
+    `models/tiny-llama` before `models/` exists)."""
+    if Path(path).expanduser().exists():
+        return
+    stage = stage_making(path)
+    if stage is not None:
+        raise ModelNotBuilt(
+            "model.path", f"{path} does not exist yet; dvc.yaml's stage {stage} makes it (dvc repro {stage})"
+        )
+    if looks_local(path):
         raise ConfigError("model.path", f"{path}: no such directory (a local path; a hub id is 'org/name')")
+
+
+def stage_making(path: str, dvc_yaml: Path = Path("dvc.yaml")) -> str | None:
+    """The stage of the project's dvc.yaml (stages run from the project's root) whose `outs` list `path`."""
+    import yaml
+
+    try:
+        stages = yaml.safe_load(dvc_yaml.read_text()).get("stages") or {}
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        return None  # no dvc.yaml here (a stage run elsewhere): nothing to point to
+    want = os.path.normpath(path)
+    for name, stage in stages.items():
+        for out in (stage or {}).get("outs") or []:  # an out is a path, or {path: options}
+            if any(os.path.normpath(str(o)) == want for o in (out if isinstance(out, dict) else [out])):
+                return name
+    return None
 
 
 def hub_cache_dir() -> Path:
