@@ -31,11 +31,11 @@ def main(cfg: Config) -> None:
         raise UserError(f"{prompts_path}: not found; run the prompts stage first (dvc repro prompts@{cfg.dataset})")
     tok, limits = load_target_tokenizer(cfg.model)  # its ids fit the model, its template ends the turn where it stops
     prompts = list(read_jsonl(prompts_path))
-    plan = plan_requests(cfg, prompts, tok)  # one per key: prompts the template renders alike are asked once
-    duplicates = len(prompts) - len(plan)
-    check_context(plan, cfg, limits.context)
     store = ResponseStore(resolve_store_path(cfg.run.store_path))
     try:
+        plan = plan_requests(cfg, prompts, tok, store)  # one per key: prompts rendered alike are asked once
+        duplicates = len(prompts) - len(plan)
+        check_context(plan, cfg, limits.context)
         stored = store.get_many(p.key for p in plan)
         usable = {k: r for k, r in stored.items() if unusable_reason(r, ds) is None}
         committed = sum(tokens_of(r.prompt_tokens, r.completion_tokens, ds.budget_unit) for r in usable.values())

@@ -305,3 +305,66 @@ def test_no_duplicates_after_template_is_said_too(project):
     project.run("prompts", "B3")
     project.run("generate", "B3")
     assert metrics(project)["duplicate_after_template"] == 0
+
+
+def _count_renders(monkeypatch) -> list[int]:
+    import draftdata.generate.selection as selection
+
+    calls = [0]
+    render = selection.render_prompt_ids
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return render(*args, **kwargs)
+
+    monkeypatch.setattr(selection, "render_prompt_ids", counted)
+    return calls
+
+
+def test_a_rerun_with_the_budget_met_renders_no_prompt(project, monkeypatch):
+    project.run("prompts", "B3")
+    project.run("generate", "B3")
+    before = (project.data("B3") / "responses.jsonl").read_text()
+    renders = _count_renders(monkeypatch)
+    project.run("generate", "B3")
+    assert renders[0] == 0  # every prompt's ids came from the store's cache
+    assert (project.data("B3") / "responses.jsonl").read_text() == before
+
+
+def test_a_changed_template_kwargs_or_tokenizer_file_renders_again(project, tiny_model, tmp_path, monkeypatch):
+    import shutil
+
+    from draftdata.config.load import load_config
+    from draftdata.generate.selection import plan_requests
+    from draftdata.generate.store import ResponseStore
+    from draftdata.target.tokenizer import load_tokenizer
+
+    project.run("prompts", "B3")
+    prompts = list(read_jsonl(project.data("B3") / "prompts.jsonl"))
+    store = ResponseStore(tmp_path / "cache.sqlite")
+    renders = _count_renders(monkeypatch)
+
+    def planned(*overrides: str, cached: bool = True):
+        cfg = load_config("B3", list(overrides), params_path=project.path / "params.yaml")
+        plan = plan_requests(cfg, prompts, load_tokenizer(cfg.model), store if cached else None)
+        return [(p.key, p.prompt_ids) for p in plan]
+
+    def renders_of(*overrides: str) -> int:
+        start = renders[0]
+        got = planned(*overrides)
+        assert got == planned(*overrides, cached=False)  # the cache gives what rendering gives
+        return renders[0] - start - len(prompts)  # less the uncached check's own renders
+
+    n = len(prompts)
+    assert renders_of() == n and renders_of() == 0  # rendered once, then cached
+    template = tmp_path / "template.jinja"  # another template: other ids
+    template.write_text("System says hi.\n" + load_tokenizer(load_config("B3", []).model).chat_template)
+    assert renders_of(f"model.chat_template={template}") == n and renders_of(f"model.chat_template={template}") == 0
+    assert planned(f"model.chat_template={template}")[0][1] != planned()[0][1]  # not the first template's ids
+    assert renders_of("+model.template_kwargs.enable_thinking=false") == n
+    edited = tmp_path / "edited"  # the same model with one tokenizer file changed
+    shutil.copytree(tiny_model, edited)
+    conf = json.loads((edited / "tokenizer_config.json").read_text())
+    (edited / "tokenizer_config.json").write_text(json.dumps({**conf, "model_max_length": 12345}))
+    assert renders_of(f"model.path={edited}") == n and renders_of(f"model.path={edited}") == 0
+    store.close()

@@ -232,7 +232,7 @@ def plan_dataset(
     prompts_path = out / "prompts.jsonl"
     if prompts_path.exists() and tokenizer is not None:
         # the same keys generate computes (rendered prompt ids, model fingerprint, sampling, max_tokens)
-        planned = plan_requests(cfg, list(read_jsonl(prompts_path)), tokenizer())
+        planned = plan_requests(cfg, list(read_jsonl(prompts_path)), tokenizer(), store)
         stored = store.get_many(p.key for p in planned) if store is not None else {}
         prompts, prompts_from = len(planned), "prompts.jsonl"
     elif ds.source.path is not None:

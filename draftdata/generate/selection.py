@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, OnBudget, OnTruncation
 from draftdata.errors import ConfigError, UserError
-from draftdata.generate.store import CUT, StoredResponse
+from draftdata.generate.store import CUT, ResponseStore, StoredResponse
 from draftdata.target.fingerprint import model_fingerprint
-from draftdata.target.tokenizer import render_prompt_ids
+from draftdata.target.tokenizer import render_prompt_ids, tokenizer_fingerprint
 from draftdata.util.hashing import content_hash
 from draftdata.util.sqlite import hash_cache_path
 
@@ -97,17 +97,43 @@ def check_context(plan: list[Planned], cfg: Config, context: int | None) -> None
         )
 
 
-def plan_requests(cfg: Config, prompts: Iterable[dict], tok) -> list[Planned]:
+def plan_requests(cfg: Config, prompts: Iterable[dict], tok, store: ResponseStore | None = None) -> list[Planned]:
     """One request per store key, in prompt order. The prompts stage dedups by message JSON, but prompts that differ
     only in what the chat template drops (a template that trims whitespace renders "Hello" and "Hello\\n" alike)
     get one key. The first is kept and the others dropped: else one response would be sent, output and counted
     toward the budget once per prompt. The number dropped is the number of prompts less the plan's length
-    (generate_metrics' duplicate_after_template)."""
-    ds, kwargs = cfg.ds, dict(cfg.model.template_kwargs)
+    (generate_metrics' duplicate_after_template). With a store, rendered prompts are cached there."""
+    ds, prompts = cfg.ds, list(prompts)
     fp = model_fingerprint(cfg.model.path, cfg.model.revision, hash_cache_path(cfg.run.store_path))
     plan: dict[str, Planned] = {}
-    for rec in prompts:
-        ids = render_prompt_ids(tok, rec["messages"], rec.get("tools"), kwargs)
+    for rec, ids in zip(prompts, rendered_prompts(cfg, fp, prompts, tok, store)):
         key = request_key(fp, ids, ds.sampling.as_dict(), ds.max_tokens)
         plan.setdefault(key, Planned(rec, key, ids))
     return list(plan.values())
+
+
+def rendered_prompts(cfg: Config, model_fp: str, prompts: list[dict], tok, store: ResponseStore | None) -> list:
+    """Each prompt's ids under the chat template; those rendered by an earlier run under the same model,
+    tokenizer files, template, template kwargs and tokenizer libraries come from the store (a 100k-prompt rerun
+    would otherwise render them all again, also when the budget is already met)."""
+    kwargs = dict(cfg.model.template_kwargs)
+    fp = render_fingerprint(cfg, model_fp, tok)
+    cached = store.get_rendered(fp, (rec["id"] for rec in prompts)) if store is not None else {}
+    new: dict[str, list[int]] = {}
+    out = []
+    for rec in prompts:
+        ids = cached.get(rec["id"])
+        if ids is None:  # the id is a hash of the messages and tools: all the template reads of a prompt
+            ids = new[rec["id"]] = render_prompt_ids(tok, rec["messages"], rec.get("tools"), kwargs)
+        out.append(ids)
+    if store is not None and new:
+        store.put_rendered(fp, new)
+    return out
+
+
+def render_fingerprint(cfg: Config, model_fp: str, tok) -> str:
+    import tokenizers
+    import transformers
+
+    libraries = {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
+    return content_hash({"model": model_fp, "tokenizer": tokenizer_fingerprint(tok, cfg.model), **libraries}, n=32)

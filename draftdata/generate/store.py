@@ -43,6 +43,12 @@ CREATE TABLE IF NOT EXISTS failures (
     created_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS failures_key ON failures(key);
+CREATE TABLE IF NOT EXISTS rendered (   -- prompt ids under a chat template, so a rerun does not render them again
+    tokenizer TEXT NOT NULL,            -- fingerprint of the model, tokenizer files, template and its kwargs
+    prompt_id TEXT NOT NULL,
+    ids TEXT NOT NULL,                  -- JSON list
+    PRIMARY KEY (tokenizer, prompt_id)
+) WITHOUT ROWID;
 """
 
 
@@ -115,13 +121,7 @@ class ResponseStore:
             row["output_ids"] = _ids(r.output_ids)
             row["tool_calls"] = json.dumps(r.tool_calls) if r.tool_calls else None
             rows.append(row)
-        self.db.execute("BEGIN")
-        try:
-            self.db.executemany(_PUT, rows)
-        except BaseException:
-            self.db.execute("ROLLBACK")
-            raise
-        self.db.execute("COMMIT")
+        self._commit_many(_PUT, rows)
 
     def put_failure(self, key: str, dataset: str, prompt_id: str, reason: str, detail: str, server: str) -> None:
         self.db.execute(
@@ -144,6 +144,31 @@ class ResponseStore:
                 row["tool_calls"] = _unids(row["tool_calls"])
                 out[row["key"]] = StoredResponse(**row)
         return out
+
+    def get_rendered(self, tokenizer: str, prompt_ids: Iterable[str]) -> dict[str, list[int]]:
+        """Prompt id -> its rendered token ids, for those rendered earlier under this tokenizer fingerprint."""
+        prompt_ids = list(prompt_ids)
+        out: dict[str, list[int]] = {}
+        for i in range(0, len(prompt_ids), 500):  # SQLite caps the number of bound parameters
+            chunk = prompt_ids[i : i + 500]
+            marks = ",".join("?" * len(chunk))
+            sql = f"SELECT prompt_id, ids FROM rendered WHERE tokenizer = ? AND prompt_id IN ({marks})"
+            cur = self.db.execute(sql, [tokenizer, *chunk])
+            out.update((pid, json.loads(ids)) for pid, ids in cur)
+        return out
+
+    def put_rendered(self, tokenizer: str, rendered: dict[str, list[int]]) -> None:
+        rows = [(tokenizer, pid, _ids(ids)) for pid, ids in rendered.items()]
+        self._commit_many("INSERT OR REPLACE INTO rendered VALUES (?, ?, ?)", rows)
+
+    def _commit_many(self, sql: str, rows: list) -> None:
+        self.db.execute("BEGIN")
+        try:
+            self.db.executemany(sql, rows)
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
 
     def count(self) -> int:
         return self.db.execute("SELECT COUNT(*) FROM responses").fetchone()[0]
