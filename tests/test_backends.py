@@ -170,6 +170,20 @@ def test_stream_lines_longer_than_aiohttp_readline_accepts(fake):
     assert len(json.dumps({"text": res.text, "output_ids": res.output_ids})) > 512 * 1024  # the last line's size
 
 
+def test_a_stream_line_is_one_json_object_or_a_bad_response():
+    """The SSE line parser (the client's main cost per token) stays as strict as json.loads: one object and nothing
+    after it, in UTF-8."""
+    from draftdata.generate.backends.http import _DONE, Failure, _sse_data
+
+    assert _sse_data(b'data: {"choices": [{"text": " \xc3\xa9"}]}\r') == {"choices": [{"text": " \u00e9"}]}
+    assert _sse_data(b"data: [DONE]") is _DONE
+    assert _sse_data(b"") is None and _sse_data(b": keep-alive") is None
+    for bad in (b'data: {"a": 1} {"b": 2}', b'data: {"a": 1}x', b'data: {"a": "\xff"}', b"data: [1]", b"data: {"):
+        with pytest.raises(Failure) as e:
+            _sse_data(bad)
+        assert e.value.code == "bad_response", bad
+
+
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "plain"])
 def test_cancel_aborts_on_the_server_and_keeps_the_partial(fake, stream):
     """A cancelled request is aborted on the server, whose answer (the abort's last chunk, or the plain answer)

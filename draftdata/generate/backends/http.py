@@ -556,9 +556,14 @@ class EventStream:
 _DONE = object()
 
 
+_JSON = json.JSONDecoder()
+
+
 def _sse_data(raw: bytes):
     """One SSE line: its JSON object, _DONE for `data: [DONE]`, None for anything else (blank, comment, event:).
-    Works on bytes (json.loads takes UTF-8 bytes): no decode of a line that is not data."""
+    Works on bytes: no decode of a line that is not data. A stream sends a line per token, so the parse is the
+    client's main cost per token: the decoder's own `raw_decode` on the UTF-8 text (SSE is UTF-8) costs about half
+    of `json.loads(bytes)`, which first guesses the encoding and matches whitespace around the object."""
     line = raw.strip()
     if not line.startswith(b"data:"):
         return None
@@ -566,7 +571,10 @@ def _sse_data(raw: bytes):
     if data == b"[DONE]":
         return _DONE
     try:
-        event = json.loads(data)
+        text = data.decode()
+        event, end = _JSON.raw_decode(text)
+        if end != len(text):
+            raise ValueError(f"extra data at char {end}")
     except ValueError as e:
         raise Failure("bad_response", f"not JSON ({e}): {data[:200]!r}") from e
     if not isinstance(event, dict):

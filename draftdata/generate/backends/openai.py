@@ -187,7 +187,8 @@ class OpenAIBackend(HttpBackend):
                         pieces += 1
                     elif choice.get("finish_reason") in ENDED_TURN:  # the end-of-turn step: a token with no text
                         pieces += 1
-                    partial.output_ids.extend(int(t) for t in _output_ids(choice) or [])
+                    if ids := _output_ids(choice):
+                        partial.output_ids.extend(map(int, ids))
                     prompt_ids = choice.get("prompt_token_ids") or prompt_ids
                     finish = choice.get("finish_reason") or finish
                 _count(partial, base, pieces)
