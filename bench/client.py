@@ -1,17 +1,27 @@
-"""Client overhead: requests per second our full generate path sustains against a zero-latency server.
+"""Client overhead: what our generate path costs the client per request and per streamed token, against a
+zero-latency server, beside what a careful user's client and a bare loop cost.
 
-    python -m bench.client [--requests 4000] [--concurrency 64]
+    python -m bench.client [--requests 1000] [--long-requests 200] [--concurrency 64] [--rounds 3]
 
-A local OpenAI-compatible server (a separate process: `/v1/models`, `/v1/completions`, plain or streamed) answers
-every request at once, so what is measured is the client. Side by side, in one run:
+A local OpenAI-compatible server (a separate process, so it does not share the client's event loop or CPU
+accounting) answers every request at once. A stream is one `data: {...}` event per token, a write each, in vLLM's
+field layout (bench/fake_server.py's `OpenAI` wire format), `usage` in a last event with `choices: []` when
+`stream_options.include_usage` asks for it, then `data: [DONE]`; the server yields between tokens, so the tokens of
+the requests in flight interleave as a decode step's do. Side by side, in one run, each client `concurrency`
+requests in flight, streamed:
 
-- ours: the generate stage's Dispatcher (budget controller, a SQLite commit per response, bookkeeping) driving
-  the `openai` backend with token-id prompts, streamed as in a default run;
-- baseline: the common pattern of the anchor scripts: a thread pool, and a new OpenAI client per request;
-- raw: a bare aiohttp loop that only sends and parses (the floor of what the machine allows).
+- ours: the generate stage's Dispatcher (budget controller, ledger, a SQLite commit per wake-up) driving the
+  `openai` backend with token-id prompts, as in a default run; also not streamed (`ours_unstreamed`);
+- openai: one shared `openai.AsyncOpenAI` client and an `asyncio.Semaphore(concurrency)`, what a careful user
+  writes (the text and usage of every answer kept in memory);
+- raw: a bare aiohttp loop that sends, splits the SSE lines and parses their JSON, the floor.
 
-Writes bench/results/client.json: ours_rps, baseline_rps, raw_rps, ratio (ours/baseline), raw_ratio (ours/raw),
-and client CPU seconds per 1k requests (medians of interleaved rounds). Goals: ratio >= 10, raw_ratio >= 0.5.
+Every client runs at two answer lengths (`SHORT` and `LONG` tokens), so the CPU a request costs splits into a fixed
+part and a part per streamed token (a line through the two medians). Rounds are interleaved, so drift in a busy
+machine's speed hits every client alike; medians are reported. Writes bench/results/client.json. Goals: ours costs
+at most 1.25x the CPU of the shared AsyncOpenAI client per request (SHORT) and per streamed token, and sustains at
+least 0.8x its requests per second. `python -m bench.client --profile N` only prints where ours spends its time
+(cProfile over N requests).
 """
 
 from __future__ import annotations
@@ -20,47 +30,64 @@ import argparse
 import asyncio
 import json
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 RESULTS = Path(__file__).parent / "results"
 MODEL = "bench-model"
-OUTPUT_TOKENS = 16
+SHORT, LONG = 16, 128  # answer lengths in tokens
 PROMPT = list(range(100, 164))  # a 64-token prompt
+GOAL_CPU = 1.25  # ours ÷ openai, CPU per request and per token: at most
+GOAL_RPS = 0.8  # ours ÷ openai, requests per second: at least
 
 
-# ---- the zero-latency server (its own process, so it does not share the client's event loop) ---------------- #
+# ---- the zero-latency server (its own process) -------------------------------------------------------------- #
+
+
+def answers(tokens: int) -> tuple[list[bytes], bytes]:
+    """The stream's events (one per token, then usage, then [DONE]) and the plain answer, encoded once."""
+    from bench.fake_server import FakeModel, OpenAI, fake_output_ids
+
+    server = SimpleNamespace(model=FakeModel(), openai_flavour="vllm")
+    body = {"model": MODEL, "stream_options": {"include_usage": True}}
+    wire = OpenAI(server, "cmpl-bench", PROMPT, body, chat=False)
+    out = fake_output_ids(PROMPT, tokens)
+    chunks = [wire.chunk(out[: k + 1], k, "length" if k + 1 == tokens else None) for k in range(tokens)]
+    events = [b"data: " + json.dumps(c).encode() + b"\n\n" for c in [*chunks, wire.usage_chunk(out)]]
+    return [*events, b"data: [DONE]\n\n"], json.dumps(wire.answer(out, "length")).encode()
 
 
 def serve(port: int) -> None:
     from aiohttp import web
 
-    choice_text = " tok" * OUTPUT_TOKENS
-    usage = {
-        "prompt_tokens": len(PROMPT),
-        "completion_tokens": OUTPUT_TOKENS,
-        "total_tokens": len(PROMPT) + OUTPUT_TOKENS,
-    }
+    encoded = {n: answers(n) for n in (SHORT, LONG)}
 
     async def models(_request):
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model", "root": MODEL}]})
 
     async def completions(request):
         body = await request.json()
-        choice = {"index": 0, "text": choice_text, "finish_reason": "length", "logprobs": None}
-        doc = {"id": "cmpl-0", "object": "text_completion", "created": 0, "model": MODEL}
+        events, plain = encoded[int(body["max_tokens"])]
         if not body.get("stream"):
-            return web.json_response({**doc, "choices": [choice], "usage": usage})
+            return web.Response(body=plain, content_type="application/json")
+        if not (body.get("stream_options") or {}).get("include_usage"):
+            events = events[:-2] + events[-1:]
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        chunk = json.dumps({**doc, "choices": [choice]})
-        final = json.dumps({**doc, "choices": [], "usage": usage})
-        await resp.write(f"data: {chunk}\n\ndata: {final}\n\ndata: [DONE]\n\n".encode())
-        await resp.write_eof()
+        try:
+            await resp.prepare(request)
+            for event in events[:-1]:
+                await resp.write(event)
+                await asyncio.sleep(0)  # a decode step: every request in flight gets its token before the next
+            # [DONE] with the body's end in one write: a client that stops reading at [DONE] (the openai package
+            # does) would otherwise leave the end unread, and its connection could not be used again
+            await resp.write_eof(events[-1])
+        except ConnectionError:  # the client went away: nobody to answer
+            pass
         return resp
 
     app = web.Application()
@@ -90,10 +117,10 @@ def start_server() -> tuple[subprocess.Popen, str]:
     raise RuntimeError("bench server did not start")
 
 
-# ---- the three clients -------------------------------------------------------------------------------------- #
+# ---- the clients: each returns its wall time and checks every answer ---------------------------------------- #
 
 
-def run_ours(url: str, n: int, concurrency: int, stream: bool) -> float:
+def run_ours(url: str, n: int, concurrency: int, tokens: int, stream: bool = True) -> float:
     from draftdata.config.schema import (
         BackendConfig,
         BackendKind,
@@ -110,10 +137,7 @@ def run_ours(url: str, n: int, concurrency: int, stream: bool) -> float:
     from draftdata.generate.store import ResponseStore
 
     ds = DatasetConfig(
-        source=SourceConfig(shape="messages", path="-"),
-        token_budget=10**12,
-        max_tokens=OUTPUT_TOKENS,
-        concurrency=concurrency,
+        source=SourceConfig(shape="messages", path="-"), token_budget=10**12, max_tokens=tokens, concurrency=concurrency
     )
     with tempfile.TemporaryDirectory() as tmp:
         cfg = Config(
@@ -131,20 +155,17 @@ def run_ours(url: str, n: int, concurrency: int, stream: bool) -> float:
             for i in range(n)
         ]
         store = ResponseStore(cfg.run.store_path)
-
-        class Quiet:
-            def update(self, _dispatcher) -> None:
-                pass
+        quiet = SimpleNamespace(update=lambda _dispatcher: None)
 
         async def go() -> float:
             backend = make_backend(cfg, tokenizer=None)
             await backend.start()
             ctrl = BudgetController(ds.token_budget, ds.max_tokens, concurrency, observes_rate=stream)
             t0 = time.perf_counter()
-            stats = await Dispatcher(backend, ctrl, store, cfg, None, stream, {}, Quiet()).run(plan)
+            stats = await Dispatcher(backend, ctrl, store, cfg, None, stream, {}, quiet).run(plan)
             wall = time.perf_counter() - t0
             await backend.close()
-            assert stats.new == n and not stats.failed, (stats.new, dict(stats.failed))
+            assert stats.new == n and stats.kept == n * tokens and not stats.failed, (stats.new, dict(stats.failed))
             assert store.count() == n
             return wall
 
@@ -154,109 +175,207 @@ def run_ours(url: str, n: int, concurrency: int, stream: bool) -> float:
             store.close()
 
 
-def run_baseline(url: str, n: int, concurrency: int) -> float:
+def run_openai(url: str, n: int, concurrency: int, tokens: int) -> float:
     import openai
 
-    def one(_i: int) -> int:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none")  # a new client per request, as anchors do
-        out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=OUTPUT_TOKENS)
-        client.close()
-        return out.usage.completion_tokens
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        assert sum(pool.map(one, range(n))) == n * OUTPUT_TOKENS
-    return time.perf_counter() - t0
-
-
-def run_raw(url: str, n: int, concurrency: int) -> float:
-    import aiohttp
-
     async def go() -> float:
-        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": OUTPUT_TOKENS}
-        left = iter(range(n))
-        done = 0
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        gate = asyncio.Semaphore(concurrency)
 
-        async def worker(session: aiohttp.ClientSession) -> None:
-            nonlocal done
-            for _ in left:
-                async with session.post(url + "/v1/completions", json=body) as resp:
-                    doc = await resp.json()
-                done += doc["usage"]["completion_tokens"] == OUTPUT_TOKENS
+        async def one() -> tuple[str, int, str | None]:
+            async with gate:
+                stream = await client.completions.create(
+                    model=MODEL,
+                    prompt=PROMPT,
+                    max_tokens=tokens,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+                text, used, finish = [], 0, None
+                async for chunk in stream:
+                    for choice in chunk.choices:
+                        text.append(choice.text)
+                        finish = choice.finish_reason or finish
+                    if chunk.usage:
+                        used = chunk.usage.completion_tokens
+                return "".join(text), used, finish
 
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
-            t0 = time.perf_counter()
-            await asyncio.gather(*(worker(session) for _ in range(concurrency)))
-            wall = time.perf_counter() - t0
-        assert done == n
+        t0 = time.perf_counter()
+        done = await asyncio.gather(*(one() for _ in range(n)))
+        wall = time.perf_counter() - t0
+        await client.close()
+        assert all(used == tokens and finish == "length" and text for text, used, finish in done)
         return wall
 
     return asyncio.run(go())
 
 
-def measure(fn, *args) -> dict:
+def run_raw(url: str, n: int, concurrency: int, tokens: int) -> float:
+    import aiohttp
+
+    body = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "max_tokens": tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+    async def one(session: aiohttp.ClientSession) -> tuple[str, int]:
+        text, used = [], 0
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            async for line in resp.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                event = json.loads(line[6:])
+                text += [c["text"] for c in event["choices"]]
+                used = (event.get("usage") or {}).get("completion_tokens", used)
+        return "".join(text), used
+
+    async def go() -> float:
+        left = iter(range(n))
+        done = []
+
+        async def worker(session: aiohttp.ClientSession) -> None:
+            for _ in left:
+                done.append(await one(session))
+
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+            t0 = time.perf_counter()
+            await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+            wall = time.perf_counter() - t0
+        assert len(done) == n and all(used == tokens and text for text, used in done)
+        return wall
+
+    return asyncio.run(go())
+
+
+CLIENTS = {
+    "ours": run_ours,
+    "ours_unstreamed": lambda url, n, c, tokens: run_ours(url, n, c, tokens, stream=False),
+    "openai": run_openai,
+    "raw": run_raw,
+}
+
+
+# ---- measuring ------------------------------------------------------------------------------------------------ #
+
+
+def measure(fn, url: str, n: int, concurrency: int, tokens: int) -> dict:
     cpu0 = time.process_time()
-    wall = fn(*args)
+    wall = fn(url, n, concurrency, tokens)
     cpu = time.process_time() - cpu0
-    n = args[1]
     return {
         "requests": n,
         "wall_s": round(wall, 3),
         "rps": round(n / wall, 1),
-        "cpu_s_per_1k": round(1000 * cpu / n, 3),
+        "cpu_us_per_request": round(1e6 * cpu / n, 1),
+        "wall_us_per_request": round(1e6 * wall / n, 1),
     }
 
 
-def median_run(runs: list[dict]) -> dict:
-    return sorted(runs, key=lambda r: r["rps"])[len(runs) // 2]
+def summary(runs: list[dict]) -> dict:
+    """Medians over the rounds, each figure on its own."""
+    return {k: round(statistics.median(r[k] for r in runs), 1) for k in runs[0] if k != "requests"} | {
+        "requests": runs[0]["requests"]
+    }
+
+
+def split(short: dict, long: dict) -> dict:
+    """A request's CPU and wall as a fixed part plus a part per streamed token: the line through both lengths."""
+    out = {}
+    for what in ("cpu", "wall"):
+        a, b = short[f"{what}_us_per_request"], long[f"{what}_us_per_request"]
+        per_token = (b - a) / (LONG - SHORT)
+        out[f"{what}_us_per_token"] = round(per_token, 2)
+        out[f"{what}_us_fixed"] = round(a - SHORT * per_token, 1)
+    return out
+
+
+def results(runs: dict, args) -> dict:
+    med = {name: {str(t): summary(by_len[t]) for t in by_len} for name, by_len in runs.items()}
+    per_token = {name: split(m[str(SHORT)], m[str(LONG)]) for name, m in med.items() if str(LONG) in m}
+    ours, oa = med["ours"][str(SHORT)], med["openai"][str(SHORT)]
+    ratios = {
+        "cpu_per_request_vs_openai": round(ours["cpu_us_per_request"] / oa["cpu_us_per_request"], 3),
+        "cpu_per_token_vs_openai": round(
+            per_token["ours"]["cpu_us_per_token"] / per_token["openai"]["cpu_us_per_token"], 3
+        ),
+        "rps_vs_openai": round(ours["rps"] / oa["rps"], 3),
+        "rps_vs_raw": round(ours["rps"] / med["raw"][str(SHORT)]["rps"], 3),
+    }
+    return {
+        "medians": med,
+        "per_token": per_token,
+        "ratios": ratios,
+        "goals": {
+            f"cpu_per_request_le_{GOAL_CPU}x_openai": ratios["cpu_per_request_vs_openai"] <= GOAL_CPU,
+            f"cpu_per_token_le_{GOAL_CPU}x_openai": ratios["cpu_per_token_vs_openai"] <= GOAL_CPU,
+            f"rps_ge_{GOAL_RPS}x_openai": ratios["rps_vs_openai"] >= GOAL_RPS,
+        },
+        "rounds": runs,
+        "settings": {
+            "concurrency": args.concurrency,
+            "prompt_tokens": len(PROMPT),
+            "output_tokens": [SHORT, LONG],
+            "rounds": args.rounds,
+        },
+    }
+
+
+def profile(n: int, concurrency: int) -> None:
+    """Where ours spends its time: cProfile of one run, the functions with the most cumulative time."""
+    import cProfile
+    import pstats
+
+    proc, url = start_server()
+    try:
+        run_ours(url, 100, concurrency, SHORT)  # warm-up
+        prof = cProfile.Profile()
+        prof.runcall(run_ours, url, n, concurrency, SHORT)
+    finally:
+        proc.terminate()
+        proc.wait()
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(r"draftdata|aiohttp/client\.py|sqlite3|json", 30)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=4000)
-    ap.add_argument("--baseline-requests", type=int, default=600)
+    ap.add_argument("--requests", type=int, default=1000, help=f"per client and round, answers of {SHORT} tokens")
+    ap.add_argument("--long-requests", type=int, default=200, help=f"per client and round, answers of {LONG} tokens")
     ap.add_argument("--concurrency", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of ours and raw; medians reported")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every client; medians reported")
+    ap.add_argument("--profile", type=int, metavar="N", help=f"only profile ours over N requests of {SHORT} tokens")
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
         serve(args.serve)
         return
+    if args.profile:
+        profile(args.profile, args.concurrency)
+        return
+    plan = [(name, SHORT, args.requests) for name in CLIENTS]
+    plan += [(name, LONG, args.long_requests) for name in CLIENTS if name != "ours_unstreamed"]
+    runs: dict = {name: {} for name in CLIENTS}
     proc, url = start_server()
-    runs: dict[str, list[dict]] = {"ours": [], "ours_unstreamed": [], "raw": []}
     try:
-        run_raw(url, 200, args.concurrency)  # warm-up: imports, connections, the server's first requests
+        for name, tokens, _ in plan:  # warm-up: imports, connections, the server's first requests
+            CLIENTS[name](url, 100, args.concurrency, tokens)
         for _ in range(args.rounds):  # interleaved, so drift in the machine's speed hits every client alike
-            runs["raw"].append(measure(run_raw, url, args.requests, args.concurrency))
-            runs["ours"].append(measure(run_ours, url, args.requests, args.concurrency, True))
-            runs["ours_unstreamed"].append(measure(run_ours, url, args.requests, args.concurrency, False))
-        baseline = measure(run_baseline, url, args.baseline_requests, args.concurrency)
+            for name, tokens, n in plan:
+                runs[name].setdefault(tokens, []).append(measure(CLIENTS[name], url, n, args.concurrency, tokens))
     finally:
         proc.terminate()
         proc.wait()
-    raw, ours, ours_plain = (median_run(runs[k]) for k in ("raw", "ours", "ours_unstreamed"))
-    result = {
-        "ours_rps": ours["rps"],
-        "ours_unstreamed_rps": ours_plain["rps"],
-        "baseline_rps": baseline["rps"],
-        "raw_rps": raw["rps"],
-        "ratio": round(ours["rps"] / baseline["rps"], 2),
-        "raw_ratio": round(ours["rps"] / raw["rps"], 3),
-        "cpu_s_per_1k": {
-            "ours": ours["cpu_s_per_1k"],
-            "ours_unstreamed": ours_plain["cpu_s_per_1k"],
-            "baseline": baseline["cpu_s_per_1k"],
-            "raw": raw["cpu_s_per_1k"],
-        },
-        "runs": {"ours": ours, "ours_unstreamed": ours_plain, "baseline": baseline, "raw": raw},
-        "rounds": runs,
-        "settings": {"concurrency": args.concurrency, "output_tokens": OUTPUT_TOKENS, "prompt_tokens": len(PROMPT)},
-    }
-    result["goals"] = {"ratio_ge_10": result["ratio"] >= 10, "raw_ratio_ge_0.5": result["raw_ratio"] >= 0.5}
-    print(f"{'client (median)':<18} {'req/s':>9} {'cpu s/1k req':>13}")
-    for name, r in result["runs"].items():
-        print(f"{name:<18} {r['rps']:>9.1f} {r['cpu_s_per_1k']:>13.3f}")
-    print(f"ratio (ours/baseline) = {result['ratio']}, raw_ratio (ours/raw) = {result['raw_ratio']}")
+    result = results(runs, args)
+    print(f"{'client (median)':<16} {'tokens':>6} {'req/s':>9} {'cpu µs/req':>11} {'wall µs/req':>12}")
+    for name, by_len in result["medians"].items():
+        for tokens, m in by_len.items():
+            cpu, wall = m["cpu_us_per_request"], m["wall_us_per_request"]
+            print(f"{name:<16} {tokens:>6} {m['rps']:>9.1f} {cpu:>11.1f} {wall:>12.1f}")
+    for name, s in result["per_token"].items():
+        print(f"{name:<16} cpu: {s['cpu_us_fixed']:.1f} µs + {s['cpu_us_per_token']:.2f} µs/token")
+    print("ratios: " + ", ".join(f"{k}={v}" for k, v in result["ratios"].items()))
     print("goals: " + ", ".join(f"{k}={'ok' if v else 'MISSED'}" for k, v in result["goals"].items()))
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "client.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
