@@ -562,8 +562,8 @@ _JSON = json.JSONDecoder()
 def _sse_data(raw: bytes):
     """One SSE line: its JSON object, _DONE for `data: [DONE]`, None for anything else (blank, comment, event:).
     Works on bytes: no decode of a line that is not data. A stream sends a line per token, so the parse is the
-    client's main cost per token: the decoder's own `raw_decode` on the UTF-8 text (SSE is UTF-8) costs about half
-    of `json.loads(bytes)`, which first guesses the encoding and matches whitespace around the object."""
+    client's main cost per token: the decoder's own `raw_decode` on the UTF-8 text (SSE is UTF-8) costs less than
+    `json.loads(bytes)`, which first guesses the encoding and matches whitespace around the object."""
     line = raw.strip()
     if not line.startswith(b"data:"):
         return None
