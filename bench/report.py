@@ -209,22 +209,78 @@ def client(r: dict) -> list[str]:
     ]
 
 
+TOKENIZE_TEMPLATES = {
+    "chatml": "ChatML (the demo's 20-line template)",
+    "qwen3_tools": "Qwen3's template, thinking and tools",
+}
+TOKENIZE_SAMPLERS = {
+    "tiny_model": "the demo target (random weights)",
+    "bigram": "bigram model of the demo texts' tokens",
+}
+
+
 def tokenize(r: dict) -> list[str]:
-    body = [
-        ["stage, text path (render, check, encode prompt and response, mask)", num(r["stage_tok_s"]), "stage"],
-        ["raw: `tokenizers` batch encode of the same texts", num(r["raw_tok_s"]), "raw"],
-        ["stage, id path (the server's token ids)", num(r["id_path_tok_s"]), "id_path"],
-    ]
-    body = [[label, tok_s, f"{r['wall_s'][key]:.2f}"] for label, tok_s, key in body]
+    s = r["settings"]
+    body = []
+    for name, label in TOKENIZE_TEMPLATES.items():
+        t = r["templates"][name]
+        body.append(
+            [
+                label,
+                num(t["mean_tokens_per_sample"]),
+                f"{num(t['stage_tok_s'])} ({t['wall_s']['stage']:.2f} s)",
+                f"{num(t['raw_tok_s'])} ({t['wall_s']['raw']:.2f} s)",
+                f"{t['ratio']:.3f} ({', '.join(f'{x:.2f}' for x in t['ratio_per_round'])})",
+                num(t["stage_samples_s"], 1),
+                f"{num(t['id_path_tok_s'])} ({t['wall_s']['id_path']:.2f} s)",
+            ]
+        )
+    drift = []
+    for name, label in TOKENIZE_SAMPLERS.items():
+        d = r["drift"][name]
+        drift.append(
+            [
+                label,
+                f"{num(d['responses'])} ({d['mean_generated_tokens']:g} tokens, {d['ended_pct']:g} % ended)",
+                f"{d['samples_differ_pct']:.2f} %",
+                f"{d['tokens_differ_pct']:.2f} %",
+                f"{d['stage_drift_pct']:.2f} %",
+                f"{'exact' if d['id_path_exact'] else 'differs'} on {num(d['id_path_samples'])}",
+            ]
+        )
     return [
         "### Tokenize: `python -m bench.tokenize`",
         "",
-        f"{num(r['samples'])} synthetic multi-turn samples of {num(r['mean_tokens_per_sample'])} tokens on average.",
+        f"{num(s['samples'])} synthetic multi-turn samples under each template ({s['wall_s']:g} s in all).",
         "",
-        *table(["path", "tokens/s", "seconds"], body),
+        *table(
+            [
+                "template",
+                "tokens a sample",
+                "stage, text path: tokens/s (s)",
+                "raw encode: tokens/s (s)",
+                "text path ÷ raw (per round)",
+                "samples/s, text path",
+                "stage, id path: tokens/s (s)",
+            ],
+            body,
+        ),
         "",
-        f"Text path ÷ raw: {r['ratio']:.3f}; {num(r['stage_samples_s'], 1)} samples/s on the text path; drift "
-        f"(re-encoded completion length ≠ the server's count) {r['drift_pct']:g} %. {goals_line(r['goals'])}",
+        f"Drift: generated ids stored as text and re-encoded (up to {num(s['max_new_tokens'])} new tokens).",
+        "",
+        *table(
+            [
+                "sampler",
+                "responses",
+                "samples whose ids differ",
+                "generated tokens not reproduced",
+                "the stage's drift_pct",
+                "id path",
+            ],
+            drift,
+        ),
+        "",
+        goals_line(r["goals"]),
     ]
 
 
