@@ -1,5 +1,6 @@
-"""Stage `tokenize@D`: responses → samples.parquet, token-exact (prompt ids + output ids, the loss mask built with
-them), skips counted by reason.
+"""Stage `tokenize@D`: responses → samples.parquet, token-exact where the server returned ids (prompt ids + output
+ids, the loss mask built with them; text-only responses are re-encoded, their drift counted), skips counted by
+reason.
 """
 
 from __future__ import annotations

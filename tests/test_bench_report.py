@@ -67,7 +67,8 @@ def test_no_hand_written_benchmark_figures_outside_the_block():
         *client["ratios"].values(),
         *(client["medians"][k]["16"]["cpu_us_per_request"] for k in ("ours", "openai", "raw")),
         *(client["per_token"][k]["cpu_us_per_token"] for k in ("ours", "openai", "raw")),
-        *(tok[k] for k in ("ratio", "stage_tok_s", "raw_tok_s", "id_path_tok_s")),
+        *(t[k] for t in tok["templates"].values() for k in ("ratio", "stage_tok_s", "raw_tok_s", "id_path_tok_s")),
+        *(d[k] for d in tok["drift"].values() for k in ("samples_differ_pct", "tokens_differ_pct")),
         *(hs[k] for k in ("ratio", "ours_tok_s", "naive_tok_s", "bytes_per_token", "fp8_bytes_per_token")),
         *(hs[k] for k in ("peak_rss_mb", "fp8_rel_err")),
     ]
