@@ -332,9 +332,9 @@ def reliability(r: dict) -> list[str]:
     kill, faults, inputs = r["kill"], r["faults"], r["inputs"]
     phases = ("before", "working", "writing", "written")
     keys = ("lost", "duplicated", "stale", "tmp_left", "failures")
-    body, totals = [], dict.fromkeys(("trials", *phases, *keys), 0)
+    body, totals = [], dict.fromkeys(("trials", *phases, "effective", *keys), 0)
     for row in kill["summary"]:
-        values = {"trials": row["trials"], **row["phases"], **{k: row[k] for k in keys}}
+        values = {"trials": row["trials"], **row["phases"], "effective": row["effective"], **{k: row[k] for k in keys}}
         for k, v in values.items():
             totals[k] += v
         body.append([row["label"], *(num(values[k]) for k in totals)])
@@ -343,14 +343,16 @@ def reliability(r: dict) -> list[str]:
         "### Reliability: `python -m bench.reliability kill|faults|inputs`",
         "",
         f"**kill**: {num(kill['figures']['kill_trials'])} kills over {len(kill['summary'])} scenarios "
-        f"(seed {kill['seed']}, {kill['wall_s']:g} s); where each landed (before any work showed, working, writing "
-        "outputs, outputs written), then the problems the checks found after the restart.",
+        f"(seed {kill['seed']}, {kill['wall_s']:g} s), {num(kill['figures']['kill_effective'])} of them effective "
+        "(they landed while the stage worked or wrote its outputs); where each landed (before any work showed, "
+        "working, writing outputs, outputs written), then the problems the checks found after the restart.",
         "",
         *table(
             [
                 "scenario",
                 "kills",
                 *phases,
+                "effective",
                 "lost",
                 "duplicated",
                 "stale",
@@ -358,6 +360,16 @@ def reliability(r: dict) -> list[str]:
                 "failed restarts",
             ],
             body,
+        ),
+        "",
+        "Per stage, every scenario of it together:",
+        "",
+        *table(
+            ["stage", "kills", *phases, "effective"],
+            [
+                [x["stage"], num(x["trials"]), *(num(x["phases"][p]) for p in phases), num(x["effective"])]
+                for x in kill["by_stage"]
+            ],
         ),
         "",
         f"**faults**: {faults['figures']['fault_scenarios']} scenarios, {faults['figures']['fault_failed']} failed "

@@ -17,6 +17,8 @@ from draftdata.util.log import log
 
 def main(cfg: Config) -> None:
     ds = cfg.ds
+    # the work begins (a source of millions of rows takes a while before the closing line)
+    log("prompts", dataset=cfg.dataset, reading=ds.source.path or ds.source.hf_name)
     drops: Counter = Counter()
     records = dedup(adapt_rows(iter_rows(ds.source), ds, drops), drops)  # a stream: the source is never held whole
     count_tokens = _token_counter(cfg) if ds.max_prompt_tokens is not None else None

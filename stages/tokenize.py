@@ -23,6 +23,7 @@ def main(cfg: Config) -> None:
         raise UserError(f"{src}: not found; run the generate stage first (dvc repro generate@{cfg.dataset})")
     tok = load_tokenizer(cfg.model)
     recs = list(read_jsonl(src))
+    log("tokenize", dataset=cfg.dataset, responses=len(recs))  # the work begins: tokenizing them
     samples, tally = build_samples(recs, tok, cfg)
     check_skips(tally.skipped, len(recs), cfg.tokenize.max_skip_pct)
     meta = {

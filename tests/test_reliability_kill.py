@@ -1,6 +1,6 @@
-"""The kill suite (bench/reliability/kill.py) on two trials: a SIGKILL while generate generates and one while
-hidden_states writes its outputs, each restarted, leave nothing lost, duplicated or stale
-(`python -m bench.reliability kill` runs 50+).
+"""The kill suite (bench/reliability/kill.py) on three trials: a SIGKILL while generate generates, one while
+tokenize tokenizes and one while hidden_states writes its outputs, each restarted, leave nothing lost, duplicated or
+stale (`python -m bench.reliability kill` runs 50+ that land while a stage works or writes).
 
 The checks are then shown able to fail: each is given a planted problem in a copy of the real artifacts the trials
 left (a key stored twice, a corrupt store, half-written outputs, a torn shard the index points at, an output that
@@ -30,11 +30,11 @@ def suite(tmp_path_factory, tiny_model):
     args = parser.parse_args(
         [
             "--trials",
-            "2",
+            "3",
             "--seed",
             "1",
             "--scenarios",
-            "generate_work,hidden_states_write",
+            "generate_work,tokenize_work,hidden_states_write",
             "--workdir",
             str(root),
             "--model",
@@ -46,9 +46,55 @@ def suite(tmp_path_factory, tiny_model):
 
 def test_killed_stages_restart_with_nothing_lost_duplicated_or_stale(suite):
     res, _ = suite
-    assert res["figures"] == {"kill_trials": 2, "kill_lost": 0, "kill_duplicated": 0, "kill_stale": 0}, res["rows"]
-    assert [r["failure"] for r in res["rows"]] == [None, None]
-    assert not res["goal_met"]  # the goal asks for 50 trials
+    figures = {k: v for k, v in res["figures"].items() if k != "kill_effective"}
+    assert figures == {"kill_trials": 3, "kill_lost": 0, "kill_duplicated": 0, "kill_stale": 0}, res["rows"]
+    assert [r["failure"] for r in res["rows"]] == [None, None, None]
+    assert not res["goal_met"]  # the goal asks for 50 kills that land while a stage works or writes
+
+
+def test_the_stages_without_a_store_log_the_start_of_their_work(suite):
+    """prompts and tokenize log a line as their work begins, before their closing line: the mark their aimed kills
+    wait for."""
+    _, clean = suite
+    lines = clean.log.read_text().splitlines()
+    for stage, closing in (("prompts", "prompts dataset=D rows="), ("tokenize", "tokenize dataset=D samples=")):
+        starts = [i for i, line in enumerate(lines) if line.startswith(kill.LOG_MARK[stage])]
+        ends = [i for i, line in enumerate(lines) if line.startswith(closing)]
+        assert len(starts) == len(ends) == 1 and starts[0] < ends[0], lines
+
+
+def test_where_a_kill_landed_is_told_by_the_log_and_the_files(tmp_path):
+    """Before the work line: before; after it: working; a temp file of the output: writing; every output: written."""
+    project = kill.Project(tmp_path)
+    project.data.mkdir(parents=True)
+    project.log.write_text("Loading weights: 100%\n")
+    assert kill.phase_at_kill(project, "tokenize") == "before"
+    with project.log.open("a") as log:
+        log.write("tokenize dataset=D responses=59\n")
+    assert kill.phase_at_kill(project, "tokenize") == "working"
+    (project.data / ".samples.parquet.x1y2.tmp").write_bytes(b"PAR1")
+    assert kill.phase_at_kill(project, "tokenize") == "writing"
+    for name in kill.OUTPUTS["tokenize"]:
+        (project.data / name).write_text("{}")
+    assert kill.phase_at_kill(project, "tokenize") == "written"
+
+
+def test_effective_kills_are_counted_per_scenario_and_stage():
+    """Only kills that landed while a stage worked or wrote count toward the goal."""
+    landed = [("prompts", "before"), ("prompts", "writing"), ("prompts", "written"), ("tokenize", "working")]
+    rows = [
+        {"scenario": st, "stage": st, "killed": True, "phase": phase, "failure": None, "tmp_left": 0}
+        | dict.fromkeys(checks.KINDS, 0)
+        for st, phase in landed
+    ]
+    rows.append(dict(rows[-1], killed=False, phase=None, failure="the run ended before each of 5 kill moments"))
+    assert kill.effective(rows) == 2
+    by_stage = {s["stage"]: s for s in kill.summarise_stages(rows)}
+    assert by_stage["prompts"]["phases"] == {"before": 1, "working": 0, "writing": 1, "written": 1}
+    assert (by_stage["prompts"]["effective"], by_stage["tokenize"]["effective"]) == (1, 1)
+    scenarios = [s for s in kill.SCENARIOS if s.name in ("prompts", "tokenize")]
+    summary = kill.summarise(rows, scenarios + scenarios)  # a scenario named twice is one row
+    assert [(s["scenario"], s["trials"], s["effective"]) for s in summary] == [("prompts", 3, 1), ("tokenize", 1, 1)]
 
 
 def kinds(problems) -> dict:

@@ -1,6 +1,6 @@
 """SIGKILL at random moments in every stage, restart it, and check nothing was lost, duplicated or left stale.
 
-    python -m bench.reliability kill [--trials 50] [--seed 0] [--scenarios generate,hidden_states] [--workdir DIR]
+    python -m bench.reliability kill [--trials 76] [--seed 0] [--scenarios generate,hidden_states] [--workdir DIR]
 
 Every trial is one real stage process (`python -m stages.<stage> dataset=D`, as dvc.yaml runs it) in a project
 directory of its own: a demo-like dataset (150 magicoder prompts, a 600-token budget) on the tiny demo target,
@@ -22,19 +22,25 @@ it reruns. The process gets SIGKILL at a seeded random moment, is restarted and 
   On the server the responses are text sampled without a per-request seed, so there the store itself is the
   reference.
 
-Scenarios (one table row each): the four stages with kill moments uniform over the clean run's duration (so they
-land in start-up, in the work and in the writing of outputs alike), generate on the server, two that aim at the
-work (generate's generation, hidden_states' compute pass: uniform from the stage's first commit, a response or a
-sample in its store, to the first sign of its output, so kills fall between and during commits), and two that aim
-at the writing of outputs (generate's responses.jsonl after its last response; hidden_states' second pass that
-links the shards and writes samples.parquet and index.json), the moment uniform over the clean run's time from the
-first sign of the output until every output was in place. A draw past the end of the run is drawn again.
+Scenarios (one table row each): per stage, one aimed at its work and one at the writing of its outputs; generate on
+the server; and the stages with kill moments uniform over the clean run's duration (they land mostly in start-up).
+The work: from the first sign of it (generate, hidden_states: the first commit to the store, a response or a
+sample, so kills fall between and during commits; prompts, tokenize, which have no store: the line each logs as
+its work begins) to the first sign of the main output. The writing: from the first sign of the main output (its
+temp file) until every output was in place (prompts: prompts.jsonl, prompts_metrics.json; generate:
+responses.jsonl after its last response and the metrics; tokenize: samples.parquet, plots/skips.csv,
+tokenize_metrics.json; hidden_states: the second pass that links the shards and writes samples.parquet and
+index.json). An aimed kill waits for the first sign, then falls uniformly within the window the clean run took. A
+draw past the end of the run is drawn again. The default rotation (ROTATION) gives the aimed kills of prompts and
+tokenize, seconds each, three turns to one for the others, and leaves out the uniform kills of generate and
+hidden_states (nearly all land while the model loads); `--scenarios` names any of them, a name twice for two turns.
 
-Figures: kill_trials (trials whose kill landed), kill_lost, kill_duplicated, kill_stale (problems of each kind,
+Figures: kill_trials (trials whose kill landed), kill_effective (those that landed while the stage worked or wrote
+its outputs: the ones that could lose anything), kill_lost, kill_duplicated, kill_stale (problems of each kind,
 summed over trials; bench/reliability/kill_checks.py says what each kind covers). Goal: all three 0 over at least
-50 trials. The table also says where the kills landed (before any work showed, working, writing outputs, or after
-the outputs were complete), restarts that failed, and the temp files the killed writes left behind (never read as
-outputs, never removed either).
+50 effective kills. The tables say where the kills landed (before any work showed, working, writing outputs, or
+after the outputs were complete) per scenario and per stage, restarts that failed, and the temp files the killed
+writes left behind (never read as outputs, never removed either).
 """
 
 from __future__ import annotations
@@ -89,8 +95,13 @@ DONE_MARK = {
     "tokenize": "samples.parquet",
     "hidden_states": "hidden_states/index.json",
 }
-# The store a stage's work goes to (relative to the project): its creation marks the start of that work.
+# The store a stage's work goes to (relative to the project): its first commit marks the start of that work.
 WORK_MARK = {"generate": ".draftdata/store.sqlite", "hidden_states": ".draftdata/states/index.sqlite"}
+# The stages without a store: the line each logs as its work begins (prompts: reading the source; tokenize:
+# tokenizing the responses it read, its tokenizer loaded) marks it.
+LOG_MARK = {"prompts": f"prompts dataset={DATASET} reading=", "tokenize": f"tokenize dataset={DATASET} responses="}
+PHASES = ("before", "working", "writing", "written")
+EFFECTIVE = ("working", "writing")  # the phases in which a kill can lose, duplicate or leave something stale
 
 
 @dataclass(frozen=True)
@@ -110,24 +121,38 @@ class Scenario:
 
 SCENARIOS = [
     Scenario("prompts", "prompts"),
+    Scenario("prompts_work", "prompts", moment="work"),
+    Scenario("prompts_write", "prompts", moment="write"),
     Scenario("generate", "generate"),
     Scenario("generate_openai", "generate", backend="openai"),
     Scenario("generate_work", "generate", moment="work"),
     Scenario("generate_write", "generate", moment="write"),
     Scenario("tokenize", "tokenize"),
+    Scenario("tokenize_work", "tokenize", moment="work"),
+    Scenario("tokenize_write", "tokenize", moment="write"),
     Scenario("hidden_states", "hidden_states"),
     Scenario("hidden_states_work", "hidden_states", moment="work"),
     Scenario("hidden_states_write", "hidden_states", moment="write"),
 ]
 
 
+# The default turn of scenarios (four turns: 76 kills): the cheap aimed kills of prompts and tokenize three times
+ROTATION = (
+    *("prompts_work", "prompts_write", "tokenize_work", "tokenize_write", "generate_work"),
+    *("prompts_work", "prompts_write", "tokenize_work", "tokenize_write", "generate_write", "hidden_states_work"),
+    *("prompts_work", "prompts_write", "tokenize_work", "tokenize_write", "hidden_states_write"),
+    *("generate_openai", "prompts", "tokenize"),
+)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trials", type=int, default=50, help="kills in all, spread over the scenarios in turn")
+    p.add_argument("--trials", type=int, default=76, help="kills in all, spread over the scenarios in turn")
     p.add_argument("--seed", type=int, default=0, help="seeds the kill moments")
     p.add_argument(
         "--scenarios",
-        default=",".join(s.name for s in SCENARIOS),
-        help="comma-separated subset of: " + ", ".join(s.name for s in SCENARIOS),
+        default=",".join(ROTATION),
+        help="comma-separated, taken in turn (a name given twice gets twice the kills): "
+        + ", ".join(s.name for s in SCENARIOS),
     )
     p.add_argument(
         "--workdir",
@@ -156,6 +181,8 @@ class Project:
         self.states = path / ".draftdata" / "states"
         self.log = path / "stage.log"
         self._looked_at = float("-inf")
+        self._log_read = 0  # how much of the log was looked at for the work marks
+        self._marked: set[str] = set()
 
     def create(self, params: dict) -> Project:
         self.data.mkdir(parents=True, exist_ok=True)
@@ -184,15 +211,28 @@ class Project:
 
     def working(self, stage: str) -> bool:
         """Whether the stage's work shows: its store holds a committed response (generate) or indexed sample
-        (hidden_states). The store's mere creation comes seconds earlier, before the model is loaded. Looked up at
-        most every WORK_POLL_S (a SQLite read each time)."""
-        if stage not in WORK_MARK or not (self.path / WORK_MARK[stage]).exists():
+        (hidden_states), or its log the line it writes as its work begins (prompts, tokenize). The store's mere
+        creation comes seconds earlier, before the model is loaded. A store is looked up at most every WORK_POLL_S
+        (a SQLite read each time)."""
+        if stage in LOG_MARK:
+            return self.logged(LOG_MARK[stage])
+        if not (self.path / WORK_MARK[stage]).exists():
             return False
         now = time.monotonic()
         if now - self._looked_at < WORK_POLL_S:
             return False
         self._looked_at = now
         return stored(self, stage) > 0
+
+    def logged(self, mark: str) -> bool:
+        """Whether a line of the log begins with `mark`; the log is read again only when it has grown."""
+        if mark not in self._marked:
+            size = self.log.stat().st_size if self.log.exists() else 0
+            if size != self._log_read:
+                self._log_read = size
+                text = self.log.read_text(errors="replace")
+                self._marked.update(m for m in LOG_MARK.values() if text.startswith(m) or f"\n{m}" in text)
+        return mark in self._marked
 
     def written(self, stage: str) -> bool:
         """Whether every output of the stage is in place."""
@@ -424,13 +464,13 @@ def kill_once(project: Project, scenario: Scenario, timing: Timing, rng: random.
 
 
 def phase_at_kill(project: Project, stage: str) -> str:
-    """Where the kill landed: before any work showed, working (a store held some), writing outputs, or after the
-    output was complete (on the way out)."""
+    """Where the kill landed: before any work showed, working (a store held some, or the log said the work had
+    begun), writing outputs, or after the output was complete (on the way out)."""
     if project.written(stage):
         return "written"
     if project.writing(stage):
         return "writing"
-    if stored(project, stage):
+    if stored(project, stage) or (stage in LOG_MARK and project.logged(LOG_MARK[stage])):
         return "working"
     return "before"
 
@@ -623,38 +663,65 @@ def run(args) -> dict:
             for k, t in bench.timing.items()
         }
     summary = summarise(rows, chosen)
+    by_stage = summarise_stages(rows)
     print_table(summary)
-    figures = {"kill_trials": sum(r["killed"] for r in rows)}
+    print_stages(by_stage)
+    figures = {"kill_trials": sum(r["killed"] for r in rows), "kill_effective": effective(rows)}
     figures.update({f"kill_{k}": sum(r[k] for r in rows) for k in checks.KINDS})
-    goal = figures["kill_trials"] >= 50 and not any(figures[f"kill_{k}"] for k in checks.KINDS)
+    goal = figures["kill_effective"] >= 50 and not any(figures[f"kill_{k}"] for k in checks.KINDS)
     return {
         "figures": figures,
         "rows": rows,
         "goal_met": goal,
         "summary": summary,
+        "by_stage": by_stage,
         "clean_runs": timing,
         "seed": args.seed,
         "dataset": dataset_params(),
     }
 
 
+def effective(rows: list[dict]) -> int:
+    """Kills that landed while the stage worked or wrote its outputs: the only ones that could lose anything."""
+    return sum(r["killed"] and r["phase"] in EFFECTIVE for r in rows)
+
+
+def phase_counts(rows: list[dict]) -> dict[str, int]:
+    phases = Counter(r["phase"] for r in rows if r["killed"])
+    return {p: phases[p] for p in PHASES}
+
+
 def summarise(rows: list[dict], scenarios: list[Scenario]) -> list[dict]:
     out = []
-    for s in scenarios:
+    for s in dict.fromkeys(scenarios):  # a scenario named twice in --scenarios runs twice as often
         mine = [r for r in rows if r["scenario"] == s.name]
-        phases = Counter(r["phase"] for r in mine if r["killed"])
         out.append(
             {
                 "scenario": s.name,
                 "label": s.label,
                 "trials": sum(r["killed"] for r in mine),
+                "effective": effective(mine),
                 **{k: sum(r[k] for r in mine) for k in checks.KINDS},
                 "failures": sum(r["failure"] is not None for r in mine),
                 "tmp_left": sum(r["tmp_left"] for r in mine),
-                "phases": {p: phases[p] for p in ("before", "working", "writing", "written")},
+                "phases": phase_counts(mine),
             }
         )
     return out
+
+
+def summarise_stages(rows: list[dict]) -> list[dict]:
+    """Per stage (every scenario of it together): where its kills landed, and how many could lose anything."""
+    stages = [st for st in INPUTS if any(r["stage"] == st for r in rows)]
+    return [
+        {
+            "stage": st,
+            "trials": sum(r["killed"] for r in rows if r["stage"] == st),
+            "effective": effective([r for r in rows if r["stage"] == st]),
+            "phases": phase_counts([r for r in rows if r["stage"] == st]),
+        }
+        for st in stages
+    ]
 
 
 def print_row(r: dict) -> None:
@@ -671,6 +738,7 @@ def print_table(summary: list[dict]) -> None:
     head = [
         "stage/backend",
         "trials",
+        "effective",
         "lost",
         "duplicated",
         "stale",
@@ -682,6 +750,7 @@ def print_table(summary: list[dict]) -> None:
         [
             s["label"],
             s["trials"],
+            s["effective"],
             s["lost"],
             s["duplicated"],
             s["stale"],
@@ -693,10 +762,22 @@ def print_table(summary: list[dict]) -> None:
     ]
     total = [
         "all",
-        *(sum(s[k] for s in summary) for k in ("trials", *checks.KINDS, "failures")),
+        *(sum(s[k] for s in summary) for k in ("trials", "effective", *checks.KINDS, "failures")),
         "/".join(str(sum(s["phases"][p] for s in summary)) for p in summary[0]["phases"]),
         sum(s["tmp_left"] for s in summary),
     ]
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *lines, total)]
-    for line in (head, *lines, total):
+    print_lines([head, *lines, total])
+
+
+def print_stages(by_stage: list[dict]) -> None:
+    head = ["stage", "trials", *(f"killed {p}" for p in PHASES), "effective"]
+    lines = [[s["stage"], s["trials"], *s["phases"].values(), s["effective"]] for s in by_stage]
+    total = ["all", *(sum(line[i] for line in lines) for i in range(1, len(head)))]
+    print()
+    print_lines([head, *lines, total])
+
+
+def print_lines(lines: list[list]) -> None:
+    widths = [max(len(str(x)) for x in col) for col in zip(*lines)]
+    for line in lines:
         print("  ".join(str(x).ljust(w) if i == 0 else str(x).rjust(w) for i, (x, w) in enumerate(zip(line, widths))))
