@@ -79,6 +79,17 @@ def test_where_a_kill_landed_is_told_by_the_log_and_the_files(tmp_path):
     assert kill.phase_at_kill(project, "tokenize") == "written"
 
 
+def test_the_writing_window_is_the_latest_measured():
+    """A write of milliseconds takes as long as the machine's load lets it: an aimed kill uses the window of the
+    latest restart that wrote every output anew, the clean run's until there is one."""
+    bench = object.__new__(kill.Bench)  # only its timings
+    bench.timing, bench.write_s = {"hidden_states": kill.Timing(seconds=10.0, work_s=1.0, write_s=1.3)}, {}
+    aimed = next(s for s in kill.SCENARIOS if s.name == "hidden_states_write")
+    assert bench.timing_of(aimed).write_s == 1.3
+    bench.write_s["hidden_states"] = 0.2
+    assert bench.timing_of(aimed) == kill.Timing(seconds=10.0, work_s=1.0, write_s=0.2)
+
+
 def test_effective_kills_are_counted_per_scenario_and_stage():
     """Only kills that landed while a stage worked or wrote count toward the goal."""
     landed = [("prompts", "before"), ("prompts", "writing"), ("prompts", "written"), ("tokenize", "working")]

@@ -30,10 +30,12 @@ its work begins) to the first sign of the main output. The writing: from the fir
 temp file) until every output was in place (prompts: prompts.jsonl, prompts_metrics.json; generate:
 responses.jsonl after its last response and the metrics; tokenize: samples.parquet, plots/skips.csv,
 tokenize_metrics.json; hidden_states: the second pass that links the shards and writes samples.parquet and
-index.json). An aimed kill waits for the first sign, then falls uniformly within the window the clean run took. A
-draw past the end of the run is drawn again. The default rotation (ROTATION) gives the aimed kills of prompts and
-tokenize, seconds each, three turns to one for the others, and leaves out the uniform kills of generate and
-hidden_states (nearly all land while the model loads); `--scenarios` names any of them, a name twice for two turns.
+index.json). An aimed kill waits for the first sign, then falls uniformly within the window the clean run took (the
+writing window as the latest restart that wrote every output anew took it: the machine's load changes how long a
+write of milliseconds takes). A draw past the end of the run is drawn again. The default rotation (ROTATION)
+gives the aimed kills of prompts and tokenize, seconds each, three turns to one for the others, and leaves out the
+uniform kills of generate and hidden_states (nearly all land while the model loads); `--scenarios` names any of
+them, a name twice for two turns.
 
 Figures: kill_trials (trials whose kill landed), kill_effective (those that landed while the stage worked or wrote
 its outputs: the ones that could lose anything), kill_lost, kill_duplicated, kill_stale (problems of each kind,
@@ -56,7 +58,7 @@ import tempfile
 import time
 from collections import Counter
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -294,11 +296,23 @@ class Timing:
 
 
 def clean_run(project: Project, stage: str) -> Timing:
-    t0 = time.monotonic()
     proc = project.spawn(stage)
+    timing = watch(project, stage, proc, RESTART_TIMEOUT_S)
+    if proc.returncode != 0:
+        raise RuntimeError(f"clean run of {stage} failed ({proc.returncode}): {project.tail()}")
+    return timing
+
+
+def watch(project: Project, stage: str, proc: subprocess.Popen, timeout: float) -> Timing:
+    """Follow a run to its end (killed past `timeout`) and time its phases."""
+    t0 = time.monotonic()
     work_at = write_at = done_at = None
     while proc.poll() is None:
         now = time.monotonic() - t0
+        if now > timeout:
+            proc.kill()
+            proc.wait()
+            break
         if work_at is None and project.working(stage):
             work_at = now
         if write_at is None and project.writing(stage):
@@ -307,8 +321,6 @@ def clean_run(project: Project, stage: str) -> Timing:
             done_at = now
         time.sleep(POLL_S)
     seconds = time.monotonic() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"clean run of {stage} failed ({proc.returncode}): {project.tail()}")
     write_at = seconds if write_at is None else write_at  # written between two looks just before the exit
     work_at = write_at if work_at is None else work_at
     return Timing(seconds, max(POLL_S, write_at - work_at), max(POLL_S, (done_at or seconds) - write_at))
@@ -349,6 +361,7 @@ class Bench:
         self.proxy = None
         self.openai: dict | None = None  # the backend params of the server scenario
         self.key_of_seed: dict[int, str] = {}
+        self.write_s: dict[str, float] = {}  # the latest writing window, from a restart that wrote every output anew
         if any(s.backend == "openai" for s in scenarios):
             self._start_server(stack)
 
@@ -384,7 +397,14 @@ class Bench:
         return project
 
     def timing_of(self, scenario: Scenario) -> Timing:
-        return self.timing["generate_openai" if scenario.backend == "openai" else scenario.stage]
+        """The clean run's timing, its writing window the latest one measured: the machine's load, and with it
+        how long a write takes, changes during a suite (the windows are milliseconds to a second)."""
+        key = timing_key(scenario)
+        return replace(self.timing[key], write_s=self.write_s.get(key, self.timing[key].write_s))
+
+
+def timing_key(scenario: Scenario) -> str:
+    return "generate_openai" if scenario.backend == "openai" else scenario.stage
 
 
 def read_clean(base: Project) -> Clean:
@@ -630,12 +650,12 @@ def restart_and_check(bench: Bench, project: Project, scenario: Scenario, row: d
     if bench.proxy:
         bench.proxy.clear()
     row["delivered_before_kill"] = sum(e.complete and e.seed is not None for e in killed)
+    fresh = not project.writing(scenario.stage)  # nothing of the output left by the kill: its writing can be timed
     proc = project.spawn(scenario.stage)
-    try:
-        rc = proc.wait(timeout=RESTART_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        rc = proc.wait()
+    timing = watch(project, scenario.stage, proc, RESTART_TIMEOUT_S)
+    rc = proc.returncode
+    if rc == 0 and fresh:
+        bench.write_s[timing_key(scenario)] = timing.write_s
     if rc != 0:
         row["failure"] = f"restart exited {rc}: {project.tail()[-300:]}"
     restart = bench.proxy.exchanges() if bench.proxy else []
