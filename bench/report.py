@@ -345,7 +345,8 @@ def reliability(r: dict) -> list[str]:
         f"**kill**: {num(kill['figures']['kill_trials'])} kills over {len(kill['summary'])} scenarios "
         f"(seed {kill['seed']}, {kill['wall_s']:g} s), {num(kill['figures']['kill_effective'])} of them effective "
         "(they landed while the stage worked or wrote its outputs); where each landed (before any work showed, "
-        "working, writing outputs, outputs written), then the problems the checks found after the restart.",
+        "working, writing outputs, outputs written), then the problems the checks found after the restart (a failed "
+        "trial: its restart failed, or the run ended before each of 5 kill moments drawn for it).",
         "",
         *table(
             [
@@ -357,7 +358,7 @@ def reliability(r: dict) -> list[str]:
                 "duplicated",
                 "stale",
                 "temp files left",
-                "failed restarts",
+                "failed trials",
             ],
             body,
         ),
