@@ -24,8 +24,14 @@ def test_scenario_accounting(model, noise_pct):
     assert cc["parked_tokens"] == 0 and cc["lost_pct"] == pytest.approx(cc["waste_pct"])
     # complete responses only: the run stops once the committed tokens reach the budget, never before
     assert cc["overshoot_pct"] >= 0 and ours["overshoot_pct"] >= 0
-    # ours parks its partials; only the abort's latency is lost
-    assert ours["lost_pct"] < 0.5
+    # ours parks its partials; only the abort's latency is lost on the spot, and continuing them later costs the
+    # re-prefill of each one's prompt and partial
+    assert ours["aborted_pct"] < 0.5
+    charge = (ours["parked_requests"] * bench.PROMPT_TOKENS + ours["parked_tokens"]) / bench.PREFILL_SPEEDUP
+    assert ours["reprefill_tokens"] == pytest.approx(charge)
+    assert ours["lost_pct"] == pytest.approx(
+        100 * (ours["lost_tokens"] + ours["reprefill_tokens"]) / ours["generated_tokens"]
+    )
     # keep_partial keeps what streamed up to the first check past the budget
     assert 0 <= kp["overshoot_pct"] < 0.5 and kp["lost_pct"] < 0.5 and kp["parked_tokens"] == 0
 
@@ -42,6 +48,37 @@ def test_server_models_share_the_full_batch_rate():
     assert aggregate["per_request_rate"] < aggregate["saturating"] < aggregate["compute_bound"] == pytest.approx(full)
 
 
+def test_knees_and_saturation_shape_the_aggregate():
+    full = bench.RATE * bench.CONCURRENCY
+
+    def aggregate(model, n):
+        return bench.per_request_rate(model, n, bench.CONCURRENCY) * n
+
+    for knee in (8, 32, 64, 150):
+        model = f"compute_bound_k{knee}"
+        assert aggregate(model, bench.CONCURRENCY) == pytest.approx(full)
+        assert aggregate(model, knee) == pytest.approx(full)  # flat down to the knee
+        assert aggregate(model, knee - 1) < full  # and falling below it
+    assert aggregate("compute_bound_k150", 40) == pytest.approx(aggregate("per_request_rate", 40))
+    # the smaller h, the flatter: a step's fixed cost dominates small batches less
+    assert aggregate("saturating_h128", 40) < aggregate("saturating", 40) < aggregate("saturating_h8", 40) < full
+
+
+def test_length_families_differ_where_they_claim():
+    def draws(family):
+        gen = bench.lengths(0, family)
+        return sorted(next(gen) for _ in range(4000))
+
+    lognormal, heavy, bimodal, narrow = (draws(f) for f in bench.FAMILIES)
+    assert all(0 < x <= bench.MAX_TOKENS for d in (lognormal, heavy, bimodal, narrow) for x in d)
+    assert 0.05 < heavy.count(bench.MAX_TOKENS) / len(heavy) < 0.15  # one in ten reaches max_tokens
+    assert lognormal.count(bench.MAX_TOKENS) / len(lognormal) < 0.02
+    # bimodal: seven in ten are short chat answers, the rest long reasoning, and next to nothing in between
+    assert 0.65 < sum(x < 2000 for x in bimodal) / len(bimodal) < 0.75
+    assert sum(2000 <= x < 4000 for x in bimodal) / len(bimodal) < 0.02
+    assert narrow[len(narrow) // 20] > 2400 and narrow[-len(narrow) // 20] < 3600  # 90 % within ±20 %
+
+
 def test_noise_changes_readings_not_lengths():
     a = bench.run_scenario("per_request_rate", BUDGET, 0.0, 1, "check_cancel")
     b = bench.run_scenario("per_request_rate", BUDGET, 2.0, 1, "check_cancel")
@@ -51,14 +88,21 @@ def test_noise_changes_readings_not_lengths():
 def test_cli_writes_a_row_per_scenario(tmp_path, capsys):
     out = tmp_path / "budget.json"
     bench.main(
-        ["--seeds", "1", "--budgets", "200000", "--noise", "0,2", "--models", "compute_bound", "--out", str(out)]
+        [
+            *("--seeds", "1", "--budgets", "200000", "--noise", "0,2", "--models", "compute_bound,per_request_rate"),
+            *("--families", "lognormal,bimodal", "--workers", "2", "--out", str(out)),
+        ]
     )
     results = json.loads(out.read_text())
-    assert [(r["model"], r["budget"], r["noise_pct"]) for r in results["scenarios"]] == [
-        ("compute_bound", 200_000, 0.0),
-        ("compute_bound", 200_000, 2.0),
+    rows = results["scenarios"]
+    assert [(r["model"], r["family"], r["budget"], r["noise_pct"]) for r in results["scenarios"]] == [
+        (model, family, 200_000, noise)
+        for model in ("compute_bound", "per_request_rate")
+        for family in ("lognormal", "bimodal")
+        for noise in (0.0, 2.0)
     ]
-    assert "ours_waste_le_half_check_cancel" in results["scenarios"][1]["goals"]
+    # the halved waste is a goal on every compute-bound row (noise or not), never on the fixed-rate server
+    assert all(("ours_waste_le_half_check_cancel" in r["goals"]) == (r["model"] == "compute_bound") for r in rows)
     assert "models" not in results  # the noise-free 10M side-by-side is not in this grid
     assert isinstance(results["all_goals_met"], bool)
     assert "compute_bound" in capsys.readouterr().out
