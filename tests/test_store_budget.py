@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import sqlite3
 from pathlib import Path
@@ -127,6 +128,44 @@ def test_controller_refills_to_the_floor_except_near_the_end():
     assert c.admit_count(progress) == 0  # it could not finish: it would only be cancelled
 
 
+def draining(seed: int, committed: int) -> tuple[BudgetController, random.Random]:
+    """A controller past the point where the batch in flight is expected to bring the rest of the budget."""
+    rng = random.Random(seed)
+    c = BudgetController(budget=1_000_000, max_tokens=10_240, concurrency=150, observes_rate=True)
+    for n in range(200, 8200, 200):
+        c.finished(n, counted=False)
+    c.committed = committed
+    full_batch(c, rng)
+    return c, rng
+
+
+def test_a_knee_fitted_near_the_full_batch_is_probed_before_the_batch_is_held_there():
+    """The field's failure: a compute-bound server whose drain read a loss near the full batch (a slight slope, a
+    transient) was fitted a knee there, and the batch held at it had its refills cut at the budget. A dip below the
+    fitted knee shows whether the loss grows as a knee would have it; if not, the knee moves down."""
+    c, rng = draining(4, 700_000)
+    for n in range(149, 109, -1):  # readings that fit a knee of about 120
+        c.observe_rate(7500 * min(1.0, n / 120) * (1 + rng.gauss(0, 0.005)), n)
+    knee = c.throughput.floor()
+    assert 110 < knee < 140
+    assert c.admit_count([1000] * 110) == 0  # not refilled: first a few readings at 70 % of the knee
+    dip = int(0.7 * knee)
+    assert c.admit_count([1000] * dip) == 0
+    for _ in range(3):  # the dip shows the throughput no lower than at 110: no knee at 120
+        c.observe_rate(7500 * 0.92 * (1 + rng.gauss(0, 0.005)), dip)
+    assert c.throughput.floor() < knee - 20
+
+
+def test_a_knee_confirmed_below_is_refilled_to():
+    c, rng = draining(5, 700_000)
+    for n in range(100, 4100, 20):  # mostly short answers: a refill now is likely to complete
+        c.finished(n, counted=False)
+    for n in range(149, 30, -3):  # a true knee of 64 (flat above, falling below)
+        c.observe_rate(7500 * min(1.0, n / 64) * (1 + rng.gauss(0, 0.02)), n)
+    assert 64 <= c.throughput.floor() <= 80
+    assert c.admit_count([3000] * 32) == math.ceil(c.throughput.floor()) - 32  # the dip confirmed it: refill
+
+
 def test_controller_stops_when_met_and_counts_only_kept_tokens():
     c = BudgetController(budget=100, max_tokens=50, concurrency=3)
     c.finished(60, counted=False)  # not kept (e.g. dropped truncation): statistics only
@@ -233,3 +272,36 @@ def test_stores_open_side_by_side_from_several_processes(tmp_path):
         ]
         errors = [p.communicate(timeout=120)[1] for p in procs]
         assert [p.returncode for p in procs] == [0] * 6, errors
+
+
+def test_the_batch_shrinks_with_what_is_left_where_the_server_keeps_its_throughput():
+    """Completions come short ones first, so the lengths seen understate the tail: the requests still running count
+    as long. A batch larger than (budget - committed) / that length would have its long requests cancelled at the
+    budget; where the server loses nothing with fewer requests it is not refilled past it."""
+    c = BudgetController(budget=1_000_000, max_tokens=10_240, concurrency=150, observes_rate=True)
+    for n in range(100, 2100, 100):  # 20 short answers seen so far; 149 still running
+        c.finished(n, counted=True)
+    full_batch(c, random.Random(6))  # the server read, no loss seen
+    progress = [500] * 149
+    assert c.lengths.quantile(0.9, running=149) == 10_240
+    assert c.admit_count(progress) == 0  # 1M left / 10,240 is a batch of 97: no refill
+    for n in range(149, 140, -1):  # a fixed-rate server: the dip shows the loss within seconds
+        c.observe_rate(50.0 * n, n)
+    assert c.throughput.floor() == 150
+    assert c.admit_count(progress) == 1  # refilled to the full batch
+
+
+def test_a_refill_below_a_knee_weighs_tokens_not_requests():
+    """Seven in ten answers short, three in ten long reasoning: by count a refill usually completes, but most of
+    the tokens it decodes before the budget belong to the long ones, which are cancelled."""
+    c, rng = draining(7, 900_000)
+    for i in range(300):
+        c.finished(400 if i % 10 < 7 else 8000, counted=False)
+    for n in range(149, 30, -3):  # a knee of 64
+        c.observe_rate(7500 * min(1.0, n / 64) * (1 + rng.gauss(0, 0.02)), n)
+    floor = c.throughput.floor()
+    assert 64 <= floor < 150
+    reach = 100_000 / floor  # what a refill decodes before the budget
+    assert c.lengths.share_within(reach) > 0.6  # by count it would pass
+    assert c.lengths.useful_share(reach, running=32) < 0.5
+    assert c.admit_count([9000] * 32) == 0

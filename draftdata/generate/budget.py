@@ -16,11 +16,16 @@ hold, and whether the budget is reached (then the caller stops what is in flight
   smallest batch that still keeps the full throughput. Readings are noisy (1-2 % per second on real servers), so
   the full-batch rate is a median, the noise is measured, and a loss counts only when the readings of the whole
   drain fit "throughput falls below a knee" far better than "flat" (a single low reading moves nothing).
+  The drain does not wait for the expected fit to close: toward the end the batch is kept at what is left of the
+  budget over a long response (`_finishing_room`), so what runs at the budget is little; shrinking the batch is
+  itself the probe that tells the two servers apart, within seconds, wherever it starts in the run. A knee below
+  the full batch is confirmed by a dip under it before the batch is held there (`ThroughputModel.probe_target`).
   Without rate readings (a backend that does not stream) it allows `admit_slack` batches of slack instead.
 - `on_budget=keep_partial`: keep the server full until committed + tokens in flight reach the budget, then stop
   everything and keep each partial response, cut at the budget: nothing generated is thrown away.
 
-bench/budget.py measures all of this on three server models, with and without noise, at 1M and 10M tokens.
+bench/budget.py measures all of this on servers with knees from 8 requests to the full batch and saturating ones,
+on four length families (the constants were tuned on one, lognormal), with and without noise, at 1M and 10M tokens.
 """
 
 from __future__ import annotations
@@ -46,9 +51,21 @@ DETECT_SIGMAS_NEAR_FULL = 2.5
 CI_SIGMAS = 3.0
 CLIP_SIGMAS = 3.0
 FULL_SNAP = 0.95
+# Probes (ThroughputModel.probe_target): a knee is checked by letting the batch dip to PROBE_DEPTH of it for
+# PROBE_READINGS readings (one would be clipped as an outlier). Below a true knee the probe costs at most
+# 1 - PROBE_DEPTH of the throughput for those few seconds, once; above a false one (a slight slope, a noisy drain)
+# it costs nothing and moves the knee down.
+PROBE_DEPTH = 0.7
+PROBE_READINGS = 3
 # A refill request is admitted near the end only if at least this share of responses is short enough to complete
 # before the budget is reached (BudgetController._can_finish).
 MIN_FINISH_CHANCE = 0.05
+# ... and below a knee short of the full batch, when at least this share of the tokens it is expected to decode
+# before the budget would be in a complete response (a cancelled token weighs as much as a kept one)
+KNEE_USEFUL_SHARE = 0.5
+# Where the server keeps its throughput with fewer requests, the batch shrinks toward the budget's end so that this
+# share of the requests admitted can complete before it (BudgetController._finishing_room).
+FINISH_QUANTILE = 0.9
 
 
 @dataclass
@@ -89,12 +106,34 @@ class LengthModel:
             return (progress + self.max_tokens) / 2
         return self._suffix[i] / (len(self._snapshot) - i)
 
+    def quantile(self, q: float, running: int = 0) -> float:
+        """The q-quantile of the lengths, counting the `running` requests not yet complete as max_tokens long: the
+        responses that complete first are the short ones, so the lengths seen alone understate the long tail
+        (a heavy-tailed family read 1.5k for a 0.9-quantile of 10k a third into its run)."""
+        if self.n < MIN_OBSERVED:
+            return float(self.max_tokens)
+        self._fresh()
+        i = int(q * (len(self._snapshot) + running))
+        return float(self._snapshot[i]) if i < len(self._snapshot) else float(self.max_tokens)
+
     def share_within(self, length: float) -> float:
         """The share of responses no longer than `length` (0.5 before enough have been seen: no opinion)."""
         if self.n < MIN_OBSERVED:
             return 0.5
         self._fresh()
         return bisect.bisect_right(self._snapshot, length) / len(self._snapshot)
+
+    def useful_share(self, reach: float, running: int = 0) -> float:
+        """Of the tokens a new request decodes in its first `reach`, the expected share in a complete response:
+        the ones that end within `reach` bring their length, the longer ones (the `running` counted among them, see
+        `quantile`) decode `reach` tokens and are cancelled. 0.5 before enough have been seen: no opinion."""
+        if self.n < MIN_OBSERVED:
+            return 0.5
+        self._fresh()
+        i = bisect.bisect_right(self._snapshot, reach)
+        useful = (self._suffix[0] if self._snapshot else 0) - (self._suffix[i] if i < len(self._suffix) else 0)
+        cut = reach * (len(self._snapshot) - i + running)
+        return useful / (useful + cut) if useful + cut else 0.5
 
     def _fresh(self) -> None:
         if not self._snapshot or self.n - len(self._snapshot) > len(self._snapshot) // 50:
@@ -119,7 +158,12 @@ class ThroughputModel:
     shows (a drain that keeps the throughput is free); once a loss is established (the best K explains the readings
     better than "flat" by DETECT_SIGMAS² noise variances), down to the largest K the readings still allow (within
     CI_SIGMAS), so an uncertain fit errs toward keeping the server fuller. A server whose requests decode at a fixed
-    rate shows its loss within seconds of the drain: the deficit grows with every idle slot."""
+    rate shows its loss within seconds of the drain: the deficit grows with every idle slot.
+
+    A knee below the full batch is probed before the batch is held at it (`probe_target`): a real server is no
+    roofline (a few percent lost early in the drain, flat below), and a knee fitted to that loss would hold the
+    batch, its refills cut at the budget, where draining further costs nothing more. If the readings of the dip
+    show no further loss, the level they show becomes the reference and only readings below the dip are fitted."""
 
     concurrency: int
     _full: deque = field(default_factory=lambda: deque(maxlen=FULL_WINDOW))
@@ -127,13 +171,35 @@ class ThroughputModel:
     _drain_rate: list[float] = field(default_factory=list)
     _floor: float = 0.0
     _dirty: bool = True
+    _probe: list[tuple[float, float]] = field(default_factory=list)  # (in flight, rate) read below a probe's target
+    _confirmed: bool = False  # a probe saw the loss grow below the knee: no more probes
+    _plateau_n: float = math.inf  # after a refuted knee: the fit reads only batches up to the dip's
+    _plateau: float = 1.0  # and measures them against the dip's level (a share of the full batch's)
 
     def observe(self, tokens_per_s: float, in_flight: float) -> None:
+        target = self.probe_target()
         if in_flight >= self.concurrency - 0.5:
             self._full.append(tokens_per_s)
         elif in_flight > 0:
             self._drain_n.append(in_flight)
             self._drain_rate.append(tokens_per_s)
+            if target and in_flight <= target:
+                self._probe.append((in_flight, tokens_per_s))
+        self._dirty = True
+        if len(self._probe) >= PROBE_READINGS:
+            self._judge_probe()
+
+    def _judge_probe(self) -> None:
+        """A knee K predicts n / K of the reference at a batch of n: if the dip reads closer to no further loss than
+        to that, the knee is refuted; else confirmed."""
+        n = statistics.median(p[0] for p in self._probe)
+        level = statistics.median(p[1] for p in self._probe) / (self.full_rate * self._plateau)
+        if level > (1 + n / self.floor()) / 2:
+            self._plateau_n = max(p[0] for p in self._probe)
+            self._plateau *= level
+        else:
+            self._confirmed = True
+        self._probe.clear()
         self._dirty = True
 
     @property
@@ -165,6 +231,17 @@ class ThroughputModel:
             self._floor = self._fit()
         return self._floor
 
+    def probe_target(self) -> float:
+        """The batch to let the drain dip to before refilling up to the floor, 0 when none is due. A knee below the
+        full batch is fitted from readings that may not reach below it (a drain that shows a slight loss, a noisy
+        reading), and holding the batch there cancels its refills at the budget: until a reading below the knee
+        confirms it, the batch dips to PROBE_DEPTH of it. A knee at the full batch (requests decode at a fixed rate,
+        an idle slot costs) is never probed."""
+        floor = self.floor()
+        if self._confirmed or not 0 < floor < self.concurrency:
+            return 0.0
+        return PROBE_DEPTH * floor
+
     def _fit(self) -> float:
         import numpy as np
 
@@ -175,7 +252,11 @@ class ThroughputModel:
         mad = float(np.median(np.abs(np.asarray(self._full) - full)))
         var = max(1.4826 * mad / full, MIN_NOISE) ** 2
         n = np.asarray(self._drain_n)
-        q = np.asarray(self._drain_rate) / full
+        q = np.asarray(self._drain_rate) / (full * self._plateau)
+        below = n <= self._plateau_n
+        n, q = n[below], q[below]
+        if not len(n):
+            return 0.0
         knees = np.arange(1, c + 1, dtype=float)
         # squared residuals capped at CLIP_SIGMAS noise deviations: one wild reading (a stall, a hiccup) weighs no
         # more than a few ordinary ones, so only a loss that persists across readings is taken for one
@@ -238,24 +319,51 @@ class BudgetController:
         expected = self.committed + sum(prompts) + sum(self.lengths.expected_final(p) for p in progress)
         fit = int((self.budget - expected) // mean) if expected < self.budget else 0  # each new one adds `mean`
         if fit > 0:
-            return min(room, fit)
+            return min(room, fit, self._finishing_room(len(progress)))
         if not self.observes_rate or not self.throughput.known:
             return min(room, max(0, int((self.budget + self.admit_slack * self.concurrency * mean - expected) // mean)))
         floor = math.ceil(self.throughput.floor())  # how far the batch may drain (see ThroughputModel)
+        if self.throughput.probe_target():  # a probe below the knee is under way: no refill until it is read
+            return 0
         want = max(0, min(room, floor - len(progress)))
-        return want if want and self._can_finish(floor) else 0
+        return want if want and self._can_finish(floor, len(progress)) else 0
 
-    def _can_finish(self, batch: int) -> bool:
-        """Whether a request admitted now to refill the batch has a fair chance to complete before the budget is
-        reached. Near the end it has none: the batch commits about `full` tokens per second, so the budget is
-        (budget - committed) / full seconds away, in which a new request decodes full / batch tokens per second.
-        A refill that cannot finish would only be cancelled, its tokens wasted, at no gain in time."""
+    def _finishing_room(self, batch: int) -> int:
+        """How many requests may join a batch of `batch` so that nearly every one (FINISH_QUANTILE of the lengths)
+        completes before the budget is reached. A request in a batch of n decodes about (budget - committed) / n
+        tokens before then (the batch commits about its whole throughput), so the batch is kept at most
+        (budget - committed) / that length: a batch shrinking with what is left, never below the floor the server
+        needs (ThroughputModel). Shrinking it is the probe that tells whether the server keeps its throughput: a
+        server that loses it shows within seconds, its floor becomes the full batch and nothing is held back
+        again; one that keeps it gets the budget's end with few requests in flight, so few are cancelled. Unknown
+        until the server has been read (a backend that does not stream, the first seconds): no limit."""
+        if not self.observes_rate or not self.throughput.known:
+            return self.concurrency
+        length = self.lengths.quantile(FINISH_QUANTILE, batch)
+        target = max(math.ceil(self.throughput.floor()), int(self._left_to_decode() // length))
+        return max(0, target - batch)
+
+    def _left_to_decode(self) -> float:
+        """Completion tokens still to commit before the budget is reached."""
         left = self.budget - self.committed
         if self.prompt_mean:  # budget_unit total: only the completions' share of what is left is decoded
             completion = self.lengths.mean()
             left *= completion / (completion + self.prompt_mean)
-        reach = left / max(batch, 1)  # tokens a new request decodes before the budget
-        return self.lengths.share_within(reach) >= MIN_FINISH_CHANCE
+        return left
+
+    def _can_finish(self, batch: int, running: int) -> bool:
+        """Whether a request admitted now to refill the batch has a fair chance to complete before the budget is
+        reached. Near the end it has none: the batch commits about `full` tokens per second, so the budget is
+        (budget - committed) / full seconds away, in which a new request decodes full / batch tokens per second.
+        A refill that cannot finish would only be cancelled, its tokens wasted, at no gain in time. Below a knee
+        short of the full batch, more of the tokens it decodes must be kept than cancelled: its cancelled tokens
+        are waste, while draining there costs only the slots below the knee, for the end's seconds (weighed by
+        tokens, not by requests: a mix of short answers and long reasoning passes a count, and its long ones are
+        the ones cancelled)."""
+        reach = self._left_to_decode() / max(batch, 1)  # tokens a new request decodes before the budget
+        if batch >= self.concurrency:
+            return self.lengths.share_within(reach) >= MIN_FINISH_CHANCE
+        return self.lengths.useful_share(reach, running) >= KNEE_USEFUL_SHARE
 
     def finished(self, tokens: int, counted: bool, length: int | None = None) -> None:
         """A response completed. `tokens` (in the budget's unit) count when the policies keep it; `length` is its
