@@ -107,8 +107,9 @@ MODELS = (
     "saturating_h128",
 )
 # Length families: `lognormal` (mean 3.5k, sigma 0.8) is the one the controller's constants were tuned on; the others
-# test it out of sample: heavy_tail (lognormal mean 2k, sigma 1.6: one in ten responses reaches max_tokens), bimodal
-# (70 % short chat answers, mean 500, and 30 % long reasoning, mean 7k) and narrow (mean 3k, sigma 0.1).
+# test it out of sample: heavy_tail (lognormal mean 2k, sigma 1.6: most answers short, one in thirty reaches
+# max_tokens), bimodal (70 % short chat answers, mean 500, and 30 % long reasoning, mean 7k) and narrow (mean 3k,
+# sigma 0.1).
 FAMILIES = ("lognormal", "heavy_tail", "bimodal", "narrow")
 BUDGETS = (1_000_000, 10_000_000)
 NOISE_PCT = (0.0, 2.0)

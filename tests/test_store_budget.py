@@ -305,3 +305,14 @@ def test_a_refill_below_a_knee_weighs_tokens_not_requests():
     assert c.lengths.share_within(reach) > 0.6  # by count it would pass
     assert c.lengths.useful_share(reach, running=32) < 0.5
     assert c.admit_count([9000] * 32) == 0
+
+
+def test_a_drained_batch_short_of_the_budget_gets_one_more_request():
+    """A batch drained to nothing with less than a mean response left: the expected fit rounds to none, and no
+    loss was seen so no refill either; without one more request the run would end short of the budget."""
+    c = BudgetController(budget=1_000_000, max_tokens=10_240, concurrency=150, observes_rate=True)
+    for _ in range(100):
+        c.finished(3000, counted=False)
+    c.committed = 998_500
+    full_batch(c, random.Random(8))
+    assert c.admit_count([]) == 1

@@ -318,6 +318,8 @@ class BudgetController:
         mean = self.lengths.mean() + self.prompt_mean  # what a new request adds to the budget
         expected = self.committed + sum(prompts) + sum(self.lengths.expected_final(p) for p in progress)
         fit = int((self.budget - expected) // mean) if expected < self.budget else 0  # each new one adds `mean`
+        if not progress:  # nothing in flight and the budget not met: one more, or the run would end short of it
+            fit = max(fit, 1)
         if fit > 0:
             return min(room, fit, self._finishing_room(len(progress)))
         if not self.observes_rate or not self.throughput.known:
@@ -340,7 +342,8 @@ class BudgetController:
         if not self.observes_rate or not self.throughput.known:
             return self.concurrency
         length = self.lengths.quantile(FINISH_QUANTILE, batch)
-        target = max(math.ceil(self.throughput.floor()), int(self._left_to_decode() // length))
+        # at least one: a budget not yet met always gets a request, or the run would end short of it
+        target = max(math.ceil(self.throughput.floor()), int(self._left_to_decode() // length), 1)
         return max(0, target - batch)
 
     def _left_to_decode(self) -> float:
