@@ -65,11 +65,14 @@ def budget(r: dict) -> list[str]:
     out = [
         "### Budget strategies: `python -m bench.budget`",
         "",
-        f"A server with {s['concurrency']} slots; completion lengths lognormal (mean {num(s['mean_len'])}, sigma "
-        f"{s['sigma']:g}, capped at {num(s['max_tokens'])}); a throughput reading every {s['reading_s']:g} s with "
+        f"A server with {s['concurrency']} slots; completion lengths of the families "
+        f"{', '.join(s.get('families', ['lognormal']))} (lognormal: mean {num(s['mean_len'])}, sigma "
+        f"{s['sigma']:g}), capped at {num(s['max_tokens'])}; a throughput reading every {s['reading_s']:g} s with "
         f"{' or '.join(f'{n:g} %' for n in s['noise_pct'])} noise; the cancel reaches the server "
         f"{s['abort_latency_s'] * 1000:g} ms after the decision; compute_bound flat above {s['knee']} running "
-        f"requests, saturating with h = {s['saturation_h']:g}. Averaged over "
+        f"requests (compute_bound_kN at N), saturating with h = {s['saturation_h']:g} (saturating_hN: h = N); a "
+        f"parked request's re-prefill ({num(s.get('prompt_tokens', 0))} prompt tokens + its partial) charged at "
+        f"1/{s.get('prefill_speedup', 0):g} of a decode token, in lost. Averaged over "
         + ", ".join(f"{n} draws at {budget_name(b)}" for b, n in sorted(seeds.items()))
         + ". Cells: overshoot % / waste % / lost % / time ÷ ideal.",
         "",
@@ -83,9 +86,15 @@ def budget(r: dict) -> list[str]:
                 f"{m['overshoot_pct']:.2f} / {m['waste_pct']:.2f} / {m['lost_pct']:.2f} / {m['time_vs_ideal']:.4f}"
             )
         missed = ", ".join(f"`{k}`" for k, ok in row["goals"].items() if not ok) or "none"
-        body.append([row["model"], budget_name(row["budget"]), f"{row['noise_pct']:g} %", *cells, missed])
-    out += table(["server", "budget", "noise", *(label for _, label in BUDGET_STRATEGIES), "missed goals"], body)
-    out += ["", "Ours against check_cancel, per server over its rows above (ranges over budgets and noises):", ""]
+        case = [row["model"], row.get("family", "lognormal"), budget_name(row["budget"]), f"{row['noise_pct']:g} %"]
+        body.append([*case, *cells, missed])
+    labels = [label for _, label in BUDGET_STRATEGIES]
+    out += table(["server", "lengths", "budget", "noise", *labels, "missed goals"], body)
+    out += [
+        "",
+        "Ours against check_cancel, per server over its rows above (ranges over lengths, budgets and noises):",
+        "",
+    ]
     derived = []
     for model in dict.fromkeys(row["model"] for row in rows):
         mine = [row for row in rows if row["model"] == model]

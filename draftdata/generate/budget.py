@@ -109,7 +109,7 @@ class LengthModel:
     def quantile(self, q: float, running: int = 0) -> float:
         """The q-quantile of the lengths, counting the `running` requests not yet complete as max_tokens long: the
         responses that complete first are the short ones, so the lengths seen alone understate the long tail
-        (a heavy-tailed family read 1.5k for a 0.9-quantile of 10k a third into its run)."""
+        (in a heavy-tailed family, by a factor of several until late in a short run)."""
         if self.n < MIN_OBSERVED:
             return float(self.max_tokens)
         self._fresh()
