@@ -4,9 +4,9 @@
     python -m bench.report --write    # rewrite docs/benchmarks.md's block between the bench-report markers
 
 Every figure in the block comes from the files each benchmark writes (budget.json, client.json, tokenize.json,
-hidden_states.json, reliability.json), so rerunning a benchmark and then `python -m bench.report --write` is all it
-takes to bring the page up to date; a test keeps the page's block equal to this output. Nothing here measures
-anything, and it imports nothing of the project.
+hidden_states.json, hidden_states_llama8b.json, reliability.json), so rerunning a benchmark and then
+`python -m bench.report --write` is all it takes to bring the page up to date; a test keeps the page's block equal
+to this output. Nothing here measures anything, and it imports nothing of the project.
 """
 
 from __future__ import annotations
@@ -337,6 +337,59 @@ def hidden_states(r: dict) -> list[str]:
     ]
 
 
+def hidden_states_llama8b(r: dict) -> list[str]:
+    m, s, fl, small = r["model"], r["settings"], r["flops"], r["small_shape_flops"]
+
+    def share(f: dict) -> str:
+        return f"{100 * f['lm_head_share_of_naive']:.1f} %"
+
+    body = [
+        [
+            str(depth),
+            num(d["ours_tok_s"], 1),
+            num(d["naive_tok_s"], 1),
+            f"{d['ratio']:.3f}",
+            f"{d['ratio_cpu']:.3f}",
+            f"{d['flops']['ratio']:.3f}",
+            share(d["flops"]),
+        ]
+        for depth, d in r["depths"].items()
+    ]
+    fitted = [num(r["tok_s"]["ours"], 1), num(r["tok_s"]["naive"], 1), f"{r['ratio']:.3f}", f"{r['ratio_cpu']:.3f}"]
+    body.append([f"**{m['num_hidden_layers']}, fitted**", *fitted, f"{fl['ratio']:.3f}", share(fl)])
+    rates = r["implied_gflop_per_cpu_s"]
+    return [
+        "### Hidden states at an 8B target's shape: `python -m bench.hidden_states --llama8b`",
+        "",
+        f"Llama-3.1-8B's shape (hidden {num(m['hidden_size'])}, {m['num_attention_heads']} heads of "
+        f"{m['head_dim']}, {m['num_key_value_heads']} KV heads, MLP {num(m['intermediate_size'])}, vocab "
+        f"{num(m['vocab_size'])}, random bfloat16 weights) at {' and '.join(r['depths'])} layers, keeping "
+        f"{len(m['layers_kept'])} layers plus the final state as the 32-layer target would; {s['samples']} samples "
+        f"({s['mean_tokens_per_sample']:g} tokens on average), {s['rounds']} paired rounds, naive in batches of "
+        f"{s['naive_batch']}; {s['device']}, {s['threads']} threads; {r['wall_s']:g} s in all. The last row: "
+        f"{r['method']}.",
+        "",
+        *table(
+            [
+                "layers",
+                "ours tokens/s",
+                "naive tokens/s",
+                "ours ÷ naive",
+                "by CPU time",
+                "by FLOP count",
+                "LM head, share of naive's FLOPs",
+            ],
+            body,
+        ),
+        "",
+        f"For comparison, the default run's shape (above): FLOP ratio {small['ratio']:.3f}, LM head {share(small)} "
+        f"of naive's FLOPs. GFLOP per CPU second implied by the terms fitted on CPU time (close values: the fit agrees "
+        "with the FLOP count): "
+        f"a layer of ours {rates['ours_layer']:g}, a layer of naive {rates['naive_layer']:g}, the LM head "
+        f"{rates['lm_head']:g}.",
+    ]
+
+
 def reliability(r: dict) -> list[str]:
     kill, faults, inputs = r["kill"], r["faults"], r["inputs"]
     phases = ("before", "working", "writing", "written")
@@ -425,6 +478,7 @@ SECTIONS = (
     ("client.json", "python -m bench.client", client),
     ("tokenize.json", "python -m bench.tokenize", tokenize),
     ("hidden_states.json", "python -m bench.hidden_states", hidden_states),
+    ("hidden_states_llama8b.json", "python -m bench.hidden_states --llama8b", hidden_states_llama8b),
     ("reliability.json", "python -m bench.reliability kill|faults|inputs", reliability),
 )
 
