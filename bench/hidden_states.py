@@ -2,7 +2,7 @@
 
     python -m bench.hidden_states [--quick] [--samples 300] [--rounds 3] [--naive-batch N] [--threads N]
         [--device cpu|cuda] [--hidden 256] [--layers 8] [--heads] [--kv-heads] [--intermediate] [--vocab 8192]
-    python -m bench.hidden_states --llama8b [--depths 2,4] [--samples 8] [--rounds 3]
+    python -m bench.hidden_states --llama8b [--depths 2,4] [--samples 4] [--rounds 2]
 
 The target is a random-weight Llama built from a config here (default: hidden 256, 8 layers, 4 heads of 64, MLP 688,
 vocab 8,192, bf16 weights) and saved with `save_pretrained` into a temp dir: the cost of a forward depends on the
@@ -539,7 +539,7 @@ def summarise(spec: Spec, runs: dict, fp8_err: float, hidden: int, naive_choice:
 # Llama-3.1-8B's config.json in this module's option names, its depth aside; the 32-layer target's aux layers
 LLAMA_8B = {"hidden": 4096, "heads": 32, "kv_heads": 8, "intermediate": 14336, "vocab": 128256}
 LLAMA_8B_LAYERS = 32
-LLAMA_8B_SAMPLES = 8  # with --llama8b: a token costs about 100x the small model's on a CPU
+LLAMA_8B_SAMPLES, LLAMA_8B_ROUNDS = 4, 2  # with --llama8b: a token costs about 100x the small model's on a CPU
 
 
 def flops_per_token(config: dict, batches: list[list[int]], lm_head: bool) -> dict:
@@ -733,8 +733,8 @@ def parse_args(argv=None):
     hs = HiddenStatesConfig()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a fast check: 60 samples")
-    ap.add_argument("--samples", type=int, default=None, help="default 300 (60 with --quick)")
-    ap.add_argument("--rounds", type=int, default=3, help="slices on which ours and naive take turns")
+    ap.add_argument("--samples", type=int, default=None, help="default 300 (60 with --quick, 4 with --llama8b)")
+    ap.add_argument("--rounds", type=int, default=None, help="slices on which ours and naive take turns (default 3)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mean-len", type=float, default=MEAN_LEN)
     ap.add_argument("--max-len", type=int, default=MAX_LEN)
@@ -763,6 +763,7 @@ def parse_args(argv=None):
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     args.samples = args.samples or (60 if args.quick else LLAMA_8B_SAMPLES if args.llama8b else 300)
+    args.rounds = args.rounds or (LLAMA_8B_ROUNDS if args.llama8b else 3)
     name = (
         "hidden_states_llama8b" if args.llama8b else "hidden_states_gpu" if args.device == "cuda" else "hidden_states"
     )
