@@ -156,9 +156,10 @@ def load_model(model: ModelConfig, device_map: str | None = None):
     from transformers import AutoModelForCausalLM
 
     check_model_path(model.path)
+    source = model_dir(model)
     try:
         net = AutoModelForCausalLM.from_pretrained(
-            model_dir(model),
+            source,
             dtype="auto",
             trust_remote_code=model.trust_remote_code,
             **({"device_map": device_map} if device_map else {}),
