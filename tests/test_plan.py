@@ -207,6 +207,28 @@ def test_bad_params_stop_the_plan_with_one_line(project):
     assert res.stderr.startswith("error: datasets.B3.concurency: unknown key") and res.stderr.count("\n") == 1
 
 
+def test_a_template_ending_the_turn_where_the_target_does_not_stop_stops_the_plan(project, harmony_model, capsys):
+    """gpt-oss's <|end|> closes a message, not the turn: a template that ends the final assistant message with it
+    stops the plan in check_params' one line, also before the prompts stage (when no dataset loads the tokenizer)."""
+    from conftest import HARMONY_TEMPLATE
+
+    project.set("model.path", str(harmony_model))
+    project.set("hidden_states.layers", [0, 1])  # two layers: too few for EAGLE-3's default
+    assert one(project).to_generate == 400  # the target's own template ends the turn with <|return|>: planned
+    closes_with_end = project.path / "closes_with_end.jinja"
+    closes_with_end.write_text(HARMONY_TEMPLATE.replace("'<|return|>'", "'<|end|>'"))
+    project.set("model.chat_template", str(closes_with_end))
+    capsys.readouterr()
+    with pytest.raises(ConfigError) as err:
+        plan(project)
+    message = str(err.value)
+    assert message.startswith("model.chat_template: the chat template ends an assistant turn with '<|end|>'")
+    assert "\n" not in message and "plan:" not in capsys.readouterr().out
+    with pytest.raises(ConfigError) as check:
+        project.run("check_params", None)
+    assert str(check.value) == message
+
+
 def test_an_unpinned_hub_source_is_a_warning_of_the_plan(project, capsys):
     """Checked whole, as check_params does: a hub source without a commit in a dataset not planned is named too."""
     source = {"shape": "glaive", "hf_name": "glaiveai/glaive-function-calling-v2", "revision": None}

@@ -5,9 +5,10 @@ the prompts available, the budget, the tokens the response store already holds t
 as generate computes them: tokenizer and model fingerprint, no weights), the tokens and requests still to
 generate, the GPU time they take at a given or measured rate, and the disk the whole budget takes (responses,
 samples, hidden states); it warns of a dataset whose longest sample (max_prompt_tokens + max_tokens) exceeds
-`tokenize.max_seq_len` or the target's context. Nothing is sent to any server and no backend is started; the only
-things it may write are the model's file-hash cache beside the store (as every stage does) and, with `plan.out`, a
-JSON copy.
+`tokenize.max_seq_len` or the target's context, and, where the target's tokenizer is on this disk, refuses in one
+line a chat template that ends the turn on a token the target does not stop on (as check_params and generate do).
+Nothing is sent to any server and no backend is started; the only things it may write are the model's file-hash
+cache beside the store (as every stage does) and, with `plan.out`, a JSON copy.
 
 `plan.*` keys are this command's own (not in params.yaml): `plan.tok_s` is the generation rate to assume, in
 tokens per second (default: the `new_tok_per_s` of the dataset's last `generate_metrics.json`); `plan.out` a file
@@ -29,7 +30,8 @@ from draftdata.generate.budget import MIN_OBSERVED as MIN_LENGTHS
 from draftdata.generate.budget import LengthModel
 from draftdata.generate.selection import needs_request, plan_requests, tokens_of, unusable_reason
 from draftdata.generate.store import ResponseStore, StoredResponse
-from draftdata.target.model import ModelNotBuilt, model_limits
+from draftdata.target.model import ModelNotBuilt, model_dir, model_limits
+from draftdata.target.tokenizer import end_of_turn_ids, has_tokenizer_files, load_tokenizer
 from draftdata.util.files import data_dir, read_jsonl, write_json
 from draftdata.util.sqlite import resolve_store_path
 
@@ -520,9 +522,12 @@ def main(cfg: Config, opts: Options | None = None) -> list[DatasetPlan]:
         warnings += length_warnings(cfg, names, None)
     else:
         warnings = length_warnings(cfg, names, model_limits(cfg.model).context)
+    tokenizer = _tokenizer_loader(cfg) if shape else None
+    if tokenizer is not None and has_tokenizer_files(model_dir(cfg.model)):
+        # as check_params and generate: a template that ends the turn where the target does not stop, in one line
+        end_of_turn_ids(tokenizer(), cfg.model)
     store_path = resolve_store_path(cfg.run.store_path)
     store = ResponseStore(store_path) if store_path.exists() else None  # no store yet: nothing stored, none made
-    tokenizer = _tokenizer_loader(cfg) if shape else None
     try:
         plans = [plan_dataset(cfg, name, tokenizer, store, shape, opts) for name in names]
     finally:
@@ -535,10 +540,8 @@ def main(cfg: Config, opts: Options | None = None) -> list[DatasetPlan]:
 
 
 def _tokenizer_loader(cfg: Config):
-    """The tokenizer, loaded the first time a dataset needs it (only those with prompts do)."""
+    """The tokenizer, loaded the first time something needs it (the end-of-turn check, a dataset with prompts)."""
     from functools import cache
-
-    from draftdata.target.tokenizer import load_tokenizer
 
     return cache(lambda: load_tokenizer(cfg.model))
 

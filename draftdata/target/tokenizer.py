@@ -150,12 +150,16 @@ def load_tokenizer(model: ModelConfig, need_template: bool = True):
     return tok
 
 
+def has_tokenizer_files(directory: str) -> bool:
+    root = Path(directory).expanduser()
+    return (root / "tokenizer.json").is_file() or (root / "tokenizer_config.json").is_file()
+
+
 def check_local_target(model: ModelConfig) -> None:
     """What check_params can tell of a target whose tokenizer is on this disk already: it loads, has a chat
     template, and that template ends the turn on a token the target stops on. A hub id, or a directory a stage has
     not built yet, is checked by the stages that load it (generate before any request)."""
-    root = Path(model.path).expanduser()
-    if (root / "tokenizer.json").is_file() or (root / "tokenizer_config.json").is_file():
+    if has_tokenizer_files(model.path):
         end_of_turn_ids(load_tokenizer(model), model)
 
 
