@@ -60,6 +60,28 @@ def dataset_params(name: str, shape: str, **over) -> dict:
     return ds
 
 
+def expected_tokens(tok, rec: dict, answer: dict) -> list[int]:
+    """A text-path sample of a ChatML target: the prompt of response record `rec`, then the assistant turn `answer`
+    as the template writes it, to its end-of-turn token."""
+    from draftdata.target.tokenizer import template_messages
+
+    tools = rec.get("tools")
+    prompt = tok.apply_chat_template(
+        template_messages(rec["messages"]), tools=tools, add_generation_prompt=True, tokenize=False
+    )
+    full = tok.apply_chat_template(template_messages(rec["messages"] + [answer]), tools=tools, tokenize=False)
+    assert full.startswith(prompt)
+    turn = full[len(prompt) : full.index("<|im_end|>", len(prompt))]
+    encode = tok.backend_tokenizer.encode
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    return encode(prompt, add_special_tokens=False).ids + encode(turn, add_special_tokens=False).ids + [end]
+
+
+def trained_text(tok, sample: dict) -> str:
+    """The text of a sample's trained tokens (loss mask 1)."""
+    return tok.decode([t for t, m in zip(sample["input_ids"], sample["loss_mask"]) if m])
+
+
 class Project:
     """A working directory with its own params.yaml; stages run in it in-process."""
 

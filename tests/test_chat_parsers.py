@@ -10,14 +10,13 @@ import sqlite3
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import dataset_params
+from conftest import dataset_params, expected_tokens, trained_text
 
 from bench.fake_server import FakeModel, FakeServer
 from draftdata.errors import UserError
 from draftdata.generate.dispatcher import RunFailed
 from draftdata.generate.store import ResponseStore, StoredResponse
 from draftdata.target.tiny import CHAT_TEMPLATE
-from draftdata.target.tokenizer import template_messages
 from draftdata.util.files import read_jsonl
 
 CALL = {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}
@@ -72,24 +71,6 @@ def responses(project) -> list[dict]:
 
 def samples(project) -> dict[str, dict]:
     return {r["id"]: r for r in pq.read_table(project.data("B1") / "samples.parquet").to_pylist()}
-
-
-def expected_tokens(tok, rec: dict, answer: dict) -> list[int]:
-    """The prompt, then the assistant turn `answer` as the template writes it, to its end-of-turn token."""
-    tools = rec.get("tools")
-    prompt = tok.apply_chat_template(
-        template_messages(rec["messages"]), tools=tools, add_generation_prompt=True, tokenize=False
-    )
-    full = tok.apply_chat_template(template_messages(rec["messages"] + [answer]), tools=tools, tokenize=False)
-    assert full.startswith(prompt)
-    turn = full[len(prompt) : full.index("<|im_end|>", len(prompt))]
-    encode = tok.backend_tokenizer.encode
-    end = tok.convert_tokens_to_ids("<|im_end|>")
-    return encode(prompt, add_special_tokens=False).ids + encode(turn, add_special_tokens=False).ids + [end]
-
-
-def trained_text(tok, sample: dict) -> str:
-    return tok.decode([t for t, m in zip(sample["input_ids"], sample["loss_mask"]) if m])
 
 
 def tokenizer(project):

