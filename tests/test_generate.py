@@ -368,3 +368,43 @@ def test_a_changed_template_kwargs_or_tokenizer_file_renders_again(project, tiny
     (edited / "tokenizer_config.json").write_text(json.dumps({**conf, "model_max_length": 12345}))
     assert renders_of(f"model.path={edited}") == n and renders_of(f"model.path={edited}") == 0
     store.close()
+
+
+def test_a_plan_from_the_cache_neither_decodes_nor_encodes_prompt_ids(project, tmp_path, monkeypatch):
+    """A rerun over 100k prompts whose budget is met spent most of its time turning cached ids to lists and the
+    lists back to JSON for their keys: from the cache, the key is hashed from the stored text itself."""
+    from draftdata.config.load import load_config
+    from draftdata.generate.selection import plan_requests
+    from draftdata.generate.store import ResponseStore
+    from draftdata.target.tokenizer import load_tokenizer
+
+    project.run("prompts", "B3")
+    prompts = list(read_jsonl(project.data("B3") / "prompts.jsonl"))
+    cfg = load_config("B3", [], params_path=project.path / "params.yaml")
+    tok = load_tokenizer(cfg.model)
+    store = ResponseStore(tmp_path / "cache.sqlite")
+    expected = [(p.key, p.prompt_ids) for p in plan_requests(cfg, prompts, tok, None)]
+    plan_requests(cfg, prompts, tok, store)  # renders and caches
+    with sqlite3.connect(tmp_path / "cache.sqlite") as db:  # the text earlier versions stored too: still read as is
+        stored = {json.dumps(ids, separators=(",", ":")) for _, ids in expected}
+        assert {ids for (ids,) in db.execute("SELECT ids FROM rendered")} == stored
+
+    decoded, encoded = [0], [0]
+    loads, dumps = json.loads, json.dumps
+
+    def counted_loads(s, *args, **kwargs):
+        out = loads(s, *args, **kwargs)
+        decoded[0] += isinstance(out, list) and all(isinstance(i, int) for i in out)
+        return out
+
+    def counted_dumps(obj, *args, **kwargs):
+        encoded[0] += isinstance(obj, dict) and "prompt_ids" in obj
+        return dumps(obj, *args, **kwargs)
+
+    monkeypatch.setattr(json, "loads", counted_loads)
+    monkeypatch.setattr(json, "dumps", counted_dumps)
+    cached = plan_requests(cfg, prompts, tok, store)
+    assert decoded[0] == 0 and encoded[0] <= 1  # one template of the key's JSON, none per prompt
+    assert [(p.key, p.prompt_ids) for p in cached] == expected  # decoded when asked for
+    assert [p.prompt_tokens for p in cached] == [len(ids) for _, ids in expected]
+    store.close()

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import sqlite3
 from pathlib import Path
 
 from draftdata.generate.budget import BudgetController, LengthModel
-from draftdata.generate.store import ResponseStore, StoredResponse
+from draftdata.generate.selection import Planned, request_key, request_keys
+from draftdata.generate.store import ResponseStore, StoredResponse, ids_json
+from draftdata.util.hashing import canonical_json
 
 
 def resp(key: str, n: int = 5) -> StoredResponse:
@@ -49,6 +52,65 @@ def test_store_get_many_handles_more_keys_than_sqlite_binds(tmp_path):
     for i in range(1200):
         store.put(resp(f"k{i}"))
     assert len(store.get_many(f"k{i}" for i in range(1300))) == 1200
+
+
+# Store keys as the code before request_keys made them: a changed definition would orphan every stored response
+FROZEN_KEYS = [
+    (("fp", [1, 2, 3], {"temperature": 0.8, "top_p": 0.95, "top_k": -1}, 48), "a48d303bff25dfbef9e2d0b1c164602d"),
+    (
+        (
+            "3c" * 16,
+            [151644, 872, 198, 0, 99999],
+            {
+                "temperature": 0.0,
+                "top_p": 1.0,
+                "top_k": 20,
+                "min_p": 0.05,
+                "extra": {"prompt_ids": [], "stop": ["Ω\n"], 'n"x': 1},  # the field's name inside a value
+            },
+            1024,
+        ),
+        "97bda1989d998fd1b7b95a8321a2bbf9",
+    ),
+]
+
+
+def test_request_keys_from_the_ids_text_are_the_keys_stores_hold():
+    for (fp, ids, sampling, max_tokens), key in FROZEN_KEYS:
+        assert request_key(fp, ids, sampling, max_tokens) == key
+        assert request_keys(fp, sampling, max_tokens)(ids_json(ids)) == key
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(200_000) for _ in range(rng.randrange(0, 50))]
+        sampling = {"temperature": rng.random(), "top_p": 1.0, "top_k": rng.choice([-1, 20])}
+        if rng.random() < 0.5:
+            sampling["extra"] = {"prompt_ids": ids[:3], "text": rng.choice(['"prompt_ids":[]', "é\\", "\u2028"])}
+        fp = rng.choice(["x", "a" * 32, '"prompt_ids":[]'])
+        assert request_keys(fp, sampling, 7)(ids_json(ids)) == request_key(fp, ids, sampling, 7)
+
+
+def test_ids_text_is_canonical_json_and_a_plan_decodes_it_on_demand():
+    rng = random.Random(1)
+    for ids in ([], [0], [151643, 7, 0, 2**31 - 1], [rng.randrange(10**6) for _ in range(500)]):
+        text = ids_json(ids)
+        assert text == canonical_json(ids) == json.dumps(ids, separators=(",", ":"))  # what earlier versions stored
+        p = Planned({"id": "p"}, "k", text)
+        assert p.prompt_tokens == len(ids)  # counted without decoding
+        assert p.prompt_ids == ids and p.prompt_tokens == len(ids)
+    assert Planned({"id": "p"}, "k", [4, 5]).prompt_ids == [4, 5]
+
+
+def test_rendered_ids_are_read_back_by_lookup_or_by_scan_alike(tmp_path):
+    store = ResponseStore(tmp_path / "s.sqlite")
+    rendered = {f"p{i}": ids_json(list(range(i, i + i % 7))) for i in range(1200)}
+    store.put_rendered("A", rendered)
+    store.put_rendered("B", {pid: "[1]" for pid in list(rendered)[:300]})  # another tokenizer's renders
+    few = [f"p{i}" for i in range(0, 1200, 10)] + ["missing"]  # a tenth of A's rows: looked up
+    assert store.get_rendered("A", few) == {pid: rendered[pid] for pid in few if pid in rendered}
+    assert store.get_rendered("A", [*rendered, "missing"]) == rendered  # all of them: scanned
+    assert store.get_rendered("B", few) == {pid: "[1]" for pid in few if pid in rendered and int(pid[1:]) < 300}
+    assert store.get_rendered("C", few) == {}
+    store.close()
 
 
 def fill(c: BudgetController, progress: list[int]) -> list[int]:

@@ -244,11 +244,11 @@ def plan_dataset(
 
     reusable, reusable_n, parked, lengths = _stored_tokens(stored, ds)
     todo = [p for p in planned if needs_request(stored.get(p.key))]
-    mean_prompt = _mean([len(p.prompt_ids) for p in planned])
+    mean_prompt = _mean([p.prompt_tokens for p in planned])
     mean_c, mean_c_from = mean_completion(lengths, ds.max_tokens)
     per_request = mean_c
     if ds.budget_unit == BudgetUnit.total:  # as generate: the prompts of the requests still to send
-        per_request += _mean([len(p.prompt_ids) for p in todo]) or mean_prompt or 0.0
+        per_request += _mean([p.prompt_tokens for p in todo]) or mean_prompt or 0.0
     left = to_generate(ds.token_budget, reusable)
 
     gm = _read_json(out / "generate_metrics.json")

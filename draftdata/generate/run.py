@@ -80,7 +80,7 @@ def generate_missing(
     if cfg.backend.kind == BackendKind.openai and todo:  # before any request
         check_chat_rendering(cfg, tok, [p.prompt for p in todo])
     if ds.budget_unit == BudgetUnit.total and todo:
-        ctrl.prompt_mean = sum(len(p.prompt_ids) for p in todo) / len(todo)
+        ctrl.prompt_mean = sum(p.prompt_tokens for p in todo) / len(todo)
     parked = {k: r for k, r in stored.items() if r.partial}
     log(
         "generate",

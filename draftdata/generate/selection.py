@@ -4,16 +4,18 @@ selected in prompt order up to the budget.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, OnBudget, OnTruncation
 from draftdata.errors import ConfigError, UserError
-from draftdata.generate.store import CUT, ResponseStore, StoredResponse
+from draftdata.generate.store import CUT, ResponseStore, StoredResponse, ids_json
 from draftdata.target.fingerprint import model_fingerprint
 from draftdata.target.tokenizer import render_prompt_ids, tokenizer_fingerprint
-from draftdata.util.hashing import content_hash
+from draftdata.util.hashing import canonical_json, content_hash
 from draftdata.util.sqlite import hash_cache_path
 
 
@@ -21,7 +23,21 @@ from draftdata.util.sqlite import hash_cache_path
 class Planned:
     prompt: dict
     key: str
-    prompt_ids: list[int]  # rendered with the chat template: exactly what the target is sent
+    # the prompt's ids rendered with the chat template (exactly what the target is sent), or their JSON text as the
+    # store's cache of renders holds it: decoded only for the prompts a run sends
+    rendered: list[int] | str
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        if isinstance(self.rendered, str):
+            self.rendered = json.loads(self.rendered)
+        return self.rendered
+
+    @property
+    def prompt_tokens(self) -> int:
+        if isinstance(self.rendered, str):
+            return self.rendered.count(",") + (self.rendered != "[]")
+        return len(self.rendered)
 
 
 def request_key(model_fp: str, prompt_ids: list[int], sampling: dict, max_tokens: int) -> str:
@@ -30,6 +46,18 @@ def request_key(model_fp: str, prompt_ids: list[int], sampling: dict, max_tokens
     return content_hash(
         {"model": model_fp, "prompt_ids": prompt_ids, "sampling": sampling, "max_tokens": max_tokens}, n=32
     )
+
+
+def request_keys(model_fp: str, sampling: dict, max_tokens: int) -> Callable[[str], str]:
+    """`request_key` of one run's prompts, from each prompt's ids as `ids_json` text: the canonical JSON of the rest
+    is the same for every prompt, so only the ids' text is hashed anew (encoding 100k prompts' ids as JSON again
+    would cost more than all the rest of a run whose budget is met)."""
+    text = canonical_json({"model": model_fp, "prompt_ids": [], "sampling": sampling, "max_tokens": max_tokens})
+    # The first match is the top-level field: keys are sorted ("max_tokens", "model" come before it) and inside a
+    # JSON string a quote is always escaped, so no string value can hold it
+    head, tail = text.split('"prompt_ids":[]', 1)
+    start, end = (head + '"prompt_ids":').encode(), tail.encode()
+    return lambda ids_text: hashlib.sha256(start + ids_text.encode() + end).hexdigest()[:32]
 
 
 def tokens_of(prompt_tokens: int, completion_tokens: int, unit: BudgetUnit) -> int:
@@ -86,11 +114,11 @@ def check_context(plan: list[Planned], cfg: Config, context: int | None) -> None
             f"{cfg.ds.max_tokens:,} leaves no room for a prompt in the target's context of {context:,} tokens",
         )
     room = context - cfg.ds.max_tokens
-    over = [p for p in plan if len(p.prompt_ids) > room]
+    over = [p for p in plan if p.prompt_tokens > room]
     if over:
         first = over[0]
         raise UserError(
-            f"{first.prompt.get('where', first.prompt['id'])}: a prompt of {len(first.prompt_ids):,} "
+            f"{first.prompt.get('where', first.prompt['id'])}: a prompt of {first.prompt_tokens:,} "
             f"tokens + max_tokens {cfg.ds.max_tokens:,} exceeds the target's context of {context:,} "
             f"({len(over)} prompts like it); set {key}.max_prompt_tokens to at most {room:,} (the "
             "prompts stage then drops them) or lower max_tokens"
@@ -105,26 +133,28 @@ def plan_requests(cfg: Config, prompts: Iterable[dict], tok, store: ResponseStor
     (generate_metrics' duplicate_after_template). With a store, rendered prompts are cached there."""
     ds, prompts = cfg.ds, list(prompts)
     fp = model_fingerprint(cfg.model.path, cfg.model.revision, hash_cache_path(cfg.run.store_path))
+    key_of = request_keys(fp, ds.sampling.as_dict(), ds.max_tokens)
     plan: dict[str, Planned] = {}
     for rec, ids in zip(prompts, rendered_prompts(cfg, fp, prompts, tok, store)):
-        key = request_key(fp, ids, ds.sampling.as_dict(), ds.max_tokens)
-        plan.setdefault(key, Planned(rec, key, ids))
+        key = key_of(ids)
+        if key not in plan:
+            plan[key] = Planned(rec, key, ids)
     return list(plan.values())
 
 
-def rendered_prompts(cfg: Config, model_fp: str, prompts: list[dict], tok, store: ResponseStore | None) -> list:
-    """Each prompt's ids under the chat template; those rendered by an earlier run under the same model,
-    tokenizer files, template, template kwargs and tokenizer libraries come from the store (a 100k-prompt rerun
-    would otherwise render them all again, also when the budget is already met)."""
+def rendered_prompts(cfg: Config, model_fp: str, prompts: list[dict], tok, store: ResponseStore | None) -> list[str]:
+    """Each prompt's ids under the chat template, as `ids_json` text; those rendered by an earlier run under the same
+    model, tokenizer files, template, template kwargs and tokenizer libraries come from the store (a 100k-prompt
+    rerun would otherwise render them all again, also when the budget is already met)."""
     kwargs = dict(cfg.model.template_kwargs)
     fp = render_fingerprint(cfg, model_fp, tok)
     cached = store.get_rendered(fp, (rec["id"] for rec in prompts)) if store is not None else {}
-    new: dict[str, list[int]] = {}
+    new: dict[str, str] = {}
     out = []
     for rec in prompts:
         ids = cached.get(rec["id"])
         if ids is None:  # the id is a hash of the messages and tools: all the template reads of a prompt
-            ids = new[rec["id"]] = render_prompt_ids(tok, rec["messages"], rec.get("tools"), kwargs)
+            ids = new[rec["id"]] = ids_json(render_prompt_ids(tok, rec["messages"], rec.get("tools"), kwargs))
         out.append(ids)
     if store is not None and new:
         store.put_rendered(fp, new)

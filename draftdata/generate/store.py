@@ -135,30 +135,36 @@ class ResponseStore:
         for i in range(0, len(keys), 500):  # SQLite caps the number of bound parameters
             chunk = keys[i : i + 500]
             marks = ",".join("?" * len(chunk))
-            cur = self.db.execute(f"SELECT * FROM responses WHERE key IN ({marks})", chunk)
-            names = [d[0] for d in cur.description]
-            for values in cur:
-                row = dict(zip(names, values))
-                row["prompt_ids"] = _unids(row["prompt_ids"])
-                row["output_ids"] = _unids(row["output_ids"])
-                row["tool_calls"] = _unids(row["tool_calls"])
-                out[row["key"]] = StoredResponse(**row)
+            # the columns in the dataclass's order: a row becomes a response by position, with no dict in between
+            for values in self.db.execute(f"SELECT {', '.join(_COLS)} FROM responses WHERE key IN ({marks})", chunk):
+                r = StoredResponse(*values)
+                r.prompt_ids = _unids(r.prompt_ids)
+                r.output_ids = _unids(r.output_ids)
+                r.tool_calls = _unids(r.tool_calls)
+                out[r.key] = r
         return out
 
-    def get_rendered(self, tokenizer: str, prompt_ids: Iterable[str]) -> dict[str, list[int]]:
-        """Prompt id -> its rendered token ids, for those rendered earlier under this tokenizer fingerprint."""
-        prompt_ids = list(prompt_ids)
-        out: dict[str, list[int]] = {}
-        for i in range(0, len(prompt_ids), 500):  # SQLite caps the number of bound parameters
-            chunk = prompt_ids[i : i + 500]
+    def get_rendered(self, tokenizer: str, prompt_ids: Iterable[str]) -> dict[str, str]:
+        """Prompt id -> its rendered token ids as JSON text (`ids_json`'s), for those rendered earlier under this
+        tokenizer fingerprint. Left undecoded: the request key hashes this text, and only the prompts a run sends
+        need the ids themselves."""
+        wanted = set(prompt_ids)
+        held = self.db.execute("SELECT COUNT(*) FROM rendered WHERE tokenizer = ?", (tokenizer,)).fetchone()[0]
+        if held <= 2 * len(wanted):  # reading them all in key order costs less than looking each one up
+            rows = self.db.execute("SELECT prompt_id, ids FROM rendered WHERE tokenizer = ?", (tokenizer,))
+            return {pid: ids for pid, ids in rows if pid in wanted}
+        ordered = sorted(wanted)  # lookups in key order walk the table's pages once
+        out: dict[str, str] = {}
+        for i in range(0, len(ordered), 500):  # SQLite caps the number of bound parameters
+            chunk = ordered[i : i + 500]
             marks = ",".join("?" * len(chunk))
             sql = f"SELECT prompt_id, ids FROM rendered WHERE tokenizer = ? AND prompt_id IN ({marks})"
-            cur = self.db.execute(sql, [tokenizer, *chunk])
-            out.update((pid, json.loads(ids)) for pid, ids in cur)
+            out.update(self.db.execute(sql, [tokenizer, *chunk]))
         return out
 
-    def put_rendered(self, tokenizer: str, rendered: dict[str, list[int]]) -> None:
-        rows = [(tokenizer, pid, _ids(ids)) for pid, ids in rendered.items()]
+    def put_rendered(self, tokenizer: str, rendered: dict[str, str]) -> None:
+        """Prompt id -> its rendered ids as `ids_json` text."""
+        rows = [(tokenizer, pid, ids) for pid, ids in rendered.items()]
         self._commit_many("INSERT OR REPLACE INTO rendered VALUES (?, ?, ?)", rows)
 
     def _commit_many(self, sql: str, rows: list) -> None:
@@ -185,8 +191,14 @@ def _add_columns(db) -> None:
             db.execute(f"ALTER TABLE responses ADD COLUMN {name} {kind}")
 
 
+def ids_json(ids: list[int]) -> str:
+    """Token ids as JSON at a third of json.dumps' cost: the very text `canonical_json` gives them, which the request
+    key hashes."""
+    return "[" + ",".join(map(str, ids)) + "]"
+
+
 def _ids(ids: list[int] | None) -> str | None:
-    return None if ids is None else "[" + ",".join(map(str, ids)) + "]"  # JSON, at a third of json.dumps' cost
+    return None if ids is None else ids_json(ids)
 
 
 def _unids(blob: str | None) -> list[int] | None:

@@ -7,7 +7,11 @@ import json
 from typing import Any
 
 
+def canonical_json(obj: Any) -> str:
+    """The JSON text content hashes are taken of: sorted keys, no whitespace, non-ASCII as is."""
+    return json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
 def content_hash(obj: Any, n: int = 16) -> str:
     """Stable hash of a JSON-able value (key order and whitespace do not matter)."""
-    blob = json.dumps(obj, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()
-    return hashlib.sha256(blob).hexdigest()[:n]
+    return hashlib.sha256(canonical_json(obj).encode()).hexdigest()[:n]
