@@ -12,7 +12,6 @@ from pathlib import Path
 
 from draftdata.config.schema import BackendKind, BudgetUnit, Config, DatasetConfig, OnBudget
 from draftdata.generate.backends import make_backend, takes_token_ids
-from draftdata.generate.backends.openai import check_chat_rendering
 from draftdata.generate.budget import BudgetController
 from draftdata.generate.dispatcher import Dispatcher, Interrupted, RunStats
 from draftdata.generate.progress import Progress
@@ -78,6 +77,9 @@ def generate_missing(
         ctrl.lengths.add(r.completion_tokens)  # completion lengths only: bounded by max_tokens, whatever the unit
     todo = [p for p in plan if needs_request(stored.get(p.key))]
     if cfg.backend.kind == BackendKind.openai and todo:  # before any request
+        # imported here, as make_backend imports the backends: aiohttp costs a run that sends nothing 0.1 s
+        from draftdata.generate.backends.openai import check_chat_rendering
+
         check_chat_rendering(cfg, tok, [p.prompt for p in todo])
     if ds.budget_unit == BudgetUnit.total and todo:
         ctrl.prompt_mean = sum(p.prompt_tokens for p in todo) / len(todo)
