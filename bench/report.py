@@ -397,6 +397,26 @@ def hidden_states_llama8b(r: dict) -> list[str]:
     return out
 
 
+def noop(r: dict) -> list[str]:
+    s, runs = r["settings"], r["wall_s"]
+    labels = {
+        "cached": "rerun, rendered ids from the store",
+        "uncached": "rerun, every prompt rendered again (no cache)",
+        "floor": "floor: Python, imports, config, tokenizer",
+    }
+    rows = [[label, f"{r['median_s'][k]:.2f}", ", ".join(f"{x:.2f}" for x in runs[k])] for k, label in labels.items()]
+    return [
+        "### No-op rerun: `python -m bench.noop`",
+        "",
+        f"`python -m stages.generate dataset=S` over {num(s['prompts'])} prompts whose budget is met (nothing sent,"
+        f" {num(s['reused'])} stored responses reused), wall seconds of the whole process, median of {s['runs']}.",
+        "",
+        *table(["run", "median s", "each run, s"], rows),
+        "",
+        f"Uncached ÷ cached: {r['uncached_over_cached']:g}.",
+    ]
+
+
 def reliability(r: dict) -> list[str]:
     kill, faults, inputs = r["kill"], r["faults"], r["inputs"]
     phases = ("before", "working", "writing", "written")
@@ -487,6 +507,7 @@ SECTIONS = (
     ("hidden_states.json", "python -m bench.hidden_states", hidden_states),
     ("hidden_states_llama8b.json", "python -m bench.hidden_states --llama8b", hidden_states_llama8b),
     ("reliability.json", "python -m bench.reliability kill|faults|inputs", reliability),
+    ("noop.json", "python -m bench.noop", noop),
 )
 
 

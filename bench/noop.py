@@ -1,0 +1,127 @@
+"""A rerun of `generate@D` whose budget is already met, over many prompts: what it costs with the store's cache of
+rendered prompt ids, without it, and the floor under both.
+
+    python -m bench.noop [--prompts 100000] [--runs 3]
+
+Setup, in a temp directory: the demo target (draftdata/target/tiny.py), a magicoder_oss source of that many
+distinct prompts, the prompts stage, and one short stored response for every planned key (the budget is met, so
+generate sends nothing). Each figure is the wall time of the stage's own process, `python -m stages.generate
+dataset=S` (Python's start and imports included), in rounds that take turns, so a shared machine's changing
+speed hits all alike:
+
+- cached: the rendered ids come from the store (table `rendered`), as on any rerun;
+- uncached: that table emptied first, so every prompt is rendered again (what each rerun cost before the cache);
+- floor: a process that only starts Python, imports the stage, reads the config and loads the target's tokenizer
+  (what any run pays before it reads a prompt).
+
+Writes bench/results/noop.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+FLOOR = (
+    "import stages.generate; from draftdata.config.load import load_config; "
+    "from draftdata.target.tokenizer import load_target_tokenizer; load_target_tokenizer(load_config('S', []).model)"
+)
+
+
+def setup(work: Path, prompts: int) -> None:
+    from draftdata.config.schema import TinyModelConfig
+    from draftdata.target.tiny import build_target
+
+    build_target(TinyModelConfig(path=str(work / "tiny"), corpus_dir=str(ROOT / "sources" / "demo")))
+    with gzip.open(work / "src.jsonl.gz", "wt", compresslevel=1) as f:
+        for i in range(prompts):
+            f.write(
+                json.dumps({"problem": f"Write a function number {i} that adds {i} to its input.", "solution": "x"})
+            )
+            f.write("\n")
+    dataset = {
+        "source": {"shape": "magicoder_oss", "path": "src.jsonl.gz"},
+        "max_prompts": prompts,
+        "token_budget": 400,
+        "max_tokens": 48,
+    }
+    params = {"model": {"path": str(work / "tiny")}, "run": {"store_path": "store.sqlite"}, "datasets": {"S": dataset}}
+    (work / "params.yaml").write_text(yaml.safe_dump(params))
+    stage(work, "-m", "stages.prompts", "dataset=S")
+    stage(work, "-c", "from bench.noop import fill; fill()")
+
+
+def fill() -> None:
+    """One short response for every planned key (run in the work directory): the budget is met."""
+    from draftdata.config.load import load_config
+    from draftdata.generate.selection import plan_requests
+    from draftdata.generate.store import ResponseStore, StoredResponse
+    from draftdata.target.tokenizer import load_tokenizer
+    from draftdata.util.files import read_jsonl
+
+    cfg = load_config("S", [])
+    store = ResponseStore("store.sqlite")
+    plan = plan_requests(cfg, list(read_jsonl("data/S/prompts.jsonl")), load_tokenizer(cfg.model), store)
+    store.put_many(
+        [StoredResponse(p.key, "S", p.prompt["id"], "ok fine", p.prompt_tokens, 8, "stop", "", 0) for p in plan]
+    )
+    store.close()
+
+
+def stage(work: Path, *args: str) -> float:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, *args], cwd=work, env=env, check=True, capture_output=True)
+    return time.perf_counter() - t0
+
+
+def forget_renders(work: Path) -> None:
+    import sqlite3
+
+    with sqlite3.connect(work / "store.sqlite") as db:
+        db.execute("DELETE FROM rendered")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.noop", description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=100_000)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=RESULTS / "noop.json")
+    args = parser.parse_args(argv)
+    wall: dict[str, list[float]] = {"cached": [], "uncached": [], "floor": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        setup(work, args.prompts)
+        for _ in range(args.runs):
+            wall["cached"].append(stage(work, "-m", "stages.generate", "dataset=S"))
+            forget_renders(work)
+            wall["uncached"].append(stage(work, "-m", "stages.generate", "dataset=S"))  # renders and caches again
+            wall["floor"].append(stage(work, "-c", FLOOR))
+        metrics = json.loads((work / "data" / "S" / "generate_metrics.json").read_text())
+    assert metrics["budget_met"] and metrics["newly_generated"] == 0, metrics  # a no-op run, as measured
+    median = {k: round(statistics.median(v), 2) for k, v in wall.items()}
+    result = {
+        "settings": {"prompts": args.prompts, "runs": args.runs, "reused": metrics["reused_from_store"]},
+        "wall_s": {k: [round(x, 2) for x in v] for k, v in wall.items()},
+        "median_s": median,
+        "uncached_over_cached": round(median["uncached"] / median["cached"], 1),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
