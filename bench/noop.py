@@ -5,9 +5,10 @@ rendered prompt ids, without it, and the floor under both.
 
 Setup, in a temp directory: the demo target (draftdata/target/tiny.py), a magicoder_oss source of that many
 distinct prompts, the prompts stage, and one short stored response for every planned key (the budget is met, so
-generate sends nothing). Each figure is the wall time of the stage's own process, `python -m stages.generate
-dataset=S` (Python's start and imports included), in rounds that take turns, so a shared machine's changing
-speed hits all alike:
+generate sends nothing). Each figure is the wall and the CPU time (user + system) of the stage's own process,
+`python -m stages.generate dataset=S`, Python's start and imports included; other jobs on a shared machine stretch
+the wall clock, hardly the CPU time. The runs take turns in each round, so the machine's changing speed hits all
+alike:
 
 - cached: the rendered ids come from the store (table `rendered`), as on any rerun;
 - uncached: that table emptied first, so every prompt is rendered again (what each rerun cost before the cache);
@@ -23,6 +24,7 @@ import argparse
 import gzip
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -80,11 +82,13 @@ def fill() -> None:
     store.close()
 
 
-def stage(work: Path, *args: str) -> float:
+def stage(work: Path, *args: str) -> tuple[float, float]:
+    """Wall and CPU seconds (user + system) of one process: on a shared machine other jobs stretch the first."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    t0 = time.perf_counter()
+    before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     subprocess.run([sys.executable, *args], cwd=work, env=env, check=True, capture_output=True)
-    return time.perf_counter() - t0
+    wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def forget_renders(work: Path) -> None:
@@ -100,24 +104,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS / "noop.json")
     args = parser.parse_args(argv)
-    wall: dict[str, list[float]] = {"cached": [], "uncached": [], "floor": []}
+    runs: dict[str, list[tuple[float, float]]] = {"cached": [], "uncached": [], "floor": []}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         setup(work, args.prompts)
         for _ in range(args.runs):
-            wall["cached"].append(stage(work, "-m", "stages.generate", "dataset=S"))
+            runs["cached"].append(stage(work, "-m", "stages.generate", "dataset=S"))
             forget_renders(work)
-            wall["uncached"].append(stage(work, "-m", "stages.generate", "dataset=S"))  # renders and caches again
-            wall["floor"].append(stage(work, "-c", FLOOR))
+            runs["uncached"].append(stage(work, "-m", "stages.generate", "dataset=S"))  # renders and caches again
+            runs["floor"].append(stage(work, "-c", FLOOR))
         metrics = json.loads((work / "data" / "S" / "generate_metrics.json").read_text())
     assert metrics["budget_met"] and metrics["newly_generated"] == 0, metrics  # a no-op run, as measured
-    median = {k: round(statistics.median(v), 2) for k, v in wall.items()}
-    result = {
-        "settings": {"prompts": args.prompts, "runs": args.runs, "reused": metrics["reused_from_store"]},
-        "wall_s": {k: [round(x, 2) for x in v] for k, v in wall.items()},
-        "median_s": median,
-        "uncached_over_cached": round(median["uncached"] / median["cached"], 1),
-    }
+    result = {"settings": {"prompts": args.prompts, "runs": args.runs, "reused": metrics["reused_from_store"]}}
+    for i, unit in enumerate(("wall", "cpu")):
+        result[f"{unit}_s"] = {k: [round(r[i], 2) for r in v] for k, v in runs.items()}
+        median = result[f"median_{unit}_s"] = {k: round(statistics.median(r[i] for r in v), 2) for k, v in runs.items()}
+        result[f"uncached_over_cached_{unit}"] = round(median["uncached"] / median["cached"], 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
