@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 import importlib.util
 import json
 import sys
@@ -11,7 +12,7 @@ from collections import Counter
 import pytest
 from conftest import DEMO, DEMO_SHAPES, ROOT
 
-from draftdata.sources.shapes import SHAPES, BadRecord, Prompt, SourceOptions, to_prompt
+from draftdata.sources.shapes import SHAPES, BadRecord, Prompt, SourceOptions, to_prompt, turn_slots
 
 REASONS = {
     "not_a_mapping",
@@ -274,9 +275,10 @@ def test_junk_raises_only_bad_record(shape):
 )
 def test_single_column_shapes(shape, column, answer):
     row = {column: "Reverse a list in place.", answer: "```python\nxs.reverse()\n```", "id": "7"}
-    assert to_prompt(shape, row) == Prompt(
-        messages=[{"role": "user", "content": "Reverse a list in place."}], tools=None
-    )
+    user = [{"role": "user", "content": "Reverse a list in place."}]
+    # the answer column is not read: the conversation is the prompt, and its one slot an answer after it
+    assert to_prompt(shape, row) == Prompt(messages=user, tools=None, conversation=user)
+    assert turn_slots(user) == [1]
 
     for value, reason in [
         ("", "empty_prompt"),
@@ -749,3 +751,85 @@ def test_swe_agent_prompts_end_before_the_submit_aftermath(submit):
     # a command that merely mentions submit is not a submit
     row["trajectory"][2]["text"] = "DISCUSSION\nBefore we submit, look.\n```\nls submit_dir\n```"
     assert to_prompt("swe_agent", row).messages[-1] == {"role": "user", "content": "a.py b.py\nbash-$"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The whole conversation and its turn slots (turns: all)
+
+# sha256 of json.dumps([[messages, tools], ...]) over each demo file's rows, as prompts.jsonl writes them: taken
+# before `conversation` was added, so the `turns: last` prompts stay byte for byte what they were
+DEMO_MESSAGES_SHA256 = {
+    "B1_glaive": "706d64330fb51d61",
+    "B2_opencodeinstruct": "48a826e68daae3b3",
+    "B3_magicoder": "505e9e8914233abd",
+    "B4_mixture_of_thoughts": "d4459378cb277289",
+    "B5_openthoughts": "477719a227e2c574",
+    "B6_ultrachat": "b36a073823f73cc4",
+    "B7_sharegpt": "1805b172484e3ca2",
+    "B8_sweagent": "523bf285e946291f",
+}
+
+
+@pytest.mark.parametrize("name", DEMO_SHAPES)
+def test_demo_prompt_messages_unchanged_by_the_whole_conversation(name):
+    prompts = [p for _, p in adapt_all(name)[0]]
+    blob = json.dumps([[p.messages, p.tools] for p in prompts], ensure_ascii=False).encode()
+    assert hashlib.sha256(blob).hexdigest()[:16] == DEMO_MESSAGES_SHA256[name]
+    for p in prompts:  # the prompt is the conversation cut after its last user/tool turn
+        assert p.conversation[: len(p.messages)] == p.messages
+
+
+def roles(conversation: list[dict]) -> str:
+    return "".join(m["role"][0].upper() + ("c" if m.get("tool_calls") else "") for m in conversation)
+
+
+@pytest.mark.parametrize(
+    ("name", "row", "shape", "slots"),
+    [
+        # a call, its FUNCTION RESPONSE as a tool turn, then two assistant turns in a row: one answer for both
+        ("B1_glaive", 10, "SUAcTAA", [2, 4]),
+        ("B6_ultrachat", 0, "UAUA", [1, 3]),
+        # ends on the user: one more answer than the source had
+        ("B7_sharegpt", 26, "UAUAUAU", [1, 3, 5, 7]),
+        # observations are user turns; the last action is the submit
+        ("B8_sweagent", 0, "SUAUAUA", [2, 4, 6]),
+    ],
+)
+def test_demo_turn_slots(name, row, shape, slots):
+    prompt = to_prompt(DEMO_SHAPES[name], read_rows(name)[row])
+    assert roles(prompt.conversation) == shape
+    assert turn_slots(prompt.conversation) == slots
+    if name == "B8_sweagent":
+        assert prompt.conversation[-1]["content"].rstrip().endswith("```\nsubmit\n```")
+
+
+def test_demo_turn_slot_counts():
+    """Every multi-turn demo source gives each conversation at least one slot, and more than one on average."""
+    for name in ("B1_glaive", "B6_ultrachat", "B7_sharegpt", "B8_sweagent"):
+        counts = [len(turn_slots(p.conversation)) for _, p in adapt_all(name)[0]]
+        assert min(counts) >= 1 and sum(counts) / len(counts) > 1.5, name
+
+
+def test_turn_slots_rules():
+    assert turn_slots([msg("system", "s"), msg("assistant", "hi"), msg("user", "q")]) == [3]
+    assert turn_slots([msg("user", "q"), msg("assistant", "a"), msg("assistant", "b")]) == [1]
+    assert turn_slots([msg("user", "q"), msg("assistant", "", tool_calls=[{}]), msg("tool", "r")]) == [1, 3]
+    assert turn_slots([]) == []
+
+
+def test_swe_agent_conversation_ends_at_submit():
+    row = {
+        "trajectory": [swe("user", "Fix."), swe("ai", "Done.\n```\nsubmit\n```"), swe("user", "diff"), swe("ai", "x")]
+    }
+    prompt = to_prompt("swe_agent", row)
+    assert [m["content"] for m in prompt.conversation] == ["Fix.", "Done.\n```\nsubmit\n```"]
+    assert turn_slots(prompt.conversation) == [1]
+
+
+def test_glaive_conversation_keeps_the_final_answer_unless_its_call_is_malformed():
+    good = 'ASSISTANT: <functioncall> {"name": "get_time", "arguments": "{}"} <|endoftext|>'
+    prompt = to_prompt("glaive", glaive(TIME_DEF, chat=chat("USER: time?", good)))
+    assert roles(prompt.conversation) == "SUAc" and turn_slots(prompt.conversation) == [2]
+    bad = 'ASSISTANT: <functioncall> {"name": "get_time", "arguments": oops} <|endoftext|>'
+    prompt = to_prompt("glaive", glaive(TIME_DEF, chat=chat("USER: time?", bad)))
+    assert roles(prompt.conversation) == "SU" and turn_slots(prompt.conversation) == [2]

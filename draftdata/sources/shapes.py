@@ -2,7 +2,9 @@
 
 Each shape turns one row of a real dataset (schemas and quirks: shared/SOURCES.md) into the request we send to
 the target: `messages` ending at the last user/tool turn, the original final answer dropped, earlier assistant
-turns kept as history, plus `tools` where the source has function definitions. Pure functions, stdlib only:
+turns kept as history, plus `tools` where the source has function definitions; and the whole adapted
+`conversation`, the turns after that cut included, from which `turns: all` regenerates every assistant turn
+(`turn_slots` says which). Pure functions, stdlib only:
 reading files and counting skips is the caller's job; a row that cannot become a prompt raises `BadRecord`
 with a short reason code so skips can be counted by reason.
 """
@@ -36,6 +38,9 @@ class BadRecord(ValueError):
 class Prompt:
     messages: list[dict]
     tools: list[dict] | None
+    # The same conversation uncut: the source's answers after `messages` too (its final answer, swe-agent's last
+    # action up to `submit`), under the same rules (empty turns dropped, keep_system, user_template).
+    conversation: list[dict]
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,20 @@ def to_prompt(shape: str, row: dict, options: SourceOptions = SourceOptions()) -
     except KeyError:
         raise ValueError(f"unknown source shape {shape!r}; known: {', '.join(sorted(SHAPES))}") from None
     return adapt(row, options)
+
+
+def turn_slots(conversation: list[dict]) -> list[int]:
+    """Where the target answers, in order: the index of each assistant turn that follows a user or tool turn, and
+    the conversation's length when it ends on a user or tool turn (an answer the source never had). Assistant turns
+    right after another assistant turn (or a system turn) are not slots: one answer stands for the whole run."""
+    slots = [
+        i
+        for i, m in enumerate(conversation)
+        if m["role"] == "assistant" and i > 0 and conversation[i - 1]["role"] in _PROMPT_END_ROLES
+    ]
+    if conversation and conversation[-1]["role"] in _PROMPT_END_ROLES:
+        slots.append(len(conversation))
+    return slots
 
 
 def _shape(name: str) -> Callable[[Adapter], Adapter]:
@@ -146,7 +165,8 @@ def _finish(
     *,
     drop_leading_assistant: bool = False,
 ) -> Prompt:
-    """Apply the prompt rule common to every shape to a whole conversation; `source` names it in errors."""
+    """Apply the prompt rule common to every shape to a whole conversation; `source` names it in errors. The
+    prompt ends at the last user/tool turn; `conversation` keeps what follows it."""
     turns = [m for m in messages if _has_payload(m)]
     if not options.keep_system:
         turns = [m for m in turns if m["role"] != "system"]
@@ -157,14 +177,13 @@ def _finish(
     if drop_leading_assistant:
         first_user = next(i for i, m in enumerate(turns) if m["role"] == "user")
         turns = [m for i, m in enumerate(turns) if i > first_user or m["role"] != "assistant"]
-    last = max(i for i, m in enumerate(turns) if m["role"] in _PROMPT_END_ROLES)
-    turns = turns[: last + 1]
     if options.user_template is not None:
         first_user = next(i for i, m in enumerate(turns) if m["role"] == "user")
         content = turns[first_user]["content"]
         # replace, not str.format: templates and prompts are full of literal braces (code, JSON).
         turns[first_user] = {**turns[first_user], "content": options.user_template.replace("{content}", content)}
-    return Prompt(messages=turns, tools=tools or None)
+    last = max(i for i, m in enumerate(turns) if m["role"] in _PROMPT_END_ROLES)
+    return Prompt(messages=turns[: last + 1], tools=tools or None, conversation=turns)
 
 
 def _single_turn(row: Mapping, column: str, options: SourceOptions) -> Prompt:
@@ -334,12 +353,14 @@ _GLAIVE_QUOTED_CALL = re.compile(
 def _glaive(row: Mapping, options: SourceOptions) -> Prompt:
     sentence, tools = _glaive_system(_text(_column(row, "system"), "column 'system'"))
     turns = _glaive_turns(_text(_column(row, "chat"), "column 'chat'"))
-    # Cut before converting: a malformed call in the dropped final answer must not reject the row.
     kept = [i for i, (role, body) in enumerate(turns) if role == "tool" or (role == "user" and body.strip())]
     # With nothing to end on, only the (empty) user turns matter: they tell empty_prompt from no_user_turn.
-    turns = turns[: kept[-1] + 1] if kept else [turn for turn in turns if turn[0] == "user"]
-    messages = [{"role": "system", "content": sentence}, *_glaive_messages(turns)]
-    return _finish(messages, tools, options, "column 'chat'")
+    prompt = turns[: kept[-1] + 1] if kept else [turn for turn in turns if turn[0] == "user"]
+    try:
+        messages = _glaive_messages(turns)
+    except BadRecord:  # a malformed call in the final answer must not reject the row: the prompt ends before it
+        messages = _glaive_messages(prompt)
+    return _finish([{"role": "system", "content": sentence}, *messages], tools, options, "column 'chat'")
 
 
 def _glaive_system(text: str) -> tuple[str, list[dict] | None]:
