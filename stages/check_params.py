@@ -11,7 +11,7 @@ the target stops on. It writes nothing.
 from __future__ import annotations
 
 from draftdata.config.load import cli
-from draftdata.config.schema import Config, check_all, length_warnings
+from draftdata.config.schema import Config, check_all, length_warnings, template_kwargs_of
 from draftdata.target.model import local_context
 from draftdata.target.tokenizer import check_local_target
 from draftdata.util.log import log
@@ -19,7 +19,8 @@ from draftdata.util.log import log
 
 def main(cfg: Config) -> None:
     check_all(cfg)
-    check_local_target(cfg.model)  # a chat template that ends the turn where the target does not stop
+    # a chat template that ends the turn where the target does not stop, under any dataset's kwargs
+    check_local_target(cfg.model, [template_kwargs_of(cfg, name) for name in cfg.datasets or [None]])
     for line in length_warnings(cfg, context=local_context(cfg.model)):  # samples tokenize may drop: told, not refused
         log("check_params", warning=line)
     log("check_params", datasets=len(cfg.datasets), ok=True)

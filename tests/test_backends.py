@@ -19,7 +19,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from conftest import free_port, transformers_serve
+from conftest import ROOT, free_port, transformers_serve
 
 from bench.fake_server import EOS_ID, FakeServer, Fault, Faults, fake_output_ids, fake_text
 from draftdata.config.schema import (
@@ -892,6 +892,25 @@ def test_sampling_extra_is_sent_where_the_protocol_takes_it(fake, kind, fmt):
     assert run(generate(_sampling_config(kind, fmt, srv.url, sampling), req)).ok
     body = srv.generate_calls[0]
     assert (body["sampling_params"] if kind == "sglang" else body)[name] == 2
+
+
+def test_a_datasets_template_kwargs_win_over_the_models_in_what_is_sent(fake, tiny_model):
+    """Chat format: the server's template is asked for the merged kwargs, the dataset's keys winning. sglang: a
+    request without ids is rendered here under the same kwargs (a thinking template: "off" writes an empty block)."""
+    srv = fake(stop_after=3)
+    chat = config(BackendKind.openai, [srv.url], prompt_format="chat")
+    chat.model.template_kwargs = {"enable_thinking": True, "tools_in_user_message": False}
+    chat.ds.template_kwargs = {"enable_thinking": False}
+    assert run(generate(chat, request(ids=None))).ok
+    assert srv.generate_calls[0]["chat_template_kwargs"] == {"enable_thinking": False, "tools_in_user_message": False}
+
+    model = ModelConfig(path=str(tiny_model), chat_template=str(ROOT / "conf" / "templates" / "qwen3_thinking.jinja"))
+    tok = load_tokenizer(model)
+    native = sglang(srv.url)
+    native.model.template_kwargs, native.ds.template_kwargs = {"enable_thinking": True}, {"enable_thinking": False}
+    assert run(generate(native, request(ids=None), tok)).ok
+    assert srv.generate_calls[1]["input_ids"] == render_prompt_ids(tok, MESSAGES, None, {"enable_thinking": False})
+    assert tok.decode(srv.generate_calls[1]["input_ids"]).endswith("<think>\n\n</think>\n\n")
 
 
 @pytest.mark.parametrize("name", ["model", "prompt", "max_tokens", "stream", "n", "seed", "top_k"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 
@@ -30,6 +31,7 @@ from draftdata.errors import ConfigError
         ("tokenize.on_too_long=wrap", "tokenize.on_too_long", "drop, truncate"),
         ("hidden_states.dtype=int4", "hidden_states.dtype", "bfloat16"),
         ("run.fail_fast_after=-1", "run.fail_fast_after", ">= 0"),
+        ("datasets.B3.template_kwargs=thinking", "datasets.B3.template_kwargs", "Cannot assign str to Dict"),
     ],
 )
 def test_bad_override_names_the_key(project, override, key, words):
@@ -224,8 +226,12 @@ def test_a_section_that_is_not_a_mapping_is_named(tmp_path):
     import yaml
 
     params = yaml.safe_load((ROOT / "params.yaml").read_text())
-    for section, value, key in (("datasets", ["B"], "datasets"), ("tokenize", "drop", "tokenize")):
-        bad = dict(params, **{section: value})
+    cases = [(dict(params, datasets=["B"]), "datasets"), (dict(params, tokenize="drop"), "tokenize")]
+    for value in ("enable_thinking", ["enable_thinking"]):  # a dataset's template_kwargs, of any dataset
+        bad = copy.deepcopy(params)
+        bad["datasets"]["B7_sharegpt"]["template_kwargs"] = value
+        cases.append((bad, "datasets.B7_sharegpt.template_kwargs"))
+    for bad, key in cases:
         (tmp_path / "params.yaml").write_text(yaml.safe_dump(bad))
         with pytest.raises(ConfigError) as err:
             load_config(None, [], params_path=tmp_path / "params.yaml", need_dataset=False)

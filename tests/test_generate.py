@@ -362,6 +362,11 @@ def test_a_changed_template_kwargs_or_tokenizer_file_renders_again(project, tiny
     assert renders_of(f"model.chat_template={template}") == n and renders_of(f"model.chat_template={template}") == 0
     assert planned(f"model.chat_template={template}")[0][1] != planned()[0][1]  # not the first template's ids
     assert renders_of("+model.template_kwargs.enable_thinking=false") == n
+    # a dataset's own kwargs render again too, and under a template that reads them they are other ids: other keys
+    thinking = f"model.chat_template={ROOT / 'conf' / 'templates' / 'qwen3_thinking.jinja'}"
+    off = "+datasets.B3.template_kwargs.enable_thinking=false"
+    assert renders_of(thinking) == n and renders_of(thinking, off) == n and renders_of(thinking, off) == 0
+    assert all(a[0] != b[0] and a[1] != b[1] for a, b in zip(planned(thinking), planned(thinking, off)))
     edited = tmp_path / "edited"  # the same model with one tokenizer file changed
     shutil.copytree(tiny_model, edited)
     conf = json.loads((edited / "tokenizer_config.json").read_text())

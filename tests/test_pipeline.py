@@ -154,3 +154,42 @@ def test_the_summary_reports_what_tokenize_kept_of_the_budget():
     s = summarise(generate, tokenize, {"bytes": 0})
     assert (s["tokens"], s["trained"]) == (1050, 94.0)
     assert max(len(k) for k in s) <= 14  # `dvc exp show` names each column by its key
+
+
+def test_a_datasets_template_kwargs_reach_generate_and_tokenize_alike(project):
+    """Two datasets of the same prompts under a thinking template, the model's kwargs saying thinking on and one
+    dataset's saying off: that dataset's requests end with the empty thinking block the template writes for "off",
+    the other's do not, and tokenize's text path (the responses stripped of their ids, as a server that sends text
+    back leaves them) renders each dataset's samples with the same kwargs, so their context is exactly the ids sent."""
+    from conftest import ROOT
+
+    from draftdata.config.load import load_config
+    from draftdata.target.tokenizer import load_tokenizer
+    from draftdata.util.files import write_jsonl
+
+    project.set("model.chat_template", str(ROOT / "conf" / "templates" / "qwen3_thinking.jinja"))
+    project.set("model.template_kwargs", {"enable_thinking": True})
+    project.set("datasets.B3.token_budget", 150)
+    project.params["datasets"]["B3_off"] = dict(
+        project.params["datasets"]["B3"], template_kwargs={"enable_thinking": False}
+    )
+    project.save()
+    sent = {}
+    for d in ("B3", "B3_off"):
+        for stage in ("prompts", "generate"):
+            project.run(stage, d)
+        rows = list(read_jsonl(project.data(d) / "responses.jsonl"))
+        sent[d] = {r["id"]: r["prompt_ids"] for r in rows}
+        write_jsonl(project.data(d) / "responses.jsonl", [dict(r, prompt_ids=None, output_ids=None) for r in rows])
+        project.run("tokenize", d)
+        assert metrics(project, d, "tokenize")["text_path_samples"] == len(rows) > 0
+        for s in pq.read_table(project.data(d) / "samples.parquet").to_pylist():
+            context = s["input_ids"][: s["loss_mask"].index(1)]
+            assert context == sent[d][s["id"]]  # tokenize rendered what generate sent
+
+    tok = load_tokenizer(load_config("B3", [], params_path=project.path / "params.yaml").model)
+    both = sent["B3"].keys() & sent["B3_off"].keys()
+    assert both
+    for rid in both:
+        on, off = sent["B3"][rid], sent["B3_off"][rid]
+        assert off[: len(on)] == on and tok.decode(off[len(on) :]) == "<think>\n\n</think>\n\n"

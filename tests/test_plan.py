@@ -104,6 +104,18 @@ def test_reusable_tokens_are_what_the_store_holds(project, capsys, tiny_model):
     assert doc["datasets"][0]["to_generate"] == doc["total"]["to_generate"] == 100_000 - held
 
 
+def test_the_plan_renders_with_the_datasets_template_kwargs(project):
+    """plan computes the keys generate computes: under a thinking template, what a dataset with thinking off stored
+    counts toward it, and none of it for the same prompts with thinking on (other ids, so other keys)."""
+    project.set("model.chat_template", str(ROOT / "conf" / "templates" / "qwen3_thinking.jinja"))
+    project.set("datasets.B3.template_kwargs", {"enable_thinking": False})
+    project.set("datasets.B3.token_budget", 100)
+    project.run("prompts", "B3")
+    project.run("generate", "B3")
+    assert one(project).reusable == sum(stored_usable(project)) >= 100
+    assert one(project, "datasets.B3.template_kwargs.enable_thinking=true").reusable == 0
+
+
 def _opts(**kw):
     from draftdata.cli.plan import Options
 

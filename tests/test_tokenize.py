@@ -171,7 +171,9 @@ def test_every_skip_reason_is_counted(project, tok, tiny_model):
 def test_metadata_round_trip_and_hf_datasets_reads_it(project, tok, tiny_model):
     rows, _ = run_tokenize(project, [response(tok, "a", HISTORY, "Five.", ids=True)])
     meta = read_metadata(project.data("B3") / "samples.parquet")
-    assert meta["tokenizer"] == json.loads(json.dumps(tokenizer_fingerprint(tok, ModelConfig(path=str(tiny_model)))))
+    assert meta["tokenizer"] == json.loads(
+        json.dumps(tokenizer_fingerprint(tok, ModelConfig(path=str(tiny_model)), {}))
+    )
     assert meta["tokenizer"]["files_sha256"]["tokenizer.json"] and meta["schema_version"] == 1
 
     import datasets

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from draftdata.config.load import cli
-from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, check_all, length_warnings
+from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, check_all, length_warnings, template_kwargs_of
 from draftdata.errors import ConfigError
 from draftdata.generate.budget import MIN_OBSERVED as MIN_LENGTHS
 from draftdata.generate.budget import LengthModel
@@ -525,7 +525,8 @@ def main(cfg: Config, opts: Options | None = None) -> list[DatasetPlan]:
     tokenizer = _tokenizer_loader(cfg) if shape else None
     if tokenizer is not None and has_tokenizer_files(model_dir(cfg.model)):
         # as check_params and generate: a template that ends the turn where the target does not stop, in one line
-        end_of_turn_ids(tokenizer(), cfg.model)
+        for name in names:
+            end_of_turn_ids(tokenizer(), cfg.model, template_kwargs_of(cfg, name))
     store_path = resolve_store_path(cfg.run.store_path)
     store = ResponseStore(store_path) if store_path.exists() else None  # no store yet: nothing stored, none made
     try:

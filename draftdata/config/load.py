@@ -43,7 +43,7 @@ def _check_sections(params: dict, source: str) -> None:
             mapping(name, params.get(name))
     for name, ds in (params.get("datasets") or {}).items():
         mapping(f"datasets.{name}", ds)
-        for section in ("source", "sampling"):
+        for section in ("source", "sampling", "template_kwargs"):
             mapping(f"datasets.{name}.{section}", (ds or {}).get(section))
 
 

@@ -169,6 +169,9 @@ def sent(sampling: dict) -> dict:
 @dataclass
 class DatasetConfig:
     source: SourceConfig = field(default_factory=SourceConfig)
+    # Merged over model.template_kwargs (these keys win) wherever this dataset's conversations are rendered: prompts,
+    # generate and tokenize alike. E.g. {enable_thinking: true} for a reasoning dataset, false for a chat one.
+    template_kwargs: Dict[str, Any] = field(default_factory=dict)
     # prompts
     max_prompts: Optional[int] = None
     max_prompt_tokens: Optional[int] = None
@@ -202,7 +205,8 @@ class ModelConfig:
     revision: Optional[str] = None
     # A Jinja file that replaces the tokenizer's own chat template; None keeps the tokenizer's.
     chat_template: Optional[str] = None
-    # Passed to apply_chat_template (e.g. enable_thinking); identical in generate and tokenize.
+    # Passed to apply_chat_template (e.g. enable_thinking); identical in generate and tokenize. A dataset's own
+    # `template_kwargs` go over these.
     template_kwargs: Dict[str, Any] = field(default_factory=dict)
     # Run the Python code a model repository ships (its own config, tokenizer or model classes). Off: code from a
     # checkpoint runs only when asked for, as transformers itself decides.
@@ -428,6 +432,15 @@ class Config:
     @property
     def ds(self) -> DatasetConfig:
         return self.datasets[self.dataset]
+
+
+def template_kwargs_of(cfg: Config, dataset: str | None) -> dict:
+    """The chat template's kwargs for one dataset: `model.template_kwargs` with `datasets.<D>.template_kwargs` over
+    them (the dataset's keys win); the model's alone without a dataset. Every render of a dataset's conversations
+    (prompt ids, end of turn, tokenize's samples, the render cache's fingerprint) takes them from here, so generate
+    and tokenize see the same ids."""
+    own = cfg.datasets[dataset].template_kwargs if dataset is not None else {}
+    return {**cfg.model.template_kwargs, **own}
 
 
 def _positive(key: str, value: int) -> None:

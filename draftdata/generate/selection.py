@@ -10,7 +10,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, OnBudget, OnTruncation
+from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, OnBudget, OnTruncation, template_kwargs_of
 from draftdata.errors import ConfigError, UserError
 from draftdata.generate.store import CUT, ResponseStore, StoredResponse, ids_json
 from draftdata.target.fingerprint import model_fingerprint
@@ -146,7 +146,7 @@ def rendered_prompts(cfg: Config, model_fp: str, prompts: list[dict], tok, store
     """Each prompt's ids under the chat template, as `ids_json` text; those rendered by an earlier run under the same
     model, tokenizer files, template, template kwargs and tokenizer libraries come from the store (a 100k-prompt
     rerun would otherwise render them all again, also when the budget is already met)."""
-    kwargs = dict(cfg.model.template_kwargs)
+    kwargs = template_kwargs_of(cfg, cfg.dataset)
     fp = render_fingerprint(cfg, model_fp, tok)
     cached = store.get_rendered(fp, (rec["id"] for rec in prompts)) if store is not None else {}
     new: dict[str, str] = {}
@@ -166,4 +166,5 @@ def render_fingerprint(cfg: Config, model_fp: str, tok) -> str:
     import transformers
 
     libraries = {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
-    return content_hash({"model": model_fp, "tokenizer": tokenizer_fingerprint(tok, cfg.model), **libraries}, n=32)
+    tokenizer = tokenizer_fingerprint(tok, cfg.model, template_kwargs_of(cfg, cfg.dataset))  # the dataset's kwargs
+    return content_hash({"model": model_fp, "tokenizer": tokenizer, **libraries}, n=32)

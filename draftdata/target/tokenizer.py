@@ -155,22 +155,25 @@ def has_tokenizer_files(directory: str) -> bool:
     return (root / "tokenizer.json").is_file() or (root / "tokenizer_config.json").is_file()
 
 
-def check_local_target(model: ModelConfig) -> None:
+def check_local_target(model: ModelConfig, template_kwargs: list[dict]) -> None:
     """What check_params can tell of a target whose tokenizer is on this disk already: it loads, has a chat
-    template, and that template ends the turn on a token the target stops on. A hub id, or a directory a stage has
-    not built yet, is checked by the stages that load it (generate before any request)."""
+    template, and that template ends the turn on a token the target stops on, under each of the datasets'
+    `template_kwargs`. A hub id, or a directory a stage has not built yet, is checked by the stages that load it
+    (generate before any request)."""
     if has_tokenizer_files(model.path):
-        end_of_turn_ids(load_tokenizer(model), model)
+        tok = load_tokenizer(model)
+        for kwargs in template_kwargs:
+            end_of_turn_ids(tok, model, kwargs)
 
 
-def load_target_tokenizer(model: ModelConfig) -> tuple[object, ModelLimits]:
+def load_target_tokenizer(model: ModelConfig, template_kwargs: dict) -> tuple[object, ModelLimits]:
     """The tokenizer generate works with and the model's limits, refused before any request where it cannot be the
-    target's: ids past the model's embeddings, or a chat template that ends the turn on a token the target does not
-    stop on."""
+    target's: ids past the model's embeddings, or a chat template that ends the turn (under the dataset's
+    `template_kwargs`) on a token the target does not stop on."""
     tok = load_tokenizer(model)
     limits = model_limits(model)  # after the tokenizer: a hub id's config is cached beside it
     check_tokenizer_fits(tok, model, limits)
-    end_of_turn_ids(tok, model)
+    end_of_turn_ids(tok, model, template_kwargs)
     return tok, limits
 
 
@@ -252,8 +255,9 @@ def _call_with_mapping(call: dict) -> dict:
     return dict(call, function=dict(fn, arguments=args))
 
 
-def tokenizer_fingerprint(tok, model: ModelConfig) -> dict:
-    """What a tokenized file records so that a changed tokenizer or template is detectable."""
+def tokenizer_fingerprint(tok, model: ModelConfig, template_kwargs: dict) -> dict:
+    """What a tokenized file records so that a changed tokenizer or template is detectable; `template_kwargs`: the
+    dataset's, as it was rendered with (config.schema.template_kwargs_of)."""
     files = {}
     root = Path(model.path)
     if root.is_dir():
@@ -265,5 +269,5 @@ def tokenizer_fingerprint(tok, model: ModelConfig) -> dict:
         "revision": model.revision,
         "files_sha256": files,
         "chat_template_sha256": hashlib.sha256(tok.chat_template.encode()).hexdigest()[:16],
-        "template_kwargs": dict(model.template_kwargs),
+        "template_kwargs": dict(template_kwargs),
     }

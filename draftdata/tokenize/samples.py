@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from jinja2.exceptions import TemplateError
 
-from draftdata.config.schema import Config, OnTooLong
+from draftdata.config.schema import Config, OnTooLong, template_kwargs_of
 from draftdata.errors import UserError
 from draftdata.target.tokenizer import assistant_message, end_of_turn_ids, load_tokenizer, template_messages
 
@@ -191,7 +191,7 @@ def _worker_render(args) -> list:
 def text_samples_parallel(tok, recs: list[dict], cfg: Config) -> list:
     """Large inputs render (Python-bound Jinja) in worker processes, which send back only the rendered strings;
     encoding stays one batch here, where the Rust tokenizer already uses every core."""
-    kwargs = dict(cfg.model.template_kwargs)
+    kwargs = template_kwargs_of(cfg, cfg.dataset)
     ends = end_of_turn_ids(tok, cfg.model, kwargs)
     workers = min(os.cpu_count() or 1, 16)
     # With few cores the Rust encode already fills them and rendering is ~10 % of the work: a pool's start-up and

@@ -16,7 +16,7 @@ import asyncio
 import itertools
 import time
 
-from draftdata.config.schema import Config
+from draftdata.config.schema import Config, template_kwargs_of
 from draftdata.generate.backends import GenRequest, GenResult, cancel_as_stop, stopped_result, varlen_attention
 from draftdata.target.model import load_model
 from draftdata.target.tokenizer import end_of_turn_ids
@@ -44,7 +44,7 @@ class EmbeddedBackend:
         # the turn ends where a server's would: on the tokenizer's eos and every id of the generation config's
         # eos_token_id (gpt-oss: <|return|>, <|call|>; never <|end|>, which closes its reasoning); checked before the
         # weights are loaded
-        self.stop_ids = end_of_turn_ids(self.tokenizer, self.cfg.model, dict(self.cfg.model.template_kwargs))
+        self.stop_ids = end_of_turn_ids(self.tokenizer, self.cfg.model, template_kwargs_of(self.cfg, self.cfg.dataset))
         model = load_model(self.cfg.model)
         eos = self.tokenizer.eos_token_id
         sampling = ds.sampling

@@ -30,7 +30,7 @@ have (checked neutral at validation), and `backend.extra_body` may name none of 
 
 from __future__ import annotations
 
-from draftdata.config.schema import Config, sent
+from draftdata.config.schema import Config, sent, template_kwargs_of
 from draftdata.errors import UserError
 from draftdata.generate.backends import GenRequest, GenResult, Partial, takes_token_ids
 from draftdata.generate.backends.http import (
@@ -78,7 +78,8 @@ class OpenAIBackend(HttpBackend):
         self.takes_token_ids = takes_token_ids(cfg)
         # what the chat template drops from an answer; with token ids back the ids are the sample, not a rendering
         ids_back = self.bcfg.return_token_ids or tokenizer is None
-        self.unrendered = set() if ids_back else set(unrendered_parts(tokenizer, dict(cfg.model.template_kwargs)))
+        self.template_kwargs = template_kwargs_of(cfg, cfg.dataset)
+        self.unrendered = set() if ids_back else set(unrendered_parts(tokenizer, self.template_kwargs))
 
     async def _served_models(self, url: str) -> list[str]:
         status, doc = await self._get_json(url + "/v1/models")
@@ -113,8 +114,8 @@ class OpenAIBackend(HttpBackend):
             body["messages"] = req.messages
             if req.tools:
                 body["tools"] = req.tools
-            if self.cfg.model.template_kwargs:
-                body["chat_template_kwargs"] = dict(self.cfg.model.template_kwargs)
+            if self.template_kwargs:
+                body["chat_template_kwargs"] = dict(self.template_kwargs)
         else:
             path = "/v1/completions"
             body["prompt"] = self._input_ids(req) if fmt == "ids" else self.tokenizer.decode(req.prompt_ids)
@@ -287,7 +288,8 @@ def check_chat_rendering(cfg: Config, tok, prompts: list[dict]) -> None:
     assistant turn would store answers that tokenize cannot render as the model wrote them."""
     if cfg.backend.prompt_format != "chat" or cfg.backend.return_token_ids:
         return
-    if any(p.get("tools") for p in prompts) and "tool_calls" in unrendered_parts(tok, dict(cfg.model.template_kwargs)):
+    kwargs = template_kwargs_of(cfg, cfg.dataset)
+    if any(p.get("tools") for p in prompts) and "tool_calls" in unrendered_parts(tok, kwargs):
         raise UserError(
             f"backend.prompt_format chat: dataset {cfg.dataset} has tools, and a server's tool-call parser moves a "
             "call out of the answer's text, but the chat template drops tool_calls from the assistant turn; set "
