@@ -75,13 +75,18 @@ def test_the_reader_imports_no_pipeline_machinery():
 
 
 def test_compare_shows_every_summary_figure_in_120_columns():
-    """`draftdata compare` rows carry each key stages/summary.py writes (the trained share of the budget too)."""
+    """`draftdata compare` rows carry each key stages/summary.py writes (the trained share of the budget and of the
+    samples' tokens too), and the overshoot, read from tokens and budget as older summaries held it."""
     from draftdata.cli.compare import COLUMNS, table
     from stages.summary import summarise
 
-    generate = {"budget": 1000, "budget_tokens": 1004, "overshoot_pct": 0.4, "completion_tokens": 1004}
-    figures = summarise(generate, {"samples": 9, "skipped": {"too_long": 1}, "trained_tokens": 950}, {"bytes": 0})
-    assert set(COLUMNS) == set(figures)
-    lines = table([("workspace", {"D": figures}), ("  exp-budget-2k", {"D": figures})], "D")
-    header, row = lines[1].split(), lines[2].split()
-    assert row[header.index("trained")] == "95" and max(map(len, lines)) <= 120
+    generate = {"budget": 1000, "budget_tokens": 1025, "overshoot_pct": 2.5, "completion_tokens": 1025}
+    tokenize = {"samples": 9, "skipped": {"too_long": 1}, "tokens": 3800, "trained_tokens": 950}
+    figures = summarise(generate, tokenize)
+    assert set(COLUMNS) == set(figures) | {"over_pct"}
+    older = dict(figures, over_pct=2.5)  # a summary.json from before over_pct left it
+    lines = table([("workspace", {"D": figures}), ("  exp-budget-2k", {"D": older})], "D")
+    header, row, old = lines[1].split(), lines[2].split(), lines[3].split()
+    assert row[header.index("trained")] == "95" and row[header.index("trained_share")] == "0.25"
+    assert row[header.index("over_pct")] == old[header.index("over_pct")] == "2.5"
+    assert max(map(len, lines)) <= 120

@@ -127,16 +127,17 @@ def test_plot_files_and_the_summary(project, capsys):
 
     summary("B3")
     s = json.loads((project.data("B3") / "summary.json").read_text())
-    h = metrics(project, "B3", "hidden_states")
     assert s["tokens"] == m["budget_tokens"] and s["budget"] == 400 and s["samples"] == t["samples"]
     assert s["new"] + s["reused"] == m["completion_tokens"] and s["new"] > 0
     assert s["samples"] + s["skipped"] == m["responses"]
-    assert s["hs_gb"] == round(h["bytes"] / 1e9, 3)
     # what tokenize kept of the budget: every token of samples.parquet, and the trained ones against the budget
     table = pq.read_table(project.data("B3") / "samples.parquet")
     assert t["tokens"] == sum(table.column("n_tokens").to_pylist())
     assert t["trained_tokens"] == sum(table.column("n_trained").to_pylist()) > 0
     assert s["trained"] == round(100 * t["trained_tokens"] / 400, 2)
+    # and against every token of samples.parquet: the single-turn B3 trains its answers, not its prompts
+    trained, every = sum(table.column("n_trained").to_pylist()), sum(table.column("n_tokens").to_pylist())
+    assert s["trained_share"] == round(trained / every, 3) and 0 < s["trained_share"] < 1
     # a second run reuses every token
     project.run("generate", "B3")
     summary("B3")
@@ -151,8 +152,8 @@ def test_the_summary_reports_what_tokenize_kept_of_the_budget():
 
     generate = {"budget_tokens": 1050, "budget": 1000, "overshoot_pct": 5.0, "completion_tokens": 1050}
     tokenize = {"samples": 9, "skipped": {"over_max_seq_len": 1}, "tokens": 2400, "trained_tokens": 940}
-    s = summarise(generate, tokenize, {"bytes": 0})
-    assert (s["tokens"], s["trained"]) == (1050, 94.0)
+    s = summarise(generate, tokenize)
+    assert (s["tokens"], s["trained"], s["trained_share"]) == (1050, 94.0, 0.392)
     assert max(len(k) for k in s) <= 14  # `dvc exp show` names each column by its key
 
 

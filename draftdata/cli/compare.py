@@ -12,7 +12,7 @@ import json
 import subprocess
 import sys
 
-COLUMNS = ("budget", "tokens", "over_pct", "samples", "skipped", "trained", "new", "reused", "hs_gb")
+COLUMNS = ("budget", "tokens", "over_pct", "samples", "skipped", "trained", "trained_share", "new", "reused")
 
 
 def experiments(doc: list) -> list[tuple[str, dict]]:
@@ -44,12 +44,23 @@ def changed(rows: list[tuple[str, dict]]) -> list[str]:
 
 def table(rows: list[tuple[str, dict]], dataset: str) -> list[str]:
     width = max(len("experiment"), *(len(name) for name, _ in rows))
-    lines = [f"{dataset}", f"{'experiment':<{width}}" + "".join(f"{c:>10}" for c in COLUMNS)]
+    cells = [max(10, len(c) + 2) for c in COLUMNS]
+    lines = [f"{dataset}", f"{'experiment':<{width}}" + "".join(f"{c:>{w}}" for c, w in zip(COLUMNS, cells))]
     for name, s in rows:
         figures = s.get(dataset)
         if figures is not None:
-            lines.append(f"{name:<{width}}" + "".join(f"{_fmt(figures.get(c)):>10}" for c in COLUMNS))
+            figures = with_overshoot(figures)
+            lines.append(f"{name:<{width}}" + "".join(f"{_fmt(figures.get(c)):>{w}}" for c, w in zip(COLUMNS, cells)))
     return lines
+
+
+def with_overshoot(figures: dict) -> dict:
+    """summary.json leaves the overshoot to be read from `tokens` and `budget` (`dvc metrics show` has no room for
+    it); older summaries hold it as `over_pct`, computed the same way."""
+    if "over_pct" in figures or not figures.get("budget"):
+        return figures
+    over = max(0, figures["tokens"] - figures["budget"]) / figures["budget"]
+    return dict(figures, over_pct=round(100 * over, 2))
 
 
 def _fmt(v) -> str:
