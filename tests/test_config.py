@@ -433,3 +433,25 @@ def test_a_template_ending_the_turn_where_the_target_does_not_stop_fails_first(p
         project.run("generate", "B3")
     assert str(again.value) == message
     assert not (project.path / "store.sqlite").exists()
+
+
+def test_the_end_of_turn_check_reads_each_datasets_template_kwargs(project, harmony_model):
+    """A template that ends the turn with <|end|> only under a kwarg: check_params checks every dataset's kwargs
+    (another dataset's too), and generate its own, before any request."""
+    from conftest import HARMONY_TEMPLATE
+
+    project.set("model.path", str(harmony_model))
+    closes = project.path / "closes.jinja"
+    closes.write_text(HARMONY_TEMPLATE.replace("'<|return|>'", "('<|end|>' if close_with_end else '<|return|>')"))
+    project.set("model.chat_template", str(closes))
+    project.params["datasets"]["B3_end"] = dict(
+        project.params["datasets"]["B3"], template_kwargs={"close_with_end": True}
+    )
+    project.save()
+    for dataset in ("B3", "B3_end"):
+        project.run("prompts", dataset)
+    project.run("generate", "B3", "datasets.B3.token_budget=10")  # its own kwargs end the turn on <|return|>
+    for stage, dataset in (("check_params", None), ("generate", "B3_end")):
+        with pytest.raises(ConfigError) as err:
+            project.run(stage, dataset)
+        assert str(err.value).startswith("model.chat_template: the chat template ends an assistant turn with '<|end|>'")
