@@ -51,6 +51,8 @@ def main(cfg: Config) -> None:
             stats = generate_missing(cfg, tok, plan, stored, store)
             stored = store.get_many(p.key for p in plan)
         selected, total, skipped = select_responses(plan, stored, ds)
+        # the writing of the outputs begins (100k responses take seconds)
+        log("generate", dataset=cfg.dataset, writing=out / "responses.jsonl")
         write_jsonl(out / "responses.jsonl", (output_record(p, r) for p, r in selected))
         write_plots(
             out / "plots", [r.completion_tokens for _, r in selected], ds.max_tokens, stats.fill or [(0.0, total)]

@@ -50,6 +50,8 @@ def main(cfg: Config) -> None:
         rank.barrier()
         if rank.rank == 0:
             target = engine.target()
+            # the writing of the outputs begins: linking every shard and listing every sample takes a while
+            log("hidden_states", dataset=cfg.dataset, rank=rank.rank, writing=out_dir / "hidden_states")
             view = materialise(cfg, src, out_dir / "hidden_states", store, settings, target, tally)
             write_json(out_dir / "hidden_states" / "index.json", index_doc(cfg, target, settings, layers, view))
             write_json(

@@ -25,6 +25,7 @@ def main(cfg: Config) -> None:
     kept = select_prompts(records, ds.shuffle_seed, ds.max_prompts, ds.max_prompt_tokens, count_tokens, drops)
     n_read = len(kept) + sum(drops.values())  # every row read is kept or counted under one drop reason
     out = data_dir(cfg.dataset)
+    log("prompts", dataset=cfg.dataset, writing=out / "prompts.jsonl")  # the writing of the outputs begins
     write_jsonl(out / "prompts.jsonl", kept)
     metrics = {
         "rows_read": n_read,

@@ -9,7 +9,7 @@ from draftdata.config.load import cli
 from draftdata.config.schema import Config, template_kwargs_of
 from draftdata.errors import UserError
 from draftdata.target.tokenizer import load_tokenizer, tokenizer_fingerprint
-from draftdata.tokenize.parquet import SCHEMA_VERSION, write_parquet
+from draftdata.tokenize.parquet import SCHEMA_VERSION, samples_table, write_parquet
 from draftdata.tokenize.samples import SKIP_REASONS, build_samples, check_skips
 from draftdata.util.files import data_dir, read_jsonl, write_json
 from draftdata.util.log import log
@@ -34,7 +34,9 @@ def main(cfg: Config) -> None:
         "train_on": cfg.tokenize.train_on.value,
         "loss_mask": "int8 list: 0 prompt and history, 1 tokens the target generated (end-of-turn included)",
     }
-    write_parquet(out / "samples.parquet", samples, meta)
+    table = samples_table(samples, meta)
+    log("tokenize", dataset=cfg.dataset, writing=out / "samples.parquet")  # the writing of the outputs begins
+    write_parquet(out / "samples.parquet", table)
     write_csv(
         out / "plots" / "skips.csv",
         [{"reason": r, "responses": tally.skipped.get(r, 0)} for r in sorted(set(SKIP_REASONS) | set(tally.skipped))],

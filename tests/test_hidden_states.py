@@ -313,7 +313,8 @@ def test_two_torchrun_ranks_equal_one_process(hs_project, samples_dir, tmp_path)
     ]
     proc = subprocess.run(cmd, cwd=hs_project.path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("hidden_states dataset=B3")]
+    closing = [line for line in proc.stdout.splitlines() if "computed=" in line]  # each rank's last line
+    lines = [line for line in closing if line.startswith("hidden_states dataset=B3")]
     assert {line.split()[2] for line in lines} == {"rank=0", "rank=1"}
     computed = [int(line.split("computed=")[1].split()[0]) for line in lines]
     total = pq.read_metadata(hs_project.data("B3") / "samples.parquet").num_rows

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import json
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from draftdata.tokenize.samples import Tokenized
 from draftdata.util.files import atomic_path
 
 SCHEMA_VERSION = 1
 
 
-def write_parquet(path, samples: list[Tokenized], meta: dict) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
+def samples_table(samples: list[Tokenized], meta: dict) -> pa.Table:
+    """The samples as the pyarrow table samples.parquet holds, `meta` in its schema's metadata."""
     schema = pa.schema(
         [
             ("id", pa.string()),
@@ -24,7 +25,7 @@ def write_parquet(path, samples: list[Tokenized], meta: dict) -> None:
         ],
         metadata={"draftdata": json.dumps(meta, sort_keys=True)},
     )
-    table = pa.table(
+    return pa.table(
         {
             "id": [s.id for s in samples],
             "input_ids": [s.input_ids for s in samples],
@@ -34,12 +35,13 @@ def write_parquet(path, samples: list[Tokenized], meta: dict) -> None:
         },
         schema=schema,
     )
+
+
+def write_parquet(path, table: pa.Table) -> None:
     with atomic_path(path) as tmp:
         pq.write_table(table, tmp)
 
 
 def read_metadata(path) -> dict:
     """The `draftdata` metadata of a samples.parquet: schema version, dataset, tokenizer identity."""
-    import pyarrow.parquet as pq
-
     return json.loads(pq.read_schema(path).metadata[b"draftdata"])
