@@ -510,6 +510,24 @@ def test_temp_files_of_killed_writers_are_swept(tmp_path):
     assert not old.exists() and recent.exists()
 
 
+def test_an_output_is_held_whole_at_its_temp_name_only_when_asked(tmp_path, monkeypatch):
+    """The kill suite's hold: before the rename the temp file is complete and the output absent; unset, no hold."""
+    from draftdata.util import files
+
+    out, held = tmp_path / "index.json", []
+
+    def hold(seconds):
+        (temp,) = tmp_path.glob(".index.json.*.tmp")
+        held.append((seconds, out.exists(), json.loads(temp.read_text())))
+
+    monkeypatch.setattr(files.time, "sleep", hold)
+    files.write_json(out, {"a": 1})
+    assert held == [] and json.loads(out.read_text()) == {"a": 1}
+    monkeypatch.setenv(files.HOLD_ENV, "0.05")
+    files.write_json(out, {"a": 2})
+    assert held == [(0.05, True, {"a": 2})] and json.loads(out.read_text()) == {"a": 2}  # the old one until then
+
+
 def test_hf_index_in_index_json_names_the_state_hf_returns(tiny_model):
     """Each HF index index.json gives for a captured layer is that layer's output in transformers' own
     hidden_states; the last layer's output (kept before the final norm) is none of them, so it gets none."""

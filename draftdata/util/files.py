@@ -8,6 +8,7 @@ import glob
 import json
 import os
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +24,13 @@ def _umask() -> int:
 # mkstemp creates files 0600; an output must get the mode any other new file gets (0644 under the usual umask,
 # 0664 under a group's 002), or teammates sharing a cluster's project directory cannot read it
 FILE_MODE = 0o666 & ~_umask()
+
+
+# Seconds a complete output is held at its temp name before the rename; unset (0) but in the kill suite
+# (bench/reliability/kill.py). A stage writes its outputs in milliseconds, less than a loaded machine takes to
+# schedule the process that is to kill it then: held, every output gives the suite a window to land in, with the
+# temp file whole and, after the first output, the outputs renamed so far beside the ones not yet.
+HOLD_ENV = "DRAFTDATA_HOLD_BEFORE_RENAME_S"
 
 
 class DiskFull(OSError):
@@ -52,6 +60,8 @@ def atomic_path(path: Path | str) -> Iterator[Path]:
     try:
         yield Path(tmp)
         os.chmod(tmp, FILE_MODE)  # after the block: a writer may have replaced the file (safetensors makes it 0600)
+        if hold := float(os.environ.get(HOLD_ENV) or 0):
+            time.sleep(hold)
         os.replace(tmp, path)
     except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
