@@ -427,10 +427,11 @@ def noop(r: dict) -> list[str]:
 def reliability(r: dict) -> list[str]:
     kill, faults, inputs = r["kill"], r["faults"], r["inputs"]
     phases = ("before", "working", "writing", "written")
-    keys = ("lost", "duplicated", "stale", "tmp_left", "failures")
+    keys = ("lost", "duplicated", "stale", "tmp_left", "missed", "failures")
     body, totals = [], dict.fromkeys(("trials", *phases, "effective", *keys), 0)
     for row in kill["summary"]:
-        values = {"trials": row["trials"], **row["phases"], "effective": row["effective"], **{k: row[k] for k in keys}}
+        values = {"trials": row["trials"], **row["phases"], "effective": row["effective"]}
+        values |= {k: row.get(k, 0) for k in keys}  # runs before `missed` was told apart count misses as failures
         for k, v in values.items():
             totals[k] += v
         body.append([row["label"], *(num(values[k]) for k in totals)])
@@ -441,8 +442,11 @@ def reliability(r: dict) -> list[str]:
         f"**kill**: {num(kill['figures']['kill_trials'])} kills over {len(kill['summary'])} scenarios "
         f"(seed {kill['seed']}, {kill['wall_s']:g} s), {num(kill['figures']['kill_effective'])} of them effective "
         "(they landed while the stage worked or wrote its outputs); where each landed (before any work showed, "
-        "working, writing outputs, outputs written), then the problems the checks found after the restart (a failed "
-        "trial: its restart failed, or the run ended before each of 5 kill moments drawn for it).",
+        "working, writing outputs, outputs written), then the problems the checks found after the restart; a missed "
+        "trial had no kill (the run ended before each of 5 kill moments drawn for it), a failed one a restart or a "
+        "check that failed. Goal: at least 50 effective kills, 4 of them in every stage's writing, with nothing lost, "
+        "duplicated or stale and no failed trial; "
+        f"met: {'yes' if kill['goal_met'] else '**no**'}.",
         "",
         *table(
             [
@@ -454,6 +458,7 @@ def reliability(r: dict) -> list[str]:
                 "duplicated",
                 "stale",
                 "temp files left",
+                "missed trials",
                 "failed trials",
             ],
             body,

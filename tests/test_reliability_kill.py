@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import shutil
 import sqlite3
+import subprocess
+import sys
 
 import pytest
 
@@ -63,8 +66,23 @@ def test_the_stages_without_a_store_log_the_start_of_their_work(suite):
         assert len(starts) == len(ends) == 1 and starts[0] < ends[0], lines
 
 
+def test_the_stages_log_the_start_of_their_writing(suite):
+    """Every stage logs a line as the writing of its outputs begins, once, after the line of its work (prompts,
+    tokenize) and before its closing line: the mark the aimed kills of the writing wait for."""
+    _, clean = suite
+    lines = clean.log.read_text().splitlines()
+    closing = {"prompts": "rows=", "generate": "responses=", "tokenize": "samples=", "hidden_states": "samples="}
+    for stage, mark in kill.WRITE_MARK.items():
+        starts = [i for i, line in enumerate(lines) if line.startswith(mark)]
+        ends = [i for i, line in enumerate(lines) if line.startswith(stage) and f" {closing[stage]}" in line]
+        works = [i for i, line in enumerate(lines) if stage in kill.LOG_MARK and line.startswith(kill.LOG_MARK[stage])]
+        assert len(starts) == len(ends) == 1 and starts[0] < ends[0], (stage, lines)
+        assert all(w < starts[0] for w in works), (stage, lines)
+
+
 def test_where_a_kill_landed_is_told_by_the_log_and_the_files(tmp_path):
-    """Before the work line: before; after it: working; a temp file of the output: writing; every output: written."""
+    """Before the work line: before; after it: working; after the writing line: writing (its first temp file comes
+    next); every output: written."""
     project = kill.Project(tmp_path)
     project.data.mkdir(parents=True)
     project.log.write_text("Loading weights: 100%\n")
@@ -72,33 +90,99 @@ def test_where_a_kill_landed_is_told_by_the_log_and_the_files(tmp_path):
     with project.log.open("a") as log:
         log.write("tokenize dataset=D responses=59\n")
     assert kill.phase_at_kill(project, "tokenize") == "working"
-    (project.data / ".samples.parquet.x1y2.tmp").write_bytes(b"PAR1")
+    with project.log.open("a") as log:
+        log.write("tokenize dataset=D writing=data/D/samples.parquet\n")
     assert kill.phase_at_kill(project, "tokenize") == "writing"
     for name in kill.OUTPUTS["tokenize"]:
         (project.data / name).write_text("{}")
     assert kill.phase_at_kill(project, "tokenize") == "written"
 
 
-def test_the_writing_window_is_the_latest_measured():
-    """A write of milliseconds takes as long as the machine's load lets it: an aimed kill uses the window of the
-    latest restart that wrote every output anew, the clean run's until there is one."""
+def test_a_restarts_marks_are_its_own(tmp_path):
+    """The restart appends to the killed run's log: the lines the killed run logged do not mark the restart's
+    phases (else its work and writing would be timed from its start)."""
+    project = kill.Project(tmp_path)
+    project.log.write_text("tokenize dataset=D responses=59\ntokenize dataset=D writing=data/D/samples.parquet\n")
+    assert project.working("tokenize") and project.writing("tokenize")
+    project.new_run()
+    assert not project.working("tokenize") and not project.writing("tokenize")
+    with project.log.open("a") as log:
+        log.write("Loading tokenizer\ntokenize dataset=D responses=59\n")
+    assert project.working("tokenize") and not project.writing("tokenize")
+
+
+def bare_bench(**timing: kill.Timing) -> kill.Bench:
     bench = object.__new__(kill.Bench)  # only its timings
-    bench.timing, bench.write_s = {"hidden_states": kill.Timing(seconds=10.0, work_s=1.0, write_s=1.3)}, {}
-    aimed = next(s for s in kill.SCENARIOS if s.name == "hidden_states_write")
+    bench.timing, bench.measured, bench.proxy = dict(timing), {}, None
+    return bench
+
+
+def scenario(name: str) -> kill.Scenario:
+    return next(s for s in kill.SCENARIOS if s.name == name)
+
+
+def test_kills_are_drawn_in_the_lower_quartile_of_the_windows_measured():
+    """A phase takes as long as the machine's load lets it: an aimed kill is drawn within the lower quartile of the
+    windows measured so far, the clean run's until there are others."""
+    bench = bare_bench(hidden_states=kill.Timing(seconds=10.0, work_s=1.0, write_s=1.3))
+    aimed = scenario("hidden_states_write")
     assert bench.timing_of(aimed).write_s == 1.3
-    bench.write_s["hidden_states"] = 0.2
-    assert bench.timing_of(aimed) == kill.Timing(seconds=10.0, work_s=1.0, write_s=0.2)
+    for write_s in (0.2, 0.3, 0.4, 0.5):
+        bench.measure(aimed, write_s=write_s)
+    assert bench.timing_of(aimed) == kill.Timing(seconds=10.0, work_s=1.0, write_s=0.3)
+    bench.measure(aimed, seconds=6.0, work_s=0.5)
+    assert bench.timing_of(aimed) == kill.Timing(seconds=7.0, work_s=0.625, write_s=0.3)
+    assert bench.timing == {"hidden_states": kill.Timing(seconds=10.0, work_s=1.0, write_s=1.3)}  # the clean run's
+    # a restart after a kill that left responses stored reused them: only its writing was whole
+    restart = kill.Timing(seconds=3.0, work_s=0.1, write_s=0.15)
+    assert kill.anew(restart, stored_at_kill=12) == {"write_s": 0.15}
+    assert kill.anew(restart, stored_at_kill=0) == {"seconds": 3.0, "work_s": 0.1, "write_s": 0.15}
+
+
+class QuickProject(kill.Project):
+    """A 'stage' that exits at once."""
+
+    def spawn(self, stage):
+        self.new_run()
+        return subprocess.Popen([sys.executable, "-c", "pass"])
+
+
+def test_a_run_that_ends_before_its_kill_moment_bounds_the_window(tmp_path):
+    """A moment drawn past the end of the run: no kill; the run's own length bounds the window drawn in."""
+    shot = kill.kill_once(
+        QuickProject(tmp_path), scenario("prompts"), kill.Timing(60.0, 1.0, 1.0), random.Random(0)
+    )  # the first draw of seed 0: 51 s
+    assert shot.moment is None and 0 < shot.ran_s < 30
+
+
+def test_a_trial_whose_runs_all_end_first_is_missed_not_failed(monkeypatch):
+    """Each miss is a measured window; after MAX_DRAWS the trial is missed (no kill, nothing to check), which is not
+    a failed trial (a restart or a check that failed)."""
+    bench = bare_bench(prompts=kill.Timing(seconds=4.0, work_s=2.0, write_s=0.01))
+    bench.new_project = lambda name, s: None
+    ran = iter([3.0, 2.5, 2.0, 1.5, 1.0])
+    drawn_in = []
+
+    def ends_first(project, s, timing, rng):
+        drawn_in.append(timing.seconds)
+        return kill.Shot(None, ran_s=next(ran))
+
+    monkeypatch.setattr(kill, "kill_once", ends_first)
+    row = kill.trial(bench, scenario("prompts"), 0, random.Random(0))
+    assert drawn_in == [4.0, 3.25, 2.75, 2.375, 2.0]
+    assert (row["missed"], row["killed"], row["failure"], row["draws"]) == (True, False, None, kill.MAX_DRAWS)
+    assert bench.timing_of(scenario("prompts")).seconds == 1.625
 
 
 def test_effective_kills_are_counted_per_scenario_and_stage():
     """Only kills that landed while a stage worked or wrote count toward the goal."""
     landed = [("prompts", "before"), ("prompts", "writing"), ("prompts", "written"), ("tokenize", "working")]
     rows = [
-        {"scenario": st, "stage": st, "killed": True, "phase": phase, "failure": None, "tmp_left": 0}
+        {"scenario": st, "stage": st, "killed": True, "phase": phase, "missed": False, "failure": None, "tmp_left": 0}
         | dict.fromkeys(checks.KINDS, 0)
         for st, phase in landed
     ]
-    rows.append(dict(rows[-1], killed=False, phase=None, failure="the run ended before each of 5 kill moments"))
+    rows.append(dict(rows[-1], killed=False, phase=None, missed=True))
     assert kill.effective(rows) == 2
     by_stage = {s["stage"]: s for s in kill.summarise_stages(rows)}
     assert by_stage["prompts"]["phases"] == {"before": 1, "working": 0, "writing": 1, "written": 1}
@@ -106,6 +190,21 @@ def test_effective_kills_are_counted_per_scenario_and_stage():
     scenarios = [s for s in kill.SCENARIOS if s.name in ("prompts", "tokenize")]
     summary = kill.summarise(rows, scenarios + scenarios)  # a scenario named twice is one row
     assert [(s["scenario"], s["trials"], s["effective"]) for s in summary] == [("prompts", 3, 1), ("tokenize", 1, 1)]
+    assert [(s["missed"], s["failures"]) for s in summary] == [(0, 0), (1, 0)]
+
+
+def test_the_goal_asks_for_every_stages_writing_and_no_failed_trial():
+    def row(stage, phase, failure=None):
+        return {"stage": stage, "killed": True, "phase": phase, "failure": failure, "missed": False}
+
+    figures = {"kill_effective": 60} | {f"kill_{k}": 0 for k in checks.KINDS}
+    rows = [row(st, "writing") for st in kill.INPUTS for _ in range(kill.GOAL_WRITING)]
+    assert kill.goal_met(figures, rows, kill.summarise_stages(rows))
+    short = rows[1:]  # prompts' writing hit 3 times
+    assert not kill.goal_met(figures, short, kill.summarise_stages(short))
+    failed = rows + [row("tokenize", "working", failure="restart exited 1")]
+    assert not kill.goal_met(figures, failed, kill.summarise_stages(failed))
+    assert not kill.goal_met(figures | {"kill_effective": 49}, rows, kill.summarise_stages(rows))
 
 
 def kinds(problems) -> dict:

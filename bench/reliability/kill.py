@@ -1,6 +1,6 @@
 """SIGKILL at random moments in every stage, restart it, and check nothing was lost, duplicated or left stale.
 
-    python -m bench.reliability kill [--trials 76] [--seed 0] [--scenarios generate,hidden_states] [--workdir DIR]
+    python -m bench.reliability kill [--trials 87] [--seed 0] [--scenarios generate,hidden_states] [--workdir DIR]
 
 Every trial is one real stage process (`python -m stages.<stage> dataset=D`, as dvc.yaml runs it) in a project
 directory of its own: a demo-like dataset (150 magicoder prompts, a 600-token budget) on the tiny demo target,
@@ -23,26 +23,33 @@ it reruns. The process gets SIGKILL at a seeded random moment, is restarted and 
   reference.
 
 Scenarios (one table row each): per stage, one aimed at its work and one at the writing of its outputs; generate on
-the server; and the stages with kill moments uniform over the clean run's duration (they land mostly in start-up).
-The work: from the first sign of it (generate, hidden_states: the first commit to the store, a response or a
-sample, so kills fall between and during commits; prompts, tokenize, which have no store: the line each logs as
-its work begins) to the first sign of the main output. The writing: from the first sign of the main output (its
-temp file) until every output was in place (prompts: prompts.jsonl, prompts_metrics.json; generate:
-responses.jsonl after its last response and the metrics; tokenize: samples.parquet, plots/skips.csv,
-tokenize_metrics.json; hidden_states: the second pass that links the shards and writes samples.parquet and
-index.json). An aimed kill waits for the first sign, then falls uniformly within the window the clean run took (the
-writing window as the latest restart that wrote every output anew took it: the machine's load changes how long a
-write of milliseconds takes). A draw past the end of the run is drawn again. The default rotation (ROTATION)
-gives the aimed kills of prompts and tokenize, seconds each, three turns to one for the others, and leaves out the
-uniform kills of generate and hidden_states (nearly all land while the model loads); `--scenarios` names any of
-them, a name twice for two turns.
+the server; and the stages with kill moments uniform over a run's duration (they land mostly in start-up). The work:
+from the first sign of it (generate, hidden_states: the first commit to the store, a response or a sample, so kills
+fall between and during commits; prompts, tokenize, which have no store: the line each logs as its work begins) to
+the line the stage logs as the writing of its outputs begins. The writing: from that line until every output was in
+place (prompts: prompts.jsonl, prompts_metrics.json; generate: responses.jsonl after its last response and the
+metrics; tokenize: samples.parquet, plots/skips.csv, tokenize_metrics.json; hidden_states: the second pass that
+links the shards and writes samples.parquet and index.json). An aimed kill waits for the line that starts its
+window, then falls uniformly within the lower quartile of the window's lengths measured so far: the clean run's,
+every restart's for the phases it went through whole (the writing always; the work and the run when the kill left
+nothing stored), the work of a run aimed at its writing, and a run's that ended before its kill moment (such a draw
+is drawn again, up to MAX_DRAWS). How long a phase takes changes with the machine's load, by a factor or two: within
+the lower quartile a moment falls within the phase of at least 3 runs in 4. Every stage run here holds each output
+whole at its temp name for HOLD_S before renaming it (DRAFTDATA_HOLD_BEFORE_RENAME_S): the writing, milliseconds
+otherwise, lasts long enough to be aimed at, and a kill in it lands with a temp file whole or half-written and the
+outputs renamed so far beside the ones not yet (the temp files are never read; their order is the stage's). The
+default rotation (ROTATION) gives the aimed kills of prompts and tokenize, seconds each, five turns, the writing of
+generate and hidden_states two, and leaves out the uniform kills of generate and hidden_states (nearly all land
+while the model loads); `--scenarios` names any of them, a name twice for two turns.
 
 Figures: kill_trials (trials whose kill landed), kill_effective (those that landed while the stage worked or wrote
 its outputs: the ones that could lose anything), kill_lost, kill_duplicated, kill_stale (problems of each kind,
 summed over trials; bench/reliability/kill_checks.py says what each kind covers). Goal: all three 0 over at least
-50 effective kills. The tables say where the kills landed (before any work showed, working, writing outputs, or
-after the outputs were complete) per scenario and per stage, restarts that failed, and the temp files the killed
-writes left behind (never read as outputs, never removed either).
+GOAL_EFFECTIVE (50) effective kills, at least GOAL_WRITING (4) of them in every stage's writing, and no trial
+failed (a restart that exited non-zero, a check that could not run). The tables say where the kills landed (before
+any work showed, working, writing outputs, or after the outputs were complete) per scenario and per stage, trials
+missed (the run ended before each kill moment drawn: no kill, nothing to check), trials failed, and the temp files
+the killed writes left behind (never read as outputs, never removed either).
 """
 
 from __future__ import annotations
@@ -52,13 +59,14 @@ import json
 import os
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -66,6 +74,7 @@ import yaml
 from bench.reliability import kill_checks as checks
 from bench.reliability.kill_checks import Problem
 from bench.servers import transformers_serve
+from draftdata.util.files import HOLD_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "sources" / "demo"
@@ -74,6 +83,10 @@ BUDGET = 600
 # How often a run is looked at: often enough to see the writing of a small output (a few ms) begin.
 POLL_S = 0.0005
 WORK_POLL_S = 0.01  # how often the store is read for the first commit
+# How long every output is held whole at its temp name before its rename (draftdata/util/files.py): a stage writes
+# its outputs in milliseconds, less than a loaded machine may take to schedule this process after the stage's line
+# that its writing begins; held, the writing of 2 to 4 outputs lasts a tenth of a second or more.
+HOLD_S = 0.05
 MAX_DRAWS = 5  # kill moments drawn for one trial before it counts as a failure (each past the end of its run)
 RESTART_TIMEOUT_S = 600  # a restart that hangs is a failure, not a stuck suite
 
@@ -102,7 +115,18 @@ WORK_MARK = {"generate": ".draftdata/store.sqlite", "hidden_states": ".draftdata
 # The stages without a store: the line each logs as its work begins (prompts: reading the source; tokenize:
 # tokenizing the responses it read, its tokenizer loaded) marks it.
 LOG_MARK = {"prompts": f"prompts dataset={DATASET} reading=", "tokenize": f"tokenize dataset={DATASET} responses="}
+# Every stage: the line it logs as the writing of its outputs begins (before the first temp file; hidden_states names
+# its rank first).
+WRITE_MARK = {
+    "prompts": f"prompts dataset={DATASET} writing=",
+    "generate": f"generate dataset={DATASET} writing=",
+    "tokenize": f"tokenize dataset={DATASET} writing=",
+    "hidden_states": f"hidden_states dataset={DATASET} rank=0 writing=",
+}
+MARKS = (*LOG_MARK.values(), *WRITE_MARK.values())
 PHASES = ("before", "working", "writing", "written")
+GOAL_EFFECTIVE = 50  # kills that land while a stage works or writes its outputs
+GOAL_WRITING = 4  # kills that land while each stage writes its outputs
 EFFECTIVE = ("working", "writing")  # the phases in which a kill can lose, duplicate or leave something stale
 
 
@@ -138,17 +162,33 @@ SCENARIOS = [
 ]
 
 
-# The default turn of scenarios (four turns: 76 kills): the cheap aimed kills of prompts and tokenize three times
+# The default turn of scenarios (three turns: 87 kills): the cheap aimed kills of prompts and tokenize, seconds each,
+# five times; the writing of generate and hidden_states twice (a trial of either takes 15-25 s); once each the work of
+# those two, the server, and the uniform kills of prompts and tokenize (mostly in start-up). The uniform kills of
+# generate and hidden_states are left out (nearly all land while the model loads). The work of generate and
+# hidden_states comes first: its restart measures the writing before a kill is aimed at it.
+CHEAP = ("prompts_work", "prompts_write", "tokenize_work", "tokenize_write")
 ROTATION = (
-    *("prompts_work", "prompts_write", "tokenize_work", "tokenize_write", "generate_work"),
-    *("prompts_work", "prompts_write", "tokenize_work", "tokenize_write", "generate_write", "hidden_states_work"),
-    *("prompts_work", "prompts_write", "tokenize_work", "tokenize_write", "hidden_states_write"),
-    *("generate_openai", "prompts", "tokenize"),
+    *CHEAP,
+    "generate_work",
+    *CHEAP,
+    "hidden_states_work",
+    *CHEAP,
+    "generate_write",
+    "hidden_states_write",
+    "generate_openai",
+    *CHEAP,
+    "generate_write",
+    "hidden_states_write",
+    "prompts",
+    *CHEAP,
+    "tokenize",
 )
+TRIALS = 3 * len(ROTATION)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--trials", type=int, default=76, help="kills in all, spread over the scenarios in turn")
+    p.add_argument("--trials", type=int, default=TRIALS, help="kills in all, spread over the scenarios in turn")
     p.add_argument("--seed", type=int, default=0, help="seeds the kill moments")
     p.add_argument(
         "--scenarios",
@@ -183,8 +223,9 @@ class Project:
         self.states = path / ".draftdata" / "states"
         self.log = path / "stage.log"
         self._looked_at = float("-inf")
-        self._log_read = 0  # how much of the log was looked at for the work marks
-        self._marked: set[str] = set()
+        self._run_from = 0  # where the latest run's lines begin in the log (a restart appends to the killed run's)
+        self._log_read = 0  # how much of the log was looked at for the marks
+        self._marked: set[str] = set()  # the marks the latest run logged
 
     def create(self, params: dict) -> Project:
         self.data.mkdir(parents=True, exist_ok=True)
@@ -194,6 +235,8 @@ class Project:
     def spawn(self, stage: str) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if k not in ("DRAFTDATA_STORE", "DRAFTDATA_PARAMS")}
         env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")  # 2 cores: threads would only contend
+        env[HOLD_ENV] = str(HOLD_S)
+        self.new_run()
         with open(self.log, "a") as log:
             return subprocess.Popen(
                 [sys.executable, "-m", f"stages.{stage}", f"dataset={DATASET}"],
@@ -203,13 +246,15 @@ class Project:
                 stderr=subprocess.STDOUT,
             )
 
+    def new_run(self) -> None:
+        """The lines logged from now on are the next run's: a restart's marks are its own, not the killed run's."""
+        self._run_from = self._log_read = self.log.stat().st_size if self.log.exists() else 0
+        self._marked = set()
+
     def writing(self, stage: str) -> bool:
-        """Whether the stage has begun writing its main output: the output or its temp file is there."""
-        name = OUTPUTS[stage][0]
-        try:
-            return any(n == name or n.startswith(f".{name}.") for n in os.listdir(self.data))
-        except FileNotFoundError:
-            return False
+        """Whether the stage has begun writing its outputs: it logged the line it writes just before (a look at a
+        log that has not grown is one stat)."""
+        return self.logged(WRITE_MARK[stage])
 
     def working(self, stage: str) -> bool:
         """Whether the stage's work shows: its store holds a committed response (generate) or indexed sample
@@ -227,13 +272,15 @@ class Project:
         return stored(self, stage) > 0
 
     def logged(self, mark: str) -> bool:
-        """Whether a line of the log begins with `mark`; the log is read again only when it has grown."""
+        """Whether a line the latest run logged begins with `mark`; the log is read again only when it has grown."""
         if mark not in self._marked:
             size = self.log.stat().st_size if self.log.exists() else 0
             if size != self._log_read:
                 self._log_read = size
-                text = self.log.read_text(errors="replace")
-                self._marked.update(m for m in LOG_MARK.values() if text.startswith(m) or f"\n{m}" in text)
+                with open(self.log, "rb") as f:
+                    f.seek(self._run_from)
+                    text = f.read().decode(errors="replace")
+                self._marked.update(m for m in MARKS if text.startswith(m) or f"\n{m}" in text)
         return mark in self._marked
 
     def written(self, stage: str) -> bool:
@@ -361,7 +408,8 @@ class Bench:
         self.proxy = None
         self.openai: dict | None = None  # the backend params of the server scenario
         self.key_of_seed: dict[int, str] = {}
-        self.write_s: dict[str, float] = {}  # the latest writing window, from a restart that wrote every output anew
+        # per timing key and field of Timing, every length measured since the clean run
+        self.measured: dict[str, dict[str, list[float]]] = {}
         if any(s.backend == "openai" for s in scenarios):
             self._start_server(stack)
 
@@ -397,10 +445,24 @@ class Bench:
         return project
 
     def timing_of(self, scenario: Scenario) -> Timing:
-        """The clean run's timing, its writing window the latest one measured: the machine's load, and with it
-        how long a write takes, changes during a suite (the windows are milliseconds to a second)."""
+        """The windows a kill of `scenario` is drawn in: each the lower quartile of the lengths measured so far
+        (the clean run's, then the runs since). How long a phase takes changes from run to run with the machine's
+        load, by a factor or two: one measurement, the clean run's or the latest, is too long as often as not, and a
+        moment drawn within a window longer than the run's falls after it. Within the lower quartile, a moment
+        falls within the phase of at least 3 runs in 4 and covers most of it."""
         key = timing_key(scenario)
-        return replace(self.timing[key], write_s=self.write_s.get(key, self.timing[key].write_s))
+        clean, seen = self.timing[key], self.measured.get(key, {})
+        return Timing(**{f: lower_quartile([getattr(clean, f), *seen.get(f, [])]) for f in WINDOW.values()})
+
+    def measure(self, scenario: Scenario, **lengths: float) -> None:
+        """Take a run's `seconds`, `work_s` or `write_s` into the scenario's windows."""
+        seen = self.measured.setdefault(timing_key(scenario), {})
+        for field, length in lengths.items():
+            seen.setdefault(field, []).append(length)
+
+
+def lower_quartile(lengths: list[float]) -> float:
+    return statistics.quantiles(lengths, n=4, method="inclusive")[0] if len(lengths) > 1 else lengths[0]
 
 
 def timing_key(scenario: Scenario) -> str:
@@ -461,26 +523,42 @@ def hs_sample_list(hs: Path) -> list[dict]:
 # ---- one trial -------------------------------------------------------------------------------------------------- #
 
 
-def kill_once(project: Project, scenario: Scenario, timing: Timing, rng: random.Random) -> float | None:
-    """Start the stage and SIGKILL it at a drawn moment; the moment (seconds from the start), or None when the run
-    ended before it."""
+# The window each kind of moment is drawn in (a field of Timing).
+WINDOW = {"run": "seconds", "work": "work_s", "write": "write_s"}
+
+
+@dataclass
+class Shot:
+    """One kill attempt: when the kill was sent (seconds from the start; None when the run ended before it), how
+    long the window drawn in really lasted in a run that ended first (from its start to the exit), and, aimed at
+    the writing, how long the work before it lasted."""
+
+    moment: float | None
+    ran_s: float | None = None
+    work_s: float | None = None
+
+
+def kill_once(project: Project, scenario: Scenario, timing: Timing, rng: random.Random) -> Shot:
+    """Start the stage and SIGKILL it at a moment drawn in the scenario's window."""
     t0 = time.monotonic()
     proc = project.spawn(scenario.stage)
-    if scenario.moment == "run":
-        deadline = t0 + rng.uniform(0.0, timing.seconds)
-    else:
+    start, work_at = t0, None
+    if scenario.moment != "run":
         started = project.working if scenario.moment == "work" else project.writing
         while not started(scenario.stage) and proc.poll() is None:
+            if work_at is None and project.working(scenario.stage):  # aimed at the writing: the work went by whole
+                work_at = time.monotonic()
             time.sleep(POLL_S)
-        window = timing.work_s if scenario.moment == "work" else timing.write_s
-        deadline = time.monotonic() + rng.uniform(0.0, window)
+        start = time.monotonic()
+    work_s = start - work_at if work_at is not None and proc.poll() is None else None
+    deadline = start + rng.uniform(0.0, getattr(timing, WINDOW[scenario.moment]))
     while proc.poll() is None and (left := deadline - time.monotonic()) > 0:
         time.sleep(min(POLL_S, left))
     if proc.poll() is not None:
-        return None
+        return Shot(None, ran_s=time.monotonic() - start, work_s=work_s)
     proc.kill()
     proc.wait()
-    return round(deadline - t0, 4)
+    return Shot(round(deadline - t0, 4), work_s=work_s)
 
 
 def phase_at_kill(project: Project, stage: str) -> str:
@@ -609,9 +687,11 @@ def trial(bench: Bench, scenario: Scenario, index: int, rng: random.Random) -> d
         "moment": scenario.moment,
         "killed": False,
         "kill_s": None,
+        "window_s": None,  # the window the (last) moment was drawn in
         "draws": 0,
         "phase": None,
-        "failure": None,
+        "missed": False,  # the run ended before each of MAX_DRAWS kill moments: no kill landed
+        "failure": None,  # the restart failed, or a check could not run
         "problems": [],
         "tmp_left": 0,
         **dict.fromkeys(checks.KINDS, 0),
@@ -620,11 +700,18 @@ def trial(bench: Bench, scenario: Scenario, index: int, rng: random.Random) -> d
         project = bench.new_project(f"trial_{index:03d}", scenario)
         if bench.proxy:
             bench.proxy.clear()
-        row["draws"], row["kill_s"] = draw, kill_once(project, scenario, bench.timing_of(scenario), rng)
-        if row["kill_s"] is not None:
+        window = bench.timing_of(scenario)
+        shot = kill_once(project, scenario, window, rng)
+        row["draws"], row["kill_s"] = draw, shot.moment
+        row["window_s"] = round(getattr(window, WINDOW[scenario.moment]), 4)
+        if shot.work_s is not None:
+            bench.measure(scenario, work_s=shot.work_s)
+        if shot.moment is not None:
             break
+        # the run ended before its moment: the window drawn in was longer than this run's, which bounds it
+        bench.measure(scenario, **{WINDOW[scenario.moment]: shot.ran_s})
     else:
-        row["failure"] = f"the run ended before each of {MAX_DRAWS} kill moments"
+        row["missed"] = True
         return row
     row["killed"] = True
     try:
@@ -650,16 +737,23 @@ def restart_and_check(bench: Bench, project: Project, scenario: Scenario, row: d
     if bench.proxy:
         bench.proxy.clear()
     row["delivered_before_kill"] = sum(e.complete and e.seed is not None for e in killed)
-    fresh = not project.writing(scenario.stage)  # nothing of the output left by the kill: its writing can be timed
     proc = project.spawn(scenario.stage)
     timing = watch(project, scenario.stage, proc, RESTART_TIMEOUT_S)
     rc = proc.returncode
-    if rc == 0 and fresh:
-        bench.write_s[timing_key(scenario)] = timing.write_s
+    if rc == 0:
+        bench.measure(scenario, **anew(timing, row["stored_at_kill"]))
     if rc != 0:
         row["failure"] = f"restart exited {rc}: {project.tail()[-300:]}"
     restart = bench.proxy.exchanges() if bench.proxy else []
     return problems + after_restart(bench, project, scenario, snapshot, killed, restart)
+
+
+def anew(restart: Timing, stored_at_kill: int) -> dict[str, float]:
+    """What a restart measured of the phases it went through whole: the writing always (every output is written
+    anew), the work and the run when the kill had left nothing in the store (else the restart reused it)."""
+    if stored_at_kill:
+        return {"write_s": restart.write_s}
+    return {"seconds": restart.seconds, "work_s": restart.work_s, "write_s": restart.write_s}
 
 
 # ---- the suite -------------------------------------------------------------------------------------------------- #
@@ -678,27 +772,42 @@ def run(args) -> dict:
         for i in range(args.trials):
             rows.append(trial(bench, chosen[i % len(chosen)], i, rng))
             print_row(rows[-1])
-        timing = {
-            k: {"seconds": round(t.seconds, 2), "work_s": round(t.work_s, 3), "write_s": round(t.write_s, 3)}
-            for k, t in bench.timing.items()
-        }
+        timing = {k: rounded(t) for k, t in bench.timing.items()}
+        windows = {timing_key(s): rounded(bench.timing_of(s)) for s in chosen}  # as the last kills were drawn
+        measured = {k: {f: [round(x, 4) for x in xs] for f, xs in seen.items()} for k, seen in bench.measured.items()}
     summary = summarise(rows, chosen)
     by_stage = summarise_stages(rows)
     print_table(summary)
     print_stages(by_stage)
     figures = {"kill_trials": sum(r["killed"] for r in rows), "kill_effective": effective(rows)}
     figures.update({f"kill_{k}": sum(r[k] for r in rows) for k in checks.KINDS})
-    goal = figures["kill_effective"] >= 50 and not any(figures[f"kill_{k}"] for k in checks.KINDS)
     return {
         "figures": figures,
         "rows": rows,
-        "goal_met": goal,
+        "goal_met": goal_met(figures, rows, by_stage),
         "summary": summary,
         "by_stage": by_stage,
         "clean_runs": timing,
+        "windows": windows,
+        "windows_measured": measured,
         "seed": args.seed,
         "dataset": dataset_params(),
     }
+
+
+def rounded(t: Timing) -> dict[str, float]:
+    return {"seconds": round(t.seconds, 2), "work_s": round(t.work_s, 3), "write_s": round(t.write_s, 3)}
+
+
+def goal_met(figures: dict, rows: list[dict], by_stage: list[dict]) -> bool:
+    """GOAL_EFFECTIVE kills that landed while a stage worked or wrote, every stage's writing hit GOAL_WRITING times,
+    no restart or check that failed, and nothing lost, duplicated or stale."""
+    return (
+        figures["kill_effective"] >= GOAL_EFFECTIVE
+        and {s["stage"] for s in by_stage if s["phases"]["writing"] >= GOAL_WRITING} == set(INPUTS)
+        and not any(r["failure"] for r in rows)
+        and not any(figures[f"kill_{k}"] for k in checks.KINDS)
+    )
 
 
 def effective(rows: list[dict]) -> int:
@@ -722,6 +831,7 @@ def summarise(rows: list[dict], scenarios: list[Scenario]) -> list[dict]:
                 "trials": sum(r["killed"] for r in mine),
                 "effective": effective(mine),
                 **{k: sum(r[k] for r in mine) for k in checks.KINDS},
+                "missed": sum(r["missed"] for r in mine),
                 "failures": sum(r["failure"] is not None for r in mine),
                 "tmp_left": sum(r["tmp_left"] for r in mine),
                 "phases": phase_counts(mine),
@@ -747,7 +857,9 @@ def summarise_stages(rows: list[dict]) -> list[dict]:
 def print_row(r: dict) -> None:
     counts = " ".join(f"{k}={r[k]}" for k in checks.KINDS)
     print(
-        f"kill trial={r['trial']} scenario={r['scenario']} kill_s={r['kill_s']} phase={r['phase']} {counts}"
+        f"kill trial={r['trial']} scenario={r['scenario']} window_s={r['window_s']} kill_s={r['kill_s']} "
+        f"phase={r['phase']} {counts}"
+        + (f" missed: the run ended before each of {MAX_DRAWS} kill moments" if r["missed"] else "")
         + (f" failure={r['failure']!r}" if r["failure"] else "")
         + "".join(f"\n  {p}" for p in r["problems"]),
         flush=True,
@@ -755,34 +867,15 @@ def print_row(r: dict) -> None:
 
 
 def print_table(summary: list[dict]) -> None:
-    head = [
-        "stage/backend",
-        "trials",
-        "effective",
-        "lost",
-        "duplicated",
-        "stale",
-        "failures",
-        "killed: before/working/writing/written",
-        "temp files left",
-    ]
+    counted = ("trials", "effective", *checks.KINDS, "missed", "failures")
+    head = ["stage/backend", *counted, "killed: before/working/writing/written", "temp files left"]
     lines = [
-        [
-            s["label"],
-            s["trials"],
-            s["effective"],
-            s["lost"],
-            s["duplicated"],
-            s["stale"],
-            s["failures"],
-            "/".join(str(n) for n in s["phases"].values()),
-            s["tmp_left"],
-        ]
+        [s["label"], *(s[k] for k in counted), "/".join(str(n) for n in s["phases"].values()), s["tmp_left"]]
         for s in summary
     ]
     total = [
         "all",
-        *(sum(s[k] for s in summary) for k in ("trials", "effective", *checks.KINDS, "failures")),
+        *(sum(s[k] for s in summary) for k in counted),
         "/".join(str(sum(s["phases"][p] for s in summary)) for p in summary[0]["phases"]),
         sum(s["tmp_left"] for s in summary),
     ]
