@@ -88,7 +88,7 @@ MEANINGS = {
     "model.path": "The target model.",
     "tokenize.max_seq_len": "Longest sample, prompt and response together, in tokens.",
     "tokenize.on_too_long": "A longer sample is dropped (`drop`) or cut to `max_seq_len` (`truncate`).",
-    "tokenize.train_on": "Which tokens the loss mask covers.",
+    "tokenize.train_on": "The answers the loss mask covers: every regenerated one (`all_turns`) or the last.",
     "hidden_states.tensor_parallel_size": "GPUs one vLLM engine spans (tensor parallelism).",
     "hidden_states.data_parallel_size": "Independent vLLM engines, each on its own share of `CUDA_VISIBLE_DEVICES`.",
     "export.format": "The trainer whose layout `draftdata export` writes.",

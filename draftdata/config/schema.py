@@ -61,7 +61,10 @@ class OnTooLong(str, Enum):
 
 
 class TrainOn(str, Enum):
-    last_turn = "last_turn"  # only the regenerated final turn (earlier assistant turns are not the target's words)
+    # every regenerated answer of a conversation (`turns: all`); with `turns: last` only one answer is regenerated,
+    # so both values give the same samples
+    all_turns = "all_turns"
+    last_turn = "last_turn"  # only the final answer; earlier ones stay untrained context
 
 
 class BackendKind(str, Enum):
@@ -230,7 +233,7 @@ class TinyModelConfig:
 class TokenizeConfig:
     max_seq_len: int = 4096
     on_too_long: OnTooLong = OnTooLong.drop
-    train_on: TrainOn = TrainOn.last_turn
+    train_on: TrainOn = TrainOn.all_turns
     # the stage fails, naming the top reason, when more than this share of responses is skipped: a template or
     # settings problem should stop the chain, not quietly shrink the training data
     max_skip_pct: float = 5.0

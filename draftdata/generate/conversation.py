@@ -28,6 +28,7 @@ from draftdata.generate.actions import diverged, written_calls
 from draftdata.generate.selection import Planned, needs_request, request_key
 from draftdata.generate.store import StoredResponse
 from draftdata.target.tokenizer import assistant_message, render_prompt_ids, template_messages
+from draftdata.target.tokenizer import prefix_stable as prefix_stable  # tokenize decides with it too
 from draftdata.util.hashing import content_hash
 
 # Why a conversation ended: its source has no turn left, a turn acted otherwise than the source's (or its calls
@@ -138,12 +139,6 @@ def paired_results(results: list[dict], source_turn: list[dict], answer: dict) -
     if sorted(order) != list(range(len(call_ids))):  # no ids to go by (or not one per call): by position
         order = list(range(len(call_ids)))
     return [_answering(result, call_ids[j]) for result, j in zip(results, order)]
-
-
-def prefix_stable(turns: list[tuple[list[int], list[int]]]) -> bool:
-    """Whether one token sequence holds a conversation as the server saw each turn: every turn's prompt ids start
-    with the previous turn's prompt and answer ids, exactly. `turns`: (prompt ids, output ids) in order."""
-    return all(ids[: len(p) + len(o)] == p + o for (p, o), (ids, _) in zip(turns, turns[1:]))
 
 
 def _plan_turn(

@@ -190,6 +190,12 @@ def render_prompt_ids(tok, messages: list[dict], tools: list[dict] | None, templ
     return list(ids)
 
 
+def prefix_stable(turns: list[tuple[list[int], list[int]]]) -> bool:
+    """Whether one token sequence holds a conversation as the server saw each turn: every turn's prompt ids start
+    with the previous turn's prompt and answer ids, exactly. `turns`: (prompt ids, output ids) in order."""
+    return all(ids[: len(p) + len(o)] == p + o for (p, o), (ids, _) in zip(turns, turns[1:]))
+
+
 def template_messages(messages: list[dict]) -> list[dict]:
     """HF chat templates expect tool-call arguments as a mapping; prompts keep OpenAI's JSON string."""
     out = []
