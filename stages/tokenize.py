@@ -49,6 +49,8 @@ def main(cfg: Config) -> None:
         "trained_tokens": sum(sum(s.loss_mask) for s in samples),
         "skipped": dict(sorted(tally.skipped.items())),
         "truncated_to_max_seq_len": tally.truncated,
+        "conversations": tally.conversations,
+        "conversations_per_turn_samples": tally.per_turn,
         "text_path_samples": tally.text_path,
         "drift_pct": round(100.0 * tally.drift / tally.text_path, 3) if tally.text_path else 0.0,
     }

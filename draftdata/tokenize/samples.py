@@ -8,6 +8,12 @@ of the whole conversation rendered with the response (else the sample is skipped
 then runs to the first end-of-turn token, and what the template adds after it is not part of the sample (so
 both paths give the same sample). The drift between the re-encoded completion length and the server's count is
 measured. Every skipped response is counted by reason.
+
+A conversation regenerated turn by turn (`turns: all`: its lines share a `conversation` id and number their
+`turn`) is decided from its turns' ids (each turn's prompt and answer, from either path): where every turn's prompt
+starts with the previous turn's prompt and answer (`prefix_stable`), one sample holds the whole conversation, the
+last turn's prompt and answer, with every answer trained (`train_on: all_turns`) or the last; where it does not (a
+template that drops earlier reasoning), each turn is its own sample, exactly the ids that turn was sent.
 """
 
 from __future__ import annotations
@@ -15,13 +21,20 @@ from __future__ import annotations
 import os
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from jinja2.exceptions import TemplateError
 
-from draftdata.config.schema import Config, OnTooLong, template_kwargs_of
+from draftdata.config.schema import Config, OnTooLong, TrainOn, template_kwargs_of
 from draftdata.errors import UserError
-from draftdata.target.tokenizer import assistant_message, end_of_turn_ids, load_tokenizer, template_messages
+from draftdata.target.tokenizer import (
+    assistant_message,
+    end_of_turn_ids,
+    load_tokenizer,
+    prefix_stable,
+    template_messages,
+)
 
 # Every reason a response is skipped for (template_error:<type> adds the exception's name); the skips plot lists
 # them all, zeros included, so runs line up.
@@ -45,6 +58,9 @@ class Tokenized:
     id: str
     input_ids: list[int]
     loss_mask: list[int]
+    conversation: str | None = None  # a regenerated conversation's id (`turns: all`)
+    turn: int | None = None  # the turn of its last trained answer
+    responses: int = 1  # the responses whose answers it trains (what a skip of it counts)
 
 
 class Skip(Exception):
@@ -213,7 +229,7 @@ def limit_length(s: Tokenized, max_len: int, policy: OnTooLong) -> Tokenized:
         return s
     if policy == OnTooLong.drop:
         raise Skip("over_max_seq_len")
-    s = Tokenized(s.id, s.input_ids[:max_len], s.loss_mask[:max_len])
+    s = replace(s, input_ids=s.input_ids[:max_len], loss_mask=s.loss_mask[:max_len])
     if not any(s.loss_mask):  # the prompt alone fills max_seq_len: nothing left to train on
         raise Skip("no_trained_tokens_after_truncation")
     return s
@@ -225,6 +241,52 @@ class TokenizeTally:
     text_path: int = 0
     drift: int = 0  # text-path samples whose re-encoded completion length differs from the server's count
     truncated: int = 0
+    conversations: int = 0  # regenerated conversations (`turns: all`) with a sample
+    per_turn: int = 0  # of which not prefix-stable: one sample per turn
+
+
+def response_groups(recs: list[dict]) -> list[list[dict]]:
+    """In response order: a record on its own, or the records of one conversation in turn order (at its first)."""
+    groups: list[list[dict]] = []
+    conversations: dict[str, list[dict]] = {}
+    for rec in recs:
+        if rec.get("conversation") is None:
+            groups.append([rec])
+        elif rec["conversation"] in conversations:
+            conversations[rec["conversation"]].append(rec)
+        else:
+            conversations[rec["conversation"]] = [rec]
+            groups.append(conversations[rec["conversation"]])
+    for turns in conversations.values():
+        turns.sort(key=lambda r: r["turn"])
+    return groups
+
+
+class Built(NamedTuple):
+    """A response built on its own: its prompt and answer ids, the loss mask 0 over the prompt and 1 over the answer."""
+
+    rec: dict
+    ids: list[int]
+    mask: list[int]
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.ids) - sum(self.mask)
+
+    def sample(self) -> Tokenized:
+        return Tokenized(self.rec["id"], self.ids, self.mask, self.rec.get("conversation"), self.rec.get("turn"))
+
+
+def conversation_samples(turns: list[Built], train_on: TrainOn) -> tuple[list[Tokenized], bool]:
+    """The samples of one conversation's turns, and whether it is prefix-stable (one sample holds it)."""
+    trained = turns if train_on == TrainOn.all_turns else turns[-1:]
+    if not prefix_stable([(t.ids[: t.prompt_len], t.ids[t.prompt_len :]) for t in turns]):
+        return [t.sample() for t in trained], False  # each turn alone, as it was sent
+    last = turns[-1]
+    mask = [0] * len(last.ids)
+    for t in trained:  # each answer sits in the later turns' prompts where it stood in its own sample
+        mask[t.prompt_len : len(t.ids)] = t.mask[t.prompt_len :]
+    return [replace(last.sample(), loss_mask=mask, responses=len(trained))], True
 
 
 def build_samples(recs: list[dict], tok, cfg: Config) -> tuple[list[Tokenized], TokenizeTally]:
@@ -246,20 +308,39 @@ def build_samples(recs: list[dict], tok, cfg: Config) -> tuple[list[Tokenized], 
             tally.text_path += 1
             tally.drift += int(sum(result[1]) != rec["completion_tokens"])
     samples = []
-    for rec in usable:  # response order, which is prompt order
-        result = built[rec["id"]]
-        if isinstance(result, Skip):
-            tally.skipped[result.reason] += 1
-            continue
-        ids, mask = result
-        try:
-            s = limit_length(Tokenized(rec["id"], ids, mask), cfg.tokenize.max_seq_len, cfg.tokenize.on_too_long)
-        except Skip as e:
-            tally.skipped[e.reason] += 1
-            continue
-        tally.truncated += int(len(s.input_ids) < len(ids))
-        samples.append(s)
+    for group in response_groups(usable):
+        turns = []
+        for rec in group:  # a turn that cannot be built is skipped; its answer stays context of the later ones
+            result = built[rec["id"]]
+            if isinstance(result, Skip):
+                tally.skipped[result.reason] += 1
+            else:
+                turns.append(Built(rec, *result))
+        if turns:
+            samples += _within_length(_group_samples(turns, cfg.tokenize.train_on, tally), cfg, tally)
     return samples, tally
+
+
+def _group_samples(turns: list[Built], train_on: TrainOn, tally: TokenizeTally) -> list[Tokenized]:
+    if turns[0].rec.get("conversation") is None:  # a response on its own (`turns: last`)
+        return [turns[0].sample()]
+    samples, stable = conversation_samples(turns, train_on)
+    tally.conversations += 1
+    tally.per_turn += int(not stable)
+    return samples
+
+
+def _within_length(samples: list[Tokenized], cfg: Config, tally: TokenizeTally) -> list[Tokenized]:
+    out = []
+    for s in samples:
+        try:
+            kept = limit_length(s, cfg.tokenize.max_seq_len, cfg.tokenize.on_too_long)
+        except Skip as e:
+            tally.skipped[e.reason] += s.responses
+            continue
+        tally.truncated += int(len(kept.input_ids) < len(s.input_ids))
+        out.append(kept)
+    return out
 
 
 def check_skips(skipped: Counter, responses: int, max_pct: float) -> None:
