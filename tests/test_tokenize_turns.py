@@ -185,8 +185,8 @@ def test_last_turn_trains_the_final_answer_only(thinking, tmp_path):
 
 
 def test_too_long_conversations(tmp_path):
-    """truncate keeps a conversation's first tokens (and the answers in them trained); drop skips every response
-    the sample trains."""
+    """truncate keeps a conversation's first tokens (and the answers in them trained); drop keeps the turns that
+    fit."""
     t = golden("chatml")
     r, _ = drive(chat_conv(*CHAT), t, ANSWERS)
     lines = responses(r)
@@ -195,8 +195,12 @@ def test_too_long_conversations(tmp_path):
     (s,), tally = build_samples(lines, t.tok, config(tmp_path, max_seq_len=cut, on_too_long=OnTooLong.truncate))
     assert (s.input_ids, s.loss_mask) == (whole.input_ids[:cut], whole.loss_mask[:cut]) and tally.truncated == 1
     assert trained(t.tok, s)[0] == ANSWERS[0] + "<|im_end|>"
-    samples, tally = build_samples(lines, t.tok, config(tmp_path, max_seq_len=cut))
-    assert samples == [] and tally.skipped == {"over_max_seq_len": 3}
+    # drop: the turns that do not fit go, the conversation keeps the first (the whole of it as its sample)
+    (s,), tally = build_samples(lines, t.tok, config(tmp_path, max_seq_len=cut))
+    assert (s.input_ids, s.loss_mask) == from_ids(lines[0]["prompt_ids"], lines[0]["output_ids"])
+    assert (s.turn, s.responses, tally.skipped) == (0, 1, {"over_max_seq_len": 2})
+    samples, tally = build_samples(lines, t.tok, config(tmp_path, max_seq_len=len(lines[0]["prompt_ids"])))
+    assert samples == [] and tally.skipped == {"over_max_seq_len": 3} and tally.conversations == 0
 
 
 def test_an_empty_turn_stays_context(tmp_path):

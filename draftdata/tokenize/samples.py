@@ -13,7 +13,8 @@ A conversation regenerated turn by turn (`turns: all`: its lines share a `conver
 `turn`) is decided from its turns' ids (each turn's prompt and answer, from either path): where every turn's prompt
 starts with the previous turn's prompt and answer (`prefix_stable`), one sample holds the whole conversation, the
 last turn's prompt and answer, with every answer trained (`train_on: all_turns`) or the last; where it does not (a
-template that drops earlier reasoning), each turn is its own sample, exactly the ids that turn was sent.
+template that drops earlier reasoning), each turn is its own sample, exactly the ids that turn was sent. Under
+`on_too_long: drop` the turns too long go and the conversation keeps the others.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import NamedTuple
 
 from jinja2.exceptions import TemplateError
 
-from draftdata.config.schema import Config, OnTooLong, TrainOn, template_kwargs_of
+from draftdata.config.schema import Config, OnTooLong, TokenizeConfig, TrainOn, template_kwargs_of
 from draftdata.errors import UserError
 from draftdata.target.tokenizer import (
     assistant_message,
@@ -317,14 +318,21 @@ def build_samples(recs: list[dict], tok, cfg: Config) -> tuple[list[Tokenized], 
             else:
                 turns.append(Built(rec, *result))
         if turns:
-            samples += _within_length(_group_samples(turns, cfg.tokenize.train_on, tally), cfg, tally)
+            samples += _within_length(_group_samples(turns, cfg.tokenize, tally), cfg, tally)
     return samples, tally
 
 
-def _group_samples(turns: list[Built], train_on: TrainOn, tally: TokenizeTally) -> list[Tokenized]:
+def _group_samples(turns: list[Built], cfg: TokenizeConfig, tally: TokenizeTally) -> list[Tokenized]:
     if turns[0].rec.get("conversation") is None:  # a response on its own (`turns: last`)
         return [turns[0].sample()]
-    samples, stable = conversation_samples(turns, train_on)
+    if cfg.on_too_long == OnTooLong.drop:  # the turns too long go; a shorter conversation is still a valid sample
+        fit = [t for t in turns if len(t.ids) <= cfg.max_seq_len]
+        if len(fit) < len(turns):
+            tally.skipped["over_max_seq_len"] += len(turns) - len(fit)
+            if not fit:
+                return []
+            turns = fit
+    samples, stable = conversation_samples(turns, cfg.train_on)
     tally.conversations += 1
     tally.per_turn += int(not stable)
     return samples
