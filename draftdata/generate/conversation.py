@@ -20,7 +20,7 @@ so from the ids.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +76,21 @@ def replay(
 ) -> Replay:
     """Walk the prompt record `conv` ({"id", "conversation", "slots", "tools"?, "where"?}) through the stored answers.
     `commands`: the source acts by shell commands in its text (swe_agent), compared as actions."""
+    walk = turns(conv, target, on_tool_divergence, commands)
+    try:
+        planned = next(walk)
+        while True:
+            planned = walk.send(lookup(planned.key))
+    except StopIteration as end:
+        return end.value
+
+
+def turns(
+    conv: dict, target: TurnTarget, on_tool_divergence: str = STOP, commands: bool = False
+) -> Generator[Planned, StoredResponse | None, Replay]:
+    """`replay` one turn at a time: yields each turn's request and is sent its stored answer (None: not stored),
+    so a caller can look up many conversations' turns in one query, or send a turn and step on once it is
+    answered. Returns the replay at the first turn without a usable answer, or where the conversation ends."""
     if on_tool_divergence not in (STOP, KEEP_SOURCE):
         raise ValueError(f"on_tool_divergence is {on_tool_divergence!r}, expected {STOP!r} or {KEEP_SOURCE!r}")
     source, slots = conv["conversation"], conv["slots"]
@@ -86,7 +101,7 @@ def replay(
     for t, slot in enumerate(slots):
         messages = history + source[consumed:slot]
         planned, text = _plan_turn(conv, t, messages, [p.key for p, _ in done], target, sent)
-        stored = lookup(planned.key)
+        stored = yield planned
         if needs_request(stored):
             return Replay(done, planned, None)
         done.append((planned, stored))
