@@ -126,9 +126,13 @@ class ServerPool:
         self._interval = probe_interval_s
         self._revivers: set[asyncio.Task] = set()
 
-    def pick(self) -> Server:
+    def pick(self, prefer: str | None = None, slack: int = 0) -> Server:
+        """`prefer`: the server that answered a conversation's previous turn, taken while it is alive and holds at
+        most `slack` requests more than the least busy one (it has the conversation's KV in its prefix cache)."""
         live = [s for s in self.servers if s.alive] or self.servers
         server = min(live, key=lambda s: (s.outstanding, s.picks))
+        if prefer is not None:
+            server = next((s for s in live if s.url == prefer and s.outstanding <= server.outstanding + slack), server)
         server.picks += 1
         return server
 
@@ -185,6 +189,11 @@ class HttpBackend:
         self.session: aiohttp.ClientSession | None = None
         self.pool = ServerPool(self.bcfg.urls, self._problem, self.bcfg.probe_interval_s)
         self._aborted: set[str] = set()  # attempt rids already told to stop: one abort each
+        # How much busier than the least busy server a conversation's previous server may be and still take its
+        # next turn: a quarter of each server's share of the requests in flight (re-reading a conversation's
+        # history costs less than waiting behind a queue much longer than the others')
+        concurrency = cfg.ds.concurrency if cfg.dataset else DatasetConfig().concurrency
+        self._affinity_slack = concurrency // len(self.pool.servers) // 4
 
     # ---- protocol hooks -------------------------------------------------------------------------------------- #
 
@@ -311,7 +320,7 @@ class HttpBackend:
             self._resume_or_restart(req)
             if req.partial.completion_tokens >= req.max_tokens:  # parked at max_tokens: nothing left to generate
                 return self._complete(req, req.partial.completion_tokens, 0, "length", len(req.prompt_ids), True)
-            server = self.pool.pick()
+            server = self.pool.pick(req.prefer, self._affinity_slack)
             rid = attempt_rid(req.rid)  # unique per attempt: a server may still hold an earlier attempt's rid
             try:
                 res = await self._attempt_on(server, req, rid)
