@@ -77,6 +77,12 @@ MEANINGS = {
     "datasets.<name>.on_budget": "At the budget, `cancel` keeps complete responses only and parks the cut ones "
     "in the store; `keep_partial` keeps the server full and puts the cut responses in the output.",
     "datasets.<name>.on_truncation": "Responses that hit `max_tokens`: `keep` them in the output or `drop` them.",
+    "datasets.<name>.turns": "`last` regenerates the source's last assistant turn (earlier ones stay as the "
+    "source wrote them); `all` regenerates every assistant turn in order, each request holding the target's own "
+    "earlier answers.",
+    "datasets.<name>.on_tool_divergence": "With `turns: all`, a regenerated turn that calls other tools than the "
+    "source's (or answers in text where it called): `stop` ends the conversation there; `keep_source` gives it "
+    "the source's tool results anyway and goes on.",
     "datasets.<name>.concurrency": "Requests in flight at once for this dataset, over all servers.",
     "datasets.<name>.sampling.temperature": "Sampling temperature (0: greedy).",
     "datasets.<name>.sampling.top_p": "Nucleus sampling: the smallest set of tokens with this much probability.",

@@ -55,6 +55,16 @@ class OnTruncation(str, Enum):
     drop = "drop"
 
 
+class Turns(str, Enum):
+    last = "last"  # regenerate the last assistant turn; the source's earlier turns stay as history
+    all = "all"  # regenerate every assistant turn in order, each after the target's own earlier answers
+
+
+class OnToolDivergence(str, Enum):
+    stop = "stop"  # a regenerated turn that acts otherwise than the source's ends its conversation
+    keep_source = "keep_source"  # the source's tool results follow it anyway (off-policy context)
+
+
 class OnTooLong(str, Enum):
     drop = "drop"
     truncate = "truncate"
@@ -187,6 +197,8 @@ class DatasetConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     on_budget: OnBudget = OnBudget.cancel
     on_truncation: OnTruncation = OnTruncation.keep
+    turns: Turns = Turns.last
+    on_tool_divergence: OnToolDivergence = OnToolDivergence.stop
     # run-time knob: read, but not declared as a DVC param (changing it reruns nothing)
     concurrency: int = 64
 

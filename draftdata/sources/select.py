@@ -12,10 +12,10 @@ import heapq
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 
-from draftdata.config.schema import DatasetConfig, OnBadRecord
+from draftdata.config.schema import DatasetConfig, OnBadRecord, Turns
 from draftdata.errors import UserError
 from draftdata.sources.files import Row
-from draftdata.sources.shapes import BadRecord, SourceOptions, to_prompt
+from draftdata.sources.shapes import BadRecord, Prompt, SourceOptions, to_prompt, turn_slots
 from draftdata.util.hashing import content_hash
 
 
@@ -42,11 +42,22 @@ def adapt_rows(rows: Iterable[Row], ds: DatasetConfig, drops: Counter) -> Iterat
                 ) from e
             drops[e.reason] += 1
             continue
+        yield _record(p, row.where, ds.turns == Turns.all)
+
+
+def _record(p: Prompt, where: str, all_turns: bool) -> dict:
+    """A prompt record. With every turn regenerated it holds the whole conversation and where the target answers
+    in it, and its id covers them (two sources that share a first prompt and differ later are two conversations,
+    not duplicates); else it is the last turn's prompt alone, as it always was."""
+    if not all_turns:
         rec = {"id": prompt_id(p.messages, p.tools), "messages": p.messages}
-        if p.tools:
-            rec["tools"] = p.tools
-        rec["where"] = row.where
-        yield rec
+    else:
+        rec = {"id": content_hash({"conversation": p.conversation, "tools": p.tools}), "messages": p.messages}
+        rec.update(conversation=p.conversation, slots=turn_slots(p.conversation))
+    if p.tools:
+        rec["tools"] = p.tools
+    rec["where"] = where
+    return rec
 
 
 def dedup(records: Iterable[dict], drops: Counter) -> Iterator[dict]:
