@@ -15,8 +15,9 @@ from draftdata.config.schema import Config, template_kwargs_of
 from draftdata.errors import UserError
 from draftdata.generate.dispatcher import RunStats
 from draftdata.generate.run import generate_missing, output_record, run_metrics, write_plots
-from draftdata.generate.selection import check_context, plan_requests, select_responses, tokens_of, unusable_reason
+from draftdata.generate.selection import select_responses, tokens_of, unusable_reason
 from draftdata.generate.store import ResponseStore
+from draftdata.generate.work import RunPlan
 from draftdata.target.tokenizer import load_target_tokenizer
 from draftdata.util.files import data_dir, read_jsonl, write_json, write_jsonl
 from draftdata.util.log import log
@@ -34,11 +35,8 @@ def main(cfg: Config) -> None:
     prompts = list(read_jsonl(prompts_path))
     store = ResponseStore(resolve_store_path(cfg.run.store_path))
     try:
-        plan = plan_requests(cfg, prompts, tok, store)  # one per key: prompts rendered alike are asked once
-        duplicates = len(prompts) - len(plan)
-        check_context(plan, cfg, limits.context)
-        stored = store.get_many(p.key for p in plan)
-        usable = {k: r for k, r in stored.items() if unusable_reason(r, ds) is None}
+        run = RunPlan.make(cfg, prompts, tok, store, limits.context)
+        usable = {k: r for k, r in run.stored.items() if unusable_reason(r, ds) is None}
         committed = sum(tokens_of(r.prompt_tokens, r.completion_tokens, ds.budget_unit) for r in usable.values())
         stats = RunStats()
         if committed >= ds.token_budget:
@@ -48,18 +46,20 @@ def main(cfg: Config) -> None:
                 status=f"budget met: {committed:,} >= {ds.token_budget:,} tokens from {len(usable):,} responses",
             )
         else:
-            stats = generate_missing(cfg, tok, plan, stored, store)
-            stored = store.get_many(p.key for p in plan)
-        selected, total, skipped = select_responses(plan, stored, ds)
+            stats = generate_missing(cfg, tok, run.plan, run.stored, store, run.queue)
+            run.reread(store)
+        selected, total, skipped = select_responses(run.plan, run.stored, ds)
+        reasons = run.end_reasons(selected)
         # the writing of the outputs begins (100k responses take seconds)
         log("generate", dataset=cfg.dataset, writing=out / "responses.jsonl")
-        write_jsonl(out / "responses.jsonl", (output_record(p, r) for p, r in selected))
+        write_jsonl(out / "responses.jsonl", (output_record(p, r, reasons.get(p.prompt["id"])) for p, r in selected))
         write_plots(
             out / "plots", [r.completion_tokens for _, r in selected], ds.max_tokens, stats.fill or [(0.0, total)]
         )
         write_json(
             out / "generate_metrics.json",
-            run_metrics(ds, selected, total, skipped, stats, len(usable), duplicates, time.time() - t0),
+            run_metrics(ds, selected, total, skipped, stats, len(usable), run.duplicates, time.time() - t0)
+            | run.metrics(reasons, selected),
         )
     finally:
         store.close()

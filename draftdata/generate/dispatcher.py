@@ -1,8 +1,9 @@
 """The dispatcher of a generation run: it sends what the budget still needs through a backend, commits each
 response to the response store (store.py) as it arrives, and stops once the budget is met.
 
-The dispatcher only admits, waits and stops. The decisions are its parts': admission and the budget's end are the
-budget controller's (budget.py), what is committed, parked or lost the ledger's (ledger.py), the throughput
+The dispatcher only admits, waits and stops. The decisions are its parts': what to send next is the work queue's
+(work.py: with `turns: all`, a started conversation's next turn before new ones), admission and the budget's end
+are the budget controller's (budget.py), what is committed, parked or lost the ledger's (ledger.py), the throughput
 readings the meter's (meter.py), and whether the run is failing the fail-fast window's (failfast.py).
 
 Nothing wrong is kept and nothing generated is lost (the rules are the ledger's):
@@ -30,6 +31,7 @@ from draftdata.generate.ledger import Flight, Ledger, RunStats
 from draftdata.generate.meter import ThroughputMeter
 from draftdata.generate.selection import Planned
 from draftdata.generate.store import CUT, INTERRUPTED, ResponseStore, StoredResponse
+from draftdata.generate.work import WorkQueue
 
 __all__ = ["Dispatcher", "Flight", "Interrupted", "RunFailed", "RunStats"]
 
@@ -71,6 +73,7 @@ class Dispatcher:
         self.meter = ThroughputMeter(time.monotonic())
         self.failfast = FailFastWindow(cfg.run.fail_fast_after)
         self.flights: dict[asyncio.Task, Flight] = {}
+        self.work = WorkQueue()
         self.stop = asyncio.Event()
         self.failing: str | None = None  # set when the recent requests all failed with one cause
         # Finished tasks are pushed here by their done-callbacks and a ticker wakes the loop every TICK_S, so a
@@ -88,10 +91,11 @@ class Dispatcher:
             return []
         return [len(f.p.prompt_ids) for f in self.flights.values()]
 
-    async def run(self, todo: list[Planned]) -> RunStats:
+    async def run(self, todo: list[Planned] | WorkQueue) -> RunStats:
+        self.work = todo if isinstance(todo, WorkQueue) else WorkQueue(todo)
         ticker = asyncio.create_task(self._tick())
         try:
-            await self._loop(iter(todo))
+            await self._loop()
         except BaseException:  # e.g. the store cannot take a commit (disk full): stop what is in flight first
             await self._abandon()
             raise
@@ -104,13 +108,10 @@ class Dispatcher:
             raise Interrupted()
         return self.stats
 
-    async def _loop(self, queue) -> None:
+    async def _loop(self) -> None:
         progress, prompts = self.in_flight_progress(), self.in_flight_prompts()
         while not self.stop.is_set():
-            for _ in range(self.ctrl.admit_count(progress, prompts)):
-                if (p := next(queue, None)) is None:
-                    break
-                self._admit(p)
+            self._admit_work(progress, prompts)
             if not self.flights:
                 return
             await self._wake.wait()
@@ -126,6 +127,22 @@ class Dispatcher:
                 # keep_partial: some cut partials were unusable (e.g. nothing but whitespace), so go on
                 progress, prompts = [], []
             self.progress.update(self)
+
+    def _admit_work(self, progress: list[int], prompts: list[int]) -> None:
+        """Started conversations' next turns while there is room and budget left, then new requests as many as
+        the controller admits (the turns just admitted counted in)."""
+        admitted = False
+        while len(self.flights) < self.ds.concurrency and not self.ctrl.reached(progress, prompts):
+            if (p := self.work.next_ready()) is None:
+                break
+            self._admit(p)
+            admitted = True
+        if admitted:
+            progress, prompts = self.in_flight_progress(), self.in_flight_prompts()
+        for _ in range(self.ctrl.admit_count(progress, prompts)):
+            if (p := self.work.next_new()) is None:
+                break
+            self._admit(p)
 
     async def _tick(self) -> None:
         while True:
@@ -153,6 +170,7 @@ class Dispatcher:
             stream=self.stream,
             partial=partial,
             seed=seed_of(p.key),
+            prefer=self.work.prefer(p),
         )
         task = asyncio.create_task(self.backend.generate(req))
         task.add_done_callback(self._on_done)
@@ -186,6 +204,7 @@ class Dispatcher:
         if settled.rows:
             self.store.put_many([r for r, _ in settled.rows])
         self.ledger.commit(settled.rows)
+        self.work.settled([*done, *stopped], settled.rows)
         for res, _ in done:
             self.failfast.record(res.error)
         self._check_failing(done)

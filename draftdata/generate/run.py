@@ -17,6 +17,7 @@ from draftdata.generate.dispatcher import Dispatcher, Interrupted, RunStats
 from draftdata.generate.progress import Progress
 from draftdata.generate.selection import Planned, needs_request, tokens_of, unusable_reason
 from draftdata.generate.store import CUT, ResponseStore, StoredResponse
+from draftdata.generate.work import ConversationQueue, WorkQueue
 from draftdata.util.log import log
 from draftdata.util.plots import histogram, write_csv
 
@@ -24,7 +25,7 @@ from draftdata.util.plots import histogram, write_csv
 async def _generate(
     cfg: Config,
     tok,
-    todo: list[Planned],
+    todo: list[Planned] | WorkQueue,
     ctrl: BudgetController,
     store: ResponseStore,
     parked: dict[str, StoredResponse],
@@ -60,10 +61,16 @@ async def _generate(
 
 
 def generate_missing(
-    cfg: Config, tok, plan: list[Planned], stored: dict[str, StoredResponse], store: ResponseStore
+    cfg: Config,
+    tok,
+    plan: list[Planned],
+    stored: dict[str, StoredResponse],
+    store: ResponseStore,
+    conversations: ConversationQueue | None = None,
 ) -> RunStats:
     """Generate what the budget still needs. Parked partials are continued rather than counted: the budget counts
-    complete responses, and keep_partial's cut ones only once no more generation is wanted."""
+    complete responses, and keep_partial's cut ones only once no more generation is wanted. `conversations`
+    (`turns: all`): `plan` holds their answered turns and the next one of each, and the queue steps them on."""
     ds = cfg.ds
     complete = [r for r in stored.values() if not r.partial and unusable_reason(r, ds) is None]
     ctrl = BudgetController(
@@ -84,6 +91,8 @@ def generate_missing(
     if ds.budget_unit == BudgetUnit.total and todo:
         ctrl.prompt_mean = sum(p.prompt_tokens for p in todo) / len(todo)
     parked = {k: r for k, r in stored.items() if r.partial}
+    if conversations is not None:
+        conversations.parked = parked  # partials met while stepping over stored turns are continued too
     log(
         "generate",
         dataset=cfg.dataset,
@@ -96,7 +105,8 @@ def generate_missing(
         continues=takes_token_ids(cfg),
     )
     try:
-        return asyncio.run(_generate(cfg, tok, todo, ctrl, store, parked))
+        work = todo if conversations is None else conversations
+        return asyncio.run(_generate(cfg, tok, work, ctrl, store, parked))
     except Interrupted:
         log(
             "generate",
@@ -159,8 +169,14 @@ def write_plots(out: Path, lengths: list[int], max_tokens: int, fill: list[tuple
     write_csv(out / "budget_fill.csv", [{"seconds": t, "tokens": n} for t, n in fill], ["seconds", "tokens"])
 
 
-def output_record(p: Planned, r: StoredResponse) -> dict:
+def output_record(p: Planned, r: StoredResponse, end_reason: str | None = None) -> dict:
+    """A line of responses.jsonl; a conversation's turn (`turns: all`) also names its conversation and turn, and
+    its conversation's last line why it ended."""
     rec = {"id": p.prompt["id"], "key": r.key, "messages": p.prompt["messages"]}
+    if "conversation" in p.prompt:
+        rec.update(conversation=p.prompt["conversation"], turn=p.prompt["turn"])
+        if end_reason is not None:
+            rec["end_reason"] = end_reason
     if p.prompt.get("tools"):
         rec["tools"] = p.prompt["tools"]
     rec.update(

@@ -68,12 +68,16 @@ def unusable_reason(r: StoredResponse, ds: DatasetConfig) -> str | None:
     """Why a stored response does not enter the output (None: it does)."""
     if r.partial and not (r.finish_reason == CUT and ds.on_budget == OnBudget.keep_partial):
         return "cut_by_budget" if r.finish_reason == CUT else "interrupted"  # parked: continued when needed
-    # text is decoded without special tokens; a chat answer may be all thinking or tool calls, which are not in it
-    if r.completion_tokens == 0 or not (r.text.strip() or r.reasoning or r.tool_calls):
+    if is_empty(r):
         return "empty"
     if r.finish_reason == "length" and ds.on_truncation == OnTruncation.drop:
         return "truncated_dropped"
     return None
+
+
+def is_empty(r: StoredResponse) -> bool:
+    # text is decoded without special tokens; a chat answer may be all thinking or tool calls, which are not in it
+    return r.completion_tokens == 0 or not (r.text.strip() or r.reasoning or r.tool_calls)
 
 
 def needs_request(r: StoredResponse | None) -> bool:

@@ -1,0 +1,289 @@
+"""What the dispatcher sends next: a run's requests, or with `turns: all` the turns of its conversations.
+
+`WorkQueue` hands out the requests of a run in prompt order (`turns: last`: one per prompt). `ConversationQueue`
+keeps every started conversation going: when a turn's answer is committed, the conversation is stepped
+(`conversation.turns`) to its next turn, which goes to the front of the queue, ahead of new conversations (its
+history is warm in the server's prefix cache, and a finished conversation is a sample); a turn whose answer the
+store already holds (another dataset or experiment reached the same state) is stepped over without a request.
+New conversations are taken as the budget controller admits them; the turns of started ones only need a free slot
+and a budget not yet met. Each next turn is sent to the server that answered the previous one.
+
+Conversations live in the store: `plan_conversations` walks each one over its stored turns, one store query per
+turn depth for all of them, to the first turn not stored (a parked partial there is continued) or to its end.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Generator, Iterable, Iterator
+from dataclasses import dataclass, field
+
+from draftdata.config.schema import Config, DatasetConfig, Turns
+from draftdata.generate.backends import GenResult
+from draftdata.generate.conversation import TurnTarget, turns
+from draftdata.generate.selection import (
+    Planned,
+    check_context,
+    is_empty,
+    needs_request,
+    plan_requests,
+    unusable_reason,
+)
+from draftdata.generate.store import ResponseStore, StoredResponse
+from draftdata.target.fingerprint import model_fingerprint
+from draftdata.util.sqlite import hash_cache_path
+
+# Why a conversation ended, besides conversation.py's: its turn's prompt and max_tokens exceed the target's context,
+# its turn's answer was empty, its turn's request failed, or the run stopped at the budget with turns left.
+CONTEXT, EMPTY, FAILED, BUDGET = "context", "empty", "failed", "budget"
+
+
+class WorkQueue:
+    """The requests of a run, in order: no conversations, nothing to continue."""
+
+    def __init__(self, todo: Iterable[Planned] = ()):
+        self._new: Iterator[Planned] = iter(todo)
+
+    def next_ready(self) -> Planned | None:
+        """A turn of a started conversation (never gated by the controller's admission: see the module docstring)."""
+        return None
+
+    def next_new(self) -> Planned | None:
+        return next(self._new, None)
+
+    def prefer(self, p: Planned) -> str | None:
+        """The server to send `p` to, if it can."""
+        return None
+
+    def settled(self, ended: list[tuple[GenResult, object]], rows: list[tuple[StoredResponse, object]]) -> None:
+        """Requests that ended (`Flight`s with their results) and the rows the store took for them."""
+
+
+@dataclass
+class Conversation:
+    """A conversation's place: the turns answered, the one to request next, or why it ended."""
+
+    rec: dict
+    walk: Generator[Planned, StoredResponse | None, object]
+    done: list[tuple[Planned, StoredResponse]] = field(default_factory=list)
+    next: Planned | None = None
+    ended: str | None = None
+    server: str | None = None  # the server that answered its last turn in this run
+    first: Planned | None = None  # turn 0
+    held = BUDGET  # why `next` was not answered: the run stopped first, or its request failed
+
+    def start(self, room: int | None) -> None:
+        self._moved(lambda: next(self.walk), room)
+        self.first = self.next
+
+    def answer(self, r: StoredResponse, room: int | None) -> None:
+        """Give the turn waiting its (usable) answer and step to the next turn."""
+        assert self.next is not None and not needs_request(r)
+        if is_empty(r):  # nothing to train on, nor to go on from: the sample ends before it
+            self.end(EMPTY)
+            return
+        self.done.append((self.next, r))
+        self._moved(lambda: self.walk.send(r), room)
+
+    def end(self, reason: str) -> None:
+        self.next, self.ended = None, reason
+        self.walk.close()
+
+    def _moved(self, step, room: int | None) -> None:
+        try:
+            self.next = step()
+        except StopIteration as stop:
+            self.next, self.ended = None, stop.value.ended
+            return
+        # a later turn the target cannot answer ends the conversation: a shorter sample (turn 0's are checked
+        # before any work, as every prompt is)
+        if self.done and room is not None and self.next.prompt_tokens > room:
+            self.end(CONTEXT)
+
+    def turns(self) -> list[Planned]:
+        """Its answered turns and the one to request next."""
+        return [p for p, _ in self.done] + ([self.next] if self.next is not None else [])
+
+
+def plan_conversations(
+    cfg: Config, prompts: list[dict], tok, store: ResponseStore, context: int | None
+) -> list[Conversation]:
+    """Every conversation walked over the turns the store holds, in prompt order. `context`: the target's (None:
+    unknown); a later turn that does not fit it with max_tokens ends its conversation."""
+    ds = cfg.ds
+    fp = model_fingerprint(cfg.model.path, cfg.model.revision, hash_cache_path(cfg.run.store_path))
+    target = TurnTarget(tok, dict(cfg.model.template_kwargs), fp, ds.sampling.as_dict(), ds.max_tokens)
+    commands = ds.source.shape == "swe_agent"  # its actions are fenced shell commands in the text
+    convs = [Conversation(rec, turns(rec, target, ds.on_tool_divergence.value, commands)) for rec in prompts]
+    for c in convs:
+        c.start(None)
+    room = None if context is None else context - ds.max_tokens
+    step_over_stored(convs, store, {}, room)
+    return convs
+
+
+def step_over_stored(
+    convs: list[Conversation], store: ResponseStore, parked: dict[str, StoredResponse], room: int | None
+) -> None:
+    """Step each conversation over the turns the store holds answers for: one query per round for all of them.
+    Parked partials met on the way are added to `parked` (the dispatcher continues them)."""
+    waiting = [c for c in convs if c.next is not None]
+    while waiting:
+        stored = store.get_many({c.next.key for c in waiting})
+        moved = []
+        for c in waiting:
+            r = stored.get(c.next.key)
+            if needs_request(r):
+                if r is not None and r.partial:
+                    parked[r.key] = r
+                continue
+            c.answer(r, room)
+            if c.next is not None:
+                moved.append(c)
+        waiting = moved
+
+
+class ConversationQueue(WorkQueue):
+    """`turns: all`: see the module docstring. `parked` is the dispatcher's (partials it continues)."""
+
+    def __init__(
+        self,
+        convs: list[Conversation],
+        store: ResponseStore,
+        parked: dict[str, StoredResponse],
+        room: int | None,
+    ):
+        super().__init__(c for c in convs if c.next is not None)
+        self.store, self.parked, self.room = store, parked, room
+        self._ready: deque[Conversation] = deque()
+        self._waiting: dict[str, list[Conversation]] = {}  # key in flight -> the conversations waiting on it
+        self.next_turns = 0  # turns after the first answered in this run with their predecessor's server known
+        self.same_server = 0  # ... answered by that server
+
+    def next_ready(self) -> Planned | None:
+        while self._ready:
+            if (p := self._send(self._ready.popleft())) is not None:
+                return p
+        return None
+
+    def next_new(self) -> Planned | None:
+        for c in self._new:
+            if (p := self._send(c)) is not None:
+                return p
+        return None
+
+    def prefer(self, p: Planned) -> str | None:
+        waiting = self._waiting.get(p.key)
+        return waiting[0].server if waiting else None
+
+    def _send(self, c: Conversation) -> Planned | None:
+        """The conversation's next turn to request; None when that turn is in flight for another conversation
+        (two conversations can share their first turns): this one waits for the same answer."""
+        key = c.next.key
+        sent = key in self._waiting
+        self._waiting.setdefault(key, []).append(c)
+        return None if sent else c.next
+
+    def settled(self, ended: list[tuple[GenResult, object]], rows: list[tuple[StoredResponse, object]]) -> None:
+        answers = {r.key: r for r, _ in rows if not needs_request(r)}
+        stepped = []
+        for res, f in ended:
+            key = f.p.key
+            for c in self._waiting.pop(key, []):
+                r = answers.get(key)
+                if r is None:  # stopped (at the budget, or interrupted) or failed: the turn waits for a rerun
+                    c.held = FAILED if res.error else BUDGET
+                    continue
+                self._count_server(f.req.prefer, res.server)
+                c.server = res.server
+                c.answer(r, self.room)
+                stepped.append(c)
+        step_over_stored(stepped, self.store, self.parked, self.room)
+        # started conversations first: their history is in the server's prefix cache
+        self._ready.extendleft(reversed([c for c in stepped if c.next is not None]))
+
+    def _count_server(self, prefer: str | None, server: str) -> None:
+        if prefer:
+            self.next_turns += 1
+            self.same_server += server == prefer
+
+    @property
+    def same_server_share(self) -> float | None:
+        return round(self.same_server / self.next_turns, 4) if self.next_turns else None
+
+
+def conversation_plan(convs: list[Conversation], store: ResponseStore) -> tuple[list[Planned], dict]:
+    """Every conversation's turns in order (answered ones, then the next), and the store's rows for them: the
+    answers, and the parked partials of next turns (one query)."""
+    rows = {p.key: r for c in convs for p, r in c.done}
+    rows.update(store.get_many(c.next.key for c in convs if c.next is not None))
+    return [p for c in convs for p in c.turns()], rows
+
+
+def end_reasons(
+    convs: list[Conversation], selected: list[tuple[Planned, StoredResponse]], ds: DatasetConfig
+) -> dict[str, str]:
+    """The turn id of each conversation's last line in the output -> why the conversation ends there: its own
+    reason when every usable answered turn is in the output, else the budget (the output's, or the run's)."""
+    last = {p.prompt["conversation"]: p for p, _ in selected}
+    out = {}
+    for c in convs:
+        if (p := last.get(c.rec["id"])) is None:
+            continue
+        out[p.prompt["id"]] = c.held  # its next turn is to come (or, under keep_partial, this is its cut one)
+        if c.next is None:
+            at = next(i for i, (q, _) in enumerate(c.done) if q is p)
+            if all(unusable_reason(r, ds) for _, r in c.done[at + 1 :]):
+                out[p.prompt["id"]] = c.ended
+    return out
+
+
+def conversation_metrics(reasons: dict[str, str], turns_out: int, queue: ConversationQueue) -> dict:
+    """generate_metrics' figures of `turns: all`: the output's turns (each one the target's answer) and
+    conversations by end reason, and the share of next turns this run sent to the server that answered the
+    previous one (null: none sent)."""
+    return {
+        "turns_regenerated": turns_out,
+        "conversations": len(reasons),
+        "conversations_ended": dict(sorted(Counter(reasons.values()).items())),
+        "same_server_share": queue.same_server_share,
+    }
+
+
+@dataclass
+class RunPlan:
+    """What a run asks: one request per prompt (`turns: last`), or each conversation's turns (`turns: all`), with
+    the store's rows for them."""
+
+    plan: list[Planned]
+    stored: dict[str, StoredResponse]
+    duplicates: int = 0  # prompts whose rendered ids an earlier prompt had (`turns: last`)
+    convs: list[Conversation] | None = None
+    queue: ConversationQueue | None = None
+    ds: DatasetConfig | None = None
+
+    @classmethod
+    def make(cls, cfg: Config, prompts: list[dict], tok, store: ResponseStore, context: int | None) -> RunPlan:
+        if cfg.ds.turns != Turns.all:
+            plan = plan_requests(cfg, prompts, tok, store)  # one per key: prompts rendered alike are asked once
+            check_context(plan, cfg, context)
+            return cls(plan, store.get_many(p.key for p in plan), len(prompts) - len(plan))
+        convs = plan_conversations(cfg, prompts, tok, store, context)  # each walked over its stored turns
+        check_context([c.first for c in convs if c.first is not None], cfg, context)
+        run = cls(*conversation_plan(convs, store), convs=convs, ds=cfg.ds)
+        room = None if context is None else context - cfg.ds.max_tokens
+        run.queue = ConversationQueue(convs, store, {}, room)
+        return run
+
+    def reread(self, store: ResponseStore) -> None:
+        """After generation: the rows the store holds now (and each conversation's turns as far as they went)."""
+        if self.convs is None:
+            self.stored = store.get_many(p.key for p in self.plan)
+        else:
+            self.plan, self.stored = conversation_plan(self.convs, store)
+
+    def end_reasons(self, selected: list[tuple[Planned, StoredResponse]]) -> dict[str, str]:
+        return {} if self.convs is None else end_reasons(self.convs, selected, self.ds)
+
+    def metrics(self, reasons: dict[str, str], selected: list) -> dict:
+        return {} if self.convs is None else conversation_metrics(reasons, len(selected), self.queue)

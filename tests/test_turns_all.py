@@ -1,0 +1,302 @@
+"""`turns: all` through the prompts and generate stages: every assistant turn regenerated on-policy against the
+SGLang fake (which returns ids), resumed at the first turn the store lacks, tool calls matched to the source's
+results or ending the conversation, and each next turn sent to the server that answered the previous one."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import sqlite3
+
+import pytest
+from transformers import AutoTokenizer
+
+from bench.fake_server import FakeServer, GreedyModel
+from draftdata.generate.backends.http import ServerPool
+from draftdata.util.files import read_jsonl
+
+MAX_TOKENS = 256  # GreedyModel ends an answer after 12 tokens on average: none is cut
+# sha256 of prompts.jsonl written by the prompts stage before `turns` existed (max_prompts 20, no token limit):
+# `turns: last` must write the very same bytes
+LAST_PROMPTS = {
+    "B1_glaive": "85d6e5029cbc4f388efb090bacb55d47577f939257f4ebed3d86ee5e97967e3a",
+    "B6_ultrachat": "7e9f2e1fb8c163f9f17c5d2bdb5c90fc5b05daaeea08121835a4029e05074181",
+    "B8_sweagent": "4877bd681d8f0092c73459030291ffc663344cab42339606fdb49500755df019",
+}
+SHAPES = {"B1_glaive": "glaive", "B6_ultrachat": "messages", "B8_sweagent": "swe_agent"}
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+
+
+def chat(*turns: str) -> list[dict]:
+    return [{"role": ("user", "assistant")[i % 2], "content": c} for i, c in enumerate(turns)]
+
+
+def weather_row(city: str) -> dict:
+    """A call, its result, an answer, a thanks and its answer: three assistant turns, the first a tool call."""
+    source_call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ""}}
+    source_call["function"]["arguments"] = json.dumps({"city": city, "unit": "celsius"})
+    messages = [
+        {"role": "user", "content": f"What's the weather in {city}?"},
+        {"role": "assistant", "content": "", "tool_calls": [source_call]},
+        {"role": "tool", "content": '{"temp": 18}', "tool_call_id": "call_1"},
+        {"role": "assistant", "content": f"It is 18 degrees in {city}."},
+        {"role": "user", "content": "Thanks!"},
+        {"role": "assistant", "content": "You're welcome."},
+    ]
+    return {"messages": messages, "tools": WEATHER}
+
+
+class ScriptedModel(GreedyModel):
+    """GreedyModel, except that a first turn asking for the weather answers with a call: Paris's as the source
+    made it (its arguments in another key order), any other city's for Lyon (a call the source did not make)."""
+
+    def answer(self, context: list[int], max_new: int) -> tuple[list[int], str]:
+        text = self.tok.decode(context)
+        if text.count("<|im_start|>assistant") == 1 and "weather in" in text:
+            city = "Paris" if "weather in Paris" in text else "Lyon"
+            call = json.dumps({"name": "get_weather", "arguments": {"unit": "celsius", "city": city}})
+            return self.encode(f"<tool_call>\n{call}\n</tool_call>") + [self.eos], "stop"
+        return super().answer(context, max_new)
+
+
+def write_source(path, rows: list[dict]) -> None:
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+@pytest.fixture
+def conv_project(project, tiny_model, tmp_path):
+    """B3 reading a `messages` source of multi-turn conversations, every turn regenerated, on SGLang fakes."""
+    servers: list[FakeServer] = []
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+
+    def start(rows: list[dict], n_servers: int = 1, **ds) -> list[FakeServer]:
+        path = tmp_path / "convs.jsonl.gz"
+        write_source(path, rows)
+        b3 = project.params["datasets"]["B3"]
+        b3.update(source={"shape": "messages", "path": str(path)}, max_tokens=MAX_TOKENS, turns="all")
+        b3.update(**{"max_prompt_tokens": None, "token_budget": 100_000, **ds})
+        new = [FakeServer(model=ScriptedModel(tok), model_path=str(tiny_model)).start() for _ in range(n_servers)]
+        servers.extend(new)
+        project.params["backend"] = {"kind": "sglang", "urls": [s.url for s in new], "request_timeout_s": 30.0}
+        project.save()
+        project.run("prompts", "B3")
+        return new
+
+    yield project, start
+    for srv in servers:
+        srv.stop()
+
+
+def three_turn_rows() -> list[dict]:
+    return [
+        {"messages": chat(f"Tell me about topic {i}.", "Sure.", "More, please.", "Here.", "And the rest?", "Done.")}
+        for i in range(4)
+    ]
+
+
+def responses(project) -> list[dict]:
+    return list(read_jsonl(project.data("B3") / "responses.jsonl"))
+
+
+def metrics(project) -> dict:
+    return json.loads((project.data("B3") / "generate_metrics.json").read_text())
+
+
+def sent_ids(srv: FakeServer) -> dict[str, list[int]]:
+    """Store key -> the input_ids of its (one) /generate call."""
+    calls = {c["rid"].rsplit("-", 1)[0]: c["input_ids"] for c in srv.generate_calls}
+    assert len(calls) == len(srv.generate_calls)  # no key asked twice
+    return calls
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# prompts
+
+
+@pytest.mark.parametrize("name", sorted(LAST_PROMPTS))
+def test_turns_last_writes_the_prompts_it_always_wrote(project, name):
+    from conftest import DEMO
+
+    project.params["datasets"]["B3"].update(
+        source={"shape": SHAPES[name], "path": str(DEMO / f"{name}.jsonl.gz")}, max_prompts=20, max_prompt_tokens=None
+    )
+    project.save()
+    project.run("prompts", "B3")
+    written = (project.data("B3") / "prompts.jsonl").read_bytes()
+    assert hashlib.sha256(written).hexdigest() == LAST_PROMPTS[name]
+
+
+def test_turns_all_keeps_conversations_that_share_their_first_prompt_apart(project, tmp_path):
+    rows = [{"messages": chat("Hi.", "Hello!", "Tell me a joke.", "No.")}]
+    rows.append({"messages": chat("Hi.", "Hello!", "Tell me a poem.", "No.")})
+    write_source(tmp_path / "two.jsonl.gz", rows)
+    b3 = project.params["datasets"]["B3"]
+    b3.update(source={"shape": "messages", "path": str(tmp_path / "two.jsonl.gz")}, max_prompt_tokens=None)
+    for turns, kept in (("last", 2), ("all", 2)):
+        b3["turns"] = turns
+        project.save()
+        project.run("prompts", "B3")
+        out = list(read_jsonl(project.data("B3") / "prompts.jsonl"))
+        assert len(out) == kept and len({r["id"] for r in out}) == kept
+    assert sorted(len(r["conversation"]) for r in out) == [4, 4]
+    assert [r["slots"] for r in out] == [[1, 3], [1, 3]]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# generate
+
+
+def test_every_turn_is_regenerated_on_the_target_own_ids(conv_project):
+    project, start = conv_project
+    (srv,) = start(three_turn_rows())
+    project.run("generate", "B3")
+    lines = responses(project)
+    sent = sent_ids(srv)
+    assert len(sent) == len(lines) == 12  # 4 conversations x 3 turns, each asked once
+    by_conv: dict[str, list[dict]] = {}
+    for line in lines:
+        by_conv.setdefault(line["conversation"], []).append(line)
+    for turns in by_conv.values():
+        assert [t["turn"] for t in turns] == [0, 1, 2]
+        for prev, cur in zip(turns, turns[1:]):
+            # turn t's request holds turn t-1's request and the ids the target answered, exactly
+            head = sent[prev["key"]] + prev["output_ids"]
+            assert sent[cur["key"]][: len(head)] == head
+            assert cur["messages"][-2] == {"role": "assistant", "content": prev["text"]}
+        assert [t.get("end_reason") for t in turns] == [None, None, "source_exhausted"]
+    m = metrics(project)
+    assert m["turns_regenerated"] == 12 and m["conversations"] == 4
+    assert m["conversations_ended"] == {"source_exhausted": 4}
+
+
+def test_a_rerun_sends_only_the_turns_the_store_lacks(conv_project, tiny_model):
+    project, start = conv_project
+    start(three_turn_rows())
+    project.run("generate", "B3")
+    first = responses(project)
+    # as if the run had been killed after each conversation's first turn (and one's second) was committed
+    lost = {line["key"] for line in first if line["turn"] >= 1}
+    lost -= {first[1]["key"]}
+    with sqlite3.connect(project.path / "store.sqlite") as db:
+        db.executemany("DELETE FROM responses WHERE key = ?", [(k,) for k in lost])
+    (srv,) = start(three_turn_rows())
+    project.run("generate", "B3")
+    assert set(sent_ids(srv)) == lost  # exactly the missing turns, each once
+    assert responses(project) == first
+    with sqlite3.connect(project.path / "store.sqlite") as db:
+        assert db.execute("SELECT COUNT(*) FROM responses").fetchone()[0] == 12
+
+
+@pytest.mark.parametrize("divergence", ["stop", "keep_source"])
+def test_a_matching_call_gets_the_source_result_and_a_diverging_one_ends(conv_project, divergence):
+    project, start = conv_project
+    (srv,) = start([weather_row("Paris"), weather_row("Rome")], on_tool_divergence=divergence)
+    project.run("generate", "B3")
+    by_conv: dict[str, list[dict]] = {}
+    for line in responses(project):
+        by_conv.setdefault(line["messages"][0]["content"], []).append(line)
+    paris, rome = by_conv["What's the weather in Paris?"], by_conv["What's the weather in Rome?"]
+    assert len(paris) == 3 and paris[-1]["end_reason"] == "source_exhausted"
+    # the source's result follows the call, pointed at it
+    assert paris[1]["messages"][-1]["role"] == "tool" and paris[1]["messages"][-1]["content"] == '{"temp": 18}'
+    assert "<tool_response>" in AutoTokenizer.from_pretrained(project.params["model"]["path"]).decode(
+        sent_ids(srv)[paris[1]["key"]]
+    )
+    if divergence == "stop":
+        assert len(rome) == 1 and rome[0]["end_reason"] == "tool_call_diverged"
+        assert metrics(project)["conversations_ended"] == {"source_exhausted": 1, "tool_call_diverged": 1}
+    else:  # the source's result for Rome follows the call for Lyon
+        assert len(rome) == 3 and rome[1]["messages"][-1]["content"] == '{"temp": 18}'
+        assert metrics(project)["conversations_ended"] == {"source_exhausted": 2}
+
+
+def test_next_turns_go_to_the_server_that_answered_the_previous_one(conv_project):
+    project, start = conv_project
+    servers = start(three_turn_rows(), n_servers=2, concurrency=1)
+    project.run("generate", "B3")
+    served = {}
+    for i, srv in enumerate(servers):
+        served.update((key, i) for key in sent_ids(srv))
+    by_conv: dict[str, set] = {}
+    for line in responses(project):
+        by_conv.setdefault(line["conversation"], set()).add(served[line["key"]])
+    assert all(len(s) == 1 for s in by_conv.values())
+    assert {next(iter(s)) for s in by_conv.values()} == {0, 1}  # conversations spread over both
+    assert metrics(project)["same_server_share"] == 1.0
+
+
+def test_a_dead_or_busy_preferred_server_is_passed_over():
+    async def healthy(url):
+        return None
+
+    pool = ServerPool(["http://a", "http://b"], healthy, 1.0)
+    a, b = pool.servers
+    assert pool.pick("http://b").url == "http://b"
+    b.outstanding = 2
+    assert pool.pick("http://b", slack=2).url == "http://b"
+    assert pool.pick("http://b", slack=1).url == "http://a"  # busier than the least busy by more than the slack
+    b.outstanding, b.alive = 0, False
+    assert pool.pick("http://b").url == "http://a"
+
+
+def test_turns_all_on_a_real_openai_compatible_server(project, serve_tiny, tmp_path):
+    """`transformers serve`, chat messages in and text out (no ids): each turn's messages hold the target's own
+    earlier answers, and a rerun finds every turn stored."""
+    write_source(tmp_path / "convs.jsonl.gz", three_turn_rows())
+    b3 = project.params["datasets"]["B3"]
+    b3.update(source={"shape": "messages", "path": str(tmp_path / "convs.jsonl.gz")}, max_prompt_tokens=None)
+    b3.update(turns="all", token_budget=100_000, max_tokens=128)
+    project.params["backend"] = {
+        "kind": "openai",
+        "urls": [serve_tiny],
+        "prompt_format": "chat",
+        "return_token_ids": False,
+        "openai_fields_only": True,
+        "request_timeout_s": 60.0,
+    }
+    project.save()
+    project.run("prompts", "B3")
+    project.run("generate", "B3")
+    lines = responses(project)
+    by_conv: dict[str, list[dict]] = {}
+    for line in lines:
+        by_conv.setdefault(line["conversation"], []).append(line)
+    # the tiny model answers with nothing but whitespace now and then: its conversation ends before that turn
+    assert 0 < len(by_conv) <= 4 and any(len(turns) > 1 for turns in by_conv.values())
+    for turns in by_conv.values():
+        assert [t["turn"] for t in turns] == list(range(len(turns)))
+        for prev, cur in zip(turns, turns[1:]):
+            assert cur["messages"][-2] == {"role": "assistant", "content": prev["text"]}
+        assert turns[-1]["end_reason"] in ("source_exhausted", "truncated", "empty")
+    project.run("generate", "B3")
+    assert responses(project) == lines and metrics(project)["newly_generated"] == 0
+
+
+def test_a_budget_met_mid_conversation_keeps_its_turns_and_a_raised_one_goes_on(conv_project):
+    project, start = conv_project
+    rows = three_turn_rows() + [{"messages": chat(f"Topic {i}?", "A.", "More?", "B.")} for i in range(4)]
+    start(rows, token_budget=60, concurrency=2)
+    project.run("generate", "B3")
+    first = responses(project)
+    assert metrics(project)["budget_met"] and "budget" in {line.get("end_reason") for line in first}
+    for conv in {line["conversation"] for line in first}:  # each one's turns from turn 0, none skipped
+        assert [line["turn"] for line in first if line["conversation"] == conv] == list(
+            range(sum(line["conversation"] == conv for line in first))
+        )
+    with sqlite3.connect(project.path / "store.sqlite") as db:
+        answered = {k for (k,) in db.execute("SELECT key FROM responses WHERE finish_reason IN ('stop', 'length')")}
+    (srv,) = start(rows, token_budget=100_000, concurrency=2)
+    project.run("generate", "B3")
+    assert not set(sent_ids(srv)) & answered  # nothing answered before is asked again
+    lines = responses(project)
+    assert len(lines) == 4 * 3 + 4 * 2
+
+    def answers(out):
+        return {line["id"]: {k: v for k, v in line.items() if k != "end_reason"} for line in out}
+
+    assert answers(first).items() <= answers(lines).items()  # the turns kept at the budget, as they were
+    assert metrics(project)["conversations_ended"] == {"source_exhausted": 8}
