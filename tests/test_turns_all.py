@@ -50,7 +50,8 @@ def weather_row(city: str) -> dict:
 
 class ScriptedModel(GreedyModel):
     """GreedyModel, except that a first turn asking for the weather answers with a call: Paris's as the source
-    made it (its arguments in another key order), any other city's for Lyon (a call the source did not make)."""
+    made it (its arguments in another key order), any other city's for Lyon (a call the source did not make); and
+    "Say nothing." gets whitespace."""
 
     def answer(self, context: list[int], max_new: int) -> tuple[list[int], str]:
         text = self.tok.decode(context)
@@ -58,6 +59,8 @@ class ScriptedModel(GreedyModel):
             city = "Paris" if "weather in Paris" in text else "Lyon"
             call = json.dumps({"name": "get_weather", "arguments": {"unit": "celsius", "city": city}})
             return self.encode(f"<tool_call>\n{call}\n</tool_call>") + [self.eos], "stop"
+        if text.endswith("Say nothing.<|im_end|>\n<|im_start|>assistant\n"):
+            return self.encode("\n\n") + [self.eos], "stop"  # an answer with nothing in it
         return super().answer(context, max_new)
 
 
@@ -300,3 +303,36 @@ def test_a_budget_met_mid_conversation_keeps_its_turns_and_a_raised_one_goes_on(
 
     assert answers(first).items() <= answers(lines).items()  # the turns kept at the budget, as they were
     assert metrics(project)["conversations_ended"] == {"source_exhausted": 8}
+
+
+def test_a_later_turn_past_the_context_ends_its_conversation(conv_project, tiny_model):
+    from draftdata.config.load import load_config
+    from draftdata.generate.store import ResponseStore
+    from draftdata.generate.work import plan_conversations
+
+    project, start = conv_project
+    start(three_turn_rows())
+    project.run("generate", "B3")
+    lines = responses(project)
+    cfg = load_config("B3", [], params_path=project.path / "params.yaml")
+    prompts = list(read_jsonl(project.data("B3") / "prompts.jsonl"))
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    store = ResponseStore(project.path / "store.sqlite")
+    try:
+        room = max(len(line["prompt_ids"]) for line in lines if line["turn"] == 1)  # every turn 1 fits
+        convs = plan_conversations(cfg, prompts, tok, store, room + MAX_TOKENS)
+    finally:
+        store.close()
+    turn2 = {line["conversation"]: len(line["prompt_ids"]) for line in lines if line["turn"] == 2}
+    expected = {conv: ("context", 2) if n > room else ("source_exhausted", 3) for conv, n in turn2.items()}
+    assert {c.rec["id"]: (c.ended, len(c.done)) for c in convs} == expected
+    assert "context" in {reason for reason, _ in expected.values()}
+
+
+def test_an_empty_answer_ends_its_conversation_before_it(conv_project):
+    project, start = conv_project
+    start([{"messages": chat("Hi.", "Hello.", "Say nothing.", ".", "Bye.", "Bye.")}])
+    project.run("generate", "B3")
+    (line,) = responses(project)
+    assert line["turn"] == 0 and line["end_reason"] == "empty"
+    assert metrics(project)["conversations_ended"] == {"empty": 1}
