@@ -246,21 +246,14 @@ def test_a_dead_or_busy_preferred_server_is_passed_over():
     assert pool.pick("http://b").url == "http://a"
 
 
-def test_turns_all_on_a_real_openai_compatible_server(project, serve_tiny, tmp_path):
-    """`transformers serve`, chat messages in and text out (no ids): each turn's messages hold the target's own
-    earlier answers, and a rerun finds every turn stored."""
+def test_turns_all_on_real_backends(backend_project, tmp_path):
+    """The tiny target in-process (ids), and behind `transformers serve` (chat messages in, text out): each turn
+    holds the target's own earlier answers, and a rerun finds every turn stored."""
+    project = backend_project
     write_source(tmp_path / "convs.jsonl.gz", three_turn_rows())
     b3 = project.params["datasets"]["B3"]
     b3.update(source={"shape": "messages", "path": str(tmp_path / "convs.jsonl.gz")}, max_prompt_tokens=None)
     b3.update(turns="all", token_budget=100_000, max_tokens=128)
-    project.params["backend"] = {
-        "kind": "openai",
-        "urls": [serve_tiny],
-        "prompt_format": "chat",
-        "return_token_ids": False,
-        "openai_fields_only": True,
-        "request_timeout_s": 60.0,
-    }
     project.save()
     project.run("prompts", "B3")
     project.run("generate", "B3")
@@ -273,7 +266,11 @@ def test_turns_all_on_a_real_openai_compatible_server(project, serve_tiny, tmp_p
     for turns in by_conv.values():
         assert [t["turn"] for t in turns] == list(range(len(turns)))
         for prev, cur in zip(turns, turns[1:]):
-            assert cur["messages"][-2] == {"role": "assistant", "content": prev["text"]}
+            if prev["output_ids"] is None:  # text back: the answer is the history's assistant turn
+                assert cur["messages"][-2] == {"role": "assistant", "content": prev["text"]}
+            else:  # ids back: the next prompt goes on from them, exactly
+                head = prev["prompt_ids"] + prev["output_ids"]
+                assert cur["prompt_ids"][: len(head)] == head
         assert turns[-1]["end_reason"] in ("source_exhausted", "truncated", "empty")
     project.run("generate", "B3")
     assert responses(project) == lines and metrics(project)["newly_generated"] == 0
