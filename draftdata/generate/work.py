@@ -18,7 +18,7 @@ from collections import Counter, deque
 from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from draftdata.config.schema import Config, DatasetConfig, Turns
+from draftdata.config.schema import Config, DatasetConfig, Turns, template_kwargs_of
 from draftdata.generate.backends import GenResult
 from draftdata.generate.conversation import TurnTarget, turns
 from draftdata.generate.selection import (
@@ -112,7 +112,7 @@ def plan_conversations(
     unknown); a later turn that does not fit it with max_tokens ends its conversation."""
     ds = cfg.ds
     fp = model_fingerprint(cfg.model.path, cfg.model.revision, hash_cache_path(cfg.run.store_path))
-    target = TurnTarget(tok, dict(cfg.model.template_kwargs), fp, ds.sampling.as_dict(), ds.max_tokens)
+    target = TurnTarget(tok, template_kwargs_of(cfg, cfg.dataset), fp, ds.sampling.as_dict(), ds.max_tokens)
     commands = ds.source.shape == "swe_agent"  # its actions are fenced shell commands in the text
     convs = [Conversation(rec, turns(rec, target, ds.on_tool_divergence.value, commands)) for rec in prompts]
     for c in convs:
