@@ -42,14 +42,17 @@ partial outputs parked for a later run, so they are not in this run's output but
 every CHECK_EVERY_S, and keep the partial responses; what streamed between the crossing and the check is its overshoot)
 and `ours_slack_*` (ours blind to the server's rate, as with a backend that does not stream, at
 several admit_slack values). The controller is the production one through its public API; the simulator only
-replaces the server and the client's clock.
+replaces the server and the client's clock. What ours keeps is what the generate stage outputs: the stored responses
+in prompt order (requests are admitted in it), landed on the budget (`landing`: those that fit, then the shortest
+that reaches it); the complete responses it leaves out are `held` in the store, not lost.
 
-Metrics per run: overshoot_pct = (kept - budget) / budget; waste_pct = (generated - kept) / generated (every token
-not in the output: cancelled, parked or lost); aborted_pct = (generated - kept - parked) / generated; lost_pct adds
-to it the re-prefill a later run pays to continue the parked requests (prompt + partial, at 1 / PREFILL_SPEEDUP of a
-decode token of the full batch: the same GPU time, so it counts as tokens lost); time_vs_ideal =
-wall time / (kept / R(concurrency)). Each is averaged over length draws (and noise draws): `--seeds` at
-10M tokens, proportionally more at smaller budgets (`seeds_for`).
+Metrics per run: overshoot_pct = (kept - budget) / budget; waste_pct = (generated - min(kept, budget)) / generated
+(every token not in the output: cancelled, parked, held or lost, and those kept past the budget, which nobody asked
+for: counted as useful they would reward an overshoot); aborted_pct = lost / generated (neither output nor stored);
+lost_pct adds to it the re-prefill a later run pays to continue the parked requests (prompt + partial, at
+1 / PREFILL_SPEEDUP of a decode token of the full batch: the same GPU time, so it counts as tokens lost);
+time_vs_ideal = wall time / (min(kept, budget) / R(concurrency)). Each is averaged over length draws (and noise
+draws): `--seeds` at 10M tokens, proportionally more at smaller budgets (`seeds_for`).
 
 Output (bench/results/budget.json): `scenarios`, one row per (model, family, budget, noise) with check_cancel, ours
 and ours_keep_partial and the row's goals (on a compute-bound server with a knee below the full batch: waste at
@@ -74,7 +77,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draftdata.generate.budget import BudgetController
+from draftdata.generate.budget import BudgetController, landing
 
 RESULTS = Path(__file__).parent / "results"
 RATE = 50.0  # tokens/s of one request at full batch (virtual time; the ratios do not depend on it)
@@ -203,6 +206,9 @@ class Server:
         """Whole tokens streamed so far by each request in flight (what the client can count)."""
         return [int(self.work - s) for s in self.start.values()]
 
+    def progress_by_id(self) -> dict[int, int]:
+        return {rid: int(self.work - s) for rid, s in self.start.items()}
+
     def streamed(self) -> float:
         return self.n * self.work - self.start_sum
 
@@ -218,14 +224,14 @@ class Server:
             self.window_n_s += self.n * dt
         self.t += dt
 
-    def complete_next(self) -> int:
-        """Run to the next completion and retire it; returns its length."""
+    def complete_next(self) -> tuple[int, int]:
+        """Run to the next completion and retire it; returns its id (prompt order) and length."""
         end, rid = self.heap[0]
         self.advance(self.until_next_end())
         self.work = end  # no float drift between the heap and the clock
         heapq.heappop(self.heap)
         self.start_sum -= self.start.pop(rid)
-        return self.length.pop(rid)
+        return rid, self.length.pop(rid)
 
     def reading(self, noise: float, rng: random.Random) -> tuple[float, float]:
         """(tokens/s, time-averaged in flight) over the interval since the last reading, then a new interval."""
@@ -262,27 +268,39 @@ class Server:
 class Outcome:
     kept: int = 0  # tokens in this run's output
     parked: float = 0.0  # partial outputs set aside for a later run: not in the output, not lost
+    held: int = 0  # complete responses the output leaves out (draftdata.generate.budget.landing), kept in the store
     lost: float = 0.0  # generated and neither kept nor parked
     # what continuing the parked requests will cost: re-prefilling each one's prompt and partial, in decode tokens
     # of the full batch (the same GPU time)
     reprefill: float = 0.0
     parked_requests: int = 0
     t: float = 0.0
+    responses: dict = field(default_factory=dict)  # id (prompt order) -> tokens of each response the store keeps
+
+    def land(self, budget: int) -> None:
+        """The output the generate stage selects from the responses: landed on the budget, in prompt order."""
+        sizes = [n for _, n in sorted(self.responses.items())]
+        self.kept = sum(sizes[i] for i in landing(sizes, budget))
+        self.held = sum(sizes) - self.kept
 
     def metrics(self, budget: int, full_rate: float) -> dict:
-        generated = self.kept + self.parked + self.lost
+        generated = self.kept + self.held + self.parked + self.lost
+        # Tokens past the budget were not asked for: counted as useful they would reward overshooting, and a run
+        # that leaves them out of its output (landing) would look worse than the same run keeping them.
+        useful = min(self.kept, budget)
         return {
             "kept_tokens": self.kept,
             "generated_tokens": generated,
+            "held_tokens": self.held,
             "parked_tokens": self.parked,
             "lost_tokens": self.lost,
             "reprefill_tokens": self.reprefill,
             "parked_requests": self.parked_requests,
             "overshoot_pct": 100.0 * (self.kept - budget) / budget,
-            "waste_pct": 100.0 * (generated - self.kept) / generated,
+            "waste_pct": 100.0 * (generated - useful) / generated,
             "lost_pct": 100.0 * (self.lost + self.reprefill) / generated,
             "aborted_pct": 100.0 * self.lost / generated,
-            "time_vs_ideal": self.t / (self.kept / full_rate),
+            "time_vs_ideal": self.t / (useful / full_rate),
         }
 
 
@@ -298,7 +316,7 @@ def run_simple(strategy: str, s: Server, lens: Iterator[int], budget: int) -> Ou
             admitted += 1
         if not s.n:
             break
-        out.kept += s.complete_next()
+        out.kept += s.complete_next()[1]
         if strategy != "cap" and out.kept >= budget:
             admitting = False
             if strategy == "check_cancel":
@@ -350,9 +368,9 @@ def run_controlled(
         until_check = next_check(s, ctrl, budget) - s.t if keep_partial else math.inf
         until_reading = next_reading - s.t
         if s.until_next_end() <= min(until_reading, until_check):
-            length = s.complete_next()
+            rid, length = s.complete_next()
             ctrl.finished(length, counted=True)
-            out.kept += length
+            out.responses[rid] = length
         elif until_reading <= until_check:
             s.advance(until_reading)
             next_reading = next(readings) * READING_S
@@ -367,6 +385,7 @@ def run_controlled(
             break
         admit(s, ctrl, lens, progress)
     out.t = s.t
+    out.land(budget)
     return out
 
 
@@ -375,7 +394,7 @@ def stop(s: Server, ctrl: BudgetController, out: Outcome, progress: list[int]) -
     streamed = sum(progress)
     if ctrl.keep_partial:
         ctrl.cut(streamed)
-        out.kept += streamed
+        out.responses.update(s.progress_by_id())
     else:
         out.parked += streamed
         out.parked_requests += s.n

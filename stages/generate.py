@@ -2,8 +2,8 @@
 
 Responses live in the response store (draftdata/generate/store.py) and are committed as they arrive; this stage only
 sends what the store lacks, and stops once the budget is met. Its DVC output, `data/<D>/responses.jsonl`, is
-materialised from the store in prompt order up to the budget, so lowering a budget costs no generation and raising
-it generates only the difference.
+materialised from the store in prompt order, landed on the budget (draftdata/generate/budget.py `landing`), so
+lowering a budget costs no generation and raising it generates only the difference.
 """
 
 from __future__ import annotations

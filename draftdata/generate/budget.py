@@ -273,6 +273,27 @@ class ThroughputModel:
         return float(c) if knee >= FULL_SNAP * c else knee
 
 
+def landing(tokens: Sequence[int], budget: int) -> list[int]:
+    """Which responses make the output, as indices into `tokens` (each one's count toward the budget, in prompt
+    order): every one that fits within the budget, in prompt order; if they fall short of it, the shortest of the
+    others, which reaches it. So the output passes the budget by less than its shortest response that crosses it,
+    not by whichever crosses first in prompt order (up to max_tokens: a long reasoning answer among short ones).
+    The responses left out stay in the store for a larger budget."""
+    chosen: list[int] = []
+    crossing, total = None, 0
+    for i, n in enumerate(tokens):
+        if total + n <= budget:
+            chosen.append(i)
+            total += n
+            if total == budget:
+                return chosen
+        elif crossing is None or n < tokens[crossing]:
+            crossing = i
+    if crossing is not None:
+        bisect.insort(chosen, crossing)
+    return chosen
+
+
 @dataclass
 class BudgetController:
     budget: int

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, OnBudget, OnTruncation, template_kwargs_of
 from draftdata.errors import ConfigError, UserError
+from draftdata.generate.budget import landing
 from draftdata.generate.store import CUT, ResponseStore, StoredResponse, ids_json
 from draftdata.target.fingerprint import model_fingerprint
 from draftdata.target.tokenizer import render_prompt_ids, tokenizer_fingerprint
@@ -87,10 +88,10 @@ def needs_request(r: StoredResponse | None) -> bool:
 
 
 def select_responses(plan: list[Planned], stored: dict[str, StoredResponse], ds: DatasetConfig):
-    """Prompt order, usable responses only, until the budget is reached (the last one may cross it)."""
-    selected: list[tuple[Planned, StoredResponse]] = []
+    """Usable responses in prompt order, landed on the budget (`landing`: those that fit, then the shortest that
+    reaches it); every unusable one is counted by reason."""
+    usable: list[tuple[Planned, StoredResponse]] = []
     skipped: Counter = Counter()
-    total = 0
     for p in plan:
         r = stored.get(p.key)
         if r is None:
@@ -98,12 +99,11 @@ def select_responses(plan: list[Planned], stored: dict[str, StoredResponse], ds:
         reason = unusable_reason(r, ds)
         if reason:
             skipped[reason] += 1
-            continue
-        if total >= ds.token_budget:
-            break
-        selected.append((p, r))
-        total += tokens_of(r.prompt_tokens, r.completion_tokens, ds.budget_unit)
-    return selected, total, skipped
+        else:
+            usable.append((p, r))
+    sizes = [tokens_of(r.prompt_tokens, r.completion_tokens, ds.budget_unit) for _, r in usable]
+    chosen = landing(sizes, ds.token_budget)
+    return [usable[i] for i in chosen], sum(sizes[i] for i in chosen), skipped
 
 
 def check_context(plan: list[Planned], cfg: Config, context: int | None) -> None:
