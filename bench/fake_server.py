@@ -24,12 +24,14 @@ Protocols (the ones the `sglang` and `openai` backends speak):
   come as from a server running a reasoning and a tool-call parser (vLLM's and SGLang's protocol files: the message's
   `tool_calls` and `reasoning`/`reasoning_content`; streamed, `delta.tool_calls` pieces keyed by `index`).
 
-Models: `FakeModel` (the tests': no tokenizer, tokens a function of the prompt, see `fake_output_ids`) or
-`GreedyModel` (the benches': greedy and deterministic over a real tokenizer). Either way an answer continued from a
-cut (prompt + the partial ids) is what a real model would continue with, and a checker can recompute every answer.
-Tokens come `token_delay_s` apart, slowly enough to abort. With `knee` set the server is compute-bound: the token
-delay grows with the number running above the knee (aggregate throughput flat), and `noise` makes every delay vary
-by that relative standard deviation, as real throughput does.
+Models: `FakeModel` (the tests': no tokenizer, tokens a function of the prompt, see `fake_output_ids`),
+`GreedyModel` (the benches': greedy and deterministic over a real tokenizer) or `DrawnLengthModel` (the budget
+bench's: answer lengths drawn from a length family, one per prompt). Whichever it is, an answer continued from a cut
+(prompt + the partial ids) is what a real model would continue with, and a checker can recompute every answer.
+Tokens come `token_delay_s` apart (on a schedule, so a late wake-up of a busy loop does not slow them), slowly enough
+to abort; each attempt counts the tokens the server `produced`, those an abort left unsent included. With `knee` set
+the server is compute-bound: the token delay grows with the number running above the knee (aggregate throughput
+flat), and `noise` makes every delay vary by that relative standard deviation, as real throughput does.
 
 Sampling: with `generation_config` set, a sampling field a request leaves out takes the model's default from it, as
 vLLM (`--generation-config auto`) and SGLang do; each `Attempt` records the sampling it ran with.
@@ -50,6 +52,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import InitVar, dataclass, field
 
 from aiohttp import web
@@ -133,6 +136,13 @@ def _mix(h: int) -> int:
     return h ^ (h >> 31)
 
 
+def _hash_ids(ids: list[int]) -> int:
+    h = 0
+    for t in ids:
+        h = _mix(h ^ (t + 0x9E3779B97F4A7C15) & M64)
+    return h
+
+
 class GreedyModel:
     """The benches' model: a deterministic next-token function of the whole context, over the target's own
     tokenizer, as a real model under greedy decoding. Every answer ends by itself (the end-of-turn token) or at
@@ -152,17 +162,10 @@ class GreedyModel:
         self.words = set(self.pool)
         self.mean_tokens = mean_tokens
 
-    @staticmethod
-    def _state(ids: list[int]) -> int:
-        h = 0
-        for t in ids:
-            h = _mix(h ^ (t + 0x9E3779B97F4A7C15) & M64)
-        return h
-
     def answer(self, context: list[int], max_new: int) -> tuple[list[int], str]:
         """The tokens that follow `context` and how the answer ends: `stop` (its last id is the end-of-turn
         token) or `length`. The end-of-turn token only follows a word, so an answer is never empty."""
-        h, last, out = self._state(context), (context[-1] if context else -1), []
+        h, last, out = _hash_ids(context), (context[-1] if context else -1), []
         while len(out) < max_new:
             r = _mix(h)
             ends = last in self.words and r % self.mean_tokens == 0
@@ -186,6 +189,29 @@ class GreedyModel:
                 messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False, **template_kwargs
             )
         )
+
+
+ANSWER_BASE = 1000  # DrawnLengthModel's answer tokens are ANSWER_BASE + their position; its prompts' ids are below
+
+
+class DrawnLengthModel(FakeModel):
+    """The budget bench's model (FakeModel's text and encoding): each prompt's answer length is a draw of
+    `draw(rng)`, the rng seeded by the prompt's ids and `seed`, so clients that send the same prompts get the same
+    lengths. An answer of n tokens is ANSWER_BASE + 1, ..., ANSWER_BASE + n - 1, then EOS_ID (finish "stop";
+    "length" when max_new cuts it). A context that ends in answer tokens says how far its answer got, so a continued
+    answer is the rest of the uncut one."""
+
+    def __init__(self, draw: Callable[[random.Random], float], seed: int = 0):
+        self.draw, self.seed = draw, seed
+
+    def length(self, prompt: list[int]) -> int:
+        return max(1, round(self.draw(random.Random(_hash_ids(prompt) ^ self.seed))))
+
+    def answer(self, context: list[int], max_new: int) -> tuple[list[int], str]:
+        done = context[-1] - ANSWER_BASE if context and context[-1] > ANSWER_BASE else 0
+        n = self.length(context[: len(context) - done])
+        out = [ANSWER_BASE + k for k in range(done + 1, n)] + [EOS_ID]
+        return (out, "stop") if len(out) <= max_new else (out[:max_new], "length")
 
 
 # ---- faults and the log ----------------------------------------------------------------------------------------- #
@@ -257,6 +283,7 @@ class Attempt:
     status: int = 0  # the HTTP error status it was answered with (a fault, or a refused request)
     retry_after: float | None = None
     sent: list[int] = field(default_factory=list)  # token ids a client could read (whole stream chunks or body)
+    produced: int = 0  # tokens the server generated for it, those no chunk carried included (an abort's last ones)
     finish: str | None = None  # the finish reason sent; None: the answer never finished
     # complete | status | drop | hang | reset | stall | malformed | stream_error | no_usage | empty | finish (a
     # faulty answer) | killed (the server died under it) | disconnected (the client went away) | aborted (by
@@ -534,12 +561,17 @@ class FakeServer:
         if not a.outcome:  # a faulty answer's outcome stands
             a.outcome = "aborted" if finish == "abort" else "complete"
 
-    async def _tokens(self, rid: str, planned: list[int]):
-        """Yield the planned tokens one by one, a token delay apart, until done or aborted."""
+    async def _tokens(self, a: Attempt, rid: str, planned: list[int]):
+        """Yield the planned tokens one by one, a token delay apart, until done or aborted. The delays run on a
+        schedule, not from each wake-up: a busy event loop wakes a sleeper late, and that lateness, the same at any
+        batch, would otherwise slow a small batch's short delays most and bend the throughput curve `knee` sets."""
+        due = time.monotonic()
         for token in planned:
-            await asyncio.sleep(self._delay())
+            due += self._delay()
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
             if self._running[rid].is_set():
                 return
+            a.produced += 1
             yield token
 
     def _delay(self) -> float:
@@ -564,7 +596,7 @@ class FakeServer:
         return web.Response()
 
     async def _plain(self, request: web.Request, a: Attempt, wire, planned: list[int], finish: str):
-        out = [t async for t in self._tokens(wire.rid, planned)]
+        out = [t async for t in self._tokens(a, wire.rid, planned)]
         if len(out) < len(planned):
             finish = "abort"
         kind = a.fault
@@ -598,7 +630,7 @@ class FakeServer:
         cut = max(0, min(fault.after, len(planned) - 1)) if mid else None  # a fault mid-answer comes before its end
         out: list[int] = []
         sent = 0  # how many tokens the chunks so far carried
-        async for token in self._tokens(wire.rid, planned[:cut]):
+        async for token in self._tokens(a, wire.rid, planned[:cut]):
             out.append(token)
             if len(out) < len(planned) and (len(out) == cut or len(out) % self.stream_interval == 0):
                 await _sse(resp, wire.chunk(out, sent, None))

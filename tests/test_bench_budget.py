@@ -3,11 +3,15 @@ benchmark itself reports, not what these tests pin)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+import aiohttp
 import pytest
 
 from bench import budget as bench
+from bench import budget_live
+from bench.fake_server import EOS_ID, DrawnLengthModel, FakeServer
 
 BUDGET = 300_000
 
@@ -122,3 +126,57 @@ def test_cli_writes_a_row_per_scenario(tmp_path, capsys):
     assert "models" not in results  # the noise-free 10M side-by-side is not in this grid
     assert isinstance(results["all_goals_met"], bool)
     assert "compute_bound" in capsys.readouterr().out
+
+
+def test_the_bench_server_draws_a_length_per_prompt_and_continues_a_cut_answer():
+    model = DrawnLengthModel(lambda rng: bench.draw("lognormal", rng) / 10)
+    prompts = [[3 + (7 * i + j) % 990 for j in range(16)] for i in range(50)]
+    answers = [model.answer(p, 10_000) for p in prompts]
+    assert all(finish == "stop" and out[-1] == EOS_ID for out, finish in answers)
+    assert len({len(out) for out, _ in answers}) > 20  # drawn, not fixed
+    assert [model.answer(p, 10_000) for p in prompts] == answers  # the same prompt, the same answer
+    out, _ = answers[0]
+    cut = len(out) // 2
+    assert model.answer(prompts[0], cut) == (out[:cut], "length")
+    assert model.answer(prompts[0] + out[:cut], 10_000) == (out[cut:], "stop")  # the rest of the uncut answer
+
+
+def test_the_server_counts_every_token_it_produces():
+    """What the live bench reads as generated: an answer cut by /abort_request (its last chunk carries every token
+    produced, as SGLang's does) and a complete one."""
+
+    async def go(url: str) -> None:
+        async with aiohttp.ClientSession() as session:
+            for rid, n in (("cut", 100_000), ("whole", 40)):
+                body = {"rid": rid, "input_ids": [5] * 8, "sampling_params": {"max_new_tokens": n}, "stream": True}
+                async with session.post(url + "/generate", json=body) as resp:
+                    async for line in resp.content:
+                        if rid == "cut" and line.startswith(b"data: {"):
+                            await session.post(url + "/abort_request", json={"rid": rid})
+
+    srv = FakeServer(token_delay_s=0.001, stream_interval=16).start()
+    try:
+        asyncio.run(go(srv.url))
+    finally:
+        srv.stop()
+    cut, whole = srv.log
+    assert cut.outcome == "aborted" and 16 <= cut.produced == len(cut.sent) < 100_000
+    assert whole.outcome == "complete" and whole.produced == len(whole.sent) == 40
+
+
+def test_the_live_bench_measures_generation_on_the_server_side(tmp_path):
+    out = tmp_path / "live.json"
+    budget_live.main(
+        [
+            *("--repeats", "1", "--budget", "4000", "--concurrency", "12", "--knee", "3", "--max-tokens", "256"),
+            *("--token-delay-s", "0.002", "--stream-interval", "4", "--out", str(out)),
+        ]
+    )
+    r = json.loads(out.read_text())
+    (cc,), (ours,) = r["runs"]["check_cancel"], r["runs"]["ours"]
+    for m in (cc, ours):
+        assert m["kept_tokens"] >= 4000 and m["generated_tokens"] >= m["streamed_tokens"] >= m["kept_tokens"]
+    # check_cancel drops what was in flight; ours parks in the store all the server made for the requests it stopped
+    assert cc["stopped_in_flight"] > 0 and cc["lost_pct"] > 0 and cc["parked_tokens"] == 0
+    assert ours["parked_tokens"] == ours["stopped_tokens"]
+    assert set(r["goals"]) == {"ours_waste_le_half_check_cancel", "ours_time_le_check_cancel"}

@@ -1,0 +1,342 @@
+"""The budget controller live: the generate path against a streaming SGLang-protocol server whose aggregate
+throughput is flat above a knee, beside check-then-cancel as a user writes it.
+
+    python -m bench.budget_live [--repeats 3] [--budget 200000] [--concurrency 150] [--knee 16] [--max-tokens 2048]
+                                [--family lognormal] [--out PATH]
+
+The server is bench/fake_server.py in a process of its own (so it does not share the client's interpreter),
+speaking SGLang's native protocol: streamed `/generate` with `--incremental-streaming-output`, a chunk every
+`stream_interval` tokens, `/abort_request`. Its token delay is `token_delay_s` up to `knee` running requests and
+grows with the batch above it, so the aggregate throughput is knee / token_delay_s tokens/s from the knee to the
+full batch: draining down to the knee is free. Answer lengths come from one of bench/budget.py's length families,
+scaled from its max_tokens (10,240) to this run's, one draw per prompt (`DrawnLengthModel`), so both clients meet
+the same lengths in the same prompt order.
+
+Side by side, in one run, on the same prompts (a new set each repeat, the two in alternating order):
+- ours: `generate_missing` (draftdata/generate/run.py, what the generate stage calls) with the `sglang` backend,
+  streamed, `on_budget: cancel`, against a store in a temporary directory; what it keeps is the output the stage
+  would write (`select_responses`). The in-flight requests it stops at the budget are parked in the store.
+- check_cancel: one aiohttp session, a semaphore of `concurrency`, every prompt a task; when the committed tokens
+  reach the budget, one `/abort_request` with `abort_all` and every task cancelled: what was in flight is dropped.
+
+What was generated is counted by the server (`Attempt.produced`: every token it made, those of an abort's last step
+included), what was kept by the client. Per strategy: overshoot = (kept - budget) / budget, waste = (generated -
+kept) / generated (parked tokens count: they are not in this run's output), parked (ours: reusable by a later run),
+time = the server's busy span (first request in to last request out) and its ratio to the time the kept tokens take
+at the server's full throughput; and the batch: requests in flight at the stop and ours' knee estimate (`floor`).
+Writes bench/results/budget_live.json. Goal (issue 15): ours' waste at most half of check_cancel's, in no more time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import multiprocessing
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+MODEL = "bench-model"
+PROMPT_LEN = 64
+STRATEGIES = ("check_cancel", "ours")
+IDLE_POLL_S = 0.2
+
+
+# ---- the server (a process of its own) ---------------------------------------------------------------------- #
+
+
+def serve(conn, settings: dict) -> None:
+    """Run the fake server until told to stop; answer `log` with what it did since the last `log`."""
+    from bench.budget import MAX_TOKENS, draw
+    from bench.fake_server import DrawnLengthModel, FakeServer
+
+    scale, family = settings["max_tokens"] / MAX_TOKENS, settings["family"]
+    srv = FakeServer(
+        model=DrawnLengthModel(lambda rng: scale * draw(family, rng)),
+        model_path=MODEL,
+        token_delay_s=settings["token_delay_s"],
+        knee=settings["knee"],
+        noise=settings["noise"],
+        stream_interval=settings["stream_interval"],
+        incremental=True,
+    ).start()
+    conn.send(srv.url)
+    while (cmd := conn.recv()) != "stop":
+        if cmd == "running":
+            conn.send(sum(not a.t_end for a in srv.log))
+        elif cmd == "log":
+            attempts, srv.log[:] = list(srv.log), []  # asked when idle: no handler appends meanwhile
+            conn.send([attempt_record(a) for a in attempts])
+    srv.stop()
+
+
+def attempt_record(a) -> dict:
+    return {
+        "rid": a.rid,
+        "t_start": a.t_start,
+        "t_end": a.t_end,
+        "produced": a.produced,
+        "sent": len(a.sent),
+        "outcome": a.outcome,
+    }
+
+
+class ServerProcess:
+    def __init__(self, settings: dict):
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=serve, args=(child, settings), daemon=True)
+        self.proc.start()
+        self.url = self.conn.recv()
+
+    def ask(self, cmd: str):
+        self.conn.send(cmd)
+        return self.conn.recv()
+
+    def drained_log(self) -> list[dict]:
+        """Every attempt since the last call, once the server has nothing running (aborted streams end a step or
+        two after their abort)."""
+        while self.ask("running"):
+            time.sleep(IDLE_POLL_S)
+        return self.ask("log")
+
+    def close(self) -> None:
+        self.conn.send("stop")
+        self.proc.join(timeout=10)
+
+
+# ---- the two clients ------------------------------------------------------------------------------------------ #
+
+
+def run_ours(url: str, prompts: list[list[int]], args) -> dict:
+    """The generate stage's generation and output selection, on a fresh store."""
+    from draftdata.config.schema import (
+        BackendConfig,
+        BackendKind,
+        Config,
+        DatasetConfig,
+        ModelConfig,
+        OnBudget,
+        RunConfig,
+        SourceConfig,
+    )
+    from draftdata.generate.run import generate_missing
+    from draftdata.generate.selection import Planned, select_responses
+    from draftdata.generate.store import ResponseStore
+    from draftdata.util.hashing import content_hash
+
+    ds = DatasetConfig(
+        source=SourceConfig(shape="messages", path="-"),
+        token_budget=args.budget,
+        max_tokens=args.max_tokens,
+        concurrency=args.concurrency,
+        on_budget=OnBudget.cancel,
+    )
+    plan = [
+        Planned({"id": f"p{i}", "messages": [{"role": "user", "content": "x"}]}, content_hash(ids, n=32), ids)
+        for i, ids in enumerate(prompts)
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = Config(
+            dataset="bench",
+            datasets={"bench": ds},
+            model=ModelConfig(path=MODEL),
+            backend=BackendConfig(kind=BackendKind.sglang, urls=[url], stream=True, max_retries=0),
+            run=RunConfig(store_path=f"{tmp}/store.sqlite", progress=False, log_every_s=3600),
+        )
+        store = ResponseStore(cfg.run.store_path)
+        try:
+            stats = generate_missing(cfg, None, plan, {}, store)
+            _, kept, _ = select_responses(plan, store.get_many(p.key for p in plan), ds)
+        finally:
+            store.close()
+    assert not stats.failed, dict(stats.failed)
+    # complete responses past the budget in prompt order stay in the store, out of this run's output
+    stored = stats.kept + stats.parked_tokens
+    return {
+        "kept_tokens": kept,
+        "stored_tokens": stored,
+        "parked_tokens": stats.parked_tokens,
+        "floor": stats.server.get("floor"),
+    }
+
+
+def run_check_cancel(url: str, prompts: list[list[int]], args) -> dict:
+    """Keep `concurrency` requests in flight; at the budget abort everything on the server and drop it."""
+    import aiohttp
+
+    async def go() -> int:
+        committed, kept = 0, 0
+        reached = asyncio.Event()
+        gate = asyncio.Semaphore(args.concurrency)
+
+        async def one(session: aiohttp.ClientSession, i: int, ids: list[int]) -> None:
+            nonlocal committed, kept
+            async with gate:
+                body = {
+                    "rid": f"cc-{i}",
+                    "input_ids": ids,
+                    "sampling_params": {"max_new_tokens": args.max_tokens, "temperature": 1.0},
+                    "stream": True,
+                }
+                meta = None
+                async with session.post(url + "/generate", json=body) as resp:
+                    async for line in resp.content:
+                        if line.startswith(b"data: {"):
+                            meta = json.loads(line[6:])["meta_info"]
+                if reached.is_set() or not meta or meta["finish_reason"]["type"] not in ("stop", "length"):
+                    return
+                committed += meta["completion_tokens"]
+                if committed >= args.budget:
+                    kept = committed
+                    reached.set()
+
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=args.concurrency)) as session:
+            tasks = [asyncio.create_task(one(session, i, ids)) for i, ids in enumerate(prompts)]
+            everything = asyncio.gather(*tasks, return_exceptions=True)
+            budget_met = asyncio.create_task(reached.wait())
+            # the budget, or the prompts run out (then nothing is in flight and the run falls short of it)
+            await asyncio.wait([budget_met, everything], return_when=asyncio.FIRST_COMPLETED)
+            budget_met.cancel()
+            async with session.post(url + "/abort_request", json={"rid": "", "abort_all": True}) as resp:
+                await resp.read()
+            for task in tasks:
+                task.cancel()
+            await everything
+        return kept or committed
+
+    kept = asyncio.run(go())
+    return {"kept_tokens": kept, "stored_tokens": kept, "parked_tokens": 0}
+
+
+CLIENTS = {"check_cancel": run_check_cancel, "ours": run_ours}
+
+
+# ---- measuring ---------------------------------------------------------------------------------------------------- #
+
+
+def prompts_for(repeat: int, n: int) -> list[list[int]]:
+    """n distinct prompts of ids below the model's answer tokens; a new set each repeat."""
+    rng = random.Random(f"prompts/{repeat}")
+    return [[rng.randrange(3, 1000) for _ in range(PROMPT_LEN)] for _ in range(n)]
+
+
+def measure(attempts: list[dict], out: dict, args) -> dict:
+    """One strategy's run: what the server generated and when, against what the client kept. As in
+    bench/budget.py, tokens past the budget were not asked for: waste and time count the budget's at most."""
+    generated = sum(a["produced"] for a in attempts)
+    kept = out["kept_tokens"]
+    useful = min(kept, args.budget)
+    span = max(a["t_end"] for a in attempts) - min(a["t_start"] for a in attempts)
+    stopped = [a for a in attempts if a["outcome"] != "complete"]
+    m = {
+        "kept_tokens": kept,
+        "generated_tokens": generated,
+        "streamed_tokens": sum(a["sent"] for a in attempts),
+        "parked_tokens": out["parked_tokens"],
+        "requests": len(attempts),
+        "stopped_in_flight": len(stopped),
+        "stopped_tokens": sum(a["produced"] for a in stopped),
+        "overshoot_pct": 100.0 * (kept - args.budget) / args.budget,
+        "waste_pct": 100.0 * (generated - useful) / generated,
+        # generated and in no store: the in-flight requests check_cancel drops, the tokens an abort leaves unsent
+        "lost_pct": 100.0 * (generated - out["stored_tokens"]) / generated,
+        "time_s": span,
+        "time_vs_ideal": span / (useful / full_rate(args)),
+        "server_tok_s": generated / span,
+    }
+    if out.get("floor") is not None:
+        m["floor"] = out["floor"]
+    return m
+
+
+def full_rate(args) -> float:
+    """The server's aggregate throughput from its knee to the full batch, tokens/s."""
+    return args.knee / args.token_delay_s
+
+
+def run(args) -> dict:
+    server = ServerProcess(
+        {k: getattr(args, k) for k in ("max_tokens", "family", "token_delay_s", "knee", "noise", "stream_interval")}
+    )
+    runs: dict[str, list[dict]] = {name: [] for name in STRATEGIES}
+    try:
+        for repeat in range(args.repeats):
+            prompts = prompts_for(repeat, args.prompts)
+            order = STRATEGIES if repeat % 2 == 0 else STRATEGIES[::-1]  # drift in the machine's speed hits both
+            for name in order:
+                out = CLIENTS[name](server.url, prompts, args)
+                m = measure(server.drained_log(), out, args)
+                runs[name].append(m)
+                print(f"repeat {repeat} {name}: {json.dumps({k: round(v, 4) for k, v in m.items()})}", flush=True)
+    finally:
+        server.close()
+    return runs
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict:
+    keys = ("overshoot_pct", "waste_pct", "lost_pct", "time_s", "time_vs_ideal", "server_tok_s", "stopped_in_flight")
+    out = {name: {k: round(statistics.fmean(r[k] for r in rs), 4) for k in keys} for name, rs in runs.items()}
+    floors = [r["floor"] for r in runs["ours"] if "floor" in r]
+    if floors:
+        out["ours"]["floor"] = floors
+    return out
+
+
+def goals(summary: dict) -> dict:
+    ours, cc = summary["ours"], summary["check_cancel"]
+    return {
+        "ours_waste_le_half_check_cancel": ours["waste_pct"] <= 0.5 * cc["waste_pct"],
+        "ours_time_le_check_cancel": ours["time_s"] <= cc["time_s"],
+    }
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3, help="prompt sets, each run by both strategies")
+    ap.add_argument("--budget", type=int, default=200_000, help="completion tokens")
+    ap.add_argument("--concurrency", type=int, default=150)
+    ap.add_argument("--knee", type=int, default=16, help="running requests above which throughput is flat")
+    ap.add_argument("--token-delay-s", type=float, default=0.004, help="one request's token delay up to the knee")
+    ap.add_argument("--noise", type=float, default=0.02, help="relative standard deviation of every token delay")
+    ap.add_argument("--stream-interval", type=int, default=8, help="tokens per stream chunk (--stream-interval)")
+    ap.add_argument("--max-tokens", type=int, default=2048)
+    ap.add_argument("--family", default="lognormal", help="bench/budget.py's length family, scaled to max_tokens")
+    ap.add_argument("--prompts", type=int, default=None, help="prompts per repeat (default: 3 budgets' worth)")
+    ap.add_argument("--out", type=Path, default=RESULTS / "budget_live.json")
+    args = ap.parse_args(argv)
+    from bench.budget import MAX_TOKENS, MEAN_LEN
+
+    # the family's lengths are scaled to max_tokens; three budgets' worth at the tuned family's mean, and a batch
+    args.prompts = (
+        args.prompts or math.ceil(3 * args.budget / (MEAN_LEN * args.max_tokens / MAX_TOKENS)) + args.concurrency
+    )
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    runs = run(args)
+    summary = summarize(runs)
+    results = {
+        "settings": {k: v for k, v in vars(args).items() if k != "out"} | {"full_rate_tok_s": full_rate(args)},
+        "runs": runs,
+        "summary": summary,
+        "goals": goals(summary),
+    }
+    results["all_goals_met"] = all(results["goals"].values())
+    for name, s in summary.items():
+        print(f"{name}: {json.dumps(s)}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    print(f"goals: {results['goals']}; wrote {args.out} in {time.perf_counter() - t0:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
