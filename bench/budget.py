@@ -43,8 +43,8 @@ every CHECK_EVERY_S, and keep the partial responses; what streamed between the c
 and `ours_slack_*` (ours blind to the server's rate, as with a backend that does not stream, at
 several admit_slack values). The controller is the production one through its public API; the simulator only
 replaces the server and the client's clock. What ours keeps is what the generate stage outputs: the stored responses
-in prompt order (requests are admitted in it), landed on the budget (`landing`: those that fit, then the shortest
-that reaches it); the complete responses it leaves out are `held` in the store, not lost.
+in prompt order (requests are admitted in it), landed on the budget (`landing`: while they fit, then the shortest
+of the rest that reaches it); the complete responses it leaves out are `held` in the store, not lost.
 
 Metrics per run: overshoot_pct = (kept - budget) / budget; waste_pct = (generated - min(kept, budget)) / generated
 (every token not in the output: cancelled, parked, held or lost, and those kept past the budget, which nobody asked

@@ -238,18 +238,18 @@ def test_controller_stops_when_met_and_counts_only_kept_tokens():
 
 
 def test_the_output_lands_on_the_budget_with_the_shortest_response_that_reaches_it():
-    # prompt order: 900 fits, the long 7,000 would pass the budget by 6,700 (it stays in the store), the 200 fits,
-    # then of the three that cross, the shortest (150, past the budget by 50) makes the output
-    assert landing([900, 7000, 200, 500, 150], 1_200) == [0, 2, 4]
+    # prompt order: 900 and 200 fit; the long 7,000 would pass the budget by 6,900 (it stays in the store), and of
+    # the rest that reach the 100 left, the shortest (150, past the budget by 50) takes its place
+    assert landing([900, 200, 7000, 40, 500, 150], 1_200) == [0, 1, 5]
     assert landing([600, 600, 9000], 1_200) == [0, 1]  # met exactly: nothing crosses
     assert landing([300, 300], 1_200) == [0, 1]  # short of the budget: everything there is
     # through the generate stage's selection, in prompt order, every unusable response counted
     ds = DatasetConfig(token_budget=1_200)
     plan = [Planned({"id": k}, k, [1, 2, 3]) for k in "abcdef"]
-    stored = {p.key: resp(p.key, n) for p, n in zip(plan, [900, 7000, 200, 500, 150, 40])}
-    stored["f"].finish_reason = CUT  # parked: not in the output
+    stored = {p.key: resp(p.key, n) for p, n in zip(plan, [900, 200, 7000, 40, 500, 150])}
+    stored["d"].finish_reason = CUT  # parked: not in the output
     selected, total, skipped = select_responses(plan, stored, ds)
-    assert [p.key for p, _ in selected] == ["a", "c", "e"] and total == 1_250
+    assert [p.key for p, _ in selected] == ["a", "b", "f"] and total == 1_250
     assert skipped == {"cut_by_budget": 1}
 
 

@@ -275,23 +275,20 @@ class ThroughputModel:
 
 def landing(tokens: Sequence[int], budget: int) -> list[int]:
     """Which responses make the output, as indices into `tokens` (each one's count toward the budget, in prompt
-    order): every one that fits within the budget, in prompt order; if they fall short of it, the shortest of the
-    others, which reaches it. So the output passes the budget by less than its shortest response that crosses it,
-    not by whichever crosses first in prompt order (up to max_tokens: a long reasoning answer among short ones).
-    The responses left out stay in the store for a larger budget."""
-    chosen: list[int] = []
-    crossing, total = None, 0
-    for i, n in enumerate(tokens):
-        if total + n <= budget:
-            chosen.append(i)
-            total += n
-            if total == budget:
-                return chosen
-        elif crossing is None or n < tokens[crossing]:
-            crossing = i
-    if crossing is not None:
-        bisect.insort(chosen, crossing)
-    return chosen
+    order): in prompt order while they fit within the budget; then, in place of the next one, which would pass it,
+    the shortest of the rest that reaches it. So the output passes the budget by as little as one response can,
+    not by whichever comes next (up to max_tokens: a long reasoning answer among short ones), and a lower budget's
+    output is still the start of a higher one's, all but its last response. The responses left out stay in the
+    store for a larger budget."""
+    total, end = 0, 0
+    while end < len(tokens) and total + tokens[end] <= budget:
+        total += tokens[end]
+        end += 1
+    if total == budget or end == len(tokens):
+        return list(range(end))  # exactly on the budget, or short of it with everything there is
+    gap = budget - total  # tokens[end] passes it: some response reaches it
+    crossing = min((j for j in range(end, len(tokens)) if tokens[j] >= gap), key=tokens.__getitem__)
+    return [*range(end), crossing]
 
 
 @dataclass
