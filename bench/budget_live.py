@@ -20,10 +20,13 @@ Side by side, in one run, on the same prompts (a new set each repeat, the two in
   reach the budget, one `/abort_request` with `abort_all` and every task cancelled: what was in flight is dropped.
 
 What was generated is counted by the server (`Attempt.produced`: every token it made, those of an abort's last step
-included), what was kept by the client. Per strategy: overshoot = (kept - budget) / budget, waste = (generated -
-kept) / generated (parked tokens count: they are not in this run's output), parked (ours: reusable by a later run),
-time = the server's busy span (first request in to last request out) and its ratio to the time the kept tokens take
-at the server's full throughput; and the batch: requests in flight at the stop and ours' knee estimate (`floor`).
+included), what was kept by the client. Per strategy, as in bench/budget.py (tokens past the budget were not asked
+for): overshoot = (kept - budget) / budget, waste = (generated - min(kept, budget)) / generated (parked tokens count:
+they are not in this run's output), lost = generated and in no store (check_cancel's dropped requests, what an abort
+left unsent), time = the server's busy span (first request in to last request out) and its ratio to the time the
+budget's tokens take at the server's full throughput; and the batch: requests in flight at the stop and ours' knee
+estimate (`floor`, the batch its controller held the drain at). The server sends a chunk every `stream_interval`
+tokens (8) and keeps its delays on a schedule, so that a busy machine does not bend its throughput curve.
 Writes bench/results/budget_live.json. Goal (issue 15): ours' waste at most half of check_cancel's, in no more time.
 """
 

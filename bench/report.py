@@ -3,8 +3,8 @@
     python -m bench.report            # print the figures (markdown)
     python -m bench.report --write    # rewrite docs/benchmarks.md's block between the bench-report markers
 
-Every figure in the block comes from the files each benchmark writes (budget.json, client.json, tokenize.json,
-hidden_states.json, hidden_states_llama8b.json, reliability.json), so rerunning a benchmark and then
+Every figure in the block comes from the files each benchmark writes (budget.json, budget_live.json, client.json,
+tokenize.json, hidden_states.json, hidden_states_llama8b.json, reliability.json), so rerunning a benchmark and then
 `python -m bench.report --write` is all it takes to bring the page up to date; a test keeps the page's block equal
 to this output. Nothing here measures anything, and it imports nothing of the project.
 """
@@ -163,6 +163,60 @@ def budget(r: dict) -> list[str]:
     missed = [f"`{model}.{k}`" for model, goals in r["goals"].items() for k, ok in goals.items() if not ok]
     out += ["", f"Every goal in the file met: {'yes' if r['all_goals_met'] else 'no'}"]
     out[-1] += f" (missed: {', '.join(missed)})." if missed else "."
+    return out
+
+
+def budget_live(r: dict) -> list[str]:
+    s, runs, summary = r["settings"], r["runs"], r["summary"]
+    out = [
+        "### Budget controller live: `python -m bench.budget_live`",
+        "",
+        f"The generate path against a streaming SGLang-protocol server in its own process: {s['concurrency']} "
+        f"requests in flight, aggregate throughput flat above {s['knee']} running requests "
+        f"({num(s['full_rate_tok_s'])} tokens/s from there to the full batch), a chunk every {s['stream_interval']} "
+        f"tokens, {s['family']} lengths scaled to max_tokens {num(s['max_tokens'])}, a budget of "
+        f"{num(s['budget'])} completion tokens, {s['repeats']} prompt sets each run by both. Generated tokens are "
+        "counted by the server, kept ones by the client; time is the server's busy span.",
+        "",
+    ]
+    body = []
+    for name, rs in runs.items():
+        for i, m in enumerate(rs):
+            body.append(
+                [
+                    name,
+                    str(i),
+                    f"{m['overshoot_pct']:.2f}",
+                    f"{m['waste_pct']:.2f}",
+                    f"{m['lost_pct']:.2f}",
+                    f"{m['time_s']:.1f}",
+                    f"{m['time_vs_ideal']:.3f}",
+                    num(m["server_tok_s"]),
+                    str(m["stopped_in_flight"]),
+                    f"{m['floor']:g}" if "floor" in m else "",
+                ]
+            )
+    out += table(
+        [
+            "strategy",
+            "prompt set",
+            "overshoot %",
+            "waste %",
+            "lost %",
+            "time s",
+            "time ÷ ideal",
+            "server tokens/s",
+            "stopped in flight",
+            "ours' knee estimate",
+        ],
+        body,
+    )
+    ours, cc = summary["ours"], summary["check_cancel"]
+    out += [
+        "",
+        f"Mean: ours wastes {ours['waste_pct']:.2f} % against check_cancel's {cc['waste_pct']:.2f} %, in "
+        f"{ours['time_s']:.1f} s against {cc['time_s']:.1f} s. {goals_line(r['goals'])}",
+    ]
     return out
 
 
@@ -514,6 +568,7 @@ def reliability(r: dict) -> list[str]:
 
 SECTIONS = (
     ("budget.json", "python -m bench.budget", budget),
+    ("budget_live.json", "python -m bench.budget_live", budget_live),
     ("client.json", "python -m bench.client", client),
     ("tokenize.json", "python -m bench.tokenize", tokenize),
     ("hidden_states.json", "python -m bench.hidden_states", hidden_states),
