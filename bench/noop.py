@@ -38,7 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 FLOOR = (
     "import stages.generate; from draftdata.config.load import load_config; "
-    "from draftdata.target.tokenizer import load_target_tokenizer; load_target_tokenizer(load_config('S', []).model)"
+    "from draftdata.config.schema import template_kwargs_of; "
+    "from draftdata.target.tokenizer import load_target_tokenizer; cfg = load_config('S', []); "
+    "load_target_tokenizer(cfg.model, template_kwargs_of(cfg, 'S'))"
 )
 
 
