@@ -501,6 +501,9 @@ class FakeServer:
             name = body.get("model")
             message = f"The model `{name}` does not exist." if vllm else f"The model '{name}' does not exist"
             return self._refuse(a, _openai_error(vllm, 404, message))
+        if chat and body.get("tool_choice") is not None and body.get("tools") is None:
+            # vLLM's ChatCompletionRequest validator (SGLang's refuses it too)
+            return self._refuse(a, _openai_error(vllm, 400, "When using `tool_choice`, `tools` must be set."))
         prompt = body.get("prompt")
         if chat and isinstance(body.get("messages"), list):
             context = self.model.render(body["messages"], body.get("tools"), **(body.get("chat_template_kwargs") or {}))

@@ -103,6 +103,20 @@ def test_tool_calls_are_stored_and_rendered_into_the_sample(chat_project, stream
         assert '"name": "get_weather"' in trained_text(tok, built[rec["id"]])
 
 
+def test_tool_choice_goes_only_with_the_prompts_that_offer_tools(chat_project):
+    """`sampling.extra.tool_choice` is a setting of the dataset (in its key), but a server refuses it on a request
+    without tools: a dataset that mixes prompts with and without tools sends it with the first kind only."""
+    project, start = chat_project
+    project.params["datasets"]["B1"]["sampling"]["extra"] = {"tool_choice": "required"}
+    srv = start({"tool_calls": [CALL]})
+    project.run("generate", "B1")
+    sent = [a.body for a in srv.log]
+    assert {"tools" in b for b in sent} == {True, False}  # both kinds were sent
+    assert all(("tool_choice" in b) == ("tools" in b) for b in sent)
+    assert all(a.status == 0 for a in srv.log)
+    assert any(r.get("tool_calls") for r in responses(project))
+
+
 @pytest.mark.parametrize(
     "flavour,stream", [("vllm", False), ("vllm", True), ("sglang", True)], ids=["vllm", "vllm-streamed", "sglang"]
 )

@@ -68,6 +68,10 @@ def finish_reason(value: str | None) -> str:
     )
 
 
+# sampling.extra fields that apply to a request offering tools only
+TOOL_SETTINGS = ("tool_choice", "parallel_tool_calls")
+
+
 class OpenAIBackend(HttpBackend):
     name = "openai"
     health_path = "/v1/models"
@@ -114,6 +118,9 @@ class OpenAIBackend(HttpBackend):
             body["messages"] = req.messages
             if req.tools:
                 body["tools"] = req.tools
+            else:  # the dataset's tool settings mean nothing without tools, and servers refuse them (400)
+                for name in TOOL_SETTINGS:
+                    body.pop(name, None)
             if self.template_kwargs:
                 body["chat_template_kwargs"] = dict(self.template_kwargs)
         else:
