@@ -502,7 +502,7 @@ class FakeServer:
             message = f"The model `{name}` does not exist." if vllm else f"The model '{name}' does not exist"
             return self._refuse(a, _openai_error(vllm, 404, message))
         if chat and body.get("tool_choice") is not None and body.get("tools") is None:
-            # vLLM's ChatCompletionRequest validator (SGLang's refuses it too)
+            # as vLLM's ChatCompletionRequest validator does
             return self._refuse(a, _openai_error(vllm, 400, "When using `tool_choice`, `tools` must be set."))
         prompt = body.get("prompt")
         if chat and isinstance(body.get("messages"), list):

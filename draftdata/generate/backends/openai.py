@@ -68,7 +68,7 @@ def finish_reason(value: str | None) -> str:
     )
 
 
-# sampling.extra fields that apply to a request offering tools only
+# sampling.extra fields that apply to a request offering tools only (vLLM refuses tool_choice without tools)
 TOOL_SETTINGS = ("tool_choice", "parallel_tool_calls")
 
 
@@ -118,7 +118,7 @@ class OpenAIBackend(HttpBackend):
             body["messages"] = req.messages
             if req.tools:
                 body["tools"] = req.tools
-            else:  # the dataset's tool settings mean nothing without tools, and servers refuse them (400)
+            else:  # tool settings mean nothing without tools, and vLLM refuses tool_choice there (400)
                 for name in TOOL_SETTINGS:
                     body.pop(name, None)
             if self.template_kwargs:
