@@ -129,17 +129,20 @@ class Dispatcher:
             self.progress.update(self)
 
     def _admit_work(self, progress: list[int], prompts: list[int]) -> None:
-        """Started conversations' next turns while there is room and budget left, then new requests as many as
-        the controller admits (the turns just admitted counted in)."""
+        """Started conversations' next turns as many as the controller lets the batch hold, then new requests as
+        many as it admits (the turns just admitted counted in, and the turns the started conversations will still
+        ask)."""
         admitted = False
-        while len(self.flights) < self.ds.concurrency and not self.ctrl.reached(progress, prompts):
+        for _ in range(self.ctrl.turn_count(progress, prompts)):
             if (p := self.work.next_ready()) is None:
                 break
             self._admit(p)
             admitted = True
         if admitted:
             progress, prompts = self.in_flight_progress(), self.in_flight_prompts()
-        for _ in range(self.ctrl.admit_count(progress, prompts)):
+        room = self.ds.concurrency - len(self.flights)
+        pending = self.work.pending(room) if room > 0 else None
+        for _ in range(self.ctrl.admit_count(progress, prompts, pending)):
             if (p := self.work.next_new()) is None:
                 break
             self._admit(p)

@@ -6,7 +6,9 @@ keeps every started conversation going: when a turn's answer is committed, the c
 history is warm in the server's prefix cache, and a finished conversation is a sample); a turn whose answer the
 store already holds (another dataset or experiment reached the same state) is stepped over without a request.
 New conversations are taken as the budget controller admits them; the turns of started ones only need a free slot
-and a budget not yet met. Each next turn is sent to the server that answered the previous one.
+and a budget not yet met, so the controller is told what they will still ask (`pending`: the source turns each
+started conversation has not requested yet, and those of the conversations next in line) before it admits more.
+Each next turn is sent to the server that answered the previous one.
 
 Conversations live in the store: `plan_conversations` walks each one over its stored turns, one store query per
 turn depth for all of them, to the first turn not stored (a parked partial there is continued) or to its end.
@@ -14,13 +16,15 @@ turn depth for all of them, to the first turn not stored (a parked partial there
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, deque
 from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from draftdata.config.schema import Config, DatasetConfig, Turns, template_kwargs_of
+from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, Turns, template_kwargs_of
 from draftdata.generate.backends import GenResult
-from draftdata.generate.conversation import TurnTarget, turns
+from draftdata.generate.budget import Pending
+from draftdata.generate.conversation import SOURCE_EXHAUSTED, TurnTarget, turns
 from draftdata.generate.selection import (
     Planned,
     check_context,
@@ -53,6 +57,10 @@ class WorkQueue:
 
     def prefer(self, p: Planned) -> str | None:
         """The server to send `p` to, if it can."""
+        return None
+
+    def pending(self, upcoming: int) -> Pending | None:
+        """What started conversations will still ask, and the next `upcoming` new ones (None: no conversations)."""
         return None
 
     def settled(self, ended: list[tuple[GenResult, object]], rows: list[tuple[StoredResponse, object]]) -> None:
@@ -104,6 +112,31 @@ class Conversation:
         """Its answered turns and the one to request next."""
         return [p for p, _ in self.done] + ([self.next] if self.next is not None else [])
 
+    def left(self) -> int:
+        """The source turns from its next one on."""
+        return len(self.rec["slots"]) - len(self.done)
+
+    def went_on(self) -> tuple[int, int]:
+        """Of its answered turns with a source turn after them, how many went on to it and how many ended there
+        (for the controller's survival per turn)."""
+        n, slots = len(self.done), len(self.rec["slots"])
+        if self.ended is None:  # going on, or held by the budget or a failure: every answered turn went on
+            return n, 0
+        if self.ended == SOURCE_EXHAUSTED:
+            return max(n - 1, 0), 0
+        if self.ended == EMPTY:  # its next turn was answered with nothing: that turn is the one that ended it
+            return n, int(n + 1 < slots)
+        return max(n - 1, 0), int(n < slots)  # ended at its last answered turn (a diverging call, a cut answer...)
+
+    def growth(self, since: int) -> list[int]:
+        """What each turn's prompt adds to the previous turn's prompt and answer (the source's user and tool turns,
+        the template's markers), for the turns after answered turn `since`."""
+        planned = self.turns()
+        return [
+            planned[i + 1].prompt_tokens - planned[i].prompt_tokens - self.done[i][1].completion_tokens
+            for i in range(since, len(planned) - 1)
+        ]
+
 
 def plan_conversations(
     cfg: Config, prompts: list[dict], tok, store: ResponseStore, context: int | None
@@ -152,10 +185,17 @@ class ConversationQueue(WorkQueue):
         store: ResponseStore,
         parked: dict[str, StoredResponse],
         room: int | None,
+        prompts_count: bool = False,
     ):
-        super().__init__(c for c in convs if c.next is not None)
+        super().__init__()
         self.store, self.parked, self.room = store, parked, room
+        self.prompts_count = prompts_count  # budget_unit total: the controller prices turns' prompts too
+        self._fresh = deque(c for c in convs if c.next is not None)  # not started in this run, in prompt order
         self._ready: deque[Conversation] = deque()
+        # what the controller learns of conversations: answered turns that went on or ended, and prompt growth
+        self.went_on, self.ended = (sum(n) for n in zip((0, 0), *(c.went_on() for c in convs)))
+        steps = [g for c in convs for g in c.growth(0)]
+        self.growth_sum, self.growth_n = sum(steps), len(steps)
         self._waiting: dict[str, list[Conversation]] = {}  # key in flight -> the conversations waiting on it
         self.next_turns = 0  # turns after the first answered in this run with their predecessor's server known
         self.same_server = 0  # ... answered by that server
@@ -167,10 +207,17 @@ class ConversationQueue(WorkQueue):
         return None
 
     def next_new(self) -> Planned | None:
-        for c in self._new:
-            if (p := self._send(c)) is not None:
+        while self._fresh:
+            if (p := self._send(self._fresh.popleft())) is not None:
                 return p
         return None
+
+    def pending(self, upcoming: int) -> Pending:
+        started = [(1, c.left() - 1, c.next.prompt_tokens) for waiting in self._waiting.values() for c in waiting]
+        started += [(0, c.left(), c.next.prompt_tokens) for c in self._ready]
+        nxt = [(0, c.left(), c.next.prompt_tokens) for c in itertools.islice(self._fresh, upcoming)]
+        growth = self.growth_sum / self.growth_n if self.growth_n else 0.0
+        return Pending(started, nxt, self.went_on, self.ended, growth, self.prompts_count)
 
     def prefer(self, p: Planned) -> str | None:
         waiting = self._waiting.get(p.key)
@@ -186,7 +233,7 @@ class ConversationQueue(WorkQueue):
 
     def settled(self, ended: list[tuple[GenResult, object]], rows: list[tuple[StoredResponse, object]]) -> None:
         answers = {r.key: r for r, _ in rows if not needs_request(r)}
-        stepped = []
+        stepped, before = [], []
         for res, f in ended:
             key = f.p.key
             for c in self._waiting.pop(key, []):
@@ -196,9 +243,17 @@ class ConversationQueue(WorkQueue):
                     continue
                 self._count_server(f.req.prefer, res.server)
                 c.server = res.server
+                before.append((len(c.done), c.went_on()))
                 c.answer(r, self.room)
                 stepped.append(c)
         step_over_stored(stepped, self.store, self.parked, self.room)
+        for c, (since, was) in zip(stepped, before):
+            now = c.went_on()
+            self.went_on += now[0] - was[0]
+            self.ended += now[1] - was[1]
+            steps = c.growth(since)
+            self.growth_sum += sum(steps)
+            self.growth_n += len(steps)
         # started conversations first: their history is in the server's prefix cache
         self._ready.extendleft(reversed([c for c in stepped if c.next is not None]))
 
@@ -272,7 +327,7 @@ class RunPlan:
         check_context([c.first for c in convs if c.first is not None], cfg, context)
         run = cls(*conversation_plan(convs, store), convs=convs, ds=cfg.ds)
         room = None if context is None else context - cfg.ds.max_tokens
-        run.queue = ConversationQueue(convs, store, {}, room)
+        run.queue = ConversationQueue(convs, store, {}, room, cfg.ds.budget_unit == BudgetUnit.total)
         return run
 
     def reread(self, store: ResponseStore) -> None:
