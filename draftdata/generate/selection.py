@@ -89,7 +89,8 @@ def needs_request(r: StoredResponse | None) -> bool:
 
 def select_responses(plan: list[Planned], stored: dict[str, StoredResponse], ds: DatasetConfig):
     """Usable responses in prompt order, landed on the budget (`landing`: those that fit, then the shortest that
-    reaches it); every unusable one is counted by reason."""
+    reaches it, a conversation's later turn only after the turns before it); every unusable one is counted by
+    reason."""
     usable: list[tuple[Planned, StoredResponse]] = []
     skipped: Counter = Counter()
     for p in plan:
@@ -102,7 +103,8 @@ def select_responses(plan: list[Planned], stored: dict[str, StoredResponse], ds:
         else:
             usable.append((p, r))
     sizes = [tokens_of(r.prompt_tokens, r.completion_tokens, ds.budget_unit) for _, r in usable]
-    chosen = landing(sizes, ds.token_budget)
+    heads = [p.prompt.get("turn", 0) == 0 for p, _ in usable]  # a turn of a conversation (`turns: all`) names it
+    chosen = landing(sizes, ds.token_budget, heads)
     return [usable[i] for i in chosen], sum(sizes[i] for i in chosen), skipped
 
 
