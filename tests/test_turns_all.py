@@ -290,9 +290,15 @@ def test_a_budget_met_mid_conversation_keeps_its_turns_and_a_raised_one_goes_on(
         )
     with sqlite3.connect(project.path / "store.sqlite") as db:
         answered = {k for (k,) in db.execute("SELECT key FROM responses WHERE finish_reason IN ('stop', 'length')")}
+        parked = dict(db.execute("SELECT key, prompt_ids FROM responses WHERE finish_reason = 'budget_cut'"))
+    assert parked  # the turns in flight at the budget, parked
     (srv,) = start(rows, token_budget=100_000, concurrency=2)
     project.run("generate", "B3")
-    assert not set(sent_ids(srv)) & answered  # nothing answered before is asked again
+    sent = sent_ids(srv)
+    assert not set(sent) & answered  # nothing answered before is asked again
+    assert set(parked) <= set(sent) and metrics(project)["continued"] == len(parked)  # the cut turns go on
+    for key, prompt_ids in parked.items():
+        assert sent[key][: len(json.loads(prompt_ids))] == json.loads(prompt_ids)
     lines = responses(project)
     assert len(lines) == 4 * 3 + 4 * 2
 
