@@ -54,6 +54,18 @@ lost_pct adds to it the re-prefill a later run pays to continue the parked reque
 time_vs_ideal = wall time / (min(kept, budget) / R(concurrency)). Each is averaged over length draws (and noise
 draws): `--seeds` at 10M tokens, proportionally more at smaller budgets (`seeds_for`).
 
+Conversations (`turns: all`, `turn_scenarios`): 1 to MAX_TURNS source turns each (uniform), each turn's completion
+length the family's next draw, a conversation's turns one after another (turn t+1 is sent when turn t completes),
+and after each turn with a source turn left a chance (`--end-early`, 0 and 25 %) that the conversation ends there, as
+a diverging tool call ends it; the controller knows only the source's turns and learns how many went on (unless
+`--blind-survival`). The budget counts completions (budget_unit completion): prompts, whose history grows with each
+turn, only cost a parked turn's re-prefill (500 tokens of source turns per turn and the answers before it).
+check_cancel keeps the server full with turns of conversations (started ones' next turns first) and cancels
+everything at the budget; ours sends a started conversation's next turn as the controller lets the batch hold
+(`turn_count`) and admits new conversations against the budget less what the started ones will still ask
+(`Pending`, as the generate stage's work queue tells it); the output lands on the budget in prompt order, a
+conversation's turns in order, a later turn never without the turns before it. On the two classic servers at 1M.
+
 Output (bench/results/budget.json): `scenarios`, one row per (model, family, budget, noise) with check_cancel, ours
 and ours_keep_partial and the row's goals (on a compute-bound server with a knee below the full batch: waste at
 most half of check_cancel's, in no more time, whatever the family, the knee and the noise); `models` / `goals` /
@@ -72,12 +84,13 @@ import os
 import random
 import statistics
 import time
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draftdata.generate.budget import BudgetController, landing
+from draftdata.generate.budget import BudgetController, Pending, landing
 
 RESULTS = Path(__file__).parent / "results"
 RATE = 50.0  # tokens/s of one request at full batch (virtual time; the ratios do not depend on it)
@@ -92,6 +105,7 @@ MEAN_LEN, SIGMA = 3500.0, 0.8
 # faster than a full batch decodes them); the prompts are PROMPT_TOKENS long.
 PREFILL_SPEEDUP = 5.0
 PROMPT_TOKENS = 500
+MAX_TURNS = 8  # conversations (`turns: all`) have 1 to MAX_TURNS source turns
 READING_S = 1.0  # interval of the throughput readings the streaming client feeds the controller
 CHECK_EVERY_S = 0.05  # how often the client loop looks at streamed progress (its tick)
 ABORT_LATENCY_S = 0.05  # from the cancel decision to the server stopping the requests
@@ -117,6 +131,9 @@ FAMILIES = ("lognormal", "heavy_tail", "bimodal", "narrow")
 BUDGETS = (1_000_000, 10_000_000)
 NOISE_PCT = (0.0, 2.0)
 SCENARIO_STRATEGIES = ("check_cancel", "ours", "ours_keep_partial")
+# Multi-turn rows (`turns: all`): conversations of 1 to MAX_TURNS turns on the two classic servers at 1M tokens, with
+# no early ends and with a quarter of the turns that have a source turn after them ending their conversation.
+TURN_MODELS, TURN_BUDGET, TURN_END_EARLY_PCT = ("per_request_rate", "compute_bound"), 1_000_000, (0.0, 25.0)
 # The side-by-side of every strategy, on the noise-free 10M case and the two classic server models.
 LEGACY_BUDGET, LEGACY_MODELS = 10_000_000, ("per_request_rate", "compute_bound")
 LEGACY_STRATEGIES = ("cap", "check_cancel", "let_finish", "ours", "ours_keep_partial")
@@ -195,12 +212,13 @@ class Server:
     def full_rate(self) -> float:
         return RATE * self.concurrency
 
-    def admit(self, length: int) -> None:
+    def admit(self, length: int) -> int:
         rid = next(self.ids)
         self.start[rid] = self.work
         self.length[rid] = length
         self.start_sum += self.work
         heapq.heappush(self.heap, (self.work + length, rid))
+        return rid
 
     def progress(self) -> list[int]:
         """Whole tokens streamed so far by each request in flight (what the client can count)."""
@@ -278,9 +296,12 @@ class Outcome:
     responses: dict = field(default_factory=dict)  # id (prompt order) -> tokens of each response the store keeps
 
     def land(self, budget: int) -> None:
-        """The output the generate stage selects from the responses: landed on the budget, in prompt order."""
-        sizes = [n for _, n in sorted(self.responses.items())]
-        self.kept = sum(sizes[i] for i in landing(sizes, budget))
+        """The output the generate stage selects from the responses: landed on the budget, in prompt order (a
+        conversation's turns, keyed (conversation, turn), in order: a later turn only after the turns before it)."""
+        keys = sorted(self.responses)
+        sizes = [self.responses[k] for k in keys]
+        heads = [k[1] == 0 for k in keys] if keys and isinstance(keys[0], tuple) else None
+        self.kept = sum(sizes[i] for i in landing(sizes, budget, heads))
         self.held = sum(sizes) - self.kept
 
     def metrics(self, budget: int, full_rate: float) -> dict:
@@ -304,7 +325,122 @@ class Outcome:
         }
 
 
-def run_simple(strategy: str, s: Server, lens: Iterator[int], budget: int) -> Outcome:
+class Prompts:
+    """Single requests in prompt order (`turns: last`): a response is keyed by its request's id."""
+
+    def __init__(self, lens: Iterator[int]):
+        self.lens = lens
+
+    def send_next(self, s: Server) -> None:
+        s.admit(next(self.lens))
+
+    def admit(self, s: Server, ctrl: BudgetController, progress: list[int]) -> None:
+        # A controller fed time-averaged in_flight may learn a fractional knee, and then allow a fractional count:
+        # only whole requests can be sent.
+        for _ in range(int(ctrl.admit_count(progress))):
+            s.admit(next(self.lens))
+
+    def completed(self, rid: int) -> int:
+        return rid
+
+    def key(self, rid: int) -> int:
+        return rid
+
+    def prompt(self, rid: int) -> int:
+        return PROMPT_TOKENS
+
+
+@dataclass
+class Conversation:
+    slots: int  # its source's assistant turns: what the generate stage knows of it
+    lengths: list[int]  # each regenerated turn's completion length, as far as it goes (it may end early)
+
+
+def conversations(seed: int, family: str, end_early: float) -> Iterator[Conversation]:
+    """Conversations in prompt order, endless: 1 to MAX_TURNS source turns (uniform), each turn's length from the
+    family, and after each turn with a source turn left a chance `end_early` that the conversation ends there (a
+    call that diverges from the source's). Slots and ends come from their own generator, so the lengths are the
+    family's draws in order, as in the single-turn rows."""
+    lens, rng = lengths(seed, family), random.Random(f"turns/{seed}")
+    while True:
+        slots, turns = rng.randint(1, MAX_TURNS), 1
+        while turns < slots and rng.random() >= end_early:
+            turns += 1
+        yield Conversation(slots, [next(lens) for _ in range(turns)])
+
+
+class Talks:
+    """Conversations (`turns: all`) as the generate stage sends them: a started conversation's next turn as soon
+    as its previous one completes, ahead of new conversations and never asked of the controller; new ones as the
+    controller admits them, told what the started ones will still ask (`Pending`). A response is keyed
+    (conversation, turn). `survival`: whether the controller is told how many turns went on (off: every source
+    turn is expected, the upper bound)."""
+
+    def __init__(self, convs: Iterator[Conversation], survival: bool = True):
+        self.convs, self.survival = convs, survival
+        self.started: list[Conversation] = []  # by index: prompt order
+        self.upcoming: deque[Conversation] = deque()  # drawn to be priced, not started yet
+        self.ready: deque[tuple[int, int]] = deque()  # (conversation, turn) whose previous turn completed
+        self.flying: dict[int, tuple[int, int]] = {}  # request id -> (conversation, turn)
+        self.went_on = self.ended = 0
+
+    def _send(self, s: Server, i: int, t: int) -> None:
+        self.flying[s.admit(self.started[i].lengths[t])] = (i, t)
+
+    def _start(self, s: Server) -> None:
+        self.started.append(self.upcoming.popleft() if self.upcoming else next(self.convs))
+        self._send(s, len(self.started) - 1, 0)
+
+    def send_next(self, s: Server) -> None:
+        """Keep the server full (check_cancel): a started conversation's next turn, else a new conversation."""
+        if self.ready:
+            self._send(s, *self.ready.popleft())
+        else:
+            self._start(s)
+
+    def admit(self, s: Server, ctrl: BudgetController, progress: list[int]) -> None:
+        for _ in range(min(len(self.ready), ctrl.turn_count(progress))):
+            self._send(s, *self.ready.popleft())
+        progress = s.progress()
+        room = s.concurrency - s.n
+        if room > 0:
+            for _ in range(int(ctrl.admit_count(progress, (), self.pending(room)))):
+                self._start(s)
+
+    def pending(self, room: int) -> Pending:
+        """What the work queue tells the controller: budget_unit completion, so prompts are not priced."""
+        started = [(1, self.started[i].slots - t - 1, 0) for i, t in self.flying.values()]
+        started += [(0, self.started[i].slots - t, 0) for i, t in self.ready]
+        while len(self.upcoming) < room:
+            self.upcoming.append(next(self.convs))
+        upcoming = [(0, c.slots, 0) for c in itertools.islice(self.upcoming, room)]
+        went_on, ended = (self.went_on, self.ended) if self.survival else (0, 0)
+        return Pending(started, upcoming, went_on, ended)
+
+    def completed(self, rid: int) -> tuple[int, int]:
+        i, t = self.flying.pop(rid)
+        conv = self.started[i]
+        if t + 1 < len(conv.lengths):
+            self.ready.appendleft((i, t + 1))  # ahead of the others: its history is warm
+            self.went_on += 1
+        elif t + 1 < conv.slots:
+            self.ended += 1
+        return i, t
+
+    def key(self, rid: int) -> tuple[int, int]:
+        return self.flying[rid]
+
+    def prompt(self, rid: int) -> int:
+        """A turn's prompt is the conversation so far: PROMPT_TOKENS of source turns per turn and the answers
+        before it (what a parked turn's continuation re-prefills)."""
+        i, t = self.flying[rid]
+        return PROMPT_TOKENS * (t + 1) + sum(self.started[i].lengths[:t])
+
+
+Work = Prompts | Talks
+
+
+def run_simple(strategy: str, s: Server, work: Work, budget: int) -> Outcome:
     """cap, check_cancel and let_finish: the server is kept full until their stop rule fires. They neither read
     the server's rate nor look at partial progress, so only completions matter."""
     out = Outcome()
@@ -312,11 +448,13 @@ def run_simple(strategy: str, s: Server, lens: Iterator[int], budget: int) -> Ou
     limit = CAP_SAMPLES if strategy == "cap" else math.inf
     while True:
         while admitting and s.n < s.concurrency and admitted < limit:
-            s.admit(next(lens))
+            work.send_next(s)
             admitted += 1
         if not s.n:
             break
-        out.kept += s.complete_next()[1]
+        rid, length = s.complete_next()
+        work.completed(rid)
+        out.kept += length
         if strategy != "cap" and out.kept >= budget:
             admitting = False
             if strategy == "check_cancel":
@@ -325,13 +463,6 @@ def run_simple(strategy: str, s: Server, lens: Iterator[int], budget: int) -> Ou
                 break
     out.t = s.t
     return out
-
-
-def admit(s: Server, ctrl: BudgetController, lens: Iterator[int], progress: list[int]) -> None:
-    # A controller fed time-averaged in_flight may learn a fractional knee, and then allow a fractional count:
-    # only whole requests can be sent.
-    for _ in range(int(ctrl.admit_count(progress))):
-        s.admit(next(lens))
 
 
 def next_check(s: Server, ctrl: BudgetController, budget: int) -> float:
@@ -346,7 +477,7 @@ def next_check(s: Server, ctrl: BudgetController, budget: int) -> float:
 
 def run_controlled(
     s: Server,
-    lens: Iterator[int],
+    work: Work,
     budget: int,
     noise: float,
     rng: random.Random,
@@ -361,7 +492,7 @@ def run_controlled(
     ctrl.observes_rate = slack is None
     if slack is not None:
         ctrl.admit_slack = slack
-    admit(s, ctrl, lens, [])
+    work.admit(s, ctrl, [])
     readings = itertools.count(1)
     next_reading = next(readings) * READING_S  # a multiple of READING_S, so no drift over thousands
     while s.n:
@@ -370,7 +501,7 @@ def run_controlled(
         if s.until_next_end() <= min(until_reading, until_check):
             rid, length = s.complete_next()
             ctrl.finished(length, counted=True)
-            out.responses[rid] = length
+            out.responses[work.completed(rid)] = length
         elif until_reading <= until_check:
             s.advance(until_reading)
             next_reading = next(readings) * READING_S
@@ -381,24 +512,24 @@ def run_controlled(
             s.advance(until_check)
         progress = s.progress()
         if ctrl.reached(progress):
-            stop(s, ctrl, out, progress)
+            stop(s, ctrl, out, progress, work)
             break
-        admit(s, ctrl, lens, progress)
+        work.admit(s, ctrl, progress)
     out.t = s.t
     out.land(budget)
     return out
 
 
-def stop(s: Server, ctrl: BudgetController, out: Outcome, progress: list[int]) -> None:
+def stop(s: Server, ctrl: BudgetController, out: Outcome, progress: list[int], work: Work) -> None:
     """At the budget: keep_partial keeps what has streamed, ours parks it; the abort's latency is lost."""
     streamed = sum(progress)
     if ctrl.keep_partial:
         ctrl.cut(streamed)
-        out.responses.update(s.progress_by_id())
+        out.responses.update({work.key(rid): n for rid, n in s.progress_by_id().items()})
     else:
         out.parked += streamed
         out.parked_requests += s.n
-        out.reprefill += (s.n * PROMPT_TOKENS + streamed) / PREFILL_SPEEDUP
+        out.reprefill += (sum(work.prompt(rid) for rid in s.start) + streamed) / PREFILL_SPEEDUP
     out.lost += s.abort_all(streamed)
 
 
@@ -410,31 +541,36 @@ def run_scenario(
     strategy: str,
     concurrency: int = CONCURRENCY,
     family: str = "lognormal",
+    turns: tuple[float, bool] | None = None,
 ) -> dict:
     """Metrics of one run. The noise draws come from their own generator, so a noise level changes the
-    readings, never the lengths."""
-    s, lens = Server(model, concurrency), lengths(seed, family)
+    readings, never the lengths. `turns`: conversations of 1 to MAX_TURNS turns (`conversations`), as (the chance
+    a turn ends its conversation early, whether the controller is told the survival per turn); None: single
+    requests."""
+    s = Server(model, concurrency)
+    work = Prompts(lengths(seed, family)) if turns is None else Talks(conversations(seed, family, turns[0]), turns[1])
     rng = random.Random(f"noise/{seed}")
     noise = noise_pct / 100.0
     if strategy in SLACK_SWEEP:
-        out = run_controlled(s, lens, budget, noise, rng, keep_partial=False, slack=SLACK_SWEEP[strategy])
+        out = run_controlled(s, work, budget, noise, rng, keep_partial=False, slack=SLACK_SWEEP[strategy])
     elif strategy in ("ours", "ours_keep_partial"):
-        out = run_controlled(s, lens, budget, noise, rng, keep_partial=strategy == "ours_keep_partial")
+        out = run_controlled(s, work, budget, noise, rng, keep_partial=strategy == "ours_keep_partial")
     elif strategy in ("cap", "check_cancel", "let_finish"):
-        out = run_simple(strategy, s, lens, budget)
+        out = run_simple(strategy, s, work, budget)
     else:
         raise ValueError(f"unknown strategy {strategy!r}")
     return out.metrics(budget, s.full_rate())
 
 
 def _run(job: tuple) -> dict:
-    model, family, budget, noise_pct, seed, strategy = job
-    return run_scenario(model, budget, noise_pct, seed, strategy, family=family)
+    model, family, budget, noise_pct, seed, strategy, *turns = job
+    return run_scenario(model, budget, noise_pct, seed, strategy, family=family, turns=turns[0] if turns else None)
 
 
 def averaged_many(jobs: list[tuple], seeds: list[int], workers: int) -> list[dict]:
-    """The metrics of each (model, family, budget, noise, strategy) job averaged over its seeds, run in parallel."""
-    flat = [(*job[:4], seed, job[4]) for job, n in zip(jobs, seeds) for seed in range(n)]
+    """The metrics of each (model, family, budget, noise, strategy[, turns]) job averaged over its seeds, run in
+    parallel."""
+    flat = [(*job[:4], seed, *job[4:]) for job, n in zip(jobs, seeds) for seed in range(n)]
     if workers > 1:
         with ProcessPoolExecutor(workers) as pool:
             runs = list(pool.map(_run, flat, chunksize=8))
@@ -507,23 +643,34 @@ def grid(models, families, budgets, noises) -> list[tuple]:
 
 
 def run_scenarios(models, budgets, noises, seeds: int, families=("lognormal",), workers: int = 1) -> list[dict]:
-    cases = grid(models, families, budgets, noises)
-    jobs = [(*case, name) for case in cases for name in SCENARIO_STRATEGIES]
+    names = ("model", "family", "budget", "noise_pct")
+    cases = [dict(zip(names, case)) for case in grid(models, families, budgets, noises)]
+    return run_rows(cases, seeds, workers)
+
+
+def turn_grid(models, families, budgets, noises, end_early) -> list[dict]:
+    """The multi-turn cases: conversations of 1 to MAX_TURNS turns on TURN_MODELS at TURN_BUDGET, every family,
+    noise and chance of ending early."""
+    if TURN_BUDGET not in budgets:
+        return []
+    return [
+        {"model": m, "family": f, "budget": TURN_BUDGET, "noise_pct": n, "turns": f"1-{MAX_TURNS}", "end_early_pct": e}
+        for m, f, n, e in itertools.product([m for m in TURN_MODELS if m in models], families, noises, end_early)
+    ]
+
+
+def run_rows(cases: list[dict], seeds: int, workers: int, survival: bool = True) -> list[dict]:
+    """A row per case: each scenario strategy averaged over its draws, and the row's goals."""
+    jobs = []
+    for c in cases:
+        turns = ((c["end_early_pct"] / 100, survival),) if "turns" in c else ()
+        jobs += [(c["model"], c["family"], c["budget"], c["noise_pct"], name, *turns) for name in SCENARIO_STRATEGIES]
     results = iter(averaged_many(jobs, [seeds_for(job[2], seeds) for job in jobs], workers))
     rows = []
-    for model, family, budget, noise_pct in cases:
+    for c in cases:
         strategies = {name: next(results) for name in SCENARIO_STRATEGIES}
-        rows.append(
-            {
-                "model": model,
-                "family": family,
-                "budget": budget,
-                "noise_pct": noise_pct,
-                "seeds": seeds_for(budget, seeds),
-                "strategies": strategies,
-                "goals": scenario_goals(model, noise_pct, strategies),
-            }
-        )
+        goals = scenario_goals(c["model"], c["noise_pct"], strategies)
+        rows.append({**c, "seeds": seeds_for(c["budget"], seeds), "strategies": strategies, "goals": goals})
     return rows
 
 
@@ -561,6 +708,9 @@ def settings(args) -> dict:
         "prefill_speedup": PREFILL_SPEEDUP,
         "budgets": list(args.budgets),
         "noise_pct": list(args.noise),
+        "max_turns": MAX_TURNS,
+        "turn_end_early_pct": list(args.end_early),
+        "turn_survival": not args.blind_survival,
     }
 
 
@@ -581,6 +731,8 @@ def print_scenarios(rows: list[dict]) -> None:
             )
         missed = ", ".join(k for k, ok in r["goals"].items() if not ok) or "-"
         case = f"{r['model']:<19}{r['family']:<11}{fmt_budget(r['budget']):>7}{r['noise_pct']:>5g}%"
+        if "turns" in r:
+            case += f"  turns {r['turns']}, {r['end_early_pct']:g}% end early"
         print(f"{case}   {' '.join(cells)}  {missed}")
 
 
@@ -608,6 +760,14 @@ def parse_args(argv=None):
     ap.add_argument("--families", type=comma_list(str), default=FAMILIES, help="length families")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes running the draws")
     ap.add_argument("--out", type=Path, default=RESULTS / "budget.json")
+    ap.add_argument(
+        "--end-early", type=comma_list(float), default=TURN_END_EARLY_PCT, help="multi-turn rows: turns ending early %%"
+    )
+    ap.add_argument(
+        "--blind-survival",
+        action="store_true",
+        help="multi-turn rows: the controller expects every source turn (not told how many went on)",
+    )
     args = ap.parse_args(argv)
     if unknown := set(args.models) - set(MODELS):
         ap.error(f"unknown models: {', '.join(sorted(unknown))}")
@@ -620,8 +780,10 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     t0 = time.perf_counter()
     rows = run_scenarios(args.models, args.budgets, args.noise, args.seeds, args.families, args.workers)
-    results: dict = {"scenarios": rows, "settings": settings(args)}
-    met = [ok for r in rows for ok in r["goals"].values()]
+    turn_cases = turn_grid(args.models, args.families, args.budgets, args.noise, args.end_early)
+    turn_rows = run_rows(turn_cases, args.seeds, args.workers, survival=not args.blind_survival)
+    results: dict = {"scenarios": rows, "turn_scenarios": turn_rows, "settings": settings(args)}
+    met = [ok for r in rows + turn_rows for ok in r["goals"].values()]
     legacy_models = [m for m in LEGACY_MODELS if m in args.models]
     # the side-by-side needs its own case in the grid; a quick subset without it leaves it out
     if legacy_models and LEGACY_BUDGET in args.budgets and 0.0 in args.noise and "lognormal" in args.families:
@@ -629,7 +791,7 @@ def main(argv=None) -> None:
         results["goals"] = legacy_goals(results["models"])
         met += [ok for g in results["goals"].values() for ok in g.values()]
     results["all_goals_met"] = all(met)
-    print_scenarios(rows)
+    print_scenarios(rows + turn_rows)
     if "models" in results:
         print_legacy(results["models"], results["goals"])
     args.out.parent.mkdir(parents=True, exist_ok=True)

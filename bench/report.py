@@ -77,19 +77,8 @@ def budget(r: dict) -> list[str]:
         + ". Cells: overshoot % / waste % / lost % / time ÷ ideal.",
         "",
     ]
-    body = []
-    for row in rows:
-        cells = []
-        for name, _ in BUDGET_STRATEGIES:
-            m = row["strategies"][name]
-            cells.append(
-                f"{m['overshoot_pct']:.2f} / {m['waste_pct']:.2f} / {m['lost_pct']:.2f} / {m['time_vs_ideal']:.4f}"
-            )
-        missed = ", ".join(f"`{k}`" for k, ok in row["goals"].items() if not ok) or "none"
-        case = [row["model"], row.get("family", "lognormal"), budget_name(row["budget"]), f"{row['noise_pct']:g} %"]
-        body.append([*case, *cells, missed])
     labels = [label for _, label in BUDGET_STRATEGIES]
-    out += table(["server", "lengths", "budget", "noise", *labels, "missed goals"], body)
+    out += table(["server", "lengths", "budget", "noise", *labels, "missed goals"], [budget_row(row) for row in rows])
     out += [
         "",
         "Ours against check_cancel, per server over its rows above (ranges over lengths, budgets and noises):",
@@ -160,10 +149,48 @@ def budget(r: dict) -> list[str]:
             for name in names
         ],
     )
+    out += budget_turns(r)
     missed = [f"`{model}.{k}`" for model, goals in r["goals"].items() for k, ok in goals.items() if not ok]
     out += ["", f"Every goal in the file met: {'yes' if r['all_goals_met'] else 'no'}"]
     out[-1] += f" (missed: {', '.join(missed)})." if missed else "."
     return out
+
+
+def budget_row(row: dict) -> list[str]:
+    """A scenario row's case, its strategies' cells (overshoot / waste / lost / time) and the goals it missed."""
+    cells = []
+    for name, _ in BUDGET_STRATEGIES:
+        m = row["strategies"][name]
+        cells.append(
+            f"{m['overshoot_pct']:.2f} / {m['waste_pct']:.2f} / {m['lost_pct']:.2f} / {m['time_vs_ideal']:.4f}"
+        )
+    missed = ", ".join(f"`{k}`" for k, ok in row["goals"].items() if not ok) or "none"
+    case = [row["model"], row.get("family", "lognormal"), budget_name(row["budget"]), f"{row['noise_pct']:g} %"]
+    if "turns" in row:
+        case.insert(2, f"{row['end_early_pct']:g} %")
+    return [*case, *cells, missed]
+
+
+def budget_turns(r: dict) -> list[str]:
+    """The multi-turn rows (`turns: all`), where the file has them."""
+    rows, s = r.get("turn_scenarios"), r["settings"]
+    if not rows:
+        return []
+    told = "told" if s.get("turn_survival", True) else "not told"
+    labels = [label for _, label in BUDGET_STRATEGIES]
+    return [
+        "",
+        f"Conversations (`turns: all`): 1 to {s['max_turns']} turns each (uniform), each turn's length from the "
+        "family, a conversation's turns one after another, a share of the turns that have a source turn after "
+        f"them ending their conversation early (the controller {told} how many went on); budget_unit completion. A "
+        "parked turn's re-prefill counts its whole history (500 tokens of source turns per turn and the answers "
+        "before it). Cells as above.",
+        "",
+        *table(
+            ["server", "lengths", "end early", "budget", "noise", *labels, "missed goals"],
+            [budget_row(row) for row in rows],
+        ),
+    ]
 
 
 def budget_live(r: dict) -> list[str]:

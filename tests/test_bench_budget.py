@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 
 import aiohttp
 import pytest
@@ -45,6 +46,54 @@ def test_scenario_accounting(model, noise_pct):
     )
     # keep_partial keeps what streamed up to the first check past the budget
     assert 0 <= kp["overshoot_pct"] < 0.5 and kp["lost_pct"] < 0.5 and kp["parked_tokens"] == 0
+
+
+@pytest.mark.parametrize("end_early", [0.0, 0.25])
+@pytest.mark.parametrize("model", bench.TURN_MODELS)
+def test_turn_scenario_accounting(model, end_early):
+    cc, ours, kp = (
+        bench.run_scenario(model, BUDGET, 2.0, 0, s, turns=(end_early, True)) for s in bench.SCENARIO_STRATEGIES
+    )
+    for m in (cc, ours, kp):
+        parts = ("kept_tokens", "held_tokens", "parked_tokens", "lost_tokens")
+        assert m["generated_tokens"] == pytest.approx(sum(m[k] for k in parts)) and m["kept_tokens"] > 0
+    assert cc["parked_tokens"] == 0 and cc["lost_tokens"] == pytest.approx(cc["generated_tokens"] - cc["kept_tokens"])
+    assert 0 <= ours["overshoot_pct"] < 100 * bench.MAX_TOKENS / BUDGET and ours["aborted_pct"] < 0.5
+    assert 0 <= kp["overshoot_pct"] < 0.5 and kp["parked_tokens"] == 0
+
+
+class CheckedTalks(bench.Talks):
+    """Talks that fail a turn sent while another turn of its conversation runs, or before the turn before it
+    completed."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.answered: set[tuple[int, int]] = set()
+
+    def _send(self, s, i, t):
+        assert i not in {conv for conv, _ in self.flying.values()}
+        assert t == 0 or (i, t - 1) in self.answered
+        super()._send(s, i, t)
+
+    def completed(self, rid):
+        key = super().completed(rid)
+        self.answered.add(key)
+        return key
+
+
+@pytest.mark.parametrize("keep_partial", [False, True])
+def test_a_conversations_turns_run_one_at_a_time_and_land_from_its_first(keep_partial):
+    talks = CheckedTalks(bench.conversations(0, "lognormal", 0.25))
+    s, rng = bench.Server("compute_bound", bench.CONCURRENCY), random.Random(0)
+    out = bench.run_controlled(s, talks, bench.TURN_BUDGET, 0.0, rng, keep_partial=keep_partial)
+    turns: dict[int, list[int]] = {}
+    for i, t in sorted(out.responses):
+        turns.setdefault(i, []).append(t)
+    assert all(ts == list(range(len(ts))) for ts in turns.values())  # the store holds each one's turns from its first
+    assert max(len(ts) for ts in turns.values()) > 2
+    # the slots the controller knows are an upper bound: some conversations end early
+    assert any(len(c.lengths) < c.slots for c in talks.started)
+    assert 0 <= out.kept - bench.TURN_BUDGET < bench.MAX_TOKENS
 
 
 def test_server_models_share_the_full_batch_rate():

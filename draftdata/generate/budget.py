@@ -410,8 +410,8 @@ class BudgetController:
         if fit > 0:
             if pending is not None and blind:
                 # a conversation costs all its turns, so what fits the budget may be a fraction of a batch (1M
-                # tokens: 63 conversations of 4.5 turns): the slack, which fills the batch so that the server is
-                # read, applies from the start (the multi-turn rows on the fixed-rate server: 0.9 % slower without)
+                # tokens: 63 conversations of 4.5 turns of 3.5k): the slack, which fills the batch so that the
+                # server is read, applies from the start, or a server that needs a full batch idles until then
                 fit = max(fit, slack)
             return min(room, fit, self._finishing_room(len(progress)))
         if blind:
@@ -428,8 +428,8 @@ class BudgetController:
         but the batch they make is kept as the requests' is near the end (`_finishing_room`): where the server keeps
         its throughput with fewer requests it shrinks with what is left, so few turns run to be cut at the budget
         (a turn that waits leaves its conversation with its finished turns), and where it needs a full batch it
-        stays full. Without this the turns would keep any server full to the budget (the benchmark's multi-turn
-        rows on the compute-bound server: waste 23 %, against check_cancel's 30 %)."""
+        stays full. Sent whenever a slot is free, the turns would keep any server full to the budget, and cut
+        there a full batch of them (bench/budget.py's multi-turn rows on the compute-bound server)."""
         room = self.concurrency - len(progress)
         if room <= 0 or self.reached(progress, prompts):
             return 0
