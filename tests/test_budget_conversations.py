@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import random
 
-import pytest
-
 from draftdata.config.schema import DatasetConfig
 from draftdata.generate.budget import BudgetController, Pending, landing
 from draftdata.generate.selection import Planned, select_responses
@@ -30,14 +28,6 @@ def test_started_conversations_turns_to_come_count_before_new_conversations_are_
     # in flight 10 × 1,000 expected, their turns to come 30,000; a new conversation costs its 4 turns
     assert c.admit_count(progress, (), pending) == (100_000 - 10_000 - 30_000) // 4000 == 15
     assert c.admit_count(progress) == 40  # as single requests: as many as there is room for
-
-
-def test_the_survival_per_turn_weighs_the_turns_to_come_once_enough_were_seen():
-    started = [(1, 3, 0)] * 10
-    assert Pending(started, went_on=10, ended=5).tokens(1000) == 30_000  # 15 seen: every source turn expected
-    s = 0.75  # 30 of 40 answered turns went on to the next
-    assert Pending(started, went_on=30, ended=10).tokens(1000) == pytest.approx(10_000 * (s + s**2 + s**3))
-    assert Pending(upcoming=[(0, 3, 0)], went_on=30, ended=10).new_cost(1000) == pytest.approx(1000 * (1 + s + s**2))
 
 
 def test_under_budget_unit_total_each_turn_to_come_counts_its_grown_prompt():

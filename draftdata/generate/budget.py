@@ -23,11 +23,11 @@ hold, and whether the budget is reached (then the caller stops what is in flight
   Without rate readings (a backend that does not stream) it allows `admit_slack` batches of slack instead.
 - `on_budget=keep_partial`: keep the server full until committed + tokens in flight reach the budget, then stop
   everything and keep each partial response, cut at the budget: nothing generated is thrown away.
-- Conversations (`turns: all`): a started conversation's next turns are sent without asking the controller, so
-  what they will add is counted in before new conversations are admitted (`Pending`: each started conversation's
-  source turns not yet requested, weighted by the share of turns that went on to the next so far, priced at the
-  mean completion length, plus their prompts, history included, under budget_unit total), and a new conversation
-  costs its expected turns, not one response.
+- Conversations (`turns: all`): a started conversation's next turns are not admitted against the budget, so what
+  they will add is counted in before new conversations are admitted (`Pending`: each started conversation's source
+  turns not yet requested, priced at the mean completion length, plus their prompts, history included, under
+  budget_unit total), a new conversation costs its source turns, not one response, and near the end the batch the
+  turns make is kept as a batch of requests is (`turn_count`).
 
 bench/budget.py measures all of this on servers with knees from 8 requests to the full batch and saturating ones,
 on four length families (the constants were tuned on one, lognormal), with and without noise, at 1M and 10M tokens.
@@ -71,9 +71,6 @@ KNEE_USEFUL_SHARE = 0.5
 # Where the server keeps its throughput with fewer requests, the batch shrinks toward the budget's end so that this
 # share of the requests admitted can complete before it (BudgetController._finishing_room).
 FINISH_QUANTILE = 0.9
-# Before this many answered turns have shown whether their conversation went on (Pending.survival), every source turn
-# is assumed to be requested: an upper bound, so a run admits too few new conversations early rather than too many.
-MIN_TURNS_OBSERVED = 16
 
 
 @dataclass
@@ -312,43 +309,37 @@ class Pending:
     (the controller prices them with the lengths it has seen, `tokens`).
 
     `started`: per started, unfinished conversation, (first, turns, prompt): `turns` source turns not yet requested,
-    the first of them `first` turns after the one whose prompt is `prompt` tokens (1: that one is in flight, so the
-    next is reached only if its answer goes on; 0: it is that turn, waiting for a slot). `upcoming`: the same of the
-    conversations next in line to start (first 0). `went_on` / `ended`: answered turns with a source turn after
-    them whose conversation went on to it, or ended there (a diverging call, a truncated answer...). `growth`: the
-    tokens a turn's prompt adds to the previous prompt and answer (the source's user and tool turns, the template's
-    markers), on average; `prompts`: whether prompts count toward the budget (budget_unit total)."""
+    the first of them `first` turns after the one whose prompt is `prompt` tokens (1: that one is in flight; 0: it
+    is that turn, waiting for a slot). `upcoming`: the same of the conversations next in line to start (first 0).
+    `growth`: the tokens a turn's prompt adds to the previous prompt and answer (the source's user and tool turns,
+    the template's markers), on average; `prompts`: whether prompts count toward the budget (budget_unit total).
+
+    Every source turn is expected: an upper bound where conversations end early (a diverging call, a truncated
+    answer), so new conversations are admitted late rather than early. Weighting the turns by the share that went
+    on to the next made the benchmark's multi-turn rows no better, with a quarter of the turns ending their
+    conversation: near the budget the batch is set by the server (`turn_count`, the refills), not by the fit."""
 
     started: Sequence[tuple[int, int, int]] = ()
     upcoming: Sequence[tuple[int, int, int]] = ()
-    went_on: int = 0
-    ended: int = 0
     growth: float = 0.0
     prompts: bool = False
 
-    def survival(self) -> float:
-        """The share of answered turns whose conversation went on to its next source turn."""
-        seen = self.went_on + self.ended
-        return self.went_on / seen if seen >= MIN_TURNS_OBSERVED else 1.0
-
     def tokens(self, completion: float) -> float:
         """Expected tokens of the started conversations' turns not yet requested (the controller's `pending`)."""
-        s = self.survival()
-        return sum(self._turns(c, completion, s) for c in self.started)
+        return sum(self._turns(c, completion) for c in self.started)
 
     def new_cost(self, completion: float) -> float:
         """Expected tokens of one conversation admitted now: the mean over those next in line."""
-        s = self.survival()
-        return sum(self._turns(c, completion, s) for c in self.upcoming) / len(self.upcoming)
+        return sum(self._turns(c, completion) for c in self.upcoming) / len(self.upcoming)
 
-    def _turns(self, conv: tuple[int, int, int], completion: float, s: float) -> float:
-        """Turn k after the one of `prompt` (k = first, first + 1, ...) is reached with probability s^k and adds a
-        completion and, when prompts count, that prompt grown by k answers and k source steps."""
+    def _turns(self, conv: tuple[int, int, int], completion: float) -> float:
+        """Turn k after the one of `prompt` (k = first, first + 1, ...) adds a completion and, when prompts count,
+        that prompt grown by k answers and k source steps."""
         first, turns, prompt = conv
+        if not self.prompts:
+            return turns * completion
         step = completion + self.growth
-        return sum(
-            s**k * (completion + (prompt + k * step if self.prompts else 0.0)) for k in range(first, first + turns)
-        )
+        return sum(completion + prompt + k * step for k in range(first, first + turns))
 
 
 @dataclass

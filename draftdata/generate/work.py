@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, Turns, template_kwargs_of
 from draftdata.generate.backends import GenResult
 from draftdata.generate.budget import Pending
-from draftdata.generate.conversation import SOURCE_EXHAUSTED, TurnTarget, turns
+from draftdata.generate.conversation import TurnTarget, turns
 from draftdata.generate.selection import (
     Planned,
     check_context,
@@ -116,18 +116,6 @@ class Conversation:
         """The source turns from its next one on."""
         return len(self.rec["slots"]) - len(self.done)
 
-    def went_on(self) -> tuple[int, int]:
-        """Of its answered turns with a source turn after them, how many went on to it and how many ended there
-        (for the controller's survival per turn)."""
-        n, slots = len(self.done), len(self.rec["slots"])
-        if self.ended is None:  # going on, or held by the budget or a failure: every answered turn went on
-            return n, 0
-        if self.ended == SOURCE_EXHAUSTED:
-            return max(n - 1, 0), 0
-        if self.ended == EMPTY:  # its next turn was answered with nothing: that turn is the one that ended it
-            return n, int(n + 1 < slots)
-        return max(n - 1, 0), int(n < slots)  # ended at its last answered turn (a diverging call, a cut answer...)
-
     def growth(self, since: int) -> list[int]:
         """What each turn's prompt adds to the previous turn's prompt and answer (the source's user and tool turns,
         the template's markers), for the turns after answered turn `since`."""
@@ -192,8 +180,7 @@ class ConversationQueue(WorkQueue):
         self.prompts_count = prompts_count  # budget_unit total: the controller prices turns' prompts too
         self._fresh = deque(c for c in convs if c.next is not None)  # not started in this run, in prompt order
         self._ready: deque[Conversation] = deque()
-        # what the controller learns of conversations: answered turns that went on or ended, and prompt growth
-        self.went_on, self.ended = (sum(n) for n in zip((0, 0), *(c.went_on() for c in convs)))
+        # what a turn's prompt adds to the previous one and its answer, for the controller (budget_unit total)
         steps = [g for c in convs for g in c.growth(0)]
         self.growth_sum, self.growth_n = sum(steps), len(steps)
         self._waiting: dict[str, list[Conversation]] = {}  # key in flight -> the conversations waiting on it
@@ -217,7 +204,7 @@ class ConversationQueue(WorkQueue):
         started += [(0, c.left(), c.next.prompt_tokens) for c in self._ready]
         nxt = [(0, c.left(), c.next.prompt_tokens) for c in itertools.islice(self._fresh, upcoming)]
         growth = self.growth_sum / self.growth_n if self.growth_n else 0.0
-        return Pending(started, nxt, self.went_on, self.ended, growth, self.prompts_count)
+        return Pending(started, nxt, growth, self.prompts_count)
 
     def prefer(self, p: Planned) -> str | None:
         waiting = self._waiting.get(p.key)
@@ -233,7 +220,7 @@ class ConversationQueue(WorkQueue):
 
     def settled(self, ended: list[tuple[GenResult, object]], rows: list[tuple[StoredResponse, object]]) -> None:
         answers = {r.key: r for r, _ in rows if not needs_request(r)}
-        stepped, before = [], []
+        stepped, since = [], []
         for res, f in ended:
             key = f.p.key
             for c in self._waiting.pop(key, []):
@@ -243,15 +230,12 @@ class ConversationQueue(WorkQueue):
                     continue
                 self._count_server(f.req.prefer, res.server)
                 c.server = res.server
-                before.append((len(c.done), c.went_on()))
+                since.append(len(c.done))
                 c.answer(r, self.room)
                 stepped.append(c)
         step_over_stored(stepped, self.store, self.parked, self.room)
-        for c, (since, was) in zip(stepped, before):
-            now = c.went_on()
-            self.went_on += now[0] - was[0]
-            self.ended += now[1] - was[1]
-            steps = c.growth(since)
+        for c, answered in zip(stepped, since):
+            steps = c.growth(answered)
             self.growth_sum += sum(steps)
             self.growth_n += len(steps)
         # started conversations first: their history is in the server's prefix cache
