@@ -57,9 +57,9 @@ draws): `--seeds` at 10M tokens, proportionally more at smaller budgets (`seeds_
 Conversations (`turns: all`, `turn_scenarios`): 1 to MAX_TURNS source turns each (uniform), each turn's completion
 length the family's next draw, a conversation's turns one after another (turn t+1 is sent when turn t completes),
 and after each turn with a source turn left a chance (`--end-early`, 0 and 25 %) that the conversation ends there, as
-a diverging tool call ends it; the controller knows only the source's turns and learns how many went on (unless
-`--blind-survival`). The budget counts completions (budget_unit completion): prompts, whose history grows with each
-turn, only cost a parked turn's re-prefill (500 tokens of source turns per turn and the answers before it).
+a diverging tool call ends it; the controller knows only the source's turns. The budget counts completions
+(budget_unit completion): prompts, whose history grows with each turn, only cost a parked turn's re-prefill (500
+tokens of source turns per turn and the answers before it).
 check_cancel keeps the server full with turns of conversations (started ones' next turns first) and cancels
 everything at the budget; ours sends a started conversation's next turn as the controller lets the batch hold
 (`turn_count`) and admits new conversations against the budget less what the started ones will still ask
@@ -370,19 +370,17 @@ def conversations(seed: int, family: str, end_early: float) -> Iterator[Conversa
 
 
 class Talks:
-    """Conversations (`turns: all`) as the generate stage sends them: a started conversation's next turn as soon
-    as its previous one completes, ahead of new conversations and never asked of the controller; new ones as the
-    controller admits them, told what the started ones will still ask (`Pending`). A response is keyed
-    (conversation, turn). `survival`: whether the controller is told how many turns went on (off: every source
-    turn is expected, the upper bound)."""
+    """Conversations (`turns: all`) as the generate stage sends them: a started conversation's next turn once its
+    previous one completes, ahead of new conversations, as the controller lets the batch hold (`turn_count`); new
+    ones as it admits them, told what the started ones will still ask (`Pending`). A response is keyed
+    (conversation, turn)."""
 
-    def __init__(self, convs: Iterator[Conversation], survival: bool = True):
-        self.convs, self.survival = convs, survival
+    def __init__(self, convs: Iterator[Conversation]):
+        self.convs = convs
         self.started: list[Conversation] = []  # by index: prompt order
         self.upcoming: deque[Conversation] = deque()  # drawn to be priced, not started yet
         self.ready: deque[tuple[int, int]] = deque()  # (conversation, turn) whose previous turn completed
         self.flying: dict[int, tuple[int, int]] = {}  # request id -> (conversation, turn)
-        self.went_on = self.ended = 0
 
     def _send(self, s: Server, i: int, t: int) -> None:
         self.flying[s.admit(self.started[i].lengths[t])] = (i, t)
@@ -414,17 +412,13 @@ class Talks:
         while len(self.upcoming) < room:
             self.upcoming.append(next(self.convs))
         upcoming = [(0, c.slots, 0) for c in itertools.islice(self.upcoming, room)]
-        went_on, ended = (self.went_on, self.ended) if self.survival else (0, 0)
-        return Pending(started, upcoming, went_on, ended)
+        return Pending(started, upcoming)
 
     def completed(self, rid: int) -> tuple[int, int]:
         i, t = self.flying.pop(rid)
         conv = self.started[i]
         if t + 1 < len(conv.lengths):
             self.ready.appendleft((i, t + 1))  # ahead of the others: its history is warm
-            self.went_on += 1
-        elif t + 1 < conv.slots:
-            self.ended += 1
         return i, t
 
     def key(self, rid: int) -> tuple[int, int]:
@@ -541,14 +535,13 @@ def run_scenario(
     strategy: str,
     concurrency: int = CONCURRENCY,
     family: str = "lognormal",
-    turns: tuple[float, bool] | None = None,
+    end_early: float | None = None,
 ) -> dict:
     """Metrics of one run. The noise draws come from their own generator, so a noise level changes the
-    readings, never the lengths. `turns`: conversations of 1 to MAX_TURNS turns (`conversations`), as (the chance
-    a turn ends its conversation early, whether the controller is told the survival per turn); None: single
-    requests."""
+    readings, never the lengths. `end_early`: conversations of 1 to MAX_TURNS turns (`conversations`), a turn
+    ending its conversation with that chance; None: single requests."""
     s = Server(model, concurrency)
-    work = Prompts(lengths(seed, family)) if turns is None else Talks(conversations(seed, family, turns[0]), turns[1])
+    work = Prompts(lengths(seed, family)) if end_early is None else Talks(conversations(seed, family, end_early))
     rng = random.Random(f"noise/{seed}")
     noise = noise_pct / 100.0
     if strategy in SLACK_SWEEP:
@@ -564,12 +557,12 @@ def run_scenario(
 
 def _run(job: tuple) -> dict:
     model, family, budget, noise_pct, seed, strategy, *turns = job
-    return run_scenario(model, budget, noise_pct, seed, strategy, family=family, turns=turns[0] if turns else None)
+    return run_scenario(model, budget, noise_pct, seed, strategy, family=family, end_early=turns[0] if turns else None)
 
 
 def averaged_many(jobs: list[tuple], seeds: list[int], workers: int) -> list[dict]:
-    """The metrics of each (model, family, budget, noise, strategy[, turns]) job averaged over its seeds, run in
-    parallel."""
+    """The metrics of each (model, family, budget, noise, strategy[, end_early]) job averaged over its seeds, run
+    in parallel."""
     flat = [(*job[:4], seed, *job[4:]) for job, n in zip(jobs, seeds) for seed in range(n)]
     if workers > 1:
         with ProcessPoolExecutor(workers) as pool:
@@ -659,11 +652,11 @@ def turn_grid(models, families, budgets, noises, end_early) -> list[dict]:
     ]
 
 
-def run_rows(cases: list[dict], seeds: int, workers: int, survival: bool = True) -> list[dict]:
+def run_rows(cases: list[dict], seeds: int, workers: int) -> list[dict]:
     """A row per case: each scenario strategy averaged over its draws, and the row's goals."""
     jobs = []
     for c in cases:
-        turns = ((c["end_early_pct"] / 100, survival),) if "turns" in c else ()
+        turns = (c["end_early_pct"] / 100,) if "turns" in c else ()
         jobs += [(c["model"], c["family"], c["budget"], c["noise_pct"], name, *turns) for name in SCENARIO_STRATEGIES]
     results = iter(averaged_many(jobs, [seeds_for(job[2], seeds) for job in jobs], workers))
     rows = []
@@ -710,7 +703,6 @@ def settings(args) -> dict:
         "noise_pct": list(args.noise),
         "max_turns": MAX_TURNS,
         "turn_end_early_pct": list(args.end_early),
-        "turn_survival": not args.blind_survival,
     }
 
 
@@ -763,11 +755,6 @@ def parse_args(argv=None):
     ap.add_argument(
         "--end-early", type=comma_list(float), default=TURN_END_EARLY_PCT, help="multi-turn rows: turns ending early %%"
     )
-    ap.add_argument(
-        "--blind-survival",
-        action="store_true",
-        help="multi-turn rows: the controller expects every source turn (not told how many went on)",
-    )
     args = ap.parse_args(argv)
     if unknown := set(args.models) - set(MODELS):
         ap.error(f"unknown models: {', '.join(sorted(unknown))}")
@@ -781,7 +768,7 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     rows = run_scenarios(args.models, args.budgets, args.noise, args.seeds, args.families, args.workers)
     turn_cases = turn_grid(args.models, args.families, args.budgets, args.noise, args.end_early)
-    turn_rows = run_rows(turn_cases, args.seeds, args.workers, survival=not args.blind_survival)
+    turn_rows = run_rows(turn_cases, args.seeds, args.workers)
     results: dict = {"scenarios": rows, "turn_scenarios": turn_rows, "settings": settings(args)}
     met = [ok for r in rows + turn_rows for ok in r["goals"].values()]
     legacy_models = [m for m in LEGACY_MODELS if m in args.models]

@@ -176,13 +176,12 @@ def budget_turns(r: dict) -> list[str]:
     rows, s = r.get("turn_scenarios"), r["settings"]
     if not rows:
         return []
-    told = "told" if s.get("turn_survival", True) else "not told"
     labels = [label for _, label in BUDGET_STRATEGIES]
     return [
         "",
         f"Conversations (`turns: all`): 1 to {s['max_turns']} turns each (uniform), each turn's length from the "
         "family, a conversation's turns one after another, a share of the turns that have a source turn after "
-        f"them ending their conversation early (the controller {told} how many went on); budget_unit completion. A "
+        "them ending their conversation early (the controller expects every source turn); budget_unit completion. A "
         "parked turn's re-prefill counts its whole history (500 tokens of source turns per turn and the answers "
         "before it). Cells as above.",
         "",

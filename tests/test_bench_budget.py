@@ -52,7 +52,7 @@ def test_scenario_accounting(model, noise_pct):
 @pytest.mark.parametrize("model", bench.TURN_MODELS)
 def test_turn_scenario_accounting(model, end_early):
     cc, ours, kp = (
-        bench.run_scenario(model, BUDGET, 2.0, 0, s, turns=(end_early, True)) for s in bench.SCENARIO_STRATEGIES
+        bench.run_scenario(model, BUDGET, 2.0, 0, s, end_early=end_early) for s in bench.SCENARIO_STRATEGIES
     )
     for m in (cc, ours, kp):
         parts = ("kept_tokens", "held_tokens", "parked_tokens", "lost_tokens")
@@ -66,8 +66,8 @@ class CheckedTalks(bench.Talks):
     """Talks that fail a turn sent while another turn of its conversation runs, or before the turn before it
     completed."""
 
-    def __init__(self, *args):
-        super().__init__(*args)
+    def __init__(self, convs):
+        super().__init__(convs)
         self.answered: set[tuple[int, int]] = set()
 
     def _send(self, s, i, t):
