@@ -86,3 +86,23 @@ def test_a_conversations_later_turn_never_lands_without_the_turns_before_it():
 
 def answer(key: str, n: int) -> StoredResponse:
     return StoredResponse(key, "D", key, "hi", 2, n, "stop", "s", 0.1, [1, 2], list(range(n)))
+
+
+def test_the_work_queue_tells_what_started_and_upcoming_conversations_will_still_ask():
+    from draftdata.generate.work import Conversation, ConversationQueue
+
+    def conversation(name: str, slots: int, prompt: int) -> Conversation:
+        def walk():  # its turns as a replay yields them; none is answered here
+            yield Planned({"id": f"{name}0", "conversation": name, "turn": 0}, f"{name}0", [7] * prompt)
+
+        c = Conversation({"id": name, "slots": list(range(slots))}, walk())
+        c.start(None)
+        return c
+
+    def asks(p: Pending) -> tuple[list, list]:
+        return list(p.started), list(p.upcoming)
+
+    queue = ConversationQueue([conversation("A", 3, 40), conversation("B", 5, 60)], None, {}, None)
+    assert asks(queue.pending(2)) == ([], [(0, 3, 40), (0, 5, 60)])
+    assert queue.next_new().key == "A0"  # A's turn 0 in flight: its 2 source turns after it are to come
+    assert asks(queue.pending(2)) == ([(1, 2, 40)], [(0, 5, 60)])
