@@ -1,11 +1,12 @@
-"""The kill suite (bench/reliability/kill.py) on three trials: a SIGKILL while generate generates, one while
-tokenize tokenizes and one while hidden_states writes its outputs, each restarted, leave nothing lost, duplicated or
-stale (`python -m bench.reliability kill` runs 50+ that land while a stage works or writes).
+"""The kill suite (bench/reliability/kill.py) on four trials: a SIGKILL while generate generates, one while
+tokenize tokenizes, one while hidden_states writes its outputs and one while generate regenerates multi-turn
+conversations (`turns: all`), each restarted, leave nothing lost, duplicated or stale (`python -m bench.reliability
+kill` runs 50+ that land while a stage works or writes).
 
 The checks are then shown able to fail: each is given a planted problem in a copy of the real artifacts the trials
 left (a key stored twice, a corrupt store, half-written outputs, a torn shard the index points at, an output that
-is not the store's, states that differ, an answer delivered and dropped, a response generated twice), and the
-logging proxy tells an answer that ended from one cut short."""
+is not the store's, states that differ, an answer delivered and dropped, a response generated twice, a stored turn
+requested again), and the logging proxy tells an answer that ended from one cut short."""
 
 from __future__ import annotations
 
@@ -26,18 +27,19 @@ from bench.reliability.kill_proxy import Exchange
 
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory, tiny_model):
-    """Kills while generate generates and while hidden_states writes its outputs; the projects are kept."""
+    """Kills while generate generates (one run of single turns, one of conversations), while tokenize tokenizes
+    and while hidden_states writes its outputs; the projects are kept."""
     root = tmp_path_factory.mktemp("kill")
     parser = argparse.ArgumentParser()
     kill.add_arguments(parser)
     args = parser.parse_args(
         [
             "--trials",
-            "3",
+            "4",
             "--seed",
             "1",
             "--scenarios",
-            "generate_work,tokenize_work,hidden_states_write",
+            "generate_work,tokenize_work,hidden_states_write,generate_turns",
             "--workdir",
             str(root),
             "--model",
@@ -50,8 +52,8 @@ def suite(tmp_path_factory, tiny_model):
 def test_killed_stages_restart_with_nothing_lost_duplicated_or_stale(suite):
     res, _ = suite
     figures = {k: v for k, v in res["figures"].items() if k != "kill_effective"}
-    assert figures == {"kill_trials": 3, "kill_lost": 0, "kill_duplicated": 0, "kill_stale": 0}, res["rows"]
-    assert [r["failure"] for r in res["rows"]] == [None, None, None]
+    assert figures == {"kill_trials": 4, "kill_lost": 0, "kill_duplicated": 0, "kill_stale": 0}, res["rows"]
+    assert [r["failure"] for r in res["rows"]] == [None, None, None, None]
     assert not res["goal_met"]  # the goal asks for 50 kills that land while a stage works or writes
 
 
@@ -113,7 +115,7 @@ def test_a_restarts_marks_are_its_own(tmp_path):
 
 def bare_bench(**timing: kill.Timing) -> kill.Bench:
     bench = object.__new__(kill.Bench)  # only its timings
-    bench.timing, bench.measured, bench.proxy = dict(timing), {}, None
+    bench.timing, bench.measured, bench.proxy, bench.fake = dict(timing), {}, None, None
     return bench
 
 
@@ -331,39 +333,40 @@ def test_the_wire_is_checked_against_the_store():
     row = {"finish_reason": "stop"}
     killed = [Exchange("/v1/chat/completions", 1, 0.0, 200, 10.0), Exchange("/v1/chat/completions", 2, 0.0, 200, 11.0)]
     restart = [Exchange("/v1/chat/completions", 3, 20.0, 200, 21.0)]
+
+    def wire_problems(killed, restart, snapshot, final):  # the exchanges named by their seeds' keys
+        return checks.wire_problems(checks.deliveries(killed, keys), checks.deliveries(restart, keys), snapshot, final)
+
     # b was still in flight (delivered after the last commit): a restart that generated it again is fine
-    ok = checks.wire_problems(
+    ok = wire_problems(
         killed,
         restart + [Exchange("/v1/chat/completions", 2, 20.0, 200, 22.0)],
         {"a": row},
         {"a": row, "b": row, "c": row},
-        keys,
     )
     assert ok == []
     # a was delivered before b, which was committed: a was no longer in flight, and it is gone
     assert kinds(
-        checks.wire_problems(
+        wire_problems(
             killed,
             restart + [Exchange("/v1/chat/completions", 1, 20.0, 200, 22.0)],
             {"b": row},
             {"a": row, "b": row, "c": row},
-            keys,
         )
     ) == {"lost": 1}
     # the restart asked again for a, stored before the kill; c delivered but never stored
     assert kinds(
-        checks.wire_problems(
+        wire_problems(
             killed,
             restart + [Exchange("/v1/chat/completions", 1, 20.0, 200, 22.0)],
             {"a": row, "b": row},
             {"a": row, "b": row},
-            keys,
         )
     ) == {"duplicated": 1, "lost": 1}
     # a stored response no server delivered
-    assert kinds(
-        checks.wire_problems(killed, restart, {"a": row, "b": row}, {"a": row, "b": row, "c": row, "d": row}, keys)
-    ) == {"stale": 1}
+    assert kinds(wire_problems(killed, restart, {"a": row, "b": row}, {"a": row, "b": row, "c": row, "d": row})) == {
+        "stale": 1
+    }
 
 
 def test_rows_against_the_clean_run():
@@ -419,3 +422,61 @@ def test_the_proxy_marks_an_answer_delivered_only_when_it_ended():
         ("/ended", 7, 200, True),
         ("/cut", 8, 200, False),
     ]
+
+
+# ---- turns: all ------------------------------------------------------------------------------------------------ #
+
+
+def test_conversations_killed_mid_run_resume_with_every_turn_asked_once(suite):
+    """The kill fell after turns were committed; the restart asked the fake server only for the turns the store
+    lacked, and its output is the clean run's, conversation by conversation."""
+    res, _ = suite
+    row = next(r for r in res["rows"] if r["scenario"] == "generate_turns")
+    assert (row["killed"], row["phase"], row["problems"], row["failure"]) == (True, "working", [], None), row
+    assert row["stored_at_kill"] > 0 and row["delivered_before_kill"] >= row["stored_at_kill"]
+    assert isinstance(row["conversations_resumed"], int)
+    turns = next(s for s in res["summary"] if s["scenario"] == "generate_turns")
+    assert turns["label"] == "generate/sglang, turns: all (working)"
+
+
+def clean_turns(suite) -> tuple[list[dict], dict[str, dict]]:
+    """The clean run of the multi-turn dataset: responses.jsonl and the store."""
+    _, clean = suite
+    base = kill.Project(clean.path.parent / "clean_turns")
+    return kill.read_jsonl(base.data / "responses.jsonl"), checks.stored_responses(base.store)
+
+
+def test_a_stored_turn_requested_again_is_found(suite):
+    """A kill after every conversation's first turn: the restart asks for the later turns only. Asking again for a
+    turn stored before the kill, or answering one twice, is a turn regenerated; a stored turn the server never
+    answered is stale."""
+    rows, store = clean_turns(suite)
+    first = {r["key"] for r in rows if r["turn"] == 0}
+    later = [r["key"] for r in rows if r["turn"] > 0]
+    assert first and later  # conversations of more than one turn
+    snapshot = {k: store[k] for k in first}
+    killed = [checks.Delivery(k, True) for k in first]
+    restart = [checks.Delivery(k, True) for k in later]
+    assert checks.delivery_problems(killed, restart, snapshot, store) == []
+    assert checks.resumed_conversations(rows, snapshot) == len({r["conversation"] for r in rows if r["turn"] > 0})
+    assert checks.resumed_conversations(rows, store) == 0
+    asked_again = restart + [checks.Delivery(rows[0]["key"], False)]  # turn 0, stored: even unanswered
+    assert kinds(checks.delivery_problems(killed, asked_again, snapshot, store)) == {"duplicated": 1}
+    answered_twice = restart + [checks.Delivery(later[0], True)]
+    assert kinds(checks.delivery_problems(killed, answered_twice, snapshot, store)) == {"duplicated": 1}
+    assert kinds(checks.delivery_problems(killed, restart[1:], snapshot, store)) == {"stale": 1}
+    dropped = {k: r for k, r in store.items() if k != later[0]}  # answered during the restart, not stored
+    assert kinds(checks.delivery_problems(killed, restart, snapshot, dropped)) == {"lost": 1}
+
+
+def test_conversations_that_are_not_the_clean_runs_are_found(suite):
+    """A turn missing from the output, a line that names another turn, or a stored turn the clean run never asked
+    (one built on another history)."""
+    rows, store = clean_turns(suite)
+    assert checks.compare_rows("responses.jsonl", rows, list(rows), "key") == []
+    assert kinds(checks.compare_rows("responses.jsonl", rows[1:], rows, "key")) == {"lost": 1}
+    moved = [dict(rows[0], turn=rows[0]["turn"] + 1), *rows[1:]]
+    assert kinds(checks.compare_rows("responses.jsonl", moved, rows, "key")) == {"stale": 1}
+    assert checks.unknown_keys(store, store) == []
+    other = dict(store, elsewhere=next(iter(store.values())))
+    assert kinds(checks.unknown_keys(other, store)) == {"stale": 1}

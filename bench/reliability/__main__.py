@@ -1,6 +1,6 @@
 """Reliability and integrity, in three suites anyone can rerun:
 
-    python -m bench.reliability kill [--trials 87]    SIGKILL in every stage's work and writing, restart, check
+    python -m bench.reliability kill [--trials 93]    SIGKILL in every stage's work and writing, restart, check
     python -m bench.reliability faults                a fault server on loopback: errors, resets, stalls, restarts
     python -m bench.reliability inputs                bad inputs and params, each refused in one clear line
 

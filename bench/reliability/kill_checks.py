@@ -419,54 +419,79 @@ def accounting(before: dict[str, dict], after: dict[str, dict], metrics: dict) -
 # ---- generate on a server: the wire against the store ------------------------------------------------------- #
 
 
+@dataclass(frozen=True)
+class Delivery:
+    """One request a server saw, named by the store key it asks for (None: a request the run did not plan)."""
+
+    key: str | None
+    complete: bool  # the whole answer left the server
+    at: float | None = None  # when it had (time.time()), where known
+
+
+def deliveries(exchanges: list, key_of_seed: dict[int, str]) -> list[Delivery]:
+    """The logging proxy's exchanges as deliveries: the seed a request carries names its response."""
+    return [Delivery(key_of_seed.get(e.seed), e.complete, e.delivered) for e in exchanges if e.seed is not None]
+
+
 def wire_problems(
-    killed: list, restart: list, snapshot: dict[str, dict], final: dict[str, dict], key_of_seed: dict[int, str]
+    killed: list[Delivery], restart: list[Delivery], snapshot: dict[str, dict], final: dict[str, dict]
 ) -> list[Problem]:
-    """What the logging proxy saw (the backends' requests carry seed_of(key), which names the response) against
-    the store after the kill (`snapshot`) and after the restart (`final`).
+    """What the logging proxy saw (`deliveries`) against the store after the kill (`snapshot`) and after the
+    restart (`final`): `delivery_problems`, and
 
     - lost: an answer delivered before the kill that is not in the snapshot, although an answer delivered after it
-      is (so it was no longer in flight: the client had committed later ones); an answer delivered during the
-      restart that is not in the final store;
-    - duplicated: a request sent again for a response already stored, or one answer delivered twice;
+      is (so it was no longer in flight: the client had committed later ones).
+    """
+    return _lost_at_kill(killed, snapshot) + delivery_problems(killed, restart, snapshot, final)
+
+
+def delivery_problems(
+    killed: list[Delivery], restart: list[Delivery], snapshot: dict[str, dict], final: dict[str, dict]
+) -> list[Problem]:
+    """The requests a server saw before the kill (`killed`) and during the restart, against the store after each:
+
+    - lost: an answer delivered during the restart that is not in the final store;
+    - duplicated: a request sent again for a response already stored (a turn of a conversation regenerated), or
+      one answer delivered twice in a run;
     - stale: a stored response that no server ever delivered.
     """
     problems = []
-    problems += _lost_at_kill(killed, snapshot, key_of_seed)
-    delivered_later = [key_of_seed.get(e.seed) for e in restart if e.complete and e.seed is not None]
-    dropped = [k for k in delivered_later if k not in final or final[k]["finish_reason"] not in COMPLETE]
+    dropped = [d.key for d in restart if d.complete and not _stored(final, d.key)]
     if dropped:
         problems.append(
             Problem("lost", len(dropped), f"{len(dropped)} answers delivered during the restart are not in the store")
         )
-    sent_again = [key_of_seed.get(e.seed) for e in restart if e.seed is not None]
-    stored = {k for k, r in snapshot.items() if r["finish_reason"] in COMPLETE}
-    again = [k for k in sent_again if k in stored]
+    again = [d.key for d in restart if _stored(snapshot, d.key)]
     if again:
         problems.append(
-            Problem("duplicated", len(again), f"{len(again)} requests sent again for responses stored before the kill")
+            Problem(
+                "duplicated",
+                len(again),
+                f"{len(again)} requests sent again for responses stored before the kill (first {again[0]})",
+            )
         )
     twice = 0
     for phase in (killed, restart):
-        counts = Counter(e.seed for e in phase if e.complete and e.seed is not None)
+        counts = Counter(d.key for d in phase if d.complete)
         twice += sum(n - 1 for n in counts.values() if n > 1)
     if twice:
         problems.append(Problem("duplicated", twice, f"{twice} answers delivered twice for one response"))
-    delivered = {key_of_seed.get(e.seed) for e in killed + restart if e.complete and e.seed is not None}
+    delivered = {d.key for d in killed + restart if d.complete}
     unknown = [k for k, r in final.items() if r["finish_reason"] in COMPLETE and k not in delivered]
     if unknown:
         problems.append(Problem("stale", len(unknown), f"{len(unknown)} stored responses were never delivered"))
     return problems
 
 
-def _lost_at_kill(killed: list, snapshot: dict[str, dict], key_of_seed: dict[int, str]) -> list[Problem]:
-    delivered = sorted((e.delivered, key_of_seed.get(e.seed)) for e in killed if e.complete and e.seed is not None)
-    stored_at = [t for t, k in delivered if k in snapshot and snapshot[k]["finish_reason"] in COMPLETE]
-    last_commit = max(stored_at, default=float("-inf"))
+def _stored(store: dict[str, dict], key: str | None) -> bool:
+    return key in store and store[key]["finish_reason"] in COMPLETE
+
+
+def _lost_at_kill(killed: list[Delivery], snapshot: dict[str, dict]) -> list[Problem]:
+    delivered = sorted((d.at, d.key) for d in killed if d.complete)
+    last_commit = max((t for t, k in delivered if _stored(snapshot, k)), default=float("-inf"))
     # delivered before the last answer the client committed, yet not committed itself
-    lost = [
-        k for t, k in delivered if t < last_commit and not (k in snapshot and snapshot[k]["finish_reason"] in COMPLETE)
-    ]
+    lost = [k for t, k in delivered if t < last_commit and not _stored(snapshot, k)]
     if not lost:
         return []
     return [
@@ -474,3 +499,24 @@ def _lost_at_kill(killed: list, snapshot: dict[str, dict], key_of_seed: dict[int
             "lost", len(lost), f"{len(lost)} answers delivered before the kill are not in the store (first {lost[0]})"
         )
     ]
+
+
+# ---- generate, turns: all: conversations against the clean run's ------------------------------------------- #
+
+
+def unknown_keys(store: dict[str, dict], clean: dict[str, dict]) -> list[Problem]:
+    """Every response stored is one the clean run stored: a turn built on another history (an answer lost, or
+    taken twice) has a key of its own."""
+    unknown = [k for k in store if k not in clean]
+    if not unknown:
+        return []
+    return [Problem("stale", len(unknown), f"{len(unknown)} stored responses the clean run never asked for")]
+
+
+def resumed_conversations(rows: list[dict], snapshot: dict[str, dict]) -> int:
+    """Conversations of responses.jsonl the kill cut between turns: their first turns stored before it, the rest
+    after (a turn is asked only once the one before is stored)."""
+    stored: dict[str, list[bool]] = {}
+    for r in rows:
+        stored.setdefault(r["conversation"], []).append(_stored(snapshot, r["key"]))
+    return sum(any(s) and not all(s) for s in stored.values())
