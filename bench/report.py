@@ -504,6 +504,20 @@ def noop(r: dict) -> list[str]:
     ]
 
 
+def resumed_conversations(summary: list[dict]) -> list[str]:
+    """The kills of the conversations of `turns: all`, and how many conversations they cut between turns."""
+    turns = [x for x in summary if "turns: all" in x["label"]]
+    if not turns:
+        return []
+    kills, cut = sum(x["trials"] for x in turns), sum(x.get("conversations_resumed", 0) for x in turns)
+    return [
+        f"`turns: all`: {num(kills)} kills cut {num(cut)} conversations between turns (their first turns stored, the "
+        "rest asked by the restart); the fake server counts every request by its store key, so a stored turn asked "
+        "again would be counted duplicated above.",
+        "",
+    ]
+
+
 def reliability(r: dict) -> list[str]:
     kill, faults, inputs = r["kill"], r["faults"], r["inputs"]
     phases = ("before", "working", "writing", "written")
@@ -554,6 +568,7 @@ def reliability(r: dict) -> list[str]:
             ],
         ),
         "",
+        *resumed_conversations(kill["summary"]),
         f"**faults**: {faults['figures']['fault_scenarios']} scenarios, {faults['figures']['fault_failed']} failed "
         f"({faults['wall_s']:g} s).",
         "",
