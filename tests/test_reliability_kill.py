@@ -480,3 +480,26 @@ def test_conversations_that_are_not_the_clean_runs_are_found(suite):
     assert checks.unknown_keys(store, store) == []
     other = dict(store, elsewhere=next(iter(store.values())))
     assert kinds(checks.unknown_keys(other, store)) == {"stale": 1}
+
+
+def test_the_expected_selection_lands_as_the_stage_does():
+    """In prompt order while the responses fit, then the shortest of the rest that reaches the budget: 6 fits in
+    10, 8 would pass it by 4, 4 reaches it. The check's own code agrees with the stage's `landing` on random
+    lengths."""
+    from draftdata.generate.budget import landing
+
+    def store_of(lengths):
+        return {
+            f"k{i}": {"key": f"k{i}", "prompt_id": f"p{i}", "dataset": "D", "finish_reason": "stop", "text": "a"}
+            | {"completion_tokens": n}
+            for i, n in enumerate(lengths)
+        }
+
+    prompts = [{"id": f"p{i}"} for i in range(40)]
+    assert checks.expected_selection(prompts, store_of([6, 8, 4, 3]), "D", 10) == ["k0", "k2"]
+    rng = random.Random(0)
+    for _ in range(200):
+        lengths = [rng.randint(1, 48) for _ in range(rng.randint(1, 40))]
+        budget = rng.randint(1, 600)
+        want = [f"k{i}" for i in landing(lengths, budget)]
+        assert checks.expected_selection(prompts, store_of(lengths), "D", budget) == want, (lengths, budget)

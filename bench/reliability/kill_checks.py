@@ -290,18 +290,22 @@ def compare_states(got_dir: Path, want_dir: Path) -> list[Problem]:
 
 
 def expected_selection(prompts: list[dict], store: dict[str, dict], dataset: str, budget: int) -> list[str]:
-    """The keys responses.jsonl must hold: the usable stored responses in prompt order until the budget (counted in
-    completion tokens) is reached, the last one crossing it."""
+    """The keys responses.jsonl must hold (the budget counted in completion tokens): the usable stored responses in
+    prompt order while they fit within the budget, then, in place of the next one, the shortest of the rest that
+    reaches it (the first of equals)."""
     by_prompt = {r["prompt_id"]: r for r in store.values() if r["dataset"] == dataset}
+    found = [by_prompt.get(p["id"]) for p in prompts]
+    rows = [r for r in found if r is not None and usable(r)]
     keys, total = [], 0
-    for p in prompts:
-        r = by_prompt.get(p["id"])
-        if r is None or not usable(r):
-            continue
-        if total >= budget:
+    for r in rows:
+        if total + r["completion_tokens"] > budget:
             break
         keys.append(r["key"])
         total += r["completion_tokens"]
+    rest = rows[len(keys) :]
+    reaching = [r for r in rest if total + r["completion_tokens"] >= budget]
+    if total < budget and reaching:
+        keys.append(min(reaching, key=lambda r: r["completion_tokens"])["key"])
     return keys
 
 
