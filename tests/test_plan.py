@@ -289,3 +289,31 @@ def test_a_fresh_clone_plans_before_the_demo_target_is_built(tmp_path, monkeypat
     assert "huggingface" not in out
     assert [p.dataset for p in plans] == list(cfg.datasets)
     assert all(p.prompts and p.prompts_from.startswith("source") and p.to_generate == p.budget for p in plans)
+
+
+def test_turns_all_plans_every_turn_of_every_conversation(project, capsys):
+    """With turns: all a request is a turn: the source turns are the prompt records' slots, and what the store holds
+    is found by walking each conversation over its stored turns, as generate does (a conversation's later turns
+    are keyed by the target's earlier answers, never by the source's last prompt)."""
+    project.params["datasets"] = {"B6": dataset_params("B6_ultrachat", "messages", max_prompts=40, turns="all")}
+    project.set("datasets.B6.token_budget", 300)
+    project.run("prompts", "B6")
+    records = list(read_jsonl(project.data("B6") / "prompts.jsonl"))
+    turns = sum(len(r["slots"]) for r in records)
+    assert turns > len(records)  # multi-turn: more requests to send than prompts
+
+    p = one(project, opts=_opts(out=str(project.path / "plan.json")))
+    assert (p.prompts, p.turns, p.prompts_left) == (len(records), turns, turns)
+    assert p.requests == math.ceil(300 / 24) and p.turns_per_conversation == round(turns / len(records), 2)
+    assert p.conversations_needed == math.ceil(300 / (24 * turns / len(records)))
+    out = capsys.readouterr().out
+    assert f"B6: turns: all: {len(records)} conversations of {turns / len(records):.2f} turns on average" in out
+    assert json.loads((project.path / "plan.json").read_text())["datasets"][0]["turns"] == turns
+
+    project.run("generate", "B6")
+    gm = json.loads((project.data("B6") / "generate_metrics.json").read_text())
+    assert gm["budget_met"] and gm["turns_regenerated"] > gm["conversations"]  # later turns were answered
+    p = one(project)
+    # every stored turn found (the output is what the walk reached, landed on the budget: a prefix of it)
+    assert p.reusable >= gm["completion_tokens"] and p.to_generate == 0 and p.requests == 0
+    assert p.prompts_left < turns - gm["turns_regenerated"] + 1

@@ -7,7 +7,10 @@ generate, the GPU time they take at a given or measured rate, and the disk the w
 samples, hidden states); it warns of a dataset whose longest sample (max_prompt_tokens + max_tokens) exceeds
 `tokenize.max_seq_len` or the target's context, and, where the target's tokenizer is on this disk, refuses in one
 line a chat template that ends the turn on a token the target does not stop on (as check_params and generate do).
-Nothing is sent to any server and no backend is started; the only things it may write are the model's file-hash
+With `datasets.<D>.turns: all` each assistant turn is a request: the store is walked conversation by
+conversation as generate walks it (the turns it holds count, the first it lacks is next), the turns still to send
+are those left of each conversation's source turns (its prompt record's `slots`), and a note gives the turns and
+tokens a conversation holds on average. Nothing is sent to any server and no backend is started; the only things it may write are the model's file-hash
 cache beside the store (as every stage does) and, with `plan.out`, a JSON copy.
 
 `plan.*` keys are this command's own (not in params.yaml): `plan.tok_s` is the generation rate to assume, in
@@ -24,12 +27,21 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from draftdata.config.load import cli
-from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, check_all, length_warnings, template_kwargs_of
+from draftdata.config.schema import (
+    BudgetUnit,
+    Config,
+    DatasetConfig,
+    Turns,
+    check_all,
+    length_warnings,
+    template_kwargs_of,
+)
 from draftdata.errors import ConfigError
 from draftdata.generate.budget import MIN_OBSERVED as MIN_LENGTHS
 from draftdata.generate.budget import LengthModel
-from draftdata.generate.selection import needs_request, plan_requests, tokens_of, unusable_reason
+from draftdata.generate.selection import Planned, needs_request, plan_requests, tokens_of, unusable_reason
 from draftdata.generate.store import ResponseStore, StoredResponse
+from draftdata.generate.work import conversation_plan, plan_conversations
 from draftdata.target.model import ModelNotBuilt, model_dir, model_limits
 from draftdata.target.tokenizer import end_of_turn_ids, has_tokenizer_files, load_tokenizer
 from draftdata.util.files import data_dir, read_jsonl, write_json
@@ -76,7 +88,7 @@ class DatasetPlan:
     mean_completion_from: str  # "<n> stored" | "max_tokens/2"
     mean_prompt: float | None  # rendered prompt tokens (None: prompts stage not run)
     requests: int
-    prompts_left: int | None  # prompts a run would still send (missing or parked)
+    prompts_left: int | None  # requests a run could still send (missing or parked): prompts, or turns (turns: all)
     tok_s: float | None
     tok_s_from: str  # given | measured | none
     gpu_s: float | None
@@ -86,6 +98,12 @@ class DatasetPlan:
     hidden_bytes: int
     responses_from: str  # measured | estimate
     samples_from: str
+    turns: int | None = None  # turns: all: the source turns of every conversation (None: turns: last)
+    conversations_needed: int | None = None  # turns: all: conversations of the mean length the budget still takes
+
+    @property
+    def turns_per_conversation(self) -> float | None:
+        return round(self.turns / self.prompts, 2) if self.turns is not None and self.prompts else None
 
     @property
     def disk_bytes(self) -> int:
@@ -232,11 +250,15 @@ def plan_dataset(
     stored: dict[str, StoredResponse] = {}
     planned = []
     prompts_path = out / "prompts.jsonl"
+    turns = left_to_send = None
     if prompts_path.exists() and tokenizer is not None:
-        # the same keys generate computes (rendered prompt ids, model fingerprint, sampling, max_tokens)
-        planned = plan_requests(cfg, list(read_jsonl(prompts_path)), tokenizer(), store)
-        stored = store.get_many(p.key for p in planned) if store is not None else {}
-        prompts, prompts_from = len(planned), "prompts.jsonl"
+        records = list(read_jsonl(prompts_path))
+        if ds.turns == Turns.all:
+            planned, stored, turns, left_to_send = _conversation_turns(cfg, records, tokenizer(), store)
+        else:  # the same keys generate computes (rendered prompt ids, model fingerprint, sampling, max_tokens)
+            planned = plan_requests(cfg, records, tokenizer(), store)
+            stored = store.get_many(p.key for p in planned) if store is not None else {}
+        prompts, prompts_from = len(records) if turns is not None else len(planned), "prompts.jsonl"
     elif ds.source.path is not None:
         prompts, prompts_from = count_records(Path(ds.source.path)), "source (prompts stage not run)"
     else:
@@ -244,6 +266,8 @@ def plan_dataset(
 
     reusable, reusable_n, parked, lengths = _stored_tokens(stored, ds)
     todo = [p for p in planned if needs_request(stored.get(p.key))]
+    if left_to_send is None:
+        left_to_send = len(todo)
     mean_prompt = _mean([p.prompt_tokens for p in planned])
     mean_c, mean_c_from = mean_completion(lengths, ds.max_tokens)
     per_request = mean_c
@@ -271,7 +295,7 @@ def plan_dataset(
         mean_completion_from=mean_c_from,
         mean_prompt=None if mean_prompt is None else round(mean_prompt, 1),
         requests=expected_requests(left, per_request),
-        prompts_left=len(todo) if planned else None,
+        prompts_left=left_to_send if planned else None,
         tok_s=tok_s,
         tok_s_from=tok_s_from,
         gpu_s=left / tok_s if tok_s else None,
@@ -281,7 +305,28 @@ def plan_dataset(
         hidden_bytes=seq * shape.bytes_per_token if shape else 0,
         responses_from="measured" if resp_rate else "estimate",
         samples_from="measured" if samp_rate else "estimate",
+        turns=turns,
+        conversations_needed=None if turns is None else expected_requests(left, mean_c * turns / max(prompts, 1)),
     )
+
+
+class _NoStore:
+    """Nothing stored (no store yet): planning creates none."""
+
+    def get_many(self, keys) -> dict:
+        return {}
+
+
+def _conversation_turns(
+    cfg: Config, records: list[dict], tok, store: ResponseStore | None
+) -> tuple[list[Planned], dict[str, StoredResponse], int, int]:
+    """`turns: all`: each conversation walked over the turns the store holds, as generate walks it. The turns
+    answered and each one's next, the store's rows for them, the source turns of all conversations (their
+    `slots`), and the turns a run could still send (those left of the conversations that have not ended)."""
+    convs = plan_conversations(cfg, records, tok, store or _NoStore(), None)
+    planned, stored = conversation_plan(convs, store or _NoStore())
+    left = sum(len(c.rec["slots"]) - len(c.done) for c in convs if c.next is not None)
+    return planned, stored, sum(len(r["slots"]) for r in records), left
 
 
 def _stored_tokens(stored: dict[str, StoredResponse], ds: DatasetConfig) -> tuple[int, int, int, list[int]]:
@@ -452,9 +497,10 @@ def render(plans: list[DatasetPlan], shape: ModelShape | None, cfg: Config, warn
             left=(0, 2, 9),
         ),
     ]
-    notes = [f"warning: {w}" for w in warnings] + [
-        f"{p.dataset}: about {p.requests:,} requests needed, {p.prompts_left:,} prompts left to send: the "
-        "prompts run out before the budget"
+    notes = [f"warning: {w}" for w in warnings] + [_conversations_note(p) for p in plans if p.turns is not None]
+    notes += [
+        f"{p.dataset}: about {p.requests:,} requests needed, {p.prompts_left:,} {_sent(p)} left to send: the "
+        f"{_sent(p)} run out before the budget"
         for p in plans
         if p.prompts_left is not None and p.requests > p.prompts_left
     ]
@@ -464,6 +510,20 @@ def render(plans: list[DatasetPlan], shape: ModelShape | None, cfg: Config, warn
             "counts completion tokens only"
         )
     return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def _sent(p: DatasetPlan) -> str:
+    return "prompts" if p.turns is None else "turns"
+
+
+def _conversations_note(p: DatasetPlan) -> str:
+    """turns: all: the requests are turns; what a conversation holds, and how many the budget still takes."""
+    per = p.turns_per_conversation or 0.0
+    return (
+        f"{p.dataset}: turns: all: {p.prompts:,} conversations of {per:.2f} turns on average ({p.turns:,} turns), "
+        f"about {round(per * p.mean_completion):,} completion tokens each: about {p.conversations_needed:,} "
+        "conversations to go"
+    )
 
 
 def _target_line(cfg: Config, shape: ModelShape | None) -> str:
@@ -485,7 +545,9 @@ def to_json(plans: list[DatasetPlan], shape: ModelShape | None, warnings: Sequen
     return {
         "model": asdict(shape) if shape else None,  # None: the model is not built yet
         "warnings": list(warnings),
-        "datasets": [dict(asdict(p), disk_bytes=p.disk_bytes) for p in plans],
+        "datasets": [
+            dict(asdict(p), disk_bytes=p.disk_bytes, turns_per_conversation=p.turns_per_conversation) for p in plans
+        ],
         "total": {
             k: sum(getattr(p, k) for p in plans)
             for k in (
