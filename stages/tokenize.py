@@ -51,6 +51,7 @@ def main(cfg: Config) -> None:
         "truncated_to_max_seq_len": tally.truncated,
         "conversations": tally.conversations,
         "conversations_per_turn_samples": tally.per_turn,
+        "samples_per_conversation": samples_per_conversation(samples, tally.conversations),
         "text_path_samples": tally.text_path,
         "drift_pct": round(100.0 * tally.drift / tally.text_path, 3) if tally.text_path else 0.0,
     }
@@ -63,6 +64,14 @@ def main(cfg: Config) -> None:
         drift_pct=metrics["drift_pct"],
         **{f"skipped_{k}": v for k, v in sorted(tally.skipped.items())},
     )
+
+
+def samples_per_conversation(samples: list, conversations: int) -> float | None:
+    """1.0 where every conversation is one sample; up to its turns where a template splits them (null: no
+    conversations, `turns: last`)."""
+    if not conversations:
+        return None
+    return round(sum(s.conversation is not None for s in samples) / conversations, 2)
 
 
 if __name__ == "__main__":

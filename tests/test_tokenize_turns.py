@@ -157,6 +157,9 @@ def test_a_template_that_drops_earlier_reasoning_gives_one_sample_per_turn(think
     assert [(s.id, s.conversation, s.turn) for s in samples] == [(x["id"], "conv-1", x["turn"]) for x in lines]
     assert [trained(t.tok, s) for s in samples] == [[a + "<|im_end|>"] for a in THOUGHTS]
     assert "Add them." not in t.tok.decode(samples[1].input_ids)  # turn 1 was sent without turn 0's reasoning
+    from stages.tokenize import samples_per_conversation
+
+    assert samples_per_conversation(samples, tally.conversations) == 2.0  # tokenize_metrics.json's figure
 
 
 def test_a_thinking_template_on_the_text_path(thinking, tmp_path):
@@ -233,6 +236,7 @@ def test_the_stage_writes_conversation_columns_beside_single_responses(project, 
     ]
     m = json.loads((project.data("B3") / "tokenize_metrics.json").read_text())
     assert (m["responses"], m["samples"], m["conversations"], m["conversations_per_turn_samples"]) == (4, 2, 1, 0)
+    assert m["samples_per_conversation"] == 1.0  # the response regenerated alone is no conversation's
     assert (
         m["trained_tokens"]
         == sum(x["n_trained"] for x in rows)
