@@ -10,8 +10,9 @@ line a chat template that ends the turn on a token the target does not stop on (
 With `datasets.<D>.turns: all` each assistant turn is a request: the store is walked conversation by
 conversation as generate walks it (the turns it holds count, the first it lacks is next), the turns still to send
 are those left of each conversation's source turns (its prompt record's `slots`), and a note gives the turns and
-tokens a conversation holds on average. Nothing is sent to any server and no backend is started; the only things it may write are the model's file-hash
-cache beside the store (as every stage does) and, with `plan.out`, a JSON copy.
+completion tokens a conversation holds on average (the disk counts every turn's prompt: where one sample holds a
+conversation, an upper bound). Nothing is sent to any server and no backend is started; the only things it may
+write are the model's file-hash cache beside the store (as every stage does) and, with `plan.out`, a JSON copy.
 
 `plan.*` keys are this command's own (not in params.yaml): `plan.tok_s` is the generation rate to assume, in
 tokens per second (default: the `new_tok_per_s` of the dataset's last `generate_metrics.json`); `plan.out` a file
