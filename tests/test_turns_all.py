@@ -174,7 +174,7 @@ def test_every_turn_is_regenerated_on_the_target_own_ids(conv_project):
         assert [t.get("end_reason") for t in turns] == [None, None, "source_exhausted"]
     m = metrics(project)
     assert m["turns_regenerated"] == 12 and m["conversations"] == 4
-    assert m["conversations_ended"] == {"source_exhausted": 4}
+    assert m["conversations_ended"] == {"source_exhausted": 4} and m["turns_kept_share"] == 1.0
 
 
 def test_a_rerun_sends_only_the_turns_the_store_lacks(conv_project, tiny_model):
@@ -213,9 +213,11 @@ def test_a_matching_call_gets_the_source_result_and_a_diverging_one_ends(conv_pr
     if divergence == "stop":
         assert len(rome) == 1 and rome[0]["end_reason"] == "tool_call_diverged"
         assert metrics(project)["conversations_ended"] == {"source_exhausted": 1, "tool_call_diverged": 1}
+        assert metrics(project)["turns_kept_share"] == round(4 / 6, 3)  # Rome's first turn of its three
     else:  # the source's result for Rome follows the call for Lyon
         assert len(rome) == 3 and rome[1]["messages"][-1]["content"] == '{"temp": 18}'
         assert metrics(project)["conversations_ended"] == {"source_exhausted": 2}
+        assert metrics(project)["turns_kept_share"] == 1.0
 
 
 def test_next_turns_go_to_the_server_that_answered_the_previous_one(conv_project):
@@ -284,6 +286,8 @@ def test_a_budget_met_mid_conversation_keeps_its_turns_and_a_raised_one_goes_on(
     project.run("generate", "B3")
     first = responses(project)
     assert metrics(project)["budget_met"] and "budget" in {line.get("end_reason") for line in first}
+    m = metrics(project)  # the conversations cut at the budget say nothing of what the source's turns kept
+    assert m["turns_kept_share"] == (1.0 if m["conversations_ended"].get("source_exhausted") else None)
     for conv in {line["conversation"] for line in first}:  # each one's turns from turn 0, none skipped
         assert [line["turn"] for line in first if line["conversation"] == conv] == list(
             range(sum(line["conversation"] == conv for line in first))
