@@ -49,11 +49,12 @@ def test_replace_block_keeps_the_prose_around_it():
 
 def renderings(x: float) -> set[str]:
     """How prose would write `x`: rounded to 0-3 decimals, with or without thousands separators, keeping only
-    renderings of at least 3 significant digits (fewer would match unrelated numbers)."""
+    renderings of at least 3 significant digits (fewer would match unrelated numbers: a round 500.0 µs is written
+    "500", as an HTTP status or a prompt length is; zeros that only round it are not significant)."""
     out = set()
     for decimals in range(4):
         for s in (f"{x:,.{decimals}f}", f"{x:.{decimals}f}"):
-            if len(s.replace(",", "").replace(".", "").lstrip("0")) >= 3:
+            if len(s.replace(",", "").replace(".", "").strip("0")) >= 3:
                 out.add(s)
     return out
 
