@@ -14,7 +14,7 @@ from draftdata.config.load import cli
 from draftdata.config.schema import Config, template_kwargs_of
 from draftdata.errors import UserError
 from draftdata.generate.dispatcher import RunStats
-from draftdata.generate.run import generate_missing, output_record, run_metrics, turns_kept, write_plots
+from draftdata.generate.run import generate_missing, output_record, run_metrics, write_plots
 from draftdata.generate.selection import select_responses, tokens_of, unusable_reason
 from draftdata.generate.store import ResponseStore
 from draftdata.generate.work import RunPlan
@@ -59,8 +59,7 @@ def main(cfg: Config) -> None:
         write_json(
             out / "generate_metrics.json",
             run_metrics(ds, selected, total, skipped, stats, len(usable), run.duplicates, time.time() - t0)
-            | run.metrics(reasons, selected)
-            | turns_kept(run.convs, reasons, selected),
+            | run.metrics(reasons, selected),
         )
     finally:
         store.close()

@@ -13,6 +13,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from bench.fake_server import FakeServer, GreedyModel
+from draftdata.cli.plan import main as plan
+from draftdata.config.load import load_config
 from draftdata.generate.backends.http import ServerPool
 from draftdata.util.files import read_jsonl
 
@@ -344,3 +346,19 @@ def test_an_empty_answer_ends_its_conversation_before_it(conv_project):
     (line,) = responses(project)
     assert line["turn"] == 0 and line["end_reason"] == "empty"
     assert metrics(project)["conversations_ended"] == {"empty": 1}
+
+
+def test_a_conversation_whose_first_answer_is_empty_is_counted_though_it_has_no_line(conv_project):
+    """Nothing to train on, so no line in responses.jsonl; still a conversation the run took and ended, counted as
+    the others are (its source's turns, none kept, in turns_kept_share), and one `draftdata plan` has nothing left
+    to send for."""
+    project, start = conv_project
+    start([{"messages": chat(first, ".", "Bye.", "Bye.")} for first in ("Say nothing.", "Hi.")])
+    project.run("generate", "B3")
+    lines = responses(project)
+    assert [(line["turn"], line.get("end_reason")) for line in lines] == [(0, None), (1, "source_exhausted")]
+    m = metrics(project)
+    assert m["conversations"] == 2 and m["conversations_ended"] == {"empty": 1, "source_exhausted": 1}
+    assert m["turns_kept_share"] == 0.5  # 2 of the 4 source turns: none of the empty one's 2
+    (p,) = plan(load_config(None, [], params_path=project.path / "params.yaml", need_dataset=False))
+    assert (p.prompts, p.turns, p.prompts_left) == (m["conversations"], 4, 0)

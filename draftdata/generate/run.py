@@ -17,7 +17,7 @@ from draftdata.generate.dispatcher import Dispatcher, Interrupted, RunStats
 from draftdata.generate.progress import Progress
 from draftdata.generate.selection import Planned, needs_request, tokens_of, unusable_reason
 from draftdata.generate.store import CUT, ResponseStore, StoredResponse
-from draftdata.generate.work import BUDGET, FAILED, Conversation, ConversationQueue, WorkQueue
+from draftdata.generate.work import ConversationQueue, WorkQueue
 from draftdata.util.log import log
 from draftdata.util.plots import histogram, write_csv
 
@@ -162,19 +162,6 @@ def run_metrics(
         "wall_s": round(wall, 2),
         "new_tok_per_s": round(stats.generated / wall, 1) if wall > 0 else 0.0,
     }
-
-
-def turns_kept(convs: list[Conversation] | None, reasons: dict[str, str], selected: list) -> dict:
-    """`turns: all`: of the output's conversations that ended on their own (not at the budget, nor at a failed
-    request), the share of their source's assistant turns the output holds: what a diverging call
-    (`on_tool_divergence`), a cut answer or the context took from them ({} under `turns: last`)."""
-    if convs is None:
-        return {}
-    held = Counter(p.prompt["conversation"] for p, _ in selected)
-    ended = {p.prompt["conversation"]: reasons[p.prompt["id"]] for p, _ in selected if p.prompt["id"] in reasons}
-    own = [c.rec for c in convs if c.rec["id"] in held and ended.get(c.rec["id"]) not in (BUDGET, FAILED)]
-    source = sum(len(rec["slots"]) for rec in own)
-    return {"turns_kept_share": round(sum(held[rec["id"]] for rec in own) / source, 3) if source else None}
 
 
 def write_plots(out: Path, lengths: list[int], max_tokens: int, fill: list[tuple[float, int]]) -> None:

@@ -277,16 +277,53 @@ def end_reasons(
     return out
 
 
-def conversation_metrics(reasons: dict[str, str], turns_out: int, queue: ConversationQueue) -> dict:
+def ended_unsampled(
+    convs: list[Conversation], selected: list[tuple[Planned, StoredResponse]], ds: DatasetConfig
+) -> list[Conversation]:
+    """Conversations that ended before any usable turn (turn 0's answer empty, or cut and dropped): no line of the
+    output names them, yet the run took them and they ended. Those the output reached: a conversation after them
+    (prompt order) is in it, or none after them has a usable turn it leaves out (a lower budget's output does not
+    reach those past its end, as it does not reach the other conversations there)."""
+    in_output = {p.prompt["conversation"] for p, _ in selected}
+    out, later_in, later_left_out = [], False, False
+    for c in reversed(convs):
+        if c.rec["id"] in in_output:
+            later_in = True
+        elif any(unusable_reason(r, ds) is None for _, r in c.done):
+            later_left_out = True
+        elif c.next is None and (later_in or not later_left_out):
+            out.append(c)
+    return out[::-1]
+
+
+def conversation_metrics(
+    reasons: dict[str, str], turns_out: int, queue: ConversationQueue, unsampled: list[Conversation]
+) -> dict:
     """generate_metrics' figures of `turns: all`: the output's turns (each one the target's answer) and
-    conversations by end reason, and the share of next turns this run sent to the server that answered the
-    previous one (null: none sent)."""
+    conversations by end reason (those that ended before a usable turn included), and the share of next turns this
+    run sent to the server that answered the previous one (null: none sent)."""
+    ended = Counter(reasons.values()) + Counter(c.ended for c in unsampled)
     return {
         "turns_regenerated": turns_out,
-        "conversations": len(reasons),
-        "conversations_ended": dict(sorted(Counter(reasons.values()).items())),
+        "conversations": len(reasons) + len(unsampled),
+        "conversations_ended": dict(sorted(ended.items())),
         "same_server_share": queue.same_server_share,
     }
+
+
+def turns_kept(
+    convs: list[Conversation], reasons: dict[str, str], selected: list, unsampled: list[Conversation]
+) -> dict:
+    """Of the output's conversations that ended on their own (not at the budget, nor at a failed request), and
+    those that ended before a usable turn (`ended_unsampled`: none of their turns kept), the share of their
+    source's assistant turns the output holds: what a diverging call (`on_tool_divergence`), a cut or empty answer
+    or the context took from them."""
+    held = Counter(p.prompt["conversation"] for p, _ in selected)
+    ended = {p.prompt["conversation"]: reasons[p.prompt["id"]] for p, _ in selected if p.prompt["id"] in reasons}
+    own = [c.rec for c in convs if c.rec["id"] in held and ended.get(c.rec["id"]) not in (BUDGET, FAILED)]
+    own += [c.rec for c in unsampled]
+    source = sum(len(rec["slots"]) for rec in own)
+    return {"turns_kept_share": round(sum(held[rec["id"]] for rec in own) / source, 3) if source else None}
 
 
 @dataclass
@@ -325,4 +362,10 @@ class RunPlan:
         return {} if self.convs is None else end_reasons(self.convs, selected, self.ds)
 
     def metrics(self, reasons: dict[str, str], selected: list) -> dict:
-        return {} if self.convs is None else conversation_metrics(reasons, len(selected), self.queue)
+        """generate_metrics' figures of `turns: all` ({} under `turns: last`)."""
+        if self.convs is None:
+            return {}
+        unsampled = ended_unsampled(self.convs, selected, self.ds)
+        return conversation_metrics(reasons, len(selected), self.queue, unsampled) | turns_kept(
+            self.convs, reasons, selected, unsampled
+        )
