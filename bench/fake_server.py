@@ -274,6 +274,7 @@ class Attempt:
     body: dict  # the request body, as sent
     authorization: str | None  # its Authorization header (SGLang's --api-key checks it)
     t_start: float  # time.monotonic() at arrival
+    headers: dict = field(default_factory=dict)  # every header it came with
     rid: str = ""  # the id the server runs it under: SGLang's rid, or the OpenAI answer's id (cmpl-N, chatcmpl-N)
     stream: bool = False
     context: list[int] = field(default_factory=list)  # the ids the answer follows: the prompt, or it + a partial
@@ -462,9 +463,8 @@ class FakeServer:
     # ---- generation: each protocol's request, then one path for both ------------------------------------------ #
 
     def _arrive(self, request: web.Request, body: dict) -> Attempt:
-        a = Attempt(
-            self.url, len(self.log) + 1, request.path, body, request.headers.get("Authorization"), time.monotonic()
-        )
+        auth = request.headers.get("Authorization")
+        a = Attempt(self.url, len(self.log) + 1, request.path, body, auth, time.monotonic(), dict(request.headers))
         self.log.append(a)
         return a
 

@@ -160,6 +160,27 @@ def test_params_backend_keys_are_checked_for_the_chosen_kind(project):
         load_config("B3", ["backend=sglang"], params_path=project.path / "params.yaml")
 
 
+@pytest.mark.parametrize(
+    "kind, name, error",
+    [
+        ("embedded", "X-Session-Id", "the embedded backend sends no HTTP request"),
+        ("sglang", "X Session", "must be an HTTP header name"),
+        ("openai", "authorization", "authorization is a header draftdata or HTTP sets itself"),
+    ],
+)
+def test_a_session_header_is_a_header_an_http_backend_can_add(project, kind, name, error):
+    urls = [] if kind == "embedded" else ["http://127.0.0.1:30000"]
+    project.params["backend"] = {"kind": kind, "urls": urls, "session_header": name}
+    project.save()
+    with pytest.raises(ConfigError, match=rf"^backend\.session_header: {error}"):
+        load_config("B3", [], params_path=project.path / "params.yaml")
+    project.set("backend.session_header", None if kind == "embedded" else "X-Session-Id")
+    assert load_config("B3", [], params_path=project.path / "params.yaml").backend.session_header in (
+        None,
+        "X-Session-Id",
+    )
+
+
 @pytest.mark.parametrize("override, key", [("backend=foo", "backend"), ("backend.kind=foo", "backend.kind")])
 def test_unknown_backend_on_command_line_is_refused(project, override, key):
     with pytest.raises(ConfigError) as exc:

@@ -237,6 +237,36 @@ def test_next_turns_go_to_the_server_that_answered_the_previous_one(conv_project
     assert metrics(project)["same_server_share"] == 1.0
 
 
+@pytest.mark.parametrize("kind", ["sglang", "openai"])
+@pytest.mark.parametrize("turns", ["all", "last"])
+def test_every_request_names_its_conversation_in_the_session_header(conv_project, kind, turns):
+    """backend.session_header, for one URL behind a router that routes by a header: every turn of a conversation
+    carries the conversation's id (the prompt record's, a hash of its content: the same on every rerun), so the
+    router sends them all to the server whose prefix cache holds it. A single-turn request carries its prompt's id:
+    its retries and a parked answer's continuation then go to the server that holds its prefix."""
+    project, start = conv_project
+    (srv,) = start(three_turn_rows(), turns=turns)
+    project.params["backend"].update(kind=kind, session_header="X-Session-Id", prompt_format="ids")
+    if kind == "openai":
+        project.params["backend"]["return_token_ids"] = True
+    project.save()
+    project.run("generate", "B3")
+    lines = responses(project)
+    owner = {tuple(line["prompt_ids"]): line.get("conversation", line["id"]) for line in lines}
+    sent = [(tuple(a.body.get("input_ids") or a.body["prompt"]), a.headers.get("X-Session-Id")) for a in srv.log]
+    assert len(sent) == len(lines) == 4 * (3 if turns == "all" else 1)
+    assert sorted(sent) == sorted(owner.items())
+    records = [rec["id"] for rec in read_jsonl(project.data("B3") / "prompts.jsonl")]
+    assert sorted(set(owner.values())) == sorted(records)
+
+
+def test_no_session_header_unless_one_is_named(conv_project):
+    project, start = conv_project
+    (srv,) = start(three_turn_rows())
+    project.run("generate", "B3")
+    assert len(srv.log) == 12 and not any("session" in h.lower() for a in srv.log for h in a.headers)
+
+
 def test_a_dead_or_busy_preferred_server_is_passed_over():
     async def healthy(url):
         return None

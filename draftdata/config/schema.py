@@ -121,6 +121,9 @@ NEUTRAL_SAMPLING = {
     "frequency_penalty": 0.0,
 }
 # Request fields the backends set themselves: neither `backend.extra_body` nor `sampling.extra` may name them.
+# An HTTP header name (RFC 9110's token), and the headers backend.session_header may not take over.
+HEADER_NAME = r"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
+OWN_HEADERS = frozenset("authorization content-type content-length host connection transfer-encoding".split())
 SET_FIELDS = frozenset(
     "model prompt messages tools max_tokens max_new_tokens stream stream_options n seed sampling_seed"
     " return_token_ids chat_template_kwargs rid input_ids sampling_params temperature top_p".split()
@@ -346,6 +349,11 @@ class BackendConfig:
     # Stream responses: the budget controller then sees each request's progress and the server's throughput
     # (on_budget: keep_partial streams whatever this says).
     stream: bool = True
+    # sglang and openai: the name of a header sent with every request, holding its conversation's id (`turns: all`;
+    # under `turns: last` the prompt's id), the same on every rerun: for a router in front of several servers that
+    # routes by a header (vLLM production-stack's `--routing-logic session --session-key <name>`), so that each turn
+    # of a conversation reaches the server whose prefix cache holds it. None: no header.
+    session_header: Optional[str] = None
 
     def check(self, key: str) -> None:
         if self.kind != BackendKind.openai and self.extra_body:
@@ -357,6 +365,7 @@ class BackendConfig:
         for name in self.extra_body:
             if name in SET_FIELDS:
                 raise ConfigError(f"{key}.extra_body.{name}", "is a field draftdata sets itself; remove it")
+        self._check_session_header(f"{key}.session_header")
         if self.kind == BackendKind.embedded:
             return
         if not self.urls:
@@ -380,6 +389,17 @@ class BackendConfig:
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{key}.{name}", f"must be > 0, got {getattr(self, name)!r}")
+
+    def _check_session_header(self, key: str) -> None:
+        name = self.session_header
+        if name is None:
+            return
+        if self.kind == BackendKind.embedded:
+            raise ConfigError(key, "the embedded backend sends no HTTP request; remove it")
+        if not isinstance(name, str) or not re.fullmatch(HEADER_NAME, name):
+            raise ConfigError(key, f"must be an HTTP header name (letters, digits, -), got {name!r}")
+        if name.lower() in OWN_HEADERS:
+            raise ConfigError(key, f"{name} is a header draftdata or HTTP sets itself; name another (X-Session-Id)")
 
     def _check_api_key_env(self, key: str) -> None:
         """The key is read from the environment variable this names (unset: no key is sent, as a local server

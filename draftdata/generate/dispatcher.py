@@ -174,6 +174,7 @@ class Dispatcher:
             partial=partial,
             seed=seed_of(p.key),
             prefer=self.work.prefer(p),
+            session=p.prompt.get("conversation", p.prompt["id"]),
         )
         task = asyncio.create_task(self.backend.generate(req))
         task.add_done_callback(self._on_done)

@@ -71,6 +71,7 @@ class GenRequest:
     partial: Partial = field(default_factory=Partial)
     seed: int | None = None  # base sampling seed; an attempt uses `attempt_seed`
     prefer: str | None = None  # the server to send it to when it can (a conversation's previous turn's server)
+    session: str | None = None  # its conversation's id (a prompt's, turns: last), sent in backend.session_header
     # filled in by the backend for the caller's accounting
     attempt_errors: list[str] = field(default_factory=list)  # the code of every failed attempt
     discarded_tokens: int = 0  # streamed, then thrown away because the next attempt could not go on from them

@@ -471,11 +471,16 @@ class HttpBackend:
             log("backend", event="abort_failed", url=server.url, rid=rid, reason=f"{type(e).__name__}: {e}")
 
     @asynccontextmanager
-    async def post(self, server: Server, path: str, body: dict) -> AsyncIterator[aiohttp.ClientResponse]:
-        """POST that raises a `Failure` for a non-200 status and drops the connection when the reader stops early
-        (halted, failed): a half-read answer cannot go back to the pool, and for OpenAI-style servers closing the
-        connection is how a request is aborted."""
-        resp = await self.session.post(server.url + path, json=body)
+    async def post(
+        self, server: Server, path: str, req: GenRequest, body: dict
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """POST `req`'s `body`, with its conversation's id in `backend.session_header` where one is named. Raises a
+        `Failure` for a non-200 status and drops the connection when the reader stops early (halted, failed): a
+        half-read answer cannot go back to the pool, and for OpenAI-style servers closing the connection is how a
+        request is aborted."""
+        name = self.bcfg.session_header
+        headers = {name: req.session} if name and req.session else None
+        resp = await self.session.post(server.url + path, json=body, headers=headers)
         try:
             if resp.status != 200:
                 raise status_failure(resp.status, await resp.text(errors="replace"), resp.headers.get("Retry-After"))

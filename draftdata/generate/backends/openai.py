@@ -138,7 +138,7 @@ class OpenAIBackend(HttpBackend):
         path, body = self._request(server, req)
         chat = path == "/v1/chat/completions"
         base = req.partial.completion_tokens
-        async with self.post(server, path, body) as resp:
+        async with self.post(server, path, req, body) as resp:
             # no abort endpoint (closing the connection is the abort): a stop's grace gets only what is on its way
             if req.stream:
                 return await self._follow(server, req, EventStream(resp), chat, base)

@@ -95,7 +95,7 @@ class SGLangBackend(HttpBackend):
 
     async def _attempt(self, server: Server, req: GenRequest, rid: str) -> GenResult:
         base = req.partial.completion_tokens
-        async with self.post(server, "/generate", self._body(req, rid)) as resp:
+        async with self.post(server, "/generate", req, self._body(req, rid)) as resp:
             if req.stream:
                 return await self._follow(server, req, EventStream(resp), base)
             return self._answer(req, await Body(resp).json(), base)
