@@ -1,7 +1,7 @@
 """Budget strategies on a simulated server, with and without noise in the throughput the client measures.
 
     python -m bench.budget [--seeds 1] [--budgets 1000000,10000000] [--noise 0,2] [--models ...] [--families ...]
-                           [--workers N] [--out PATH]
+                           [--workers N] [--out PATH] [--only scenarios,turn_scenarios,turn_total_scenarios]
 
 An exact event simulation in virtual time (so 10M tokens take seconds, not GPU-hours) of a server with
 `concurrency` slots. Completion lengths come from a family (FAMILIES; lognormal, mean 3.5k, sigma 0.8, is the one
@@ -65,12 +65,17 @@ everything at the budget; ours sends a started conversation's next turn as the c
 (`turn_count`) and admits new conversations against the budget less what the started ones will still ask
 (`Pending`, as the generate stage's work queue tells it); the output lands on the budget in prompt order, a
 conversation's turns in order, a later turn never without the turns before it. On the two classic servers at 1M.
+`turn_total_scenarios`: the same under budget_unit total, on TURN_TOTAL_FAMILIES: every turn's prompt (its history)
+counts toward the budget, and the controller is told so as the generate stage tells it (`prompt_mean`, the prompts
+in flight, each started conversation's next prompt and the PROMPT_TOKENS a turn adds); waste and time ÷ ideal count
+decoded tokens, those past the budget taken off the answers, and overshoot counts prompts and answers.
 
 Output (bench/results/budget.json): `scenarios`, one row per (model, family, budget, noise) with check_cancel, ours
 and ours_keep_partial and the row's goals (on a compute-bound server with a knee below the full batch: waste at
 most half of check_cancel's, in no more time, whatever the family, the knee and the noise); `models` / `goals` /
 `settings`, the noise-free 10M comparison of every strategy (cap, let_finish and the slack sweep only there) on the
-per_request_rate and compute_bound servers; `all_goals_met`, over every goal in the file.
+per_request_rate and compute_bound servers; `all_goals_met`, over every goal in the file. `--only` runs some of the
+groups of rows (GROUPS) and keeps the others' rows from the file it writes.
 """
 
 from __future__ import annotations
@@ -134,6 +139,11 @@ SCENARIO_STRATEGIES = ("check_cancel", "ours", "ours_keep_partial")
 # Multi-turn rows (`turns: all`): conversations of 1 to MAX_TURNS turns on the two classic servers at 1M tokens, with
 # no early ends and with a quarter of the turns that have a source turn after them ending their conversation.
 TURN_MODELS, TURN_BUDGET, TURN_END_EARLY_PCT = ("per_request_rate", "compute_bound"), 1_000_000, (0.0, 25.0)
+# ... and the same under budget_unit total (`turn_total_scenarios`), where every turn's prompt, its history included,
+# counts: on two families, the tuned one and the one of short answers among long ones.
+TURN_TOTAL_FAMILIES = ("lognormal", "bimodal")
+# The groups of rows `--only` picks from: the single-turn grid (with the side-by-side), the multi-turn rows per unit.
+GROUPS = ("scenarios", "turn_scenarios", "turn_total_scenarios")
 # The side-by-side of every strategy, on the noise-free 10M case and the two classic server models.
 LEGACY_BUDGET, LEGACY_MODELS = 10_000_000, ("per_request_rate", "compute_bound")
 LEGACY_STRATEGIES = ("cap", "check_cancel", "let_finish", "ours", "ours_keep_partial")
@@ -284,7 +294,8 @@ class Server:
 
 @dataclass
 class Outcome:
-    kept: int = 0  # tokens in this run's output
+    kept: int = 0  # the output's tokens in the budget's unit (budget_unit total: prompts included)
+    kept_completion: int = 0  # the output's completion tokens (what was decoded for it)
     parked: float = 0.0  # partial outputs set aside for a later run: not in the output, not lost
     held: int = 0  # complete responses the output leaves out (draftdata.generate.budget.landing), kept in the store
     lost: float = 0.0  # generated and neither kept nor parked
@@ -293,24 +304,34 @@ class Outcome:
     reprefill: float = 0.0
     parked_requests: int = 0
     t: float = 0.0
-    responses: dict = field(default_factory=dict)  # id (prompt order) -> tokens of each response the store keeps
+    responses: dict = field(default_factory=dict)  # id (prompt order) -> completion tokens of each one the store keeps
+    prompts: dict = field(default_factory=dict)  # id -> its prompt tokens where they count (budget_unit total)
+
+    def keep(self, length: int, prompt: int) -> None:
+        """A complete response kept as it came (check_cancel, let_finish, cap: no landing)."""
+        self.kept += length + prompt
+        self.kept_completion += length
 
     def land(self, budget: int) -> None:
         """The output the generate stage selects from the responses: landed on the budget, in prompt order (a
         conversation's turns, keyed (conversation, turn), in order: a later turn only after the turns before it)."""
         keys = sorted(self.responses)
-        sizes = [self.responses[k] for k in keys]
+        sizes = [self.responses[k] + self.prompts.get(k, 0) for k in keys]
         heads = [k[1] == 0 for k in keys] if keys and isinstance(keys[0], tuple) else None
-        self.kept = sum(sizes[i] for i in landing(sizes, budget, heads))
-        self.held = sum(sizes) - self.kept
+        chosen = landing(sizes, budget, heads)
+        self.kept = sum(sizes[i] for i in chosen)
+        self.kept_completion = sum(self.responses[keys[i]] for i in chosen)
+        self.held = sum(self.responses.values()) - self.kept_completion
 
     def metrics(self, budget: int, full_rate: float) -> dict:
-        generated = self.kept + self.held + self.parked + self.lost
+        generated = self.kept_completion + self.held + self.parked + self.lost
         # Tokens past the budget were not asked for: counted as useful they would reward overshooting, and a run
-        # that leaves them out of its output (landing) would look worse than the same run keeping them.
-        useful = min(self.kept, budget)
+        # that leaves them out of its output (landing) would look worse than the same run keeping them. Under
+        # budget_unit total they are taken off the completions (a prompt's tokens cost no decode).
+        useful = self.kept_completion - max(0, self.kept - budget)
         return {
-            "kept_tokens": self.kept,
+            "kept_tokens": self.kept_completion,
+            "output_tokens": self.kept,
             "generated_tokens": generated,
             "held_tokens": self.held,
             "parked_tokens": self.parked,
@@ -349,6 +370,13 @@ class Prompts:
     def prompt(self, rid: int) -> int:
         return PROMPT_TOKENS
 
+    def counted_prompt(self, rid: int) -> int:
+        """Prompt tokens that count toward the budget: none, the single-turn rows count completions."""
+        return 0
+
+    def in_flight_prompts(self) -> list[int]:
+        return []
+
 
 @dataclass
 class Conversation:
@@ -373,10 +401,12 @@ class Talks:
     """Conversations (`turns: all`) as the generate stage sends them: a started conversation's next turn once its
     previous one completes, ahead of new conversations, as the controller lets the batch hold (`turn_count`); new
     ones as it admits them, told what the started ones will still ask (`Pending`). A response is keyed
-    (conversation, turn)."""
+    (conversation, turn). `prompts_count` (budget_unit total): every turn's prompt, its history included, counts
+    toward the budget, and the controller is told so as the generate stage tells it."""
 
-    def __init__(self, convs: Iterator[Conversation]):
+    def __init__(self, convs: Iterator[Conversation], prompts_count: bool = False):
         self.convs = convs
+        self.prompts_count = prompts_count
         self.started: list[Conversation] = []  # by index: prompt order
         self.upcoming: deque[Conversation] = deque()  # drawn to be priced, not started yet
         self.ready: deque[tuple[int, int]] = deque()  # (conversation, turn) whose previous turn completed
@@ -397,22 +427,25 @@ class Talks:
             self._start(s)
 
     def admit(self, s: Server, ctrl: BudgetController, progress: list[int]) -> None:
-        for _ in range(min(len(self.ready), ctrl.turn_count(progress))):
+        for _ in range(min(len(self.ready), ctrl.turn_count(progress, self.in_flight_prompts()))):
             self._send(s, *self.ready.popleft())
         progress = s.progress()
         room = s.concurrency - s.n
         if room > 0:
-            for _ in range(int(ctrl.admit_count(progress, (), self.pending(room)))):
+            for _ in range(int(ctrl.admit_count(progress, self.in_flight_prompts(), self.pending(room)))):
                 self._start(s)
 
     def pending(self, room: int) -> Pending:
-        """What the work queue tells the controller: budget_unit completion, so prompts are not priced."""
-        started = [(1, self.started[i].slots - t - 1, 0) for i, t in self.flying.values()]
-        started += [(0, self.started[i].slots - t, 0) for i, t in self.ready]
+        """What the work queue tells the controller: each conversation's source turns left and, where prompts count,
+        the prompt of its next turn and what each turn's prompt adds (PROMPT_TOKENS of source turns)."""
+        price = self._prompt if self.prompts_count else lambda i, t: 0
+        started = [(1, self.started[i].slots - t - 1, price(i, t)) for i, t in self.flying.values()]
+        started += [(0, self.started[i].slots - t, price(i, t)) for i, t in self.ready]
         while len(self.upcoming) < room:
             self.upcoming.append(next(self.convs))
-        upcoming = [(0, c.slots, 0) for c in itertools.islice(self.upcoming, room)]
-        return Pending(started, upcoming)
+        step = PROMPT_TOKENS if self.prompts_count else 0  # a first turn's prompt, and what each next one adds
+        upcoming = [(0, c.slots, step) for c in itertools.islice(self.upcoming, room)]
+        return Pending(started, upcoming, growth=step, prompts=self.prompts_count)
 
     def completed(self, rid: int) -> tuple[int, int]:
         i, t = self.flying.pop(rid)
@@ -427,8 +460,16 @@ class Talks:
     def prompt(self, rid: int) -> int:
         """A turn's prompt is the conversation so far: PROMPT_TOKENS of source turns per turn and the answers
         before it (what a parked turn's continuation re-prefills)."""
-        i, t = self.flying[rid]
+        return self._prompt(*self.flying[rid])
+
+    def _prompt(self, i: int, t: int) -> int:
         return PROMPT_TOKENS * (t + 1) + sum(self.started[i].lengths[:t])
+
+    def counted_prompt(self, rid: int) -> int:
+        return self.prompt(rid) if self.prompts_count else 0
+
+    def in_flight_prompts(self) -> list[int]:
+        return [self.prompt(rid) for rid in self.flying] if self.prompts_count else []
 
 
 Work = Prompts | Talks
@@ -447,8 +488,8 @@ def run_simple(strategy: str, s: Server, work: Work, budget: int) -> Outcome:
         if not s.n:
             break
         rid, length = s.complete_next()
+        out.keep(length, work.counted_prompt(rid))
         work.completed(rid)
-        out.kept += length
         if strategy != "cap" and out.kept >= budget:
             admitting = False
             if strategy == "check_cancel":
@@ -459,13 +500,14 @@ def run_simple(strategy: str, s: Server, work: Work, budget: int) -> Outcome:
     return out
 
 
-def next_check(s: Server, ctrl: BudgetController, budget: int) -> float:
-    """The first tick of the client loop at which committed + streamed can have reached the budget (ticks are
-    on a fixed CHECK_EVERY_S grid; readings fall on it too). The batch streams at a constant rate until the
-    next event, so the crossing is exact and the ticks before it, which would change nothing, are skipped."""
+def next_check(s: Server, ctrl: BudgetController, budget: int, prompts: int = 0) -> float:
+    """The first tick of the client loop at which committed + streamed (+ the `prompts` in flight, where they
+    count) can have reached the budget (ticks are on a fixed CHECK_EVERY_S grid; readings fall on it too). The
+    batch streams at a constant rate until the next event, so the crossing is exact and the ticks before it,
+    which would change nothing, are skipped."""
     after = math.floor(s.t / CHECK_EVERY_S + 1e-9) + 1  # the tick strictly after now
     rate = s.n * s.rate()
-    crossing = s.t + max(0.0, budget - ctrl.committed - s.streamed()) / rate if rate else math.inf
+    crossing = s.t + max(0.0, budget - ctrl.committed - s.streamed() - prompts) / rate if rate else math.inf
     return max(after, math.ceil(crossing / CHECK_EVERY_S - 1e-9)) * CHECK_EVERY_S
 
 
@@ -486,16 +528,22 @@ def run_controlled(
     ctrl.observes_rate = slack is None
     if slack is not None:
         ctrl.admit_slack = slack
+    if isinstance(work, Talks) and work.prompts_count:
+        ctrl.prompt_mean = PROMPT_TOKENS  # the generate stage's: the mean prompt of the turns it plans, all first
     work.admit(s, ctrl, [])
     readings = itertools.count(1)
     next_reading = next(readings) * READING_S  # a multiple of READING_S, so no drift over thousands
     while s.n:
-        until_check = next_check(s, ctrl, budget) - s.t if keep_partial else math.inf
+        until_check = next_check(s, ctrl, budget, sum(work.in_flight_prompts())) - s.t if keep_partial else math.inf
         until_reading = next_reading - s.t
         if s.until_next_end() <= min(until_reading, until_check):
             rid, length = s.complete_next()
-            ctrl.finished(length, counted=True)
-            out.responses[work.completed(rid)] = length
+            prompt = work.counted_prompt(rid)
+            ctrl.finished(length + prompt, counted=True, length=length)
+            key = work.completed(rid)
+            out.responses[key] = length
+            if prompt:
+                out.prompts[key] = prompt
         elif until_reading <= until_check:
             s.advance(until_reading)
             next_reading = next(readings) * READING_S
@@ -505,7 +553,7 @@ def run_controlled(
         else:
             s.advance(until_check)
         progress = s.progress()
-        if ctrl.reached(progress):
+        if ctrl.reached(progress, work.in_flight_prompts()):
             stop(s, ctrl, out, progress, work)
             break
         work.admit(s, ctrl, progress)
@@ -518,8 +566,11 @@ def stop(s: Server, ctrl: BudgetController, out: Outcome, progress: list[int], w
     """At the budget: keep_partial keeps what has streamed, ours parks it; the abort's latency is lost."""
     streamed = sum(progress)
     if ctrl.keep_partial:
-        ctrl.cut(streamed)
-        out.responses.update({work.key(rid): n for rid, n in s.progress_by_id().items()})
+        ctrl.cut(streamed + sum(work.in_flight_prompts()))
+        for rid, n in s.progress_by_id().items():
+            out.responses[work.key(rid)] = n
+            if prompt := work.counted_prompt(rid):
+                out.prompts[work.key(rid)] = prompt
     else:
         out.parked += streamed
         out.parked_requests += s.n
@@ -536,12 +587,17 @@ def run_scenario(
     concurrency: int = CONCURRENCY,
     family: str = "lognormal",
     end_early: float | None = None,
+    unit: str = "completion",
 ) -> dict:
     """Metrics of one run. The noise draws come from their own generator, so a noise level changes the
     readings, never the lengths. `end_early`: conversations of 1 to MAX_TURNS turns (`conversations`), a turn
-    ending its conversation with that chance; None: single requests."""
+    ending its conversation with that chance, in the budget's `unit` (completion or total); None: single
+    requests."""
     s = Server(model, concurrency)
-    work = Prompts(lengths(seed, family)) if end_early is None else Talks(conversations(seed, family, end_early))
+    if end_early is None:
+        work: Work = Prompts(lengths(seed, family))
+    else:
+        work = Talks(conversations(seed, family, end_early), prompts_count=unit == "total")
     rng = random.Random(f"noise/{seed}")
     noise = noise_pct / 100.0
     if strategy in SLACK_SWEEP:
@@ -556,8 +612,9 @@ def run_scenario(
 
 
 def _run(job: tuple) -> dict:
-    model, family, budget, noise_pct, seed, strategy, *turns = job
-    return run_scenario(model, budget, noise_pct, seed, strategy, family=family, end_early=turns[0] if turns else None)
+    model, family, budget, noise_pct, seed, strategy, *turns = job  # turns: (end_early[, unit])
+    end_early, unit = (*turns, "completion")[:2] if turns else (None, "completion")
+    return run_scenario(model, budget, noise_pct, seed, strategy, family=family, end_early=end_early, unit=unit)
 
 
 def averaged_many(jobs: list[tuple], seeds: list[int], workers: int) -> list[dict]:
@@ -641,13 +698,15 @@ def run_scenarios(models, budgets, noises, seeds: int, families=("lognormal",), 
     return run_rows(cases, seeds, workers)
 
 
-def turn_grid(models, families, budgets, noises, end_early) -> list[dict]:
+def turn_grid(models, families, budgets, noises, end_early, unit: str = "completion") -> list[dict]:
     """The multi-turn cases: conversations of 1 to MAX_TURNS turns on TURN_MODELS at TURN_BUDGET, every family,
-    noise and chance of ending early."""
+    noise and chance of ending early. Rows in budget_unit total say so (`budget_unit`); the others are as before."""
     if TURN_BUDGET not in budgets:
         return []
+    total = {"budget_unit": unit} if unit == "total" else {}
     return [
         {"model": m, "family": f, "budget": TURN_BUDGET, "noise_pct": n, "turns": f"1-{MAX_TURNS}", "end_early_pct": e}
+        | total
         for m, f, n, e in itertools.product([m for m in TURN_MODELS if m in models], families, noises, end_early)
     ]
 
@@ -656,7 +715,7 @@ def run_rows(cases: list[dict], seeds: int, workers: int) -> list[dict]:
     """A row per case: each scenario strategy averaged over its draws, and the row's goals."""
     jobs = []
     for c in cases:
-        turns = (c["end_early_pct"] / 100,) if "turns" in c else ()
+        turns = (c["end_early_pct"] / 100, c.get("budget_unit", "completion")) if "turns" in c else ()
         jobs += [(c["model"], c["family"], c["budget"], c["noise_pct"], name, *turns) for name in SCENARIO_STRATEGIES]
     results = iter(averaged_many(jobs, [seeds_for(job[2], seeds) for job in jobs], workers))
     rows = []
@@ -703,6 +762,7 @@ def settings(args) -> dict:
         "noise_pct": list(args.noise),
         "max_turns": MAX_TURNS,
         "turn_end_early_pct": list(args.end_early),
+        "turn_total_families": [f for f in TURN_TOTAL_FAMILIES if f in args.families],
     }
 
 
@@ -725,6 +785,7 @@ def print_scenarios(rows: list[dict]) -> None:
         case = f"{r['model']:<19}{r['family']:<11}{fmt_budget(r['budget']):>7}{r['noise_pct']:>5g}%"
         if "turns" in r:
             case += f"  turns {r['turns']}, {r['end_early_pct']:g}% end early"
+            case += ", budget_unit total" if r.get("budget_unit") == "total" else ""
         print(f"{case}   {' '.join(cells)}  {missed}")
 
 
@@ -755,7 +816,15 @@ def parse_args(argv=None):
     ap.add_argument(
         "--end-early", type=comma_list(float), default=TURN_END_EARLY_PCT, help="multi-turn rows: turns ending early %%"
     )
+    ap.add_argument(
+        "--only",
+        type=comma_list(str),
+        default=GROUPS,
+        help=f"groups of rows to run ({', '.join(GROUPS)}); the others' rows are kept from --out",
+    )
     args = ap.parse_args(argv)
+    if unknown := set(args.only) - set(GROUPS):
+        ap.error(f"unknown groups: {', '.join(sorted(unknown))}")
     if unknown := set(args.models) - set(MODELS):
         ap.error(f"unknown models: {', '.join(sorted(unknown))}")
     if unknown := set(args.families) - set(FAMILIES):
@@ -763,24 +832,47 @@ def parse_args(argv=None):
     return args
 
 
+def run_groups(args) -> dict:
+    """The rows of the groups in `--only`, under their keys in the results."""
+    out: dict = {}
+    if "scenarios" in args.only:
+        out["scenarios"] = run_scenarios(args.models, args.budgets, args.noise, args.seeds, args.families, args.workers)
+        legacy_models = [m for m in LEGACY_MODELS if m in args.models]
+        # the side-by-side needs its own case in the grid; a quick subset without it leaves it out
+        if legacy_models and LEGACY_BUDGET in args.budgets and 0.0 in args.noise and "lognormal" in args.families:
+            out["models"] = run_legacy(out["scenarios"], legacy_models, args.seeds)
+            out["goals"] = legacy_goals(out["models"])
+    if "turn_scenarios" in args.only:
+        cases = turn_grid(args.models, args.families, args.budgets, args.noise, args.end_early)
+        out["turn_scenarios"] = run_rows(cases, args.seeds, args.workers)
+    if "turn_total_scenarios" in args.only:
+        families = [f for f in TURN_TOTAL_FAMILIES if f in args.families]
+        cases = turn_grid(args.models, families, args.budgets, args.noise, args.end_early, unit="total")
+        out["turn_total_scenarios"] = run_rows(cases, args.seeds, args.workers)
+    return out
+
+
+def kept_from(path: Path, only) -> dict:
+    """What `path` holds of the groups not run this time (`--only`), so a partial run does not drop them."""
+    if set(only) == set(GROUPS) or not path.exists():
+        return {}
+    old = json.loads(path.read_text())
+    keys = [g for g in GROUPS if g not in only] + (["models", "goals"] if "scenarios" not in only else [])
+    return {k: old[k] for k in keys if k in old}
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     t0 = time.perf_counter()
-    rows = run_scenarios(args.models, args.budgets, args.noise, args.seeds, args.families, args.workers)
-    turn_cases = turn_grid(args.models, args.families, args.budgets, args.noise, args.end_early)
-    turn_rows = run_rows(turn_cases, args.seeds, args.workers)
-    results: dict = {"scenarios": rows, "turn_scenarios": turn_rows, "settings": settings(args)}
-    met = [ok for r in rows + turn_rows for ok in r["goals"].values()]
-    legacy_models = [m for m in LEGACY_MODELS if m in args.models]
-    # the side-by-side needs its own case in the grid; a quick subset without it leaves it out
-    if legacy_models and LEGACY_BUDGET in args.budgets and 0.0 in args.noise and "lognormal" in args.families:
-        results["models"] = run_legacy(rows, legacy_models, args.seeds)
-        results["goals"] = legacy_goals(results["models"])
-        met += [ok for g in results["goals"].values() for ok in g.values()]
+    ran = run_groups(args)
+    results: dict = kept_from(args.out, args.only) | ran | {"settings": settings(args)}
+    rows = [r for g in GROUPS for r in results.get(g, [])]
+    met = [ok for r in rows for ok in r["goals"].values()]
+    met += [ok for g in results.get("goals", {}).values() for ok in g.values()]
     results["all_goals_met"] = all(met)
-    print_scenarios(rows + turn_rows)
-    if "models" in results:
-        print_legacy(results["models"], results["goals"])
+    print_scenarios([r for g in GROUPS for r in ran.get(g, [])])
+    if "models" in ran:
+        print_legacy(ran["models"], ran["goals"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
     print(f"\nall goals met: {results['all_goals_met']}; wrote {args.out} in {time.perf_counter() - t0:.1f}s")

@@ -172,24 +172,39 @@ def budget_row(row: dict) -> list[str]:
 
 
 def budget_turns(r: dict) -> list[str]:
-    """The multi-turn rows (`turns: all`), where the file has them."""
-    rows, s = r.get("turn_scenarios"), r["settings"]
-    if not rows:
-        return []
+    """The multi-turn rows (`turns: all`), where the file has them: budget_unit completion, then total."""
+    s = r["settings"]
     labels = [label for _, label in BUDGET_STRATEGIES]
-    return [
-        "",
-        f"Conversations (`turns: all`): 1 to {s['max_turns']} turns each (uniform), each turn's length from the "
-        "family, a conversation's turns one after another, a share of the turns that have a source turn after "
-        "them ending their conversation early (the controller expects every source turn); budget_unit completion. A "
-        "parked turn's re-prefill counts its whole history (500 tokens of source turns per turn and the answers "
-        "before it). Cells as above.",
-        "",
-        *table(
-            ["server", "lengths", "end early", "budget", "noise", *labels, "missed goals"],
-            [budget_row(row) for row in rows],
+    out = []
+    for key, intro in (
+        (
+            "turn_scenarios",
+            f"Conversations (`turns: all`): 1 to {s['max_turns']} turns each (uniform), each turn's length from the "
+            "family, a conversation's turns one after another, a share of the turns that have a source turn after "
+            "them ending their conversation early (the controller expects every source turn); budget_unit "
+            "completion. A parked turn's re-prefill counts its whole history (500 tokens of source turns per turn "
+            "and the answers before it). Cells as above.",
         ),
-    ]
+        (
+            "turn_total_scenarios",
+            "The same conversations under budget_unit total (`python -m bench.budget --only turn_total_scenarios`): "
+            "every turn's prompt, its history included, counts toward the budget, and the controller is told each "
+            "started conversation's next prompt and what a turn adds to it, as the generate stage tells it. Waste "
+            "and time count decoded tokens (the tokens past the budget taken off the answers); overshoot counts "
+            "prompts and answers. Cells as above.",
+        ),
+    ):
+        if rows := r.get(key):
+            out += [
+                "",
+                intro,
+                "",
+                *table(
+                    ["server", "lengths", "end early", "budget", "noise", *labels, "missed goals"],
+                    [budget_row(row) for row in rows],
+                ),
+            ]
+    return out
 
 
 def budget_live(r: dict) -> list[str]:

@@ -62,6 +62,48 @@ def test_turn_scenario_accounting(model, end_early):
     assert 0 <= kp["overshoot_pct"] < 0.5 and kp["parked_tokens"] == 0
 
 
+@pytest.mark.parametrize("model", bench.TURN_MODELS)
+def test_turn_scenarios_in_budget_unit_total_count_every_turns_prompt(model):
+    """budget_unit total: the output's size counts each turn's prompt, its history included, so it holds far fewer
+    completion tokens than the budget; waste and time still count decoded tokens only."""
+    runs = [
+        bench.run_scenario(model, BUDGET, 2.0, 0, s, end_early=0.25, unit="total") for s in bench.SCENARIO_STRATEGIES
+    ]
+    completion = bench.run_scenario(model, BUDGET, 2.0, 0, "check_cancel", end_early=0.25)
+    for m in runs:
+        parts = ("kept_tokens", "held_tokens", "parked_tokens", "lost_tokens")
+        assert m["generated_tokens"] == pytest.approx(sum(m[k] for k in parts))
+        assert m["output_tokens"] > 1.2 * m["kept_tokens"] > 0  # the prompts, histories included, count too
+        useful = m["kept_tokens"] - max(0, m["output_tokens"] - BUDGET)
+        assert m["waste_pct"] == pytest.approx(100 * (m["generated_tokens"] - useful) / m["generated_tokens"])
+    cc, ours, kp = runs
+    # check_cancel stops once the output (prompts included) reaches the budget: far fewer answers than by completions
+    assert 0 <= cc["overshoot_pct"] and cc["kept_tokens"] < 0.8 * completion["kept_tokens"]
+    assert 0 <= ours["overshoot_pct"] < 0.5 and ours["aborted_pct"] < 0.5
+    assert 0 <= kp["overshoot_pct"] < 0.5 and kp["parked_tokens"] == 0
+
+
+def test_only_runs_the_groups_it_names_and_keeps_the_others_rows(tmp_path):
+    out = tmp_path / "budget.json"
+    args = ["--seeds", "1", "--budgets", "1000000", "--noise", "0", "--models", "compute_bound", "--workers", "1"]
+    args += ["--families", "lognormal", "--end-early", "0", "--out", str(out)]
+    old = {"scenarios": [{"goals": {"kept": False}}], "turn_scenarios": [{"goals": {"kept too": True}}]}
+    out.write_text(json.dumps(old))
+    bench.main([*args, "--only", "turn_total_scenarios"])
+    results = json.loads(out.read_text())
+    (row,) = results["turn_total_scenarios"]
+    assert (row["model"], row["family"], row["budget_unit"], row["end_early_pct"]) == (
+        "compute_bound",
+        "lognormal",
+        "total",
+        0.0,
+    )
+    assert all(results[k] == old[k] for k in old)
+    assert results["all_goals_met"] is False  # over every row in the file, the kept ones too
+    with pytest.raises(SystemExit):
+        bench.main([*args, "--only", "turns"])
+
+
 class CheckedTalks(bench.Talks):
     """Talks that fail a turn sent while another turn of its conversation runs, or before the turn before it
     completed."""
