@@ -380,10 +380,14 @@ def test_an_empty_answer_ends_its_conversation_before_it(conv_project):
 
 def test_a_conversation_whose_first_answer_is_empty_is_counted_though_it_has_no_line(conv_project):
     """Nothing to train on, so no line in responses.jsonl; still a conversation the run took and ended, counted as
-    the others are (its source's turns, none kept, in turns_kept_share), and one `draftdata plan` has nothing left
-    to send for."""
+    the others are (its source's turns, none kept, in turns_kept_share) where the output reaches it, and one
+    `draftdata plan` has nothing left to send for."""
     project, start = conv_project
-    start([{"messages": chat(first, ".", "Bye.", "Bye.")} for first in ("Say nothing.", "Hi.")])
+    start([{"messages": chat(first, ".", "Bye.", "Bye.")} for first in ("Hi.", "Say nothing.")])
+    # prompt order is prompts.jsonl's (seeded by content): the empty conversation after the other
+    path = project.data("B3") / "prompts.jsonl"
+    records = sorted(path.read_text().splitlines(), key=lambda line: "Say nothing." in line)
+    path.write_text("\n".join(records) + "\n")
     project.run("generate", "B3")
     lines = responses(project)
     assert [(line["turn"], line.get("end_reason")) for line in lines] == [(0, None), (1, "source_exhausted")]
@@ -392,3 +396,9 @@ def test_a_conversation_whose_first_answer_is_empty_is_counted_though_it_has_no_
     assert m["turns_kept_share"] == 0.5  # 2 of the 4 source turns: none of the empty one's 2
     (p,) = plan(load_config(None, [], params_path=project.path / "params.yaml", need_dataset=False))
     assert (p.prompts, p.turns, p.prompts_left) == (m["conversations"], 4, 0)
+
+    # a budget that the first turn meets: the output stops before the empty conversation, which it no longer counts
+    project.run("generate", "B3", f"datasets.B3.token_budget={lines[0]['completion_tokens']}")
+    m = metrics(project)
+    assert [line["turn"] for line in responses(project)] == [0]
+    assert m["conversations"] == 1 and m["conversations_ended"] == {"budget": 1}

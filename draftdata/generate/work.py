@@ -281,19 +281,18 @@ def ended_unsampled(
     convs: list[Conversation], selected: list[tuple[Planned, StoredResponse]], ds: DatasetConfig
 ) -> list[Conversation]:
     """Conversations that ended before any usable turn (turn 0's answer empty, or cut and dropped): no line of the
-    output names them, yet the run took them and they ended. Those the output reached: a conversation after them
-    (prompt order) is in it, or none after them has a usable turn it leaves out (a lower budget's output does not
-    reach those past its end, as it does not reach the other conversations there)."""
-    in_output = {p.prompt["conversation"] for p, _ in selected}
-    out, later_in, later_left_out = [], False, False
-    for c in reversed(convs):
-        if c.rec["id"] in in_output:
-            later_in = True
-        elif any(unusable_reason(r, ds) is None for _, r in c.done):
-            later_left_out = True
-        elif c.next is None and (later_in or not later_left_out):
+    output names them, yet the run took them and they ended. Only those the output reaches: every usable turn of the
+    conversations before them is in it (a lower budget's output stops short of the later ones, as it does of the
+    other conversations there)."""
+    chosen = {p.prompt["id"] for p, _ in selected}
+    out = []
+    for c in convs:
+        usable = [p for p, r in c.done if unusable_reason(r, ds) is None]
+        if c.next is None and not usable:
             out.append(c)
-    return out[::-1]
+        elif any(p.prompt["id"] not in chosen for p in usable):
+            break  # the output stops in this conversation
+    return out
 
 
 def conversation_metrics(
