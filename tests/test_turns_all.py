@@ -314,7 +314,9 @@ def test_turns_all_on_real_backends(backend_project, tmp_path):
 def test_a_budget_met_mid_conversation_keeps_its_turns_and_a_raised_one_goes_on(conv_project):
     project, start = conv_project
     rows = three_turn_rows() + [{"messages": chat(f"Topic {i}?", "A.", "More?", "B.")} for i in range(4)]
-    start(rows, token_budget=60, concurrency=2)
+    (slow,) = start(rows, token_budget=60, concurrency=2)
+    # tokens far enough apart that a busy machine still reads the budget's token mid-answer, not in one read
+    slow.token_delay_s = 0.02
     project.run("generate", "B3")
     first = responses(project)
     assert metrics(project)["budget_met"] and "budget" in {line.get("end_reason") for line in first}
