@@ -6,6 +6,7 @@ Each sample's states are computed once per (model, layers, dtype, ids) into the 
 
 from __future__ import annotations
 
+import shutil
 import signal
 
 from draftdata.config.load import cli
@@ -21,6 +22,7 @@ from draftdata.hidden.compute import (
     n_layers_of,
     state_settings,
 )
+from draftdata.hidden.export import SKIPPED
 from draftdata.hidden.layers import resolve_layers
 from draftdata.hidden.output import index_doc, output_metrics
 from draftdata.hidden.state_store import StateStore
@@ -35,6 +37,10 @@ def main(cfg: Config) -> None:
     src = out_dir / "samples.parquet"
     if not src.exists():
         raise UserError(f"{src}: not found; run the tokenize stage first (dvc repro tokenize@{cfg.dataset})")
+    if not cfg.ds.store_hidden_states:
+        if Rank.from_env().rank == 0:  # under torchrun, one rank writes the marker
+            skip(cfg, out_dir)
+        return
     hs, rank, tally = cfg.hidden_states, Rank.from_env(), HiddenTally()
     layers = resolve_layers(cfg, n_layers_of(cfg))
     settings = state_settings(cfg, layers)
@@ -72,6 +78,18 @@ def main(cfg: Config) -> None:
         layers=layers,
         dtype=hs.dtype,
     )
+
+
+def skip(cfg: Config, out_dir) -> None:
+    """`store_hidden_states: false`: no model is loaded and nothing computed; the output holds a marker that says so
+    (an export of states refuses it by name), and the metrics say 0 bytes."""
+    out = out_dir / "hidden_states"
+    shutil.rmtree(out, ignore_errors=True)  # an earlier run's links (DVC removes them itself before it runs a stage)
+    out.mkdir()
+    why = f"datasets.{cfg.dataset}.store_hidden_states is false: online training computes the states itself"
+    write_json(out / SKIPPED, {"stored": False, "reason": why})
+    write_json(out_dir / "hidden_states_metrics.json", {"stored": False, "samples": 0, "tokens": 0, "bytes": 0})
+    log("hidden_states", dataset=cfg.dataset, stored=False, reason=why)
 
 
 def _terminated(signum, _frame) -> None:

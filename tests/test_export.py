@@ -21,12 +21,15 @@ import textwrap
 from collections import Counter
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import dataset_params
 
 from draftdata.errors import ConfigError, UserError
-from draftdata.hidden.export import MARKER, specforge_path
+from draftdata.hidden.export import MARKER, SKIPPED, SPECFORGE_VOCAB, specforge_path
 from draftdata.hidden.reader import HiddenStates
+from draftdata.hidden.vocab import specforge_mapping, speculators_mapping
 
 TRAINERS_PYTHON = os.environ.get("DRAFTDATA_TRAINERS_PYTHON")
 
@@ -39,9 +42,30 @@ def states(project):
     return project
 
 
-def export(project, fmt: str, *overrides: str) -> Path:
-    project.run("export", "B3", f"export.format={fmt}", *overrides)
-    return project.data("B3") / f"export-{fmt}"
+@pytest.fixture
+def chats(project):
+    """Project with B6 (ultrachat) regenerated turn by turn, every answer trained, through tokenize only, with
+    `store_hidden_states: false`: what online training needs."""
+    project.params["datasets"]["B6"] = dataset_params(
+        "B6_ultrachat", "messages", turns="all", store_hidden_states=False, token_budget=600
+    )
+    project.set("tokenize.train_on", "all_turns")
+    for stage in ("prompts", "generate", "tokenize"):
+        project.run(stage, "B6")
+    return project
+
+
+def export(project, fmt: str, *overrides: str, dataset: str = "B3") -> Path:
+    project.run("export", dataset, f"export.format={fmt}", *overrides)
+    return project.data(dataset) / f"export-{fmt}"
+
+
+def samples_of(project, dataset: str) -> list[dict]:
+    return pq.read_table(project.data(dataset) / "samples.parquet").to_pylist()
+
+
+def masked_freq(rows: list[dict]) -> Counter:
+    return Counter(t for r in rows for t, m in zip(r["input_ids"], r["loss_mask"]) if m)
 
 
 def token_freq(hs: HiddenStates) -> Counter:
@@ -141,6 +165,105 @@ def test_an_interrupted_export_is_never_at_the_export_path(states, monkeypatch):
     (staging / "junk.ckpt").write_bytes(b"")
     out = export(states, "specforge")
     assert (out / MARKER).exists() and not (out / "junk.ckpt").exists() and not staging.exists()
+
+
+# ---- fast: online exports, no states ----------------------------------------------------------------------------- #
+
+
+def test_store_hidden_states_false_loads_no_model_and_the_offline_export_says_why(chats, monkeypatch):
+    import stages.hidden_states as stage
+
+    with monkeypatch.context() as m:
+        m.setattr(stage, "n_layers_of", lambda cfg: pytest.fail("a skipped dataset loaded the model"))
+        chats.run("hidden_states", "B6")
+    out = chats.data("B6") / "hidden_states"
+    assert [p.name for p in out.iterdir()] == [SKIPPED]
+    assert json.loads((chats.data("B6") / "hidden_states_metrics.json").read_text())["stored"] is False
+    for fmt in ("specforge", "speculators"):
+        with pytest.raises(ConfigError, match=r"^datasets\.B6\.store_hidden_states: false: no hidden states"):
+            export(chats, fmt, dataset="B6")
+    # set back, the stage stores the states and the marker goes
+    chats.params["datasets"]["B6"]["store_hidden_states"] = True
+    chats.save()
+    chats.run("hidden_states", "B6")
+    assert (out / "index.json").is_file() and not (out / SKIPPED).exists()
+    assert len(HiddenStates(out)) == len(samples_of(chats, "B6"))
+
+
+def test_speculators_online_is_the_samples_and_no_states(chats):
+    from datasets import load_from_disk
+
+    out = export(chats, "speculators_online", dataset="B6")
+    rows = samples_of(chats, "B6")
+    assert any(r["turn"] > 0 for r in rows), "no sample beyond a first turn: turns: all untested"
+    ds = load_from_disk(str(out))
+    assert ds.format["type"] == "torch" and len(ds) == len(rows) > 0
+    assert set(ds.column_names) == {"input_ids", "loss_mask", "seq_len", "conversation", "turn"}
+    for row, want in zip(ds, rows):
+        assert row["input_ids"].dtype == row["loss_mask"].dtype == torch.int64
+        assert row["input_ids"].tolist() == want["input_ids"] and row["loss_mask"].tolist() == want["loss_mask"]
+        assert int(row["seq_len"]) == len(want["input_ids"])
+        assert (row["conversation"], int(row["turn"])) == (want["conversation"], want["turn"])
+    assert not (out / "hidden_states").exists()
+    assert torch.load(out / "token_freq.pt", weights_only=True) == dict(masked_freq(rows))
+    meta = json.loads((out / MARKER).read_text())
+    assert meta["format"] == "speculators_online" and meta["samples"] == len(rows)
+    assert meta["trained_tokens"] == sum(map(sum, (r["loss_mask"] for r in rows)))
+
+
+def test_specforge_online_holds_the_samples_and_their_regenerated_conversations(chats):
+    from draftdata.util.files import read_jsonl
+
+    out = export(chats, "specforge_online", dataset="B6")
+    rows = samples_of(chats, "B6")
+    keys = ("id", "input_ids", "loss_mask", "conversation", "turn")
+    assert list(read_jsonl(out / "prompts.jsonl")) == [{k: r[k] for k in keys} for r in rows]  # in order
+    responses = {r["id"]: r for r in read_jsonl(chats.data("B6") / "responses.jsonl")}
+    turns: dict[str, list[dict]] = {}
+    for r in sorted(responses.values(), key=lambda r: r["turn"]):
+        turns.setdefault(r["conversation"], []).append(r)
+    convs = {c["id"]: c for c in read_jsonl(out / "conversations.jsonl")}
+    assert set(convs) == {r["id"] for r in rows}
+    for row in rows:
+        messages = convs[row["id"]]["conversations"]
+        assert set().union(*map(set, messages)) <= {"role", "content", "tool_calls"}
+        # every answer in it is the target's own, each turn's as regenerated, in order (the history keeps the special
+        # tokens the tiny target writes mid-answer, which a response's text leaves out)
+        answers = [m["content"].replace("<|endoftext|>", "") for m in messages if m["role"] == "assistant"]
+        assert answers == [r["text"] for r in turns[row["conversation"]][: row["turn"] + 1]]
+        assert messages[-1]["role"] == "assistant" and messages[0]["role"] in ("system", "user")
+    assert json.loads((out / MARKER).read_text())["train_only_last_turn"] is False
+
+
+def test_vocab_mapping_ties_and_fill_up_follow_each_trainer():
+    freq = Counter({5: 3, 9: 2, 2: 2, 7: 1})
+    d2t, t2d = speculators_mapping(freq, 2, 16)
+    assert (d2t + torch.arange(2)).tolist() == [2, 5]  # a tie at the cut: the lower id
+    assert t2d.dtype == torch.bool and t2d.nonzero().flatten().tolist() == [2, 5] and t2d.shape == (16,)
+    d2t, _ = specforge_mapping(freq, {5: 0, 9: 0, 2: 1, 7: 1}, 2, 16)
+    assert (d2t + torch.arange(2)).tolist() == [5, 9]  # the token its count met first
+    assert (speculators_mapping(Counter({7: 1}), 3, 16)[0] + torch.arange(3)).tolist() == [0, 1, 7]
+    assert (specforge_mapping(Counter({7: 1}), {7: 0}, 3, 16)[0] + torch.arange(3)).tolist() == [0, 1, 7]
+
+
+def test_draft_vocab_size_writes_each_trainer_s_files(chats):
+    import numpy as np
+
+    rows, n = samples_of(chats, "B6"), 48
+    vocab = json.loads((Path(chats.params["model"]["path"]) / "config.json").read_text())["vocab_size"]
+    sp = export(chats, "speculators_online", "export.draft_vocab_size=48", dataset="B6")
+    d2t, t2d = np.load(sp / f"d2t-{n}.npy"), np.load(sp / f"t2d-{n}.npy")
+    freq = masked_freq(rows)
+    top = sorted(freq, key=lambda t: (-freq[t], t))[:n]
+    assert d2t.dtype == np.int64 and t2d.dtype == np.bool_ and t2d.shape == (vocab,)
+    assert sorted((d2t + np.arange(n)).tolist()) == sorted(top) == np.flatnonzero(t2d).tolist()
+    sf = export(chats, "specforge_online", "export.draft_vocab_size=48", dataset="B6")
+    mapping = torch.load(sf / SPECFORGE_VOCAB, weights_only=True)
+    assert set(mapping) == {"d2t", "t2d"} and mapping["t2d"].sum() == n
+    meta = json.loads((sf / MARKER).read_text())["vocab_mapping"]
+    assert meta == {"draft_vocab_size": n, "target_vocab_size": vocab, "files": [SPECFORGE_VOCAB]}
+    with pytest.raises(ConfigError, match=r"^export\.draft_vocab_size: 4096 is more than the target's vocabulary"):
+        export(chats, "speculators_online", "export.draft_vocab_size=4096", dataset="B6")
 
 
 # ---- fast: the refusals ---------------------------------------------------------------------------------------- #

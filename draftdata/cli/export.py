@@ -1,17 +1,18 @@
-"""`draftdata export dataset=<D> export.format=specforge|speculators`: a dataset's hidden states in a trainer's own
-layout (not a DVC stage: run it where the drafter is trained).
+"""`draftdata export dataset=<D> export.format=specforge|speculators|specforge_online|speculators_online`: a dataset's
+hidden states (offline) or its samples alone (online) in a trainer's own layout, with `export.draft_vocab_size=N` the
+draft vocabulary mapping too (not a DVC stage: run it where the drafter is trained).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 from draftdata.config.load import cli
 from draftdata.config.schema import Config
 from draftdata.errors import ConfigError
 from draftdata.hidden.export import (
-    LAYER_NUMBERING,
     MARKER,
     WRITERS,
     ExportTally,
@@ -21,38 +22,67 @@ from draftdata.hidden.export import (
     marker,
     publish,
     staging_dir,
+    states_marker,
+    write_vocab_mapping,
 )
+from draftdata.hidden.online import ONLINE_WRITERS, check_samples
 from draftdata.hidden.reader import HiddenStates
+from draftdata.target.model import model_limits
 from draftdata.util.files import data_dir, write_json
 from draftdata.util.log import log
 
 
 def main(cfg: Config) -> None:
     fmt = cfg.export.format
-    if fmt not in WRITERS:  # config.check says so first; kept for callers that build a Config by hand
-        raise ConfigError("export.format", f"must be one of {', '.join(WRITERS)}, got {fmt!r}")
-    src = data_dir(cfg.dataset) / "hidden_states"
-    check_source(src, cfg.dataset)
+    if fmt not in WRITERS and fmt not in ONLINE_WRITERS:  # config.check says so first; kept for hand-built configs
+        raise ConfigError("export.format", f"must be one of {', '.join([*WRITERS, *ONLINE_WRITERS])}, got {fmt!r}")
+    vocab = target_vocab(cfg)
+    src = data_dir(cfg.dataset) / "hidden_states" if fmt in WRITERS else data_dir(cfg.dataset)
+    if fmt in WRITERS:
+        check_source(src, cfg.dataset)
+    else:
+        check_samples(src, cfg.dataset, fmt)
     out = export_dir(cfg)
     check_target(out)
-    hs = HiddenStates(src)
     staging, tally = staging_dir(out), ExportTally()
     try:
-        WRITERS[fmt](hs, staging, tally)
-        write_json(staging / MARKER, marker(fmt, hs, src, tally))  # last: its presence means complete
+        meta = write(fmt, src, staging, tally, cfg)
+        if vocab is not None:
+            files = write_vocab_mapping(fmt, staging, tally, cfg.export.draft_vocab_size, vocab)
+            meta["vocab_mapping"] = {"draft_vocab_size": cfg.export.draft_vocab_size, "target_vocab_size": vocab}
+            meta["vocab_mapping"]["files"] = files
+        write_json(staging / MARKER, meta)  # last: its presence means complete
         publish(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    log(
-        "export",
-        dataset=cfg.dataset,
-        format=fmt,
-        dir=out,
-        samples=tally.samples,
-        tokens=tally.tokens,
-        aux_layer_ids=json.dumps(hs.layers[LAYER_NUMBERING[fmt]]),
-    )
+    layers = {"aux_layer_ids": json.dumps(meta["aux_layer_ids"])} if "aux_layer_ids" in meta else {}
+    log("export", dataset=cfg.dataset, format=fmt, dir=out, samples=tally.samples, tokens=tally.tokens, **layers)
+
+
+def write(fmt: str, src: Path, staging: Path, tally: ExportTally, cfg: Config) -> dict:
+    """The format's files; returns the end marker's contents."""
+    if fmt in ONLINE_WRITERS:
+        own = ONLINE_WRITERS[fmt](src, staging, tally, cfg)
+        return marker(fmt, src / "samples.parquet", tally) | own
+    hs = HiddenStates(src)
+    WRITERS[fmt](hs, staging, tally)
+    return marker(fmt, src, tally) | states_marker(fmt, hs)
+
+
+def target_vocab(cfg: Config) -> int | None:
+    """The target's vocabulary size when a mapping is asked for (t2d covers it), checked before any work."""
+    n = cfg.export.draft_vocab_size
+    if n is None:
+        return None
+    vocab = model_limits(cfg.model).vocab
+    if vocab is None:
+        raise ConfigError(
+            "export.draft_vocab_size", f"the mapping needs the target's vocab_size: no config.json at {cfg.model.path}"
+        )
+    if n > vocab:
+        raise ConfigError("export.draft_vocab_size", f"{n} is more than the target's vocabulary ({vocab} tokens)")
+    return vocab
 
 
 def run(argv: list[str]) -> None:

@@ -27,6 +27,7 @@ CONF_DIR = ROOT / "conf"
 SHAPES = ("opencodeinstruct", "magicoder_oss", "magicoder_evol", "messages", "conversations", "swe_agent", "glaive")
 SUFFIXES = (".jsonl", ".json", ".parquet")  # local source files, each optionally .gz
 DTYPES = ("bfloat16", "float16", "float32", "fp8")  # of stored hidden states
+EXPORT_FORMATS = ("specforge", "speculators", "specforge_online", "speculators_online")  # `draftdata export`
 
 
 def file_kind(path: Path) -> str | None:
@@ -202,6 +203,9 @@ class DatasetConfig:
     on_truncation: OnTruncation = OnTruncation.keep
     turns: Turns = Turns.last
     on_tool_divergence: OnToolDivergence = OnToolDivergence.stop
+    # false: the hidden_states stage stores nothing for this dataset (it loads no model and writes a marker), for
+    # online training, where the trainer computes the states from the samples itself (export.format=*_online)
+    store_hidden_states: bool = True
     # run-time knob: read, but not declared as a DVC param (changing it reruns nothing)
     concurrency: int = 64
 
@@ -303,12 +307,19 @@ class ExportConfig:
     """`draftdata export`: the hidden states in a trainer's own layout (not a DVC stage: run it where you
     train)."""
 
-    format: str = "specforge"  # specforge | speculators
+    # specforge | speculators: offline (the stored hidden states); specforge_online | speculators_online: the
+    # samples alone, for training with the states computed on the fly (no hidden_states stage needed)
+    format: str = "specforge"
     dir: Optional[str] = None  # None: data/<dataset>/export-<format>
+    # Also write the draft vocabulary mapping (d2t, t2d) for a draft vocabulary of this many tokens, from the
+    # loss-masked token counts of the samples, as the trainer itself computes it. None: no mapping written.
+    draft_vocab_size: Optional[int] = None
 
     def check(self, key: str) -> None:
-        if self.format not in ("specforge", "speculators"):
-            raise ConfigError(f"{key}.format", f"must be specforge or speculators, got {self.format!r}")
+        if self.format not in EXPORT_FORMATS:
+            raise ConfigError(f"{key}.format", f"must be one of {', '.join(EXPORT_FORMATS)}, got {self.format!r}")
+        if self.draft_vocab_size is not None:
+            _positive(f"{key}.draft_vocab_size", self.draft_vocab_size)
 
 
 @dataclass

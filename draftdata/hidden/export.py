@@ -81,9 +81,12 @@ from pathlib import Path
 from draftdata.config.schema import Config
 from draftdata.errors import ConfigError, UserError
 from draftdata.hidden.reader import HiddenStates, Sample
+from draftdata.hidden.vocab import specforge_mapping, speculators_mapping
 from draftdata.util.files import atomic_path, data_dir
 
 MARKER = "draftdata_export.json"
+SKIPPED = "skipped.json"  # what the hidden_states stage writes instead of states (datasets.<D>.store_hidden_states)
+SPECFORGE_VOCAB = "vocab_mapping/vocab_mapping.pt"  # where SpecForge's prepare_hidden_states.py puts it
 SPECFORGE_GROUP = 2000  # prepare_hidden_states.py's --file-group-size default: files per rows_* folder
 SOURCE_FILES = ("index.json", "samples.parquet", "final_norm.safetensors")
 # per format: the numbering its draft configs use for the aux layer ids, and the final state it trains on
@@ -97,6 +100,7 @@ class ExportTally:
     tokens: int = 0
     trained_tokens: int = 0
     token_freq: Counter = field(default_factory=Counter)
+    first_seen: dict = field(default_factory=dict)  # token -> where SpecForge's count first meets it (vocab.py)
 
 
 # ---- where: source, target, the swap --------------------------------------------------------------------------- #
@@ -107,6 +111,12 @@ def export_dir(cfg: Config) -> Path:
 
 
 def check_source(src: Path, dataset: str) -> None:
+    if (src / SKIPPED).is_file():
+        raise ConfigError(
+            f"datasets.{dataset}.store_hidden_states",
+            f"false: no hidden states are stored for {dataset}; export its samples for online training "
+            "(export.format=specforge_online|speculators_online), or set it true and dvc repro",
+        )
     for name in SOURCE_FILES:
         if not (src / name).is_file():
             raise UserError(
@@ -173,7 +183,7 @@ def write_specforge(hs: HiddenStates, staging: Path, tally: ExportTally) -> None
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(path) as tmp:
             torch.save(specforge_record(s), tmp)
-        count(s, tally)
+        count(s.input_ids, s.loss_mask, tally, specforge_path(i))  # SpecForge counts the files in path order
 
 
 # ---- speculators ------------------------------------------------------------------------------------------------- #
@@ -187,71 +197,132 @@ def speculators_tensors(s: Sample) -> dict:
     return {"token_ids": s.input_ids.to(torch.int64).contiguous(), "hidden_states": states.contiguous()}
 
 
-def speculators_row(s: Sample) -> dict:
-    return {"input_ids": s.input_ids.tolist(), "loss_mask": s.loss_mask.tolist(), "seq_len": int(s.input_ids.shape[0])}
+def speculators_row(input_ids: list[int], loss_mask: list[int], extra: dict) -> dict:
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "seq_len": len(input_ids), **extra}
 
 
-def speculators_features():
-    """The columns and types speculators' preprocessing saves (int64 lists from torch.long tensors)."""
+def speculators_features(extra: bool):
+    """The columns and types speculators' preprocessing saves (int64 lists from torch.long tensors); `extra`: the
+    samples' `conversation` and `turn` too (its reader reads only its own columns)."""
     from datasets import Features, Sequence, Value
 
-    return Features(
-        {"input_ids": Sequence(Value("int64")), "loss_mask": Sequence(Value("int64")), "seq_len": Value("int64")}
-    )
+    cols = {"input_ids": Sequence(Value("int64")), "loss_mask": Sequence(Value("int64")), "seq_len": Value("int64")}
+    if extra:
+        cols |= {"conversation": Value("string"), "turn": Value("int64")}
+    return Features(cols)
 
 
-def write_speculators(hs: HiddenStates, staging: Path, tally: ExportTally) -> None:
-    """The states file by file; the rows go to one Arrow file as they come (no dataset in memory), which
-    `save_to_disk` then lays out as speculators' preparation does, in torch format."""
+def save_speculators_rows(staging: Path, rows, extra: bool, tally: ExportTally) -> None:
+    """The rows go to one Arrow file as they come (no dataset in memory), which `save_to_disk` then lays out as
+    speculators' preparation does, in torch format; `token_freq.pt` beside it."""
     import torch
     from datasets import Dataset
     from datasets.arrow_writer import ArrowWriter
-    from safetensors.torch import save_file
 
-    (staging / "hidden_states").mkdir()
-    rows = staging.with_name(f"{staging.name}.rows.arrow")  # beside, not in: save_to_disk won't write over its source
+    arrow = staging.with_name(f"{staging.name}.rows.arrow")  # beside, not in: save_to_disk won't write over its source
     try:
-        with ArrowWriter(features=speculators_features(), path=str(rows)) as writer:
-            for i, s in enumerate(hs):
-                with atomic_path(staging / "hidden_states" / f"hs_{i}.safetensors") as tmp:
-                    save_file(speculators_tensors(s), str(tmp))
-                writer.write(speculators_row(s))
-                count(s, tally)
+        with ArrowWriter(features=speculators_features(extra), path=str(arrow)) as writer:
+            for row in rows:
+                writer.write(row)
             writer.finalize()
-        Dataset.from_file(str(rows)).with_format("torch").save_to_disk(str(staging))
+        Dataset.from_file(str(arrow)).with_format("torch").save_to_disk(str(staging))
     finally:
-        rows.unlink(missing_ok=True)
+        arrow.unlink(missing_ok=True)
     with atomic_path(staging / "token_freq.pt") as tmp:
         torch.save(dict(tally.token_freq), tmp)
+
+
+def write_speculators(hs: HiddenStates, staging: Path, tally: ExportTally) -> None:
+    """The states file by file, the rows with them (speculators' `hs_<i>` is row i)."""
+    from safetensors.torch import save_file
+
+    extras = SampleExtras(hs.path.parent / "samples.parquet")
+    (staging / "hidden_states").mkdir()
+
+    def rows():
+        for i, s in enumerate(hs):
+            with atomic_path(staging / "hidden_states" / f"hs_{i}.safetensors") as tmp:
+                save_file(speculators_tensors(s), str(tmp))
+            count(s.input_ids, s.loss_mask, tally, i)
+            yield speculators_row(s.input_ids.tolist(), s.loss_mask.tolist(), extras.of(i, s.id))
+
+    save_speculators_rows(staging, rows(), extras.present, tally)
+
+
+class SampleExtras:
+    """The `conversation` and `turn` of tokenize's samples (`turns: all`), for the offline exports: the stage's
+    own sample list holds neither, and its sample i is tokenize's sample i (checked by id)."""
+
+    def __init__(self, samples: Path):
+        import pyarrow.parquet as pq
+
+        names = pq.read_schema(samples).names if samples.is_file() else []
+        self.present = "conversation" in names
+        self._cols = pq.read_table(samples, columns=["id", "conversation", "turn"]) if self.present else None
+
+    def of(self, i: int, sample_id: str) -> dict:
+        if self._cols is None:
+            return {}
+        if self._cols["id"][i].as_py() != sample_id:
+            raise UserError(f"samples.parquet: sample {i} is not the hidden states' {sample_id}; rerun dvc repro")
+        return {"conversation": self._cols["conversation"][i].as_py(), "turn": self._cols["turn"][i].as_py()}
 
 
 # ---- the run ----------------------------------------------------------------------------------------------------- #
 
 
-def count(s: Sample, tally: ExportTally) -> None:
-    """Tokens, and the loss-masked token frequencies both trainers build their draft vocabulary from."""
-    trained = s.input_ids[s.loss_mask.bool()]
+def count(input_ids, loss_mask, tally: ExportTally, order) -> None:
+    """Tokens, and the loss-masked token frequencies both trainers build their draft vocabulary from; `order`: where
+    SpecForge's own count meets this sample (its ties at the vocabulary's cut go to the token met first)."""
+    trained = input_ids[loss_mask.bool()]
     ids, counts = trained.unique(return_counts=True)
     tally.token_freq.update(dict(zip(ids.tolist(), counts.tolist())))
+    for t in ids.tolist():
+        if t not in tally.first_seen or order < tally.first_seen[t]:
+            tally.first_seen[t] = order
     tally.samples += 1
-    tally.tokens += int(s.input_ids.shape[0])
+    tally.tokens += int(input_ids.shape[0])
     tally.trained_tokens += int(trained.shape[0])
 
 
-def marker(fmt: str, hs: HiddenStates, src: Path, tally: ExportTally) -> dict:
+def write_vocab_mapping(fmt: str, staging: Path, tally: ExportTally, n: int, vocab: int) -> list[str]:
+    """The draft vocabulary mapping where the trainer looks for it; returns the files written."""
+    import numpy as np
+    import torch
+
+    if fmt.startswith("speculators"):  # its trainer's cache of what it would compute (train/cli.py)
+        d2t, t2d = speculators_mapping(tally.token_freq, n, vocab)
+        files = {f"d2t-{n}.npy": d2t, f"t2d-{n}.npy": t2d}
+        for name, t in files.items():
+            with atomic_path(staging / name) as tmp, open(tmp, "wb") as f:
+                np.save(f, t.numpy())
+        return list(files)
+    d2t, t2d = specforge_mapping(tally.token_freq, tally.first_seen, n, vocab)
+    (staging / SPECFORGE_VOCAB).parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(staging / SPECFORGE_VOCAB) as tmp:
+        torch.save({"d2t": d2t, "t2d": t2d}, tmp)
+    return [SPECFORGE_VOCAB]
+
+
+def marker(fmt: str, src: Path, tally: ExportTally) -> dict:
     return {
         "format": fmt,
         "source": str(src),
-        "model": hs.index["model"],
         "samples": tally.samples,
         "tokens": tally.tokens,
         "trained_tokens": tally.trained_tokens,
+        "order": "sample i of the source (samples.parquet order) is file/row i",
+    }
+
+
+def states_marker(fmt: str, hs: HiddenStates) -> dict:
+    return {
+        "model": hs.index["model"],
         "hidden_size": hs.hidden_size,
         "dtype": "bfloat16",
         "aux_layer_ids": hs.layers[LAYER_NUMBERING[fmt]],
         "aux_layer_numbering": LAYER_NUMBERING[fmt],
         "final_state": FINAL_STATE[fmt],
-        "order": "sample i of the source (samples.parquet order) is file/row i",
     }
 
 
