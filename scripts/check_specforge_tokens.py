@@ -7,9 +7,10 @@ SpecForge (it imports nothing of draftdata):
 `preprocess_conversations`, what `build_eagle3_dataset` maps over `data.train_data_path`; its `tools` parsed from
 JSON as there) with the named template (`--template-json '{"assistant_header": ...}'` registers one of your own,
 as SpecForge's TEMPLATE_REGISTRY documents), and each sample is compared with `prompts.jsonl`, our exact ids and loss
-mask. Prints one JSON line: how many samples have the same ids, and of those the same loss mask, and the first
-sample that differs with where. Exit status 1 when any differs: then train from prompts.jsonl (`data.prompts_path`),
-or fix the template until none does.
+mask. Prints one JSON line: how many samples have the same ids, and of those the same loss mask; where our ids are
+a prefix of theirs (a template that writes text after the last turn), the tokens each trains that the other does
+not; and the first sample that differs, with where. Exit status 1 when any differs: then train from prompts.jsonl
+(`data.prompts_path`), or fix the template until none does.
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ def main() -> int:
         for line in f:
             row = json.loads(line)
             ours[row["id"]] = (row["input_ids"][: args.max_length], row["loss_mask"][: args.max_length])
-    report = {"samples": 0, "same_ids": 0, "same_ids_and_mask": 0, "first": None}
+    report = {"samples": 0, "same_ids": 0, "same_ids_and_mask": 0, "ours_prefix_of_theirs": 0, "first": None}
+    # where ours is a prefix of theirs: tokens trained, and our trained spans (answers)
+    trained = dict.fromkeys(("ours", "theirs", "ours_only", "theirs_only", "our_spans"), 0)
     with open(export / "conversations.jsonl") as f:
         for line in f:
             rec = json.loads(line)
@@ -59,14 +62,22 @@ def main() -> int:
             ids, mask = got["input_ids"][0][0].tolist(), got["loss_mask"][0][0].tolist()
             want_ids, want_mask = ours[rec["id"]]
             report["samples"] += 1
-            same_ids = ids == want_ids
-            report["same_ids"] += same_ids
-            report["same_ids_and_mask"] += same_ids and mask == want_mask
-            if report["first"] is None and not (same_ids and mask == want_mask):
-                what = "input_ids" if not same_ids else "loss_mask"
-                at = first_difference(ids, want_ids) if not same_ids else first_difference(mask, want_mask)
+            report["same_ids"] += ids == want_ids
+            report["same_ids_and_mask"] += ids == want_ids and mask == want_mask
+            if ids[: len(want_ids)] == want_ids:  # a template that adds text after the last turn
+                report["ours_prefix_of_theirs"] += 1
+                padded = want_mask + [0] * (len(mask) - len(want_mask))
+                trained["ours"] += sum(want_mask)
+                trained["theirs"] += sum(mask)
+                trained["ours_only"] += sum(a and not b for a, b in zip(padded, mask))
+                trained["theirs_only"] += sum(b and not a for a, b in zip(padded, mask))
+                trained["our_spans"] += sum(m and not p for p, m in zip([0] + want_mask, want_mask))
+            if report["first"] is None and not (ids == want_ids and mask == want_mask):
+                what = "input_ids" if ids != want_ids else "loss_mask"
+                at = first_difference(ids, want_ids) if ids != want_ids else first_difference(mask, want_mask)
                 report["first"] = {"id": rec["id"], "differs_in": what, "at": at, "theirs": ids, "ours": want_ids}
                 report["first"] |= {"their_mask": mask, "our_mask": want_mask}
+    report["trained_tokens"] = trained
     print(json.dumps(report))
     return 0 if report["same_ids_and_mask"] == report["samples"] == len(ours) else 1
 

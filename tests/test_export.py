@@ -456,3 +456,160 @@ def test_trainers_own_readers_load_the_exports(states, tmp_path):
     # SpecForge's dataset class zeroes the last loss-mask entry in place on a memory-mapped load: the file keeps its
     # own (a private mapping)
     assert torch.equal(torch.load(sf / specforge_path(0), weights_only=True)["loss_mask"], samples[0].loss_mask)
+
+
+# Runs under DRAFTDATA_TRAINERS_PYTHON: the online exports through the trainers' own online readers, and each
+# trainer's own vocab mapping from each export beside ours.
+ONLINE_READERS = textwrap.dedent("""
+    import json, sys
+    from argparse import Namespace
+    from collections import Counter
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import save_file
+
+    sp_on, sf_on, sp_off, sf_off, out = sys.argv[1:6]
+    n, vocab, model = int(sys.argv[6]), int(sys.argv[7]), sys.argv[8]
+    out, BIG, result = Path(out), 1 << 20, {}
+
+    # speculators 0.9.0, online: its ArrowDataset finds no stored states and generates them (--on-missing generate,
+    # the default); the vLLM request is stood in for by a function that writes the file vLLM's connector writes
+    import speculators.train.data as data
+
+    sent = []
+
+    def vllm(client, model_name, item, **kwargs):
+        sent.append(item)
+        ids = torch.tensor(item["input_ids"], dtype=torch.long)
+        path = out / f"generated_{len(sent)}.safetensors"
+        save_file({"token_ids": ids, "hidden_states": torch.ones(len(ids), 4, 8, dtype=torch.bfloat16)}, str(path))
+        return str(path), {"hidden_states_path": str(path)}
+
+    data.generate_hidden_states = vllm
+    ds = data.ArrowDataset(max_len=BIG, datapath=sp_on, on_missing="generate")
+    ds.client, ds.model = object(), "target"  # no endpoint to ask for its model
+    items = [ds[i] for i in range(len(ds))]
+    result["speculators_online"] = {
+        "sent": sent,
+        "input_ids": [it["input_ids"].tolist() for it in items],
+        "loss_mask": [it["loss_mask"].tolist() for it in items],
+        "hidden_states": [list(it["hidden_states"].shape) for it in items],
+        "lengths": ds.approx_lengths,
+    }
+    # ... and offline, the export with the conversation and turn columns
+    ds = data.ArrowDataset(max_len=BIG, datapath=sp_off, on_missing="raise")
+    result["speculators_offline_ids"] = [ds[i]["input_ids"].tolist() for i in range(len(ds))]
+
+    # speculators' vocab mapping: its trainer finds our d2t-N/t2d-N files, and computes its own from token_freq.pt
+    from speculators.train.cli import parse_vocab_mappings
+    from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+    def same(a, b):
+        return all(torch.equal(x, y) for x, y in zip(a, b))
+
+    for name, path in (("speculators_online", sp_on), ("speculators", sp_off)):
+        args = Namespace(d2t_path=None, t2d_path=None, data_path=path, draft_vocab_size=n, token_freq_path=None,
+                         verifier_name_or_path=model, trust_remote_code=False)
+        found = parse_vocab_mappings(args)
+        own = build_vocab_mappings_from_distribution(torch.load(Path(path) / "token_freq.pt"), n, vocab)
+        result[f"{name}_vocab"] = found[2] == n and same(found[:2], own)
+
+    # SpecForge 0.2.0, online: prompts.jsonl through its prompt preparation (data.prompts_path); its vocab mapping
+    # from those rows (generate_vocab_mapping_file) and, offline, from the feature files, against ours
+    from datasets import Dataset
+    from specforge.data.preprocessing import generate_vocab_mapping_file, process_token_dict_to_mappings
+    from specforge.data.prompt_builder import prepare_prompt_tasks
+    from specforge.training.vocab_mapping import count_effective_feature_tokens
+
+    tasks = prepare_prompt_tasks(Path(sf_on) / "prompts.jsonl", None, chat_template=None, max_length=BIG,
+                                 is_preformatted=False, train_only_last_turn=False, cache_dir=None, cache_key=None,
+                                 num_proc=None)
+    payloads = [t["payload"] for t in tasks]
+    result["specforge_online"] = payloads
+    theirs = torch.load(generate_vocab_mapping_file(Dataset.from_list(payloads).with_format("torch"), vocab, n,
+                                                    cache_dir=str(out / "sf_vocab")))
+    ours = torch.load(Path(sf_on) / "vocab_mapping" / "vocab_mapping.pt")
+    result["specforge_online_vocab"] = same((theirs["d2t"], theirs["t2d"]), (ours["d2t"], ours["t2d"]))
+    theirs = process_token_dict_to_mappings(count_effective_feature_tokens(sf_off), n, vocab)
+    ours = torch.load(Path(sf_off) / "vocab_mapping" / "vocab_mapping.pt")
+    result["specforge_vocab"] = same(theirs, (ours["d2t"], ours["t2d"]))
+    (out / "online.json").write_text(json.dumps(result))
+""")
+
+
+def tied_cut(freq: Counter, least: int = 32) -> int:
+    """A draft vocabulary size at which tokens of equal count fall on both sides of the cut: the tie-break decides."""
+    counts = sorted(freq.values(), reverse=True)
+    return next(n for n in range(least, len(counts)) if counts[n - 1] == counts[n])
+
+
+@pytest.mark.trainers
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(
+    not TRAINERS_PYTHON, reason="set DRAFTDATA_TRAINERS_PYTHON to a Python with specforge and speculators"
+)
+def test_trainers_read_the_online_exports_and_compute_our_vocab_mappings(chats, tmp_path):
+    rows = samples_of(chats, "B6")
+    n = tied_cut(masked_freq(rows))
+    vocab = json.loads((Path(chats.params["model"]["path"]) / "config.json").read_text())["vocab_size"]
+    chats.params["datasets"]["B6"]["store_hidden_states"] = True
+    chats.save()
+    chats.run("hidden_states", "B6")
+    dirs = [
+        export(chats, fmt, f"export.draft_vocab_size={n}", dataset="B6")
+        for fmt in ("speculators_online", "specforge_online", "speculators", "specforge")
+    ]
+    (tmp_path / "online.py").write_text(ONLINE_READERS)
+    args = [*map(str, dirs), str(tmp_path), str(n), str(vocab), chats.params["model"]["path"]]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([TRAINERS_PYTHON, str(tmp_path / "online.py"), *args], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = json.loads((tmp_path / "online.json").read_text())
+
+    ids, masks = [r["input_ids"] for r in rows], [r["loss_mask"] for r in rows]
+    sp = got["speculators_online"]
+    assert sp["sent"] == [{"input_ids": i} for i in ids]  # what goes to vLLM: our ids, nothing to re-render
+    assert sp["input_ids"] == ids and sp["loss_mask"] == masks and sp["lengths"] == [len(i) for i in ids]
+    assert sp["hidden_states"] == [[len(i), 3 * 8] for i in ids]  # states from the stand-in, our mask beside them
+    assert got["speculators_offline_ids"] == ids
+    assert got["specforge_online"] == [{"input_ids": i, "loss_mask": m} for i, m in zip(ids, masks)]
+    for name in ("speculators_online", "speculators", "specforge_online", "specforge"):
+        assert got[f"{name}_vocab"] is True, name
+
+
+@pytest.mark.trainers
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(
+    not TRAINERS_PYTHON, reason="set DRAFTDATA_TRAINERS_PYTHON to a Python with specforge and speculators"
+)
+def test_specforge_re_tokenizes_the_conversations_with_our_check(chats):
+    """scripts/check_specforge_tokens.py on the demo's ChatML target, with SpecForge's qwen headers and no default
+    system prompt: where its ids begin with ours, its loss mask covers ours and one token more per answer (the
+    newline its end-of-turn pattern takes after <|im_end|>); the tiny target's sampled tokens that are not its
+    tokenizer's encoding of their text make the other samples differ, and the check says so (exit status 1)."""
+    out = export(chats, "specforge_online", dataset="B6")
+    template = {"assistant_header": "<|im_start|>assistant\n", "user_header": "<|im_start|>user\n"}
+    template["end_of_turn_token"] = "<|im_end|>\n"
+    r = subprocess.run(
+        [
+            TRAINERS_PYTHON,
+            str(Path(__file__).resolve().parents[1] / "scripts" / "check_specforge_tokens.py"),
+            str(out),
+            "--model",
+            chats.params["model"]["path"],
+            "--chat-template",
+            "chatml_no_system",
+            "--template-json",
+            json.dumps(template),
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert r.returncode == 1, r.stderr[-4000:]
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert report["samples"] == len(samples_of(chats, "B6")) and report["same_ids"] == 0
+    assert report["ours_prefix_of_theirs"] > 0
+    t = report["trained_tokens"]
+    assert t["ours_only"] == 0 and t["theirs_only"] == t["our_spans"] > 0 and t["theirs"] == t["ours"] + t["our_spans"]
