@@ -3,6 +3,7 @@ dataset's budget reruns only that dataset's chain."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -311,3 +312,34 @@ def test_two_repros_at_once_the_second_stops_on_dvc_s_lock(repo):
     # nothing was left half-done: only the summary of the regenerated dataset is behind (its metrics changed)
     assert ran(dvc("repro", cwd=repo)) <= {"summary@B1_glaive"}
     assert ran(dvc("repro", cwd=repo)) == set()
+
+
+@pytest.mark.slow
+def test_store_hidden_states_false_reruns_that_stage_alone_and_stores_nothing(repo):
+    """Online training needs no states: the flag reruns hidden_states@D alone, which writes its marker (no model
+    loaded) and nothing else; set back, the states come back from the state store, computed 0 times."""
+    dvc("repro", cwd=repo)
+    good = (repo / "params.yaml").read_text()
+    params = yaml.safe_load(good)
+    params["datasets"]["B3_magicoder"]["store_hidden_states"] = False
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    out = repo / "data" / "B3_magicoder"
+    try:
+        changed = set(re.findall(r"^(\S+):\s*$", dvc("status", cwd=repo), flags=re.M))
+        assert changed == {"check_params", "hidden_states@B3_magicoder"}
+        assert ran(dvc("repro", cwd=repo)) == {"check_params", "hidden_states@B3_magicoder"}
+        assert [p.name for p in (out / "hidden_states").iterdir()] == ["skipped.json"]
+        assert json.loads((out / "hidden_states_metrics.json").read_text())["stored"] is False
+        assert ran(dvc("repro", cwd=repo)) == set()
+        sh(
+            [sys.executable, "-m", "draftdata", "export", "dataset=B3_magicoder", "export.format=speculators_online"],
+            repo,
+        )
+        assert (out / "export-speculators_online" / "token_freq.pt").is_file()
+    finally:
+        (repo / "params.yaml").write_text(good)
+    dvc("repro", cwd=repo)  # DVC may restore the states from its run cache; forced, the stage computes none
+    assert (out / "hidden_states" / "index.json").is_file() and not (out / "hidden_states" / "skipped.json").exists()
+    assert "hidden_states@B3_magicoder" in ran(dvc("repro", "-s", "-f", "hidden_states@B3_magicoder", cwd=repo))
+    metrics = json.loads((out / "hidden_states_metrics.json").read_text())
+    assert metrics["samples"] > 0 and metrics["computed_samples"] == 0

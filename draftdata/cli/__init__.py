@@ -16,7 +16,7 @@ from importlib import import_module
 # command -> (module, one line); modules load only when their command runs (plan and export import torch)
 COMMANDS = {
     "plan": ("draftdata.cli.plan", "what each dataset will cost: tokens to generate, requests, GPU time, disk"),
-    "export": ("draftdata.cli.export", "a dataset's hidden states in SpecForge's or speculators' own layout"),
+    "export": ("draftdata.cli.export", "a dataset's hidden states (or samples alone) in a trainer's own layout"),
     "compare": ("draftdata.cli.compare", "one short row per experiment from each dataset's summary.json"),
     "reference": ("draftdata.cli.reference", "the configuration reference table (--write: into docs/configuration.md)"),
 }

@@ -1,6 +1,7 @@
-"""Command `export`: `data/<D>/hidden_states/` → a trainer's own offline-training layout.
+"""Command `export`: `data/<D>/hidden_states/` → a trainer's own offline-training layout (the online formats, from
+the samples alone, are in draftdata/hidden/online.py).
 
-    draftdata export dataset=<D> export.format=specforge|speculators [export.dir=...]
+    draftdata export dataset=<D> export.format=specforge|speculators [export.dir=...] [export.draft_vocab_size=N]
 
 Not a DVC stage: run it where the drafter is trained. It reads the stage output through `draftdata.hidden.HiddenStates`
 one sample at a time and writes the trainer's files, one sample in memory at a time. The whole export is built in
@@ -18,20 +19,18 @@ bfloat16 (the default), rounded once for float32/float16/fp8 storage. The aux la
 specforge (`<dir>/rows_<g>-<g+2000>/data_<i>.ckpt`, sample i of the dataset):
   one `torch.save` dict per sample: `input_ids` int64 [T], `loss_mask` int64 [T], `aux_hidden_state` bf16
   [1, T, k*H] (the aux layers concatenated) and `hidden_state` bf16 [1, T, H] AFTER the target's final norm (its
-  target head applies lm_head only). No vocab mapping is written: it depends on the draft vocabulary size, and
-  SpecForge's trainer derives it itself at start from these files' loss-masked tokens (below). Where a mapping file
-  must be given (`model.vocab_mapping_path`, required for disaggregated runs), make it from the export with
-  SpecForge's own code:
-      python -c "import torch; from specforge.training.vocab_mapping import count_effective_feature_tokens as c; \
-        from specforge.data.preprocessing import process_token_dict_to_mappings as m; \
-        d2t, t2d = m(c('<dir>'), DRAFT_VOCAB, TARGET_VOCAB); torch.save({'d2t': d2t, 't2d': t2d}, 'vocab_mapping.pt')"
+  target head applies lm_head only). Without `export.draft_vocab_size` no vocab mapping is written: SpecForge's
+  trainer derives one itself at start from these files' loss-masked tokens (below); with it,
+  `vocab_mapping/vocab_mapping.pt` is the one it would derive (draftdata/hidden/vocab.py), for
+  `model.vocab_mapping_path` (required for disaggregated runs).
 
 speculators (`<dir>` is the `--data-path` of `speculators train`):
   a `datasets` `save_to_disk` dataset (columns `input_ids`, `loss_mask` int64 lists, `seq_len` int64; torch format,
   as its preprocessing saves it), `hidden_states/hs_<i>.safetensors` for row i (`token_ids` int64 [T],
   `hidden_states` bf16 [T, k+1, H]: the aux layers, then the final state BEFORE the final norm, which its trainer
   applies itself) and `token_freq.pt` (a dict token id → count of loss-masked tokens, what its preparation saves;
-  its trainer turns it into d2t/t2d for the `--draft-vocab-size` it is given).
+  its trainer turns it into d2t/t2d for the `--draft-vocab-size` it is given; with `export.draft_vocab_size`, the
+  `d2t-<N>.npy` and `t2d-<N>.npy` it would cache there, which it then loads instead).
 
 facts checked in specforge 0.2.0 (the package, and scripts/prepare_hidden_states.py of its repository, which the
 wheel does not ship):
