@@ -274,6 +274,10 @@ def test_refusals(project):
         project.run("export", "B3", "export.format=tensorflow")
     with pytest.raises(UserError, match=r"hidden_states/index\.json: not found; run the hidden_states stage"):
         project.run("export", "B3", "export.format=specforge")
+    with pytest.raises(UserError, match=r"B3/samples\.parquet: not found; run the tokenize stage"):
+        project.run("export", "B3", "export.format=speculators_online")
+    with pytest.raises(ConfigError, match=r"^export\.draft_vocab_size: must be a positive integer, got 0"):
+        project.run("export", "B3", "export.format=speculators_online", "export.draft_vocab_size=0")
 
 
 def test_refuses_a_file_or_a_foreign_directory(states):
