@@ -5,6 +5,7 @@ a regenerated turn diverges from the source's."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import json
 import os
@@ -21,6 +22,7 @@ from draftdata.generate.conversation import (
     SOURCE_EXHAUSTED,
     TOOL_CALL_DIVERGED,
     TRUNCATED,
+    TurnRenders,
     TurnTarget,
     prefix_stable,
     replay,
@@ -345,3 +347,95 @@ def test_text_answers_to_text_turns_match():
 def test_on_tool_divergence_is_checked():
     with pytest.raises(ValueError, match="on_tool_divergence is 'Stop'"):
         replay(chat_conv("Hi.", "Hello."), {}.get, golden("chatml"), on_tool_divergence="Stop")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Renders held from an earlier run
+
+
+def thinking_target() -> TurnTarget:
+    tok = make_golden.load_tokenizer("qwen3_thinking")
+    tok.chat_template = (ROOT / "conf" / "templates" / "qwen3_thinking.jinja").read_text()
+    return target(tok)
+
+
+# a target, a conversation, and which of its turns' renders go on from the previous turn and its answer: where the
+# template writes the history as it was (the hermes call was parsed out of the ids, so the template writes it anew)
+HELD_CASES = {
+    "chatml": (
+        lambda: golden("chatml"),
+        lambda: chat_conv("Hi.", "Hello.", "And you?", "Fine.", "Bye.", "Bye!"),
+        [False, True, True],
+    ),
+    "hermes_tools": (lambda: golden("hermes_tools"), tool_conv, [False, False, True]),
+    "qwen3_thinking": (
+        thinking_target,
+        lambda: chat_conv("What is 2+2?", "4.", "And 3+3?", "6.", "4+4?", "8."),
+        [False, False, False],
+    ),
+}
+HELD_ANSWERS = {
+    "chatml": ["Hello there.", "Very well.", "Goodbye."],
+    "hermes_tools": [
+        {"text": "", "tool_calls": [call("get_weather", '{"city": "Paris", "unit": "celsius"}', "c1")]},
+        "18 degrees.",
+        "Any time.",
+    ],
+    "qwen3_thinking": [
+        "<think>\nAdd.\n</think>\n\n4.",
+        "<think>\nAgain.\n</think>\n\n6.",
+        "<think>\nOnce more.\n</think>\n\n8.",
+    ],
+}
+
+
+def renders_counted(monkeypatch, tok) -> list:
+    """Every call of the chat template on `tok` from here on."""
+    calls: list = []
+    render = tok.apply_chat_template
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return render(*args, **kwargs)
+
+    monkeypatch.setattr(tok, "apply_chat_template", counted)
+    return calls
+
+
+def planned(r) -> list[tuple]:
+    return [(p.key, p.prompt, p.prompt_ids) for p, _ in r.done] + [(r.next and r.next.key, r.ended)]
+
+
+@pytest.mark.parametrize("case", sorted(HELD_CASES))
+def test_held_renders_replay_stored_turns_without_the_template(case, monkeypatch):
+    make_target, make_conv, grown = HELD_CASES[case]
+    t, conv = make_target(), make_conv()
+    cold, store = drive(conv, t, HELD_ANSWERS[case])  # no renders held: every turn rendered
+    renders = TurnRenders()
+    first = replay(conv, store.get, dataclasses.replace(t, renders=renders))
+    assert planned(first) == planned(cold) and len(first.done) == 3
+    # such a turn holds only what it adds to the previous turn and its answer
+    assert [ids.startswith("+") for ids in renders.take_new().values()] == grown
+    calls = renders_counted(monkeypatch, t.tok)
+    again = replay(conv, store.get, dataclasses.replace(t, renders=TurnRenders(dict(renders.held))))
+    assert calls == []
+    assert planned(again) == planned(cold)
+
+
+def test_a_changed_answer_or_an_unreadable_render_is_rendered_again(monkeypatch):
+    t, conv = golden("chatml"), chat_conv("Hi.", "Hello.", "And you?", "Fine.", "Bye.", "Bye!")
+    renders = TurnRenders()
+    drive(conv, dataclasses.replace(t, renders=renders), ["Hello there.", "Very well.", "Goodbye."])
+    held = dict(renders.held)
+    # the store answered anew (another run after the store was emptied): turn 0 is held, turns 1 and 2 grow from
+    # another answer
+    cold, store = drive(conv, t, ["Hi!", "Very well.", "Goodbye."])
+    calls = renders_counted(monkeypatch, t.tok)
+    again = replay(conv, store.get, dataclasses.replace(t, renders=TurnRenders(dict(held))))
+    assert planned(again) == planned(cold)
+    assert len(calls) == 3  # turns 1 and 2, and the text of turn 0 that turn 1 goes on from
+    for bad in ("[1,2", "+[1,x]", "[]]", ""):  # cut or mangled rows: every turn rendered, nothing else
+        calls.clear()
+        unreadable = {k: bad for k in held}
+        again = replay(conv, store.get, dataclasses.replace(t, renders=TurnRenders(unreadable)))
+        assert planned(again) == planned(cold) and len(calls) > 3

@@ -8,9 +8,11 @@ import gzip
 import hashlib
 import json
 import sqlite3
+from collections import Counter
 
 import pytest
-from transformers import AutoTokenizer
+from conftest import ROOT
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from bench.fake_server import FakeServer, GreedyModel
 from draftdata.cli.plan import main as plan
@@ -362,7 +364,7 @@ def test_a_later_turn_past_the_context_ends_its_conversation(conv_project, tiny_
     store = ResponseStore(project.path / "store.sqlite")
     try:
         room = max(len(line["prompt_ids"]) for line in lines if line["turn"] == 1)  # every turn 1 fits
-        convs = plan_conversations(cfg, prompts, tok, store, room + MAX_TOKENS)
+        convs, _ = plan_conversations(cfg, prompts, tok, store, room + MAX_TOKENS)
     finally:
         store.close()
     turn2 = {line["conversation"]: len(line["prompt_ids"]) for line in lines if line["turn"] == 2}
@@ -404,3 +406,119 @@ def test_a_conversation_whose_first_answer_is_empty_is_counted_though_it_has_no_
     m = metrics(project)
     assert [line["turn"] for line in responses(project)] == [0]
     assert m["conversations"] == 1 and m["conversations_ended"] == {"budget": 1}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the turns' render cache
+
+
+def turn_renders_counted(monkeypatch) -> Counter:
+    """The chat template's renders of three_turn_rows' conversations from here on (not the probes of a tokenizer
+    being loaded), by the conversation's first user turn."""
+    counts: Counter = Counter()
+    render = PreTrainedTokenizerBase.apply_chat_template
+
+    def counted(self, conversation, *args, **kwargs):
+        first = next((m["content"] for m in conversation if m["role"] == "user"), "")
+        if first.startswith("Tell me about topic"):
+            counts[first] += 1
+        return render(self, conversation, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedTokenizerBase, "apply_chat_template", counted)
+    return counts
+
+
+def held_renders(project, forget: bool = False) -> int:
+    """The turns' renders the store holds (`forget`: none from now on)."""
+    with sqlite3.connect(project.path / "store.sqlite") as db:
+        if forget:
+            db.execute("DELETE FROM turn_rendered")
+        return db.execute("SELECT COUNT(*) FROM turn_rendered").fetchone()[0]
+
+
+def rendered_cold(conv_project, rows: list[dict], renders: Counter) -> None:
+    """A rerun with no render held renders every turn again and writes the output the last run wrote, byte for
+    byte, sending nothing."""
+    project, start = conv_project
+    before = (project.data("B3") / "responses.jsonl").read_bytes()
+    held_renders(project, forget=True)
+    renders.clear()
+    (srv,) = start(rows)
+    project.run("generate", "B3")
+    assert srv.generate_calls == [] and sum(renders.values()) >= 12
+    assert (project.data("B3") / "responses.jsonl").read_bytes() == before
+
+
+def test_a_rerun_over_stored_turns_renders_none_of_them_and_sends_nothing(conv_project, monkeypatch):
+    project, start = conv_project
+    start(three_turn_rows())
+    project.run("generate", "B3")
+    before = (project.data("B3") / "responses.jsonl").read_bytes()
+    assert held_renders(project) == 12
+    (srv,) = start(three_turn_rows())
+    renders = turn_renders_counted(monkeypatch)
+    project.run("generate", "B3")
+    assert sum(renders.values()) == 0 and srv.generate_calls == []
+    assert (project.data("B3") / "responses.jsonl").read_bytes() == before
+    rendered_cold(conv_project, three_turn_rows(), renders)
+    assert held_renders(project) == 12  # kept again
+
+
+def test_a_changed_template_kwargs_misses_the_held_renders(conv_project, tiny_model, monkeypatch):
+    project, start = conv_project
+    project.params["model"]["chat_template"] = str(ROOT / "conf" / "templates" / "qwen3_thinking.jinja")
+    start(three_turn_rows())
+    project.run("generate", "B3")
+    thinking = (project.data("B3") / "responses.jsonl").read_bytes()
+    renders = turn_renders_counted(monkeypatch)
+    (srv,) = start(three_turn_rows(), template_kwargs={"enable_thinking": False})
+    project.run("generate", "B3")
+    assert len(sent_ids(srv)) == 12 and sum(renders.values()) > 0  # every turn anew: its prompt ids changed
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    assert all("<think>\n\n</think>" in tok.decode(line["prompt_ids"]) for line in responses(project))
+    off = (project.data("B3") / "responses.jsonl").read_bytes()
+    # either kwargs again: their renders are both held
+    for kwargs, before in (({}, thinking), ({"enable_thinking": False}, off)):
+        renders.clear()
+        (srv,) = start(three_turn_rows(), template_kwargs=kwargs)
+        project.run("generate", "B3")
+        assert sum(renders.values()) == 0 and srv.generate_calls == []
+        assert (project.data("B3") / "responses.jsonl").read_bytes() == before
+    rendered_cold(conv_project, three_turn_rows(), renders)  # the very ids a cold render gives
+
+
+def test_a_changed_later_user_turn_misses_the_held_renders(conv_project, monkeypatch):
+    project, start = conv_project
+    rows = three_turn_rows()
+    start(rows)
+    project.run("generate", "B3")
+    rows[1]["messages"][2]["content"] = "Go on, please."
+    renders = turn_renders_counted(monkeypatch)
+    (srv,) = start(rows)
+    project.run("generate", "B3")
+    assert set(renders) == {"Tell me about topic 1."}  # the other conversations are held as they were
+    changed = [line for line in responses(project) if line["messages"][0]["content"] == "Tell me about topic 1."]
+    assert set(sent_ids(srv)) == {line["key"] for line in changed if line["turn"] >= 1}
+    assert changed[1]["messages"][-1]["content"] == "Go on, please."
+    rendered_cold(conv_project, rows, renders)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "UPDATE turn_rendered SET ids = substr(ids, 1, 9)",  # cut rows
+        "DROP TABLE turn_rendered; CREATE TABLE turn_rendered (x)",  # a table of another shape
+    ],
+)
+def test_an_unreadable_render_cache_costs_renders_only(conv_project, monkeypatch, damage):
+    project, start = conv_project
+    start(three_turn_rows())
+    project.run("generate", "B3")
+    before = (project.data("B3") / "responses.jsonl").read_bytes()
+    with sqlite3.connect(project.path / "store.sqlite") as db:
+        db.executescript(damage)
+    renders = turn_renders_counted(monkeypatch)
+    (srv,) = start(three_turn_rows())
+    project.run("generate", "B3")
+    assert srv.generate_calls == [] and sum(renders.values()) >= 12
+    assert (project.data("B3") / "responses.jsonl").read_bytes() == before

@@ -317,6 +317,12 @@ class _NoStore:
     def get_many(self, keys) -> dict:
         return {}
 
+    def get_turn_renders(self, tokenizer, conversations, turns) -> dict:
+        return {}
+
+    def put_turn_renders(self, tokenizer, renders) -> None:
+        pass
+
 
 def _conversation_turns(
     cfg: Config, records: list[dict], tok, store: ResponseStore | None
@@ -324,7 +330,7 @@ def _conversation_turns(
     """`turns: all`: each conversation walked over the turns the store holds, as generate walks it. The turns
     answered and each one's next, the store's rows for them, the source turns of all conversations (their
     `slots`), and the turns a run could still send (those left of the conversations that have not ended)."""
-    convs = plan_conversations(cfg, records, tok, store or _NoStore(), None)
+    convs, _ = plan_conversations(cfg, records, tok, store or _NoStore(), None)
     planned, stored = conversation_plan(convs, store or _NoStore())
     left = sum(len(c.rec["slots"]) - len(c.done) for c in convs if c.next is not None)
     return planned, stored, sum(len(r["slots"]) for r in records), left

@@ -9,27 +9,37 @@ result per call). Each turn is keyed by `request_key` over its
 exact prompt ids, like any request: `replay` walks a conversation through the answers stored under those keys and
 says which turns are done, which one to request next, or why the conversation ended. Nothing but the store holds a
 conversation's state: the same answers and template give the same keys in any process, so a rerun resumes at the
-first turn not stored. Pure: the caller brings the lookup and the tokenizer.
+first turn not stored. Pure: the caller brings the lookup, the tokenizer and the cache of renders.
 
 Prompt ids. Where the template writes the history as it was (turn t's rendered prompt starts with turn t-1's
 prompt followed by the answer's own tokens), turn t's ids are turn t-1's ids + the answer's ids + the rest
 encoded: the target's own tokens, exactly, never re-tokenised. Where it rewrites the history (Qwen3-style templates
 drop earlier reasoning), they are the rendered prompt's ids, as a chat server renders it; `prefix_stable` then says
 so from the ids.
+
+Renders. A rerun walks every conversation over its stored turns, and rendering each turn through the chat template
+costs milliseconds. `TurnRenders` holds the ids of turns rendered before, by turn key: a hash of the conversation's
+id (a hash of its whole source and tools: all the template reads of it but the answers) and of every answer before
+the turn (text, reasoning, tool calls, ids). The template, tokenizer and kwargs are the caller's fingerprint (one
+`TurnRenders` per fingerprint). A changed source, answer, template or kwargs is a new key; a turn not held, or held
+in a form that cannot be read, is rendered.
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from draftdata.generate.actions import diverged, written_calls
-from draftdata.generate.selection import Planned, needs_request, request_key
-from draftdata.generate.store import StoredResponse
+from draftdata.generate.selection import Planned, needs_request, request_keys
+from draftdata.generate.store import StoredResponse, ids_json
 from draftdata.target.tokenizer import assistant_message, render_prompt_ids, template_messages
 from draftdata.target.tokenizer import prefix_stable as prefix_stable  # tokenize decides with it too
-from draftdata.util.hashing import content_hash
+from draftdata.util.hashing import canonical_json, content_hash
 
 # Why a conversation ended: its source has no turn left, a turn acted otherwise than the source's (or its calls
 # cannot be paired with the source's results), or an answer was cut by max_tokens (a cut answer cannot be history).
@@ -37,18 +47,47 @@ SOURCE_EXHAUSTED = "source_exhausted"
 TOOL_CALL_DIVERGED = "tool_call_diverged"
 TRUNCATED = "truncated"
 STOP, KEEP_SOURCE = "stop", "keep_source"  # on_tool_divergence
+# A held render: a turn's ids as `ids_json` text, or "+" and the ids that follow the previous turn's ids and its
+# answer's (the template wrote the history as it was): each row holds what its turn adds, not the whole history.
+_HELD = re.compile(r"\+?\[(?:\d+(?:,\d+)*)?\]")
+
+
+@dataclass
+class TurnRenders:
+    """The turns' ids rendered under one template, tokenizer and kwargs: (conversation id, turn key) -> a held
+    render. `new`: those rendered since the caller last took them (to keep them for the next run)."""
+
+    held: dict[tuple[str, str], str] = field(default_factory=dict)
+    new: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    def get(self, conv: str, turn: str) -> str | None:
+        ids = self.held.get((conv, turn))
+        return ids if ids is not None and _HELD.fullmatch(ids) else None  # unreadable: rendered again
+
+    def put(self, conv: str, turn: str, ids: str) -> None:
+        self.held[conv, turn] = self.new[conv, turn] = ids
+
+    def take_new(self) -> dict[tuple[str, str], str]:
+        new, self.new = self.new, {}
+        return new
 
 
 @dataclass(frozen=True)
 class TurnTarget:
-    """What a turn's prompt ids and store key are made with: the target's tokenizer and template kwargs, and what
-    a request key holds besides the ids."""
+    """What a turn's prompt ids and store key are made with: the target's tokenizer and template kwargs, what a
+    request key holds besides the ids, and the turns rendered before (None: every turn is rendered)."""
 
     tok: Any
     template_kwargs: dict
     model_fp: str
     sampling: dict
     max_tokens: int
+    renders: TurnRenders | None = None
+
+    @cached_property
+    def key_of(self) -> Callable[[str], str]:
+        """The request key of a turn's ids as `ids_json` text."""
+        return request_keys(self.model_fp, self.sampling, self.max_tokens)
 
 
 @dataclass
@@ -58,13 +97,20 @@ class Replay:
     ended: str | None  # why there is no next turn
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Sent:
-    """A turn's rendered prompt and ids, and the ids of its answer: what the next turn's ids grow from."""
+    """A turn as sent and the ids of its answer: what the next turn's ids grow from. Its rendered text is wanted
+    only when the next turn is rendered: a turn whose ids were held renders it then."""
 
-    text: str
-    ids: list[int]
+    messages: list[dict]
+    planned: Planned
     output_ids: list[int] | None
+    text: str | None = None
+
+    def rendered(self, target: TurnTarget, tools: list[dict] | None) -> str:
+        if self.text is None:
+            self.text = _render(target, self.messages, tools)
+        return self.text
 
 
 def replay(
@@ -98,9 +144,10 @@ def turns(
     consumed = 0  # source messages before this index are in `history`
     sent: _Sent | None = None
     done: list[tuple[Planned, StoredResponse]] = []
+    turn_key = ""  # no answer before turn 0
     for t, slot in enumerate(slots):
         messages = history + source[consumed:slot]
-        planned, text = _plan_turn(conv, t, messages, [p.key for p, _ in done], target, sent)
+        planned, text = _plan_turn(conv, t, messages, [p.key for p, _ in done], target, sent, turn_key)
         stored = yield planned
         if needs_request(stored):
             return Replay(done, planned, None)
@@ -113,7 +160,8 @@ def turns(
             return Replay(done, None, follow)
         results, consumed = follow
         history = messages + [answer] + results
-        sent = _Sent(text, planned.prompt_ids, stored.output_ids)
+        sent = _Sent(messages, planned, stored.output_ids, text)
+        turn_key = _next_turn_key(turn_key, stored)
     return Replay(done, None, SOURCE_EXHAUSTED)
 
 
@@ -157,32 +205,69 @@ def paired_results(results: list[dict], source_turn: list[dict], answer: dict) -
 
 
 def _plan_turn(
-    conv: dict, t: int, messages: list[dict], keys: list[str], target: TurnTarget, sent: _Sent | None
-) -> tuple[Planned, str]:
+    conv: dict,
+    t: int,
+    messages: list[dict],
+    keys: list[str],
+    target: TurnTarget,
+    sent: _Sent | None,
+    turn_key: str,
+) -> tuple[Planned, str | None]:
+    """Turn t's request, and its rendered text where it was rendered (None: its ids were held)."""
     tools = conv.get("tools")
-    text, ids = _prompt_ids(target, messages, tools, sent)
+    held = target.renders.get(conv["id"], turn_key) if target.renders is not None else None
+    ids: list[int] | str | None = _held_ids(held, sent) if held is not None else None
+    text = None
+    if ids is None:
+        text, ids, row = _prompt_ids(target, messages, tools, sent)
+        if target.renders is not None:
+            target.renders.put(conv["id"], turn_key, row)
     # the turn's id names its place: the conversation, the turn, and the answers (by key) it was built on
     record = {"id": content_hash({"prompt": conv["id"], "turn": t, "keys": keys}), "conversation": conv["id"]}
     record.update(turn=t, messages=messages, **({"tools": tools} if tools else {}))
     if "where" in conv:
         record["where"] = conv["where"]
-    key = request_key(target.model_fp, ids, target.sampling, target.max_tokens)
-    return Planned(record, key, ids), text
+    return Planned(record, target.key_of(ids if isinstance(ids, str) else ids_json(ids)), ids), text
+
+
+def _next_turn_key(turn_key: str, r: StoredResponse) -> str:
+    """The turn key after answer `r`: everything of the answer that the history or the next ids are made of."""
+    answer = canonical_json([r.text, r.reasoning, r.tool_calls]) + (ids_json(r.output_ids) if r.output_ids else "")
+    return hashlib.sha256(f"{turn_key}\n{answer}".encode()).hexdigest()[:32]
+
+
+def _held_ids(held: str, sent: _Sent | None) -> str | None:
+    """A held render as the turn's ids (`ids_json` text); None where it goes on from an answer with no ids."""
+    if not held.startswith("+"):
+        return held
+    if sent is None or not sent.output_ids:
+        return None
+    parts = (_ids_text(sent.planned), ids_json(sent.output_ids), held[1:])
+    return "[" + ",".join(p[1:-1] for p in parts if p != "[]") + "]"
+
+
+def _ids_text(p: Planned) -> str:
+    return p.rendered if isinstance(p.rendered, str) else ids_json(p.rendered)
 
 
 def _prompt_ids(target: TurnTarget, messages: list[dict], tools: list[dict] | None, sent: _Sent | None):
-    """(rendered prompt, its ids): the previous turn's ids and answer ids + the rest encoded where the rendered
-    prompt continues them verbatim, else the prompt rendered whole."""
-    tok, kwargs = target.tok, target.template_kwargs
-    text = tok.apply_chat_template(
-        template_messages(messages), tools=tools, add_generation_prompt=True, tokenize=False, **kwargs
-    )
+    """(rendered prompt, its ids, the render to hold): the previous turn's ids and answer ids + the rest encoded
+    where the rendered prompt continues them verbatim, else the prompt rendered whole."""
+    tok = target.tok
+    text = _render(target, messages, tools)
     if sent is not None and sent.output_ids:
-        head = sent.text + _decode(tok, sent.output_ids)
+        head = sent.rendered(target, tools) + _decode(tok, sent.output_ids)
         if text.startswith(head):
             rest = tok.backend_tokenizer.encode(text[len(head) :], add_special_tokens=False).ids
-            return text, sent.ids + sent.output_ids + rest
-    return text, render_prompt_ids(tok, messages, tools, kwargs)
+            return text, sent.planned.prompt_ids + sent.output_ids + rest, "+" + ids_json(rest)
+    ids = render_prompt_ids(tok, messages, tools, target.template_kwargs)
+    return text, ids, ids_json(ids)
+
+
+def _render(target: TurnTarget, messages: list[dict], tools: list[dict] | None) -> str:
+    return target.tok.apply_chat_template(
+        template_messages(messages), tools=tools, add_generation_prompt=True, tokenize=False, **target.template_kwargs
+    )
 
 
 def _decode(tok, ids: list[int]) -> str:

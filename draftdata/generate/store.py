@@ -9,11 +9,13 @@ experiment or dataset that asks the same question reuses the answer.
 from __future__ import annotations
 
 import json
+import sqlite3
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from draftdata.util.log import log
 from draftdata.util.sqlite import open_db
 
 SCHEMA = """
@@ -48,6 +50,13 @@ CREATE TABLE IF NOT EXISTS rendered (   -- prompt ids under a chat template, so 
     prompt_id TEXT NOT NULL,
     ids TEXT NOT NULL,                  -- JSON list
     PRIMARY KEY (tokenizer, prompt_id)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS turn_rendered (  -- `turns: all`: each turn's ids, so a rerun does not render stored turns
+    tokenizer TEXT NOT NULL,                -- as in `rendered`
+    conversation TEXT NOT NULL,             -- the prompt record's id
+    turn TEXT NOT NULL,                     -- hash of the answers before the turn (generate/conversation.py)
+    ids TEXT NOT NULL,                      -- JSON list, or "+" and what follows the previous turn and its answer
+    PRIMARY KEY (tokenizer, conversation, turn)
 ) WITHOUT ROWID;
 """
 
@@ -149,23 +158,46 @@ class ResponseStore:
         tokenizer fingerprint. Left undecoded: the request key hashes this text, and only the prompts a run sends
         need the ids themselves."""
         wanted = set(prompt_ids)
-        held = self.db.execute("SELECT COUNT(*) FROM rendered WHERE tokenizer = ?", (tokenizer,)).fetchone()[0]
-        if held <= 2 * len(wanted):  # reading them all in key order costs less than looking each one up
-            rows = self.db.execute("SELECT prompt_id, ids FROM rendered WHERE tokenizer = ?", (tokenizer,))
-            return {pid: ids for pid, ids in rows if pid in wanted}
-        ordered = sorted(wanted)  # lookups in key order walk the table's pages once
-        out: dict[str, str] = {}
-        for i in range(0, len(ordered), 500):  # SQLite caps the number of bound parameters
-            chunk = ordered[i : i + 500]
-            marks = ",".join("?" * len(chunk))
-            sql = f"SELECT prompt_id, ids FROM rendered WHERE tokenizer = ? AND prompt_id IN ({marks})"
-            out.update(self.db.execute(sql, [tokenizer, *chunk]))
-        return out
+        return dict(self._select("rendered", "prompt_id", "ids", tokenizer, wanted, len(wanted)))
 
     def put_rendered(self, tokenizer: str, rendered: dict[str, str]) -> None:
         """Prompt id -> its rendered ids as `ids_json` text."""
         rows = [(tokenizer, pid, ids) for pid, ids in rendered.items()]
         self._commit_many("INSERT OR REPLACE INTO rendered VALUES (?, ?, ?)", rows)
+
+    def get_turn_renders(self, tokenizer: str, conversations: Iterable[str], turns: int) -> dict[tuple[str, str], str]:
+        """(conversation id, turn key) -> the turn's held render (generate/conversation.py `TurnRenders`), for the
+        turns of these conversations rendered earlier under this tokenizer fingerprint; `turns`: about how many
+        they have. A table that cannot be read holds none: every turn is rendered again."""
+        try:
+            rows = self._select("turn_rendered", "conversation", "turn, ids", tokenizer, set(conversations), turns)
+            return {(conv, turn): ids for conv, turn, ids in rows}
+        except sqlite3.DatabaseError as e:
+            log("response store", warning=f"the turns' render cache cannot be read ({e}): rendering every turn")
+            return {}
+
+    def put_turn_renders(self, tokenizer: str, renders: dict[tuple[str, str], str]) -> None:
+        """Keep turns' renders for the next run; one that cannot be kept costs that run the renders, nothing else."""
+        rows = [(tokenizer, conv, turn, ids) for (conv, turn), ids in renders.items()]
+        try:
+            self._commit_many("INSERT OR REPLACE INTO turn_rendered VALUES (?, ?, ?, ?)", rows)
+        except sqlite3.DatabaseError as e:
+            log("response store", warning=f"the turns' render cache cannot be written ({e})")
+
+    def _select(self, table: str, column: str, rest: str, tokenizer: str, wanted: set[str], rows: int) -> list:
+        """`column` and `rest` of `table`'s rows under `tokenizer` whose `column` is in `wanted` (about `rows`)."""
+        held = self.db.execute(f"SELECT COUNT(*) FROM {table} WHERE tokenizer = ?", (tokenizer,)).fetchone()[0]
+        if held <= 2 * rows:  # reading them all in key order costs less than looking each one up
+            found = self.db.execute(f"SELECT {column}, {rest} FROM {table} WHERE tokenizer = ?", (tokenizer,))
+            return [row for row in found if row[0] in wanted]
+        ordered = sorted(wanted)  # lookups in key order walk the table's pages once
+        out: list = []
+        for i in range(0, len(ordered), 500):  # SQLite caps the number of bound parameters
+            chunk = ordered[i : i + 500]
+            marks = ",".join("?" * len(chunk))
+            sql = f"SELECT {column}, {rest} FROM {table} WHERE tokenizer = ? AND {column} IN ({marks})"
+            out.extend(self.db.execute(sql, [tokenizer, *chunk]))
+        return out
 
     def _commit_many(self, sql: str, rows: list) -> None:
         self.db.execute("BEGIN")

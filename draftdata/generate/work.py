@@ -11,7 +11,9 @@ started conversation has not requested yet, and those of the conversations next 
 Each next turn is sent to the server that answered the previous one.
 
 Conversations live in the store: `plan_conversations` walks each one over its stored turns, one store query per
-turn depth for all of them, to the first turn not stored (a parked partial there is continued) or to its end.
+turn depth for all of them, to the first turn not stored (a parked partial there is continued) or to its end. The
+turns' ids rendered on the way are kept in the store too (table `turn_rendered`, under the fingerprint of the
+prompts' render cache), so the next run steps over stored turns without the chat template.
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ from dataclasses import dataclass, field
 from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, Turns, template_kwargs_of
 from draftdata.generate.backends import GenResult
 from draftdata.generate.budget import Pending
-from draftdata.generate.conversation import TurnTarget, turns
+from draftdata.generate.conversation import TurnRenders, TurnTarget, turns
 from draftdata.generate.selection import (
     Planned,
     check_context,
     is_empty,
     needs_request,
     plan_requests,
+    render_fingerprint,
     unusable_reason,
 )
 from draftdata.generate.store import ResponseStore, StoredResponse
@@ -40,6 +43,7 @@ from draftdata.util.sqlite import hash_cache_path
 # Why a conversation ended, besides conversation.py's: its turn's prompt and max_tokens exceed the target's context,
 # its turn's answer was empty, its turn's request failed, or the run stopped at the budget with turns left.
 CONTEXT, EMPTY, FAILED, BUDGET = "context", "empty", "failed", "budget"
+KEEP_RENDERS = 2_000  # turns rendered during a run are kept in batches of this many: a kill costs at most these
 
 
 class WorkQueue:
@@ -126,21 +130,45 @@ class Conversation:
         ]
 
 
+@dataclass
+class Renders:
+    """The turns' renders of a run under its render fingerprint, and where they are kept."""
+
+    fingerprint: str
+    turns: TurnRenders
+
+    @classmethod
+    def load(cls, fingerprint: str, store: ResponseStore, prompts: list[dict]) -> Renders:
+        held = store.get_turn_renders(
+            fingerprint, (rec["id"] for rec in prompts), sum(len(r["slots"]) for r in prompts)
+        )
+        return cls(fingerprint, TurnRenders(held))
+
+    def keep(self, store: ResponseStore, at_least: int = 1) -> None:
+        """Write the turns rendered since the last call, once there are `at_least`."""
+        if len(self.turns.new) >= at_least:
+            store.put_turn_renders(self.fingerprint, self.turns.take_new())
+
+
 def plan_conversations(
     cfg: Config, prompts: list[dict], tok, store: ResponseStore, context: int | None
-) -> list[Conversation]:
-    """Every conversation walked over the turns the store holds, in prompt order. `context`: the target's (None:
-    unknown); a later turn that does not fit it with max_tokens ends its conversation."""
+) -> tuple[list[Conversation], Renders]:
+    """Every conversation walked over the turns the store holds, in prompt order, and the turns' renders (those
+    made on the way are kept). `context`: the target's (None: unknown); a later turn that does not fit it with
+    max_tokens ends its conversation."""
     ds = cfg.ds
     fp = model_fingerprint(cfg.model.path, cfg.model.revision, hash_cache_path(cfg.run.store_path))
-    target = TurnTarget(tok, template_kwargs_of(cfg, cfg.dataset), fp, ds.sampling.as_dict(), ds.max_tokens)
+    renders = Renders.load(render_fingerprint(cfg, fp, tok), store, prompts)
+    kwargs = template_kwargs_of(cfg, cfg.dataset)
+    target = TurnTarget(tok, kwargs, fp, ds.sampling.as_dict(), ds.max_tokens, renders.turns)
     commands = ds.source.shape == "swe_agent"  # its actions are fenced shell commands in the text
     convs = [Conversation(rec, turns(rec, target, ds.on_tool_divergence.value, commands)) for rec in prompts]
     for c in convs:
         c.start(None)
     room = None if context is None else context - ds.max_tokens
     step_over_stored(convs, store, {}, room)
-    return convs
+    renders.keep(store)
+    return convs, renders
 
 
 def step_over_stored(
@@ -174,9 +202,10 @@ class ConversationQueue(WorkQueue):
         parked: dict[str, StoredResponse],
         room: int | None,
         prompts_count: bool = False,
+        renders: Renders | None = None,
     ):
         super().__init__()
-        self.store, self.parked, self.room = store, parked, room
+        self.store, self.parked, self.room, self.renders = store, parked, room, renders
         self.prompts_count = prompts_count  # budget_unit total: the controller prices turns' prompts too
         self._fresh = deque(c for c in convs if c.next is not None)  # not started in this run, in prompt order
         self._ready: deque[Conversation] = deque()
@@ -234,6 +263,8 @@ class ConversationQueue(WorkQueue):
                 c.answer(r, self.room)
                 stepped.append(c)
         step_over_stored(stepped, self.store, self.parked, self.room)
+        if self.renders is not None:
+            self.renders.keep(self.store, KEEP_RENDERS)
         for c, answered in zip(stepped, since):
             steps = c.growth(answered)
             self.growth_sum += sum(steps)
@@ -343,11 +374,11 @@ class RunPlan:
             plan = plan_requests(cfg, prompts, tok, store)  # one per key: prompts rendered alike are asked once
             check_context(plan, cfg, context)
             return cls(plan, store.get_many(p.key for p in plan), len(prompts) - len(plan))
-        convs = plan_conversations(cfg, prompts, tok, store, context)  # each walked over its stored turns
+        convs, renders = plan_conversations(cfg, prompts, tok, store, context)  # each walked over its stored turns
         check_context([c.first for c in convs if c.first is not None], cfg, context)
         run = cls(*conversation_plan(convs, store), convs=convs, ds=cfg.ds)
         room = None if context is None else context - cfg.ds.max_tokens
-        run.queue = ConversationQueue(convs, store, {}, room, cfg.ds.budget_unit == BudgetUnit.total)
+        run.queue = ConversationQueue(convs, store, {}, room, cfg.ds.budget_unit == BudgetUnit.total, renders)
         return run
 
     def reread(self, store: ResponseStore) -> None:
@@ -356,6 +387,8 @@ class RunPlan:
             self.stored = store.get_many(p.key for p in self.plan)
         else:
             self.plan, self.stored = conversation_plan(self.convs, store)
+            if self.queue is not None and self.queue.renders is not None:
+                self.queue.renders.keep(store)
 
     def end_reasons(self, selected: list[tuple[Planned, StoredResponse]]) -> dict[str, str]:
         return {} if self.convs is None else end_reasons(self.convs, selected, self.ds)
