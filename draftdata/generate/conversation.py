@@ -28,7 +28,6 @@ in a form that cannot be read, is rendered.
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -49,7 +48,6 @@ TRUNCATED = "truncated"
 STOP, KEEP_SOURCE = "stop", "keep_source"  # on_tool_divergence
 # A held render: a turn's ids as `ids_json` text, or "+" and the ids that follow the previous turn's ids and its
 # answer's (the template wrote the history as it was): each row holds what its turn adds, not the whole history.
-_HELD = re.compile(r"\+?\[(?:\d+(?:,\d+)*)?\]")
 
 
 @dataclass
@@ -62,7 +60,7 @@ class TurnRenders:
 
     def get(self, conv: str, turn: str) -> str | None:
         ids = self.held.get((conv, turn))
-        return ids if ids is not None and _HELD.fullmatch(ids) else None  # unreadable: rendered again
+        return ids if ids is not None and _readable(ids) else None  # unreadable: rendered again
 
     def put(self, conv: str, turn: str, ids: str) -> None:
         self.held[conv, turn] = self.new[conv, turn] = ids
@@ -70,6 +68,15 @@ class TurnRenders:
     def take_new(self) -> dict[tuple[str, str], str]:
         new, self.new = self.new, {}
         return new
+
+
+def _readable(held: str) -> bool:
+    """Whether a held render reads as `ids_json` text (a cut or mangled row is rendered again). Checked byte-wise:
+    a regular expression or JSON over a long conversation's ids would cost as much as rendering it."""
+    body = held[2:-1] if held.startswith("+[") else held[1:-1] if held.startswith("[") else None
+    if body is None or not held.endswith("]") or body.startswith(",") or body.endswith(","):
+        return False
+    return not body.encode().translate(None, b"0123456789,")
 
 
 @dataclass(frozen=True)
