@@ -4,9 +4,9 @@
     python -m bench.report --write    # rewrite docs/benchmarks.md's block between the bench-report markers
 
 Every figure in the block comes from the files each benchmark writes (budget.json, budget_live.json, client.json,
-tokenize.json, hidden_states.json, hidden_states_llama8b.json, reliability.json), so rerunning a benchmark and then
-`python -m bench.report --write` is all it takes to bring the page up to date; a test keeps the page's block equal
-to this output. Nothing here measures anything, and it imports nothing of the project.
+tokenize.json, hidden_states.json, hidden_states_llama8b.json, reliability.json, noop.json, noop_turns.json), so
+rerunning a benchmark and then `python -m bench.report --write` is all it takes to bring the page up to date; a test
+keeps the page's block equal to this output. Nothing here measures anything, and it imports nothing of the project.
 """
 
 from __future__ import annotations
@@ -497,9 +497,10 @@ UNITS = {"wall": "wall", "cpu": "CPU"}  # bench.noop's two clocks: key in the JS
 
 def noop(r: dict) -> list[str]:
     s = r["settings"]
+    turns = s.get("turns")  # `--turns N`: conversations, every turn regenerated
     labels = {
         "cached": "rerun, rendered ids from the store",
-        "uncached": "rerun, every prompt rendered again (no cache)",
+        "uncached": f"rerun, every {'turn' if turns else 'prompt'} rendered again (no cache)",
         "floor": "floor: Python, imports, config, tokenizer",
     }
     rows = [
@@ -507,10 +508,15 @@ def noop(r: dict) -> list[str]:
         for k, label in labels.items()
     ]
     ratios = ", ".join(f"{r[f'uncached_over_cached_{u}']:g} by {name} time" for u, name in UNITS.items())
+    if turns:
+        title = f"### No-op rerun of conversations: `python -m bench.noop --turns {turns} --prompts {s['prompts']}`"
+        over = f"{num(s['prompts'])} conversations of {turns} user turns (`turns: all`)"
+    else:
+        title, over = "### No-op rerun: `python -m bench.noop`", f"{num(s['prompts'])} prompts"
     return [
-        "### No-op rerun: `python -m bench.noop`",
+        title,
         "",
-        f"`python -m stages.generate dataset=S` over {num(s['prompts'])} prompts whose budget is met (nothing sent,"
+        f"`python -m stages.generate dataset=S` over {over} whose budget is met (nothing sent,"
         f" {num(s['reused'])} stored responses reused), seconds of the whole process, median of {s['runs']}.",
         "",
         *table(["run", "wall s (each run)", "CPU s (each run)"], rows),
@@ -631,6 +637,7 @@ SECTIONS = (
     ("hidden_states_llama8b.json", "python -m bench.hidden_states --llama8b", hidden_states_llama8b),
     ("reliability.json", "python -m bench.reliability kill|faults|inputs", reliability),
     ("noop.json", "python -m bench.noop", noop),
+    ("noop_turns.json", "python -m bench.noop --turns 3 --prompts 20000", noop),
 )
 
 

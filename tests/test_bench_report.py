@@ -72,7 +72,7 @@ def test_no_hand_written_benchmark_figures_outside_the_block():
         *(d[k] for d in tok["drift"].values() for k in ("samples_differ_pct", "tokens_differ_pct")),
         *(hs[k] for k in ("ratio", "ours_tok_s", "naive_tok_s", "bytes_per_token", "fp8_bytes_per_token")),
         *(hs[k] for k in ("peak_rss_mb", "fp8_rel_err")),
-        *(r["noop"][k]["cached"] for k in ("median_wall_s", "median_cpu_s")),
+        *(r[name][k]["cached"] for name in ("noop", "noop_turns") for k in ("median_wall_s", "median_cpu_s")),
     ]
     patterns = [rf"(?<![\d.,]){re.escape(s)}(?!\d|\.\d)" for v in values for s in renderings(v)]
     patterns += [rf"\b{rel['kill_trials']} kills", rf"\b{rel['bad_inputs']} bad inputs"]
