@@ -30,6 +30,7 @@ from draftdata.errors import ConfigError
         ("dataset=B9", "dataset", "unknown dataset"),
         ("tokenize.on_too_long=wrap", "tokenize.on_too_long", "drop, truncate"),
         ("hidden_states.dtype=int4", "hidden_states.dtype", "bfloat16"),
+        ("hidden_states.vllm_path=hooks", "hidden_states.vllm_path", "auto, extract or hook"),
         ("run.fail_fast_after=-1", "run.fail_fast_after", ">= 0"),
         ("datasets.B3.template_kwargs=thinking", "datasets.B3.template_kwargs", "Cannot assign str to Dict"),
     ],

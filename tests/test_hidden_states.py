@@ -366,6 +366,67 @@ def test_default_layers_that_collide_are_refused_about_the_model(hs_project):
     assert resolve_layers(cfg, 8) == [1, 3, 4]
 
 
+def test_vllm_extraction_layer_ids_and_where_each_layer_is_read():
+    """vLLM's extraction numbers a layer's output L + 1 and returns its layers in ascending order; the last layer's
+    output (id N) is the pre-norm final state, asked for even when no aux layer is the last."""
+    from draftdata.hidden.engines.vllm_worker import extract_layer_ids
+
+    assert extract_layer_ids([1, 3, 4], 8) == [2, 4, 5, 8]
+    assert extract_layer_ids([1, 3, 4, 7], 8) == [2, 4, 5, 8]  # the last layer is the final state: asked once
+    assert extract_layer_ids([4, 1], 8) == [2, 5, 8]
+
+
+def fake_vllm(monkeypatch, started: list):
+    """A stand-in for the `vllm` module whose LLM records its arguments: for the path choice, which runs before
+    anything of vLLM's model is touched."""
+    import types
+
+    class LLM:
+        def __init__(self, **kwargs):
+            started.append(kwargs)
+
+        def collective_rpc(self, name, args=()):
+            return [{"n_layers": 8, "mode": "aux", "rpc": name}]
+
+    module = types.ModuleType("vllm")
+    module.LLM = LLM
+    monkeypatch.setitem(sys.modules, "vllm", module)
+
+
+def test_vllm_auto_path_falls_back_to_the_hooks_and_says_why(monkeypatch, capsys):
+    """auto: extract when vLLM can run it, the hook path (with the reason) when it cannot start or is absent;
+    extract forced: one error with the reason; hook forced: the extraction is never tried."""
+    from types import SimpleNamespace
+
+    from draftdata.hidden.engines import vllm_worker as w
+
+    started: list = []
+    fake_vllm(monkeypatch, started)
+    target = SimpleNamespace(max_model_len=4096, get_total_num_hidden_layers=lambda: 8)
+    monkeypatch.setattr(w, "target_config", lambda settings: target)
+    monkeypatch.setattr(w, "extract_unavailable", lambda: None)
+
+    def extraction_fails(*args):
+        raise RuntimeError("Model does not support EAGLE3 interface but aux_hidden_state_outputs was requested")
+
+    monkeypatch.setattr(w, "start_extract", extraction_fails)
+    settings = {"model": "m", "layers": [1, 3], "tensor_parallel_size": 1, "max_batch_tokens": 512, "norm_file": "n"}
+    run, info = w.start(dict(settings, path="auto"))
+    assert isinstance(run, w.HookRun) and info["path"] == "hook" and info["rpc"] == "draftdata_install"
+    assert "does not support EAGLE3" in info["fallback"] and "the hook path runs" in capsys.readouterr().err
+    assert "speculative_config" not in started[-1]
+    with pytest.raises(RuntimeError, match="does not support EAGLE3"):
+        w.start(dict(settings, path="extract"))
+    monkeypatch.setattr(w, "extract_unavailable", lambda: "this vLLM has no extract_hidden_states method")
+    with pytest.raises(RuntimeError, match="vllm_path is extract, but this vLLM has no extract_hidden_states"):
+        w.start(dict(settings, path="extract"))
+    monkeypatch.setattr(w, "extract_unavailable", lambda: pytest.fail("hook must not consider the extraction"))
+    run, info = w.start(dict(settings, path="hook"))
+    assert info["path"] == "hook" and info["fallback"] is None
+    with pytest.raises(ValueError, match=r"hidden_states.layers: layer ids \[8\] out of range for a 8-layer"):
+        w.start(dict(settings, layers=[1, 8]))
+
+
 def test_the_decoder_is_found_inside_a_multimodal_wrapper():
     """A vision-language wrapper (as large targets often are) exposes its text decoder through get_decoder(): its
     layers and final norm are found, and the norm's formula is checked against the module itself."""

@@ -357,11 +357,13 @@ def capture_target(tmp_path_factory) -> Path:
     return build(tmp_path_factory.mktemp("capture") / "tiny-capture", mean_response_tokens=24)
 
 
-@pytest.fixture(scope="module", params=["aux", "hooks"])
+@pytest.fixture(scope="module", params=["extract", "hook-aux", "hook-hooks"])
 def vllm_engine(request, capture_target):
-    """A VLLMEngine per capture path: vLLM's own EAGLE-3 aux hidden states, and forward hooks on the layers."""
+    """A VLLMEngine per path: vLLM's own extraction (extract_hidden_states and its KV connector), and the hook path
+    by vLLM's EAGLE-3 aux hidden states and by forward hooks on the layers."""
     from draftdata.hidden.engines.vllm import VLLMEngine
 
+    path, _, capture = request.param.partition("-")
     with pytest.MonkeyPatch.context() as mp:
         for k, v in CAPTURE_ENV.items():
             mp.setenv(k, v)
@@ -371,8 +373,10 @@ def vllm_engine(request, capture_target):
             python=VLLM_PYTHON,
             max_batch_tokens=512,
             llm_kwargs={"dtype": "float32"},
-            capture=request.param,
+            capture=capture or "auto",
+            path=path,
         )
+    assert (engine.vllm_path, engine.capture, engine.fallback) == (path, capture or "extract", None)
     try:
         yield engine
     finally:
@@ -516,7 +520,8 @@ def test_vllm_engine_never_hangs_on_a_dead_worker(tmp_path, behaviour):
 
 def test_hidden_states_stage_gives_the_same_states_on_both_backends(project, tmp_path, monkeypatch):
     """The stage end to end: the vllm backend's shards equal the hf backend's within bf16 tolerance, sample by
-    sample, and a store filled by one backend serves the other (the backend is how, not what)."""
+    sample, on both of its paths (vLLM's own extraction, chosen by auto, and the hook path), the metrics saying which
+    ran; and a store filled by one backend serves the other (the backend is how, not what)."""
     import torch
 
     from draftdata.hidden.reader import HiddenStates
@@ -531,18 +536,22 @@ def test_hidden_states_stage_gives_the_same_states_on_both_backends(project, tmp
         project.run(stage, "B3")
     hf = [(s.id, s.aux, s.final_pre_norm) for s in HiddenStates(project.data("B3") / "hidden_states")]
     assert len(hf) > 5
-    project.run("hidden_states", "B3", "hidden_states.backend=vllm", f"hidden_states.vllm_python={VLLM_PYTHON}")
+    vllm = ("hidden_states.backend=vllm", f"hidden_states.vllm_python={VLLM_PYTHON}")
+    project.run("hidden_states", "B3", *vllm)
     metrics = json.loads((project.data("B3") / "hidden_states_metrics.json").read_text())
     assert metrics["computed_samples"] == 0  # the store already had them: nothing recomputed for a backend switch
+    assert "vllm_path" not in metrics  # and no engine started
 
-    project.params["run"]["store_path"] = str(tmp_path / "other" / "store.sqlite")
     project.params["hidden_states"]["vllm_kwargs"] = {"dtype": "float32"}
-    project.save()
-    project.run("hidden_states", "B3", "hidden_states.backend=vllm", f"hidden_states.vllm_python={VLLM_PYTHON}")
-    metrics = json.loads((project.data("B3") / "hidden_states_metrics.json").read_text())
-    assert metrics["computed_samples"] == len(hf) and metrics["padded_compute_share"] == 0
-    vl = [(s.id, s.aux, s.final_pre_norm) for s in HiddenStates(project.data("B3") / "hidden_states")]
-    for (i, a, f), (j, b, g) in zip(hf, vl):
-        assert i == j
-        torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2)  # both stored in bf16
-        torch.testing.assert_close(g, f, atol=2e-2, rtol=2e-2)
+    for path in ("auto", "hook"):
+        project.params["run"]["store_path"] = str(tmp_path / path / "store.sqlite")
+        project.save()
+        project.run("hidden_states", "B3", *vllm, f"hidden_states.vllm_path={path}")
+        metrics = json.loads((project.data("B3") / "hidden_states_metrics.json").read_text())
+        assert metrics["computed_samples"] == len(hf) and metrics["padded_compute_share"] == 0
+        assert (metrics["vllm_path"], metrics["vllm_path_fallback"]) == ("extract" if path == "auto" else path, None)
+        vl = [(s.id, s.aux, s.final_pre_norm) for s in HiddenStates(project.data("B3") / "hidden_states")]
+        for (i, a, f), (j, b, g) in zip(hf, vl):
+            assert i == j
+            torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2)  # both stored in bf16
+            torch.testing.assert_close(g, f, atol=2e-2, rtol=2e-2)

@@ -282,12 +282,17 @@ class HiddenStatesConfig:
     data_parallel_size: int = 1  # vllm
     vllm_python: Optional[str] = None  # vllm: the Python that has vLLM (its own venv); None = this one
     vllm_kwargs: Dict[str, Any] = field(default_factory=dict)  # vllm: extra vllm.LLM options (dtype, memory, ...)
+    # vllm: extract (vLLM's own extract_hidden_states) | hook (a capture inside vLLM's forward) | auto (extract where
+    # the installed vLLM runs it, else hook; the metrics say which ran)
+    vllm_path: str = "auto"
 
     def check(self, key: str) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"{key}.dtype", f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.backend not in ("hf", "vllm"):
             raise ConfigError(f"{key}.backend", f"must be hf or vllm, got {self.backend!r}")
+        if self.vllm_path not in ("auto", "extract", "hook"):
+            raise ConfigError(f"{key}.vllm_path", f"must be auto, extract or hook, got {self.vllm_path!r}")
         if self.draft_numbering not in ("auto", "sglang", "vllm"):
             raise ConfigError(f"{key}.draft_numbering", f"must be auto, sglang or vllm, got {self.draft_numbering!r}")
         if self.layers is not None and self.draft_config is not None:

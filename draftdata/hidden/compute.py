@@ -94,6 +94,12 @@ class LazyEngine:
         return self.engine
 
     @property
+    def vllm_path(self) -> tuple[str, str | None] | None:
+        """The vllm engine's path (extract or hook) and why not extract; None if no vllm engine ran."""
+        path = getattr(self.engine, "vllm_path", None)
+        return None if path is None else (path, getattr(self.engine, "fallback", None))
+
+    @property
     def pad_tokens(self) -> int:
         return self.engine.pad_tokens if self.engine is not None else 0
 
@@ -390,6 +396,7 @@ def make_engine(cfg: Config, layers: list[int]) -> Engine:
             tensor_parallel_size=hs.tensor_parallel_size,
             data_parallel_size=hs.data_parallel_size,
             llm_kwargs=dict(hs.vllm_kwargs),
+            path=hs.vllm_path,
             max_batch_tokens=max(hs.batch_tokens, cfg.tokenize.max_seq_len + 1),
         )
     from draftdata.hidden.engines.hf import HFEngine

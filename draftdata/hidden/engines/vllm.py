@@ -212,8 +212,10 @@ def norm_from_file(path: str, info: dict) -> FinalNorm:
 
 
 class VLLMEngine:
-    """See the module docstring. `capture`: `auto` (vLLM's EAGLE-3 aux hidden states where the model has them,
-    else forward hooks), `aux` or `hooks`; `llm_kwargs` go to `vllm.LLM` as they are (e.g. dtype,
+    """See the module docstring. `path`: `extract` (vLLM's own hidden-state extraction), `hook` (draftdata's capture
+    inside vLLM's forward) or `auto` (extract where it runs, else hook); `vllm_path` says which runs, `fallback` why
+    not extract. `capture`, the hook path's mechanism: `auto` (vLLM's EAGLE-3 aux hidden states where the model has
+    them, else forward hooks), `aux` or `hooks`. `llm_kwargs` go to `vllm.LLM` as they are (e.g. dtype,
     gpu_memory_utilization, trust_remote_code)."""
 
     pad_tokens = 0  # vLLM packs sequences: nothing is padded
@@ -228,6 +230,7 @@ class VLLMEngine:
         max_batch_tokens: int = 16384,
         llm_kwargs: dict | None = None,
         capture: str = "auto",
+        path: str = "auto",
         startup_timeout_s: float = STARTUP_TIMEOUT_S,
         batch_timeout_s: float = BATCH_TIMEOUT_S,
     ):
@@ -248,6 +251,7 @@ class VLLMEngine:
             "max_batch_tokens": max_batch_tokens,
             "llm_kwargs": dict(llm_kwargs or {}),
             "mode": capture,
+            "path": path,
         }
         try:
             self._start(python or sys.executable, settings, data_parallel_size, tensor_parallel_size, startup_timeout_s)
@@ -261,7 +265,8 @@ class VLLMEngine:
             env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
             if devices is not None:
                 env["CUDA_VISIBLE_DEVICES"] = devices
-            mine = dict(settings, norm_file=str(self.dir / f"norm-{i}.safetensors"))
+            files = {"norm_file": str(self.dir / f"norm-{i}.safetensors"), "states_dir": str(self.dir / f"states-{i}")}
+            mine = dict(settings, **files)
             argv = [python, "-m", "draftdata.hidden.engines.vllm_worker", json.dumps(mine)]
             self.workers.append(Worker(argv, env, self.dir / f"worker-{i}.log"))
         deadline = time.monotonic() + timeout
@@ -272,6 +277,8 @@ class VLLMEngine:
         self.max_len = int(first["max_len"])
         self.vocab_size = int(first["vocab_size"])
         self.capture = first["mode"]
+        self.vllm_path = first["path"]
+        self.fallback = first.get("fallback")
         self.final_norm = norm_from_file(first["norm_file"], first["norm"])
         bad = [i for i in self.layers if not 0 <= i < self.n_layers]
         if bad:

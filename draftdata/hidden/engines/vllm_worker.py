@@ -5,13 +5,22 @@ Run as `python -m draftdata.hidden.engines.vllm_worker SETTINGS_JSON` with the p
 imports this module again, by name, in the process that owns the model (its engine core, or each tensor-parallel
 worker), where `CaptureExtension` is mixed into vLLM's worker class (`worker_extension_cls`): the capture runs next
 to the model, and the rank that owns the result writes it to a file, since tensors do not travel back over vLLM's
-RPC. Only the standard library, torch, safetensors, vLLM and the project's dependency-free draftdata.errors and
+RPC.
+
+Two paths (settings `path`: auto, extract or hook). `extract` is vLLM's own hidden-state extraction (the
+`extract_hidden_states` speculative method and a hidden-states KV connector, as speculators uses it): nothing of the
+model is patched. `hook` captures inside the decoder's forward (vLLM's EAGLE-3 aux outputs, or forward hooks), for a
+vLLM or a model without the extraction. `auto` starts the extraction and falls back to the hooks if it cannot start,
+saying why on stderr and in the start-up answer.
+
+Only the standard library, torch, safetensors, vLLM and the project's dependency-free draftdata.errors and
 draftdata.hidden.engines.base are imported: the vLLM venv has none of the project's dependencies.
 
 Protocol, one JSON object per line. The worker answers once at start-up and once per command, on its original
 stdout; everything else that writes to stdout (vLLM's logs, its child processes) is sent to stderr instead.
-  start-up   <- {"ok": true, "n_layers", "hidden_size", "vocab_size", "max_len", "mode", "norm": {kind, eps,
-                weight_offset, class}, "norm_file"}: the norm file holds its weight (and bias) and a probe
+  start-up   <- {"ok": true, "n_layers", "hidden_size", "vocab_size", "max_len", "path" (extract or hook),
+                "fallback" (why not extract, or null), "mode", "norm": {kind, eps, weight_offset, class},
+                "norm_file"}: the norm file holds its weight (and bias) and a probe
   forward    -> {"cmd": "forward", "input": PATH, "output": PATH}: the input is a safetensors file with `ids`
                 (the samples' token ids, concatenated) and `lengths`; command lines stay short, so writing one
                 never blocks on a full pipe
@@ -222,7 +231,23 @@ def assemble(records: list[dict], batch: list[list[int]]) -> tuple[Any, Any]:
 class CaptureExtension:
     """Mixed into vLLM's worker class; methods are called on every rank through `LLM.collective_rpc`."""
 
+    def draftdata_describe(self, norm_file: str) -> dict:
+        """The target's sizes and final norm; the rank that owns the output writes the norm's file."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        decoder = find_decoder(self.model_runner.get_model())
+        norm = decoder.norm
+        if get_tensor_model_parallel_rank() == 0:
+            write_norm(norm, norm_file)
+        return {
+            "n_layers": len(decoder.layers),
+            "hidden_size": int(norm.weight.shape[0]),
+            "vocab_size": int(self.model_config.get_vocab_size()),
+            "norm": describe_norm(norm),
+        }
+
     def draftdata_install(self, layers: list[int], mode: str, norm_file: str) -> dict:
+        """The hook path: install the capture on this rank."""
         from vllm.distributed import get_tensor_model_parallel_rank
         from vllm.model_executor.models.interfaces import supports_eagle3
 
@@ -240,19 +265,8 @@ class CaptureExtension:
                 "'hooks' (or 'aux' on a model that supports EAGLE-3)"
             )
         writer = get_tensor_model_parallel_rank() == 0  # every TP rank holds the full hidden states
-        capture = Capture(model, layers, mode, writer)
-        setattr(self, _HOOKED, capture)
-        norm = capture.decoder.norm
-        info = {
-            "n_layers": capture.n_layers,
-            "hidden_size": int(norm.weight.shape[0]),
-            "mode": mode,
-            "vocab_size": int(self.model_config.get_vocab_size()),
-            "norm": describe_norm(norm),
-        }
-        if writer:
-            write_norm(norm, norm_file)
-        return info
+        setattr(self, _HOOKED, Capture(model, layers, mode, writer))
+        return dict(self.draftdata_describe(norm_file), mode=mode)
 
     def draftdata_start(self) -> None:
         capture = getattr(self, _HOOKED)
@@ -294,56 +308,189 @@ def save(path: str, tensors: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
-def max_model_len(settings: dict) -> int:
-    """The longest sequence: the model's own limit, capped by the per-step token budget, since every prompt must
-    fit one step (chunked prefill off, so no prefill is ever split across forwards)."""
+def target_config(settings: dict):
+    """vLLM's view of the target (its context length, its layer count), read without loading it."""
     from vllm.engine.arg_utils import EngineArgs
 
-    derived = (
-        EngineArgs(
-            model=settings["model"],
-            skip_tokenizer_init=True,
-            **settings.get("llm_kwargs", {}),
-        )
-        .create_model_config()
-        .max_model_len
-    )
-    return min(int(derived), int(settings["max_batch_tokens"]))
+    args = EngineArgs(model=settings["model"], skip_tokenizer_init=True, **settings.get("llm_kwargs", {}))
+    return args.create_model_config()
 
 
-def load(settings: dict):
-    from vllm import LLM
+def max_model_len(settings: dict, target) -> int:
+    """The longest sequence: the model's own limit, capped by the per-step token budget, since every prompt must
+    fit one step (chunked prefill off, so no prefill is ever split across forwards)."""
+    return min(int(target.max_model_len), int(settings["max_batch_tokens"]))
 
-    budget = int(settings["max_batch_tokens"])
+
+def llm_kwargs(settings: dict, target) -> dict:
+    """`vllm.LLM`'s arguments for plain prefill of exact token ids, the user's `llm_kwargs` last."""
     kwargs = dict(
         model=settings["model"],
         skip_tokenizer_init=True,  # prompts arrive as token ids; nothing is decoded
         tensor_parallel_size=int(settings["tensor_parallel_size"]),
         enable_prefix_caching=False,  # every position must be computed, none taken from a cache
         enable_chunked_prefill=False,  # a prompt is one forward, never pieces to reassemble
-        max_num_batched_tokens=budget,
-        max_model_len=max_model_len(settings),
+        max_num_batched_tokens=int(settings["max_batch_tokens"]),
+        max_model_len=max_model_len(settings, target),
         enforce_eager=True,  # module hooks need eager execution; prefill-only work gains little from graphs
         worker_extension_cls="draftdata.hidden.engines.vllm_worker.CaptureExtension",
         seed=0,
     )
-    kwargs.update(settings.get("llm_kwargs", {}))
-    return LLM(**kwargs), kwargs["max_model_len"]
+    return dict(kwargs, **settings.get("llm_kwargs", {}))
 
 
-def run_batch(llm, batch: list[list[int]], path: str) -> str:
+def extract_layer_ids(layers: list[int], n_layers: int) -> list[int]:
+    """The layers vLLM's extraction collects, in its numbering: id L + 1 is the output of layer L (the input of layer
+    L + 1, residual added), collected in ascending order; id N, the last layer's output, is the final norm's input,
+    so it is always asked for: the pre-norm final state."""
+    return sorted({i + 1 for i in layers} | {n_layers})
+
+
+def extract_kwargs(settings: dict, n_layers: int) -> dict:
+    """vLLM's own hidden-state extraction (the path speculators drives): the `extract_hidden_states` speculative
+    method caches the chosen layers' states in a cache-only KV layer, and a hidden-states connector writes each
+    finished request's to a safetensors file in `states_dir`. vLLM's connector on a GPU; on the CPU build, the
+    same connector copying from host memory (draftdata/hidden/engines/vllm_connector.py)."""
+    from vllm.platforms import current_platform
+
+    connector = (
+        {"kv_connector": "ExampleHiddenStatesConnector"}
+        if current_platform.is_cuda_alike()
+        else {
+            "kv_connector": "HostHiddenStatesConnector",
+            "kv_connector_module_path": "draftdata.hidden.engines.vllm_connector",
+        }
+    )
+    ids = extract_layer_ids(settings["layers"], n_layers)
+    return {
+        "speculative_config": {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": ids}},
+        },
+        "kv_transfer_config": {
+            **connector,
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": settings["states_dir"]},
+        },
+    }
+
+
+def extract_unavailable() -> str | None:
+    """Why this vLLM cannot run its own extraction here, or None."""
+    import importlib.util
+
+    from vllm.platforms import current_platform
+
+    if importlib.util.find_spec("vllm.model_executor.models.extract_hidden_states") is None:
+        return "this vLLM has no extract_hidden_states method"
+    if not (current_platform.is_cuda_alike() or current_platform.is_cpu()):
+        return f"vLLM's hidden-states connector copies through CUDA, and the platform is {current_platform.device_name}"
+    return None
+
+
+def generate(llm, batch: list[list[int]]) -> list:
+    """One forward of each sample's exact ids (and one generated token, which nothing keeps)."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-    llm.collective_rpc("draftdata_start")
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)
-    results = llm.collective_rpc("draftdata_finish", args=(batch, path))
     for ids, out in zip(batch, outputs):
         if list(out.prompt_token_ids) != ids:
             raise RuntimeError("vLLM ran other prompt tokens than the sample's")
-    if path not in results:
-        raise RuntimeError("no rank wrote the captured states")
-    return path
+    return outputs
+
+
+class HookRun:
+    """The hook path: draftdata's capture inside vLLM's forward (draftdata_install), rows mapped back to samples by
+    their ids and positions."""
+
+    name = "hook"
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def __call__(self, batch: list[list[int]], path: str) -> str:
+        self.llm.collective_rpc("draftdata_start")
+        generate(self.llm, batch)
+        if path not in self.llm.collective_rpc("draftdata_finish", args=(batch, path)):
+            raise RuntimeError("no rank wrote the captured states")
+        return path
+
+
+class ExtractRun:
+    """The extract path: vLLM's own files, one per request, read back in batch order (the file's token ids checked
+    against the sample's) and split into the chosen layers and the pre-norm final state."""
+
+    name = "extract"
+
+    def __init__(self, llm, layers: list[int], n_layers: int):
+        self.llm = llm
+        ids = extract_layer_ids(layers, n_layers)
+        self.picks = [ids.index(i + 1) for i in layers]
+
+    def __call__(self, batch: list[list[int]], path: str) -> str:
+        import torch
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+            cleanup_hidden_states,
+            load_hidden_states,
+        )
+
+        aux, final = [], []
+        for ids, out in zip(batch, generate(self.llm, batch)):
+            file = (out.kv_transfer_params or {}).get("hidden_states_path")
+            if file is None:
+                raise RuntimeError("vLLM returned no hidden-states file for a sample")
+            t = load_hidden_states(file)  # waits for the connector's write to finish
+            cleanup_hidden_states(file)
+            if t["token_ids"].tolist() != ids:
+                raise RuntimeError("vLLM's hidden-states file holds other tokens than the sample's")
+            states = t["hidden_states"]  # [T, len(extract_layer_ids), H]
+            aux.append(states[:, self.picks])
+            final.append(states[:, -1])
+        save(path, {"aux": torch.cat(aux), "final": torch.cat(final)})
+        return path
+
+
+def start(settings: dict) -> tuple[object, dict]:
+    """vLLM loaded for the path `settings["path"]` asks for (`auto`: extract where this vLLM runs it, else hook):
+    the batch runner and the start-up answer (sizes, norm, the path that runs and why extract does not)."""
+    target = target_config(settings)
+    n_layers = target.get_total_num_hidden_layers()
+    bad = [i for i in settings["layers"] if not 0 <= i < n_layers]
+    if bad:
+        raise ValueError(f"hidden_states.layers: layer ids {bad} out of range for a {n_layers}-layer model")
+    want, why = settings.get("path", "auto"), None
+    if want in ("auto", "extract"):
+        why = extract_unavailable()
+        if why is None:
+            try:
+                return start_extract(settings, target, n_layers)
+            except Exception as e:  # noqa: BLE001 (auto: any failure of the extraction falls back to the hooks)
+                if want == "extract":
+                    raise
+                why = one_line(e)
+        if want == "extract":
+            raise RuntimeError(f"hidden_states.vllm_path is extract, but {why}")
+        print(f"draftdata: vLLM's own extraction is not used ({why}); the hook path runs", file=sys.stderr)
+    from vllm import LLM
+
+    kwargs = llm_kwargs(settings, target)
+    llm = LLM(**kwargs)
+    args = (settings["layers"], settings.get("mode", "auto"), settings["norm_file"])
+    infos = llm.collective_rpc("draftdata_install", args=args)
+    return HookRun(llm), dict(infos[0], max_len=kwargs["max_model_len"], path="hook", fallback=why)
+
+
+def start_extract(settings: dict, target, n_layers: int) -> tuple[object, dict]:
+    from vllm import LLM
+
+    kwargs = llm_kwargs(settings, target)
+    llm = LLM(**dict(kwargs, **extract_kwargs(settings, n_layers)))
+    infos = llm.collective_rpc("draftdata_describe", args=(settings["norm_file"],))
+    return ExtractRun(llm, settings["layers"], n_layers), dict(
+        infos[0], max_len=kwargs["max_model_len"], path="extract", mode="extract", fallback=None
+    )
 
 
 def read_batch(path: str) -> list[list[int]]:
@@ -392,13 +539,13 @@ def is_fatal(e: BaseException) -> bool:
     return isinstance(e, (EngineDeadError, MemoryError)) or "dead" in type(e).__name__.lower()
 
 
-def serve(llm, proto) -> None:
+def serve(run, proto) -> None:
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd.get("cmd") == "close":
             return
         try:
-            send(proto, ok=True, output=run_batch(llm, read_batch(cmd["input"]), cmd["output"]))
+            send(proto, ok=True, output=run(read_batch(cmd["input"]), cmd["output"]))
         except Exception as e:  # reported to the engine as one line; the worker stays up unless vLLM died
             fatal = is_fatal(e)
             send(proto, ok=False, error=one_line(e), fatal=fatal)
@@ -416,18 +563,15 @@ def main() -> int:
     proto = protocol_stream()
     settings = json.loads(sys.argv[1])
     try:
-        llm, max_len = load(settings)
-        infos = llm.collective_rpc(
-            "draftdata_install", args=(settings["layers"], settings.get("mode", "auto"), settings["norm_file"])
-        )
+        run, info = start(settings)
     except BaseException as e:  # start-up failures (bad path, out of memory) end here as one line
         send(proto, ok=False, error=f"cannot start vLLM on {settings['model']!r}: {one_line(e)}", fatal=True)
         return 1
-    send(proto, ok=True, max_len=max_len, norm_file=settings["norm_file"], **infos[0])
+    send(proto, ok=True, norm_file=settings["norm_file"], **info)
     try:
-        serve(llm, proto)
+        serve(run, proto)
     finally:
-        shutdown(llm)
+        shutdown(run.llm)
     return 0
 
 
