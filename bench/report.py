@@ -4,7 +4,8 @@
     python -m bench.report --write    # rewrite docs/benchmarks.md's block between the bench-report markers
 
 Every figure in the block comes from the files each benchmark writes (budget.json, budget_live.json, client.json,
-tokenize.json, hidden_states.json, hidden_states_llama8b.json, reliability.json, noop.json, noop_turns.json), so
+tokenize.json, hidden_states.json, hidden_states_llama8b.json, hidden_states_vllm.json, reliability.json, noop.json,
+noop_turns.json), so
 rerunning a benchmark and then `python -m bench.report --write` is all it takes to bring the page up to date; a test
 keeps the page's block equal to this output. Nothing here measures anything, and it imports nothing of the project.
 """
@@ -495,6 +496,32 @@ def hidden_states_llama8b(r: dict) -> list[str]:
 UNITS = {"wall": "wall", "cpu": "CPU"}  # bench.noop's two clocks: key in the JSON, name in the table
 
 
+def hidden_states_vllm(r: dict) -> list[str]:
+    s = r["settings"]
+    body = [
+        [path, num(r["tok_s"][path]), ", ".join(f"{x:g}" for x in r["seconds_per_round"][path])]
+        for path in ("extract", "hook", "plain")
+    ]
+
+    def ratio(path: str) -> str:
+        c = r[f"capture_vs_forward_{path}"]
+        per_round = ", ".join(f"{x:.3f}" for x in c["per_round"])
+        return f"{path} {c['median_of_rounds']:.3f} (per round: {per_round}; all rounds {c['all_rounds']:.3f})"
+
+    return [
+        "### Hidden states through vLLM: `python -m bench.hidden_states_vllm`",
+        "",
+        f"A {s['model']}, {s['dtype']}, layers {s['layers']} plus the final state; {s['samples']} samples, "
+        f"{num(s['tokens_per_round'])} tokens in {s['batches_per_round']} batches of at most "
+        f"{num(s['batch_tokens'])} tokens, {s['rounds']} rounds; {s['threads']} thread(s) a vLLM process; "
+        f"{r['wall_s']:g} s in all.",
+        "",
+        *table(["path", "tokens/s", "seconds per round"], body),
+        "",
+        f"capture_vs_forward, median of rounds: {ratio('extract')}; {ratio('hook')}.",
+    ]
+
+
 def noop(r: dict) -> list[str]:
     s = r["settings"]
     turns = s.get("turns")  # `--turns N`: conversations, every turn regenerated
@@ -635,6 +662,7 @@ SECTIONS = (
     ("tokenize.json", "python -m bench.tokenize", tokenize),
     ("hidden_states.json", "python -m bench.hidden_states", hidden_states),
     ("hidden_states_llama8b.json", "python -m bench.hidden_states --llama8b", hidden_states_llama8b),
+    ("hidden_states_vllm.json", "python -m bench.hidden_states_vllm", hidden_states_vllm),
     ("reliability.json", "python -m bench.reliability kill|faults|inputs", reliability),
     ("noop.json", "python -m bench.noop", noop),
     ("noop_turns.json", "python -m bench.noop --turns 3 --prompts 20000", noop),
