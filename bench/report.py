@@ -5,9 +5,9 @@
 
 Every figure in the block comes from the files each benchmark writes (budget.json, budget_live.json, client.json,
 tokenize.json, hidden_states.json, hidden_states_llama8b.json, hidden_states_vllm.json, reliability.json, noop.json,
-noop_turns.json), so
-rerunning a benchmark and then `python -m bench.report --write` is all it takes to bring the page up to date; a test
-keeps the page's block equal to this output. Nothing here measures anything, and it imports nothing of the project.
+noop_turns.json), so rerunning a benchmark and then `python -m bench.report --write` is all it takes to bring the page
+up to date; a test keeps the page's block equal to this output. Nothing here measures anything, and it imports
+nothing of the project.
 """
 
 from __future__ import annotations

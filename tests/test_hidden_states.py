@@ -393,6 +393,28 @@ def fake_vllm(monkeypatch, started: list):
     monkeypatch.setitem(sys.modules, "vllm", module)
 
 
+@pytest.mark.parametrize(
+    "platform, forced, expect",
+    [("cuda", False, None), ("cpu", True, None), ("cpu", False, "CPU build"), ("tpu", True, "platform is tpu")],
+)
+def test_auto_takes_vllms_extraction_only_where_its_own_connector_runs(monkeypatch, platform, forced, expect):
+    """On the CPU build the extraction needs draftdata's connector (slower than the hooks, and tied to vLLM's
+    internals as they are): auto takes the hooks there, a forced extract still runs it."""
+    import importlib.util
+    import types
+
+    from draftdata.hidden.engines import vllm_worker as w
+
+    current = types.SimpleNamespace(
+        is_cuda_alike=lambda: platform == "cuda", is_cpu=lambda: platform == "cpu", device_name=platform
+    )
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.platforms", types.SimpleNamespace(current_platform=current))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())  # this vLLM has the method
+    why = w.extract_unavailable(forced=forced)
+    assert why is None if expect is None else expect in why
+
+
 def test_vllm_auto_path_falls_back_to_the_hooks_and_says_why(monkeypatch, capsys):
     """auto: extract when vLLM can run it, the hook path (with the reason) when it cannot start or is absent;
     extract forced: one error with the reason; hook forced: the extraction is never tried."""
@@ -404,7 +426,7 @@ def test_vllm_auto_path_falls_back_to_the_hooks_and_says_why(monkeypatch, capsys
     fake_vllm(monkeypatch, started)
     target = SimpleNamespace(max_model_len=4096, get_total_num_hidden_layers=lambda: 8)
     monkeypatch.setattr(w, "target_config", lambda settings: target)
-    monkeypatch.setattr(w, "extract_unavailable", lambda: None)
+    monkeypatch.setattr(w, "extract_unavailable", lambda forced=False: None)
 
     def extraction_fails(*args):
         raise RuntimeError("Model does not support EAGLE3 interface but aux_hidden_state_outputs was requested")
@@ -417,10 +439,12 @@ def test_vllm_auto_path_falls_back_to_the_hooks_and_says_why(monkeypatch, capsys
     assert "speculative_config" not in started[-1]
     with pytest.raises(RuntimeError, match="does not support EAGLE3"):
         w.start(dict(settings, path="extract"))
-    monkeypatch.setattr(w, "extract_unavailable", lambda: "this vLLM has no extract_hidden_states method")
+    monkeypatch.setattr(w, "extract_unavailable", lambda forced=False: "this vLLM has no extract_hidden_states method")
     with pytest.raises(RuntimeError, match="vllm_path is extract, but this vLLM has no extract_hidden_states"):
         w.start(dict(settings, path="extract"))
-    monkeypatch.setattr(w, "extract_unavailable", lambda: pytest.fail("hook must not consider the extraction"))
+    monkeypatch.setattr(
+        w, "extract_unavailable", lambda forced=False: pytest.fail("hook must not consider the extraction")
+    )
     run, info = w.start(dict(settings, path="hook"))
     assert info["path"] == "hook" and info["fallback"] is None
     with pytest.raises(ValueError, match=r"hidden_states.layers: layer ids \[8\] out of range for a 8-layer"):

@@ -283,7 +283,7 @@ class HiddenStatesConfig:
     vllm_python: Optional[str] = None  # vllm: the Python that has vLLM (its own venv); None = this one
     vllm_kwargs: Dict[str, Any] = field(default_factory=dict)  # vllm: extra vllm.LLM options (dtype, memory, ...)
     # vllm: extract (vLLM's own extract_hidden_states) | hook (a capture inside vLLM's forward) | auto (extract where
-    # the installed vLLM runs it, else hook; the metrics say which ran)
+    # the installed vLLM runs it with its own connector, on CUDA; else hook; the metrics say which ran)
     vllm_path: str = "auto"
 
     def check(self, key: str) -> None:

@@ -10,8 +10,8 @@ RPC.
 Two paths (settings `path`: auto, extract or hook). `extract` is vLLM's own hidden-state extraction (the
 `extract_hidden_states` speculative method and a hidden-states KV connector, as speculators uses it): nothing of the
 model is patched. `hook` captures inside the decoder's forward (vLLM's EAGLE-3 aux outputs, or forward hooks), for a
-vLLM or a model without the extraction. `auto` starts the extraction and falls back to the hooks if it cannot start,
-saying why on stderr and in the start-up answer.
+vLLM or a model without the extraction. `auto` starts the extraction where vLLM's own connector runs (CUDA) and
+falls back to the hooks if it cannot start, saying why on stderr and in the start-up answer.
 
 Only the standard library, torch, safetensors, vLLM and the project's dependency-free draftdata.errors and
 draftdata.hidden.engines.base are imported: the vLLM venv has none of the project's dependencies.
@@ -376,17 +376,24 @@ def extract_kwargs(settings: dict, n_layers: int) -> dict:
     }
 
 
-def extract_unavailable() -> str | None:
-    """Why this vLLM cannot run its own extraction here, or None."""
+def extract_unavailable(forced: bool = False) -> str | None:
+    """Why this vLLM does not run its own extraction here, or None. `auto` takes it only where vLLM's own connector
+    runs (CUDA): on the CPU build the extraction needs draftdata's connector, which reaches into vLLM's internals
+    (what the extraction is meant to avoid) and is slower than the hooks, so only a forced `extract` runs it there."""
     import importlib.util
 
     from vllm.platforms import current_platform
 
     if importlib.util.find_spec("vllm.model_executor.models.extract_hidden_states") is None:
         return "this vLLM has no extract_hidden_states method"
-    if not (current_platform.is_cuda_alike() or current_platform.is_cpu()):
-        return f"vLLM's hidden-states connector copies through CUDA, and the platform is {current_platform.device_name}"
-    return None
+    if current_platform.is_cuda_alike() or (forced and current_platform.is_cpu()):
+        return None
+    if current_platform.is_cpu():
+        return (
+            "vLLM's hidden-states connector copies through CUDA; on the CPU build the extraction runs through "
+            "draftdata's own connector, slower than the hooks (hidden_states.vllm_path: extract runs it)"
+        )
+    return f"vLLM's hidden-states connector copies through CUDA, and the platform is {current_platform.device_name}"
 
 
 def generate(llm, batch: list[list[int]]) -> list:
@@ -462,7 +469,7 @@ def start(settings: dict) -> tuple[object, dict]:
         raise ValueError(f"hidden_states.layers: layer ids {bad} out of range for a {n_layers}-layer model")
     want, why = settings.get("path", "auto"), None
     if want in ("auto", "extract"):
-        why = extract_unavailable()
+        why = extract_unavailable(forced=want == "extract")
         if why is None:
             try:
                 return start_extract(settings, target, n_layers)
