@@ -23,7 +23,7 @@ def test_help_lists_every_command():
     proc = draftdata("--help")
     assert proc.returncode == 0
     listed = [line.split()[0] for line in proc.stdout.splitlines() if line.startswith("  ")]
-    assert listed == ["plan", "export", "compare", "reference"] == list(COMMANDS)
+    assert listed == ["plan", "export", "verify", "compare", "reference"] == list(COMMANDS)
 
 
 def test_an_unknown_command_is_one_error_line_and_status_2(tmp_path):
@@ -38,6 +38,7 @@ def test_an_unknown_command_is_one_error_line_and_status_2(tmp_path):
     [
         ("plan", "Command `plan`: what the configured budgets will cost"),
         ("export", "usage: draftdata export dataset=<D> [key=value ...]"),
+        ("verify", "`draftdata verify dataset=<D> [verify.samples=3]"),
         ("compare", "Compare experiments at a glance: `draftdata compare"),
         ("reference", "usage: draftdata reference"),
     ],

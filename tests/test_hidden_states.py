@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import sqlite3
@@ -642,3 +643,107 @@ def test_hf_index_in_index_json_names_the_state_hf_returns(tiny_model):
     assert not torch.allclose(hs[n], outputs[n - 1])  # HF's last entry is post-norm: not the layer's output
     for layer, i in zip(layers[:-1], index[:-1]):
         torch.testing.assert_close(hs[i], outputs[layer])
+
+
+# ---- draftdata verify: stored states recomputed and compared ------------------------------------------------------ #
+
+
+def verify_in(project: Project, *overrides: str):
+    from draftdata.cli.verify import main
+    from draftdata.config.load import load_config
+
+    return main(load_config("B3", list(overrides), params_path=project.path / "params.yaml"))
+
+
+def verify_cli(project: Project, *overrides: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "draftdata", "verify", "dataset=B3", *overrides]
+    return subprocess.run(cmd, cwd=project.path, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_spread_takes_the_shortest_the_longest_and_between():
+    from draftdata.hidden.verify import spread
+
+    lengths = [5, 1, 3, 9, 7, 3]
+    assert spread(lengths, 3) == [1, 5, 3]  # 1, the median (3, tie to the later one by order), 9
+    assert spread(lengths, 2) == [1, 3] and spread(lengths, 1) == [5]
+    assert spread(lengths, 10) == [1, 2, 5, 0, 4, 3]  # all, shortest first
+
+
+def test_verify_passes_on_the_stored_states(hs_project, capsys):
+    """bf16 states computed by the stage in batches of up to 2048 padded tokens; hf recomputes three of them (the
+    shortest, the median and the longest) one at a time: every layer within bf16's rounding."""
+    hs_project.set("hidden_states.dtype", "bfloat16")
+    hs_project.run("hidden_states", "B3")
+    capsys.readouterr()
+    report = verify_in(hs_project)
+    lengths = pq.read_table(hs_project.data("B3") / "samples.parquet", columns=["n_tokens"]).column(0).to_pylist()
+    assert [n for _, n in report.checked] == [min(lengths), sorted(lengths)[(len(lengths) - 1) // 2], max(lengths)]
+    assert (
+        report.ok
+        and report.tolerance == 2e-2
+        and (report.stored_dtype, report.computed_dtype)
+        == (
+            "bfloat16",
+            "float32",
+        )
+    )
+    assert [e.name for e in report.layers] == ["layer 1", "layer 3", "layer 4", "final (pre-norm)"]
+    for e in report.layers:  # bf16 rounds each value by at most 2^-9: above zero, below that
+        assert 0 < e.mean <= e.max < 2**-9 and e.tokens == sum(n for _, n in report.checked)
+    out = capsys.readouterr().out
+    assert "3 of" in out and "verify: ok:" in out
+    # another batch size, every sample: the same verdict
+    assert verify_in(hs_project, "verify.batch_size=4", "verify.samples=1000").ok
+
+
+def corrupt(project: Project, sample_index: int, layer: int, factor: float) -> str:
+    """Scale one captured layer's states of one stored sample in its shard (a file of the right size and
+    format, with wrong numbers); returns the sample's id."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    out = project.data("B3") / "hidden_states"
+    row = pq.read_table(out / "samples.parquet").slice(sample_index, 1).to_pylist()[0]
+    path = out / "shards" / row["shard"]
+    with safe_open(str(path), framework="pt") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    a, b = int(tensors["offsets"][row["row"]]), int(tensors["offsets"][row["row"] + 1])
+    tensors["aux_hidden_states"][a:b, layer] *= factor
+    save_file(tensors, str(path), metadata=meta)
+    return row["id"]
+
+
+def test_verify_fails_on_wrong_numbers_in_one_layer_of_one_sample(hs_project):
+    hs_project.set("hidden_states.dtype", "bfloat16")
+    hs_project.run("hidden_states", "B3")
+    lengths = pq.read_table(hs_project.data("B3") / "samples.parquet", columns=["n_tokens"]).column(0).to_pylist()
+    longest = max(range(len(lengths)), key=lambda i: (lengths[i], -i))
+    victim = corrupt(hs_project, longest, 1, 1.05)  # 5 % off in layer 3: plausible values, wrong
+    proc = verify_cli(hs_project)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]  # after the model's loading bar
+    assert "Traceback" not in proc.stderr and line.startswith("error: verify: data/B3/hidden_states: layer 3 is off")
+    off = re.search(rf"off by (\S+) relative at sample {victim}, token \d+, above the tolerance 0.02", line)
+    assert off and 0.04 < float(off.group(1)) <= 0.05  # 5 %, less what rounding to bf16 took back
+    rows = {r.split()[1]: r.split()[2:4] for r in proc.stdout.splitlines() if r.startswith("layer ")}
+    assert float(rows["3"][0]) > 2e-2 and all(float(rows[k][0]) < 2**-9 for k in ("1", "4"))
+
+
+def test_verify_names_a_shard_cut_short_before_loading_the_model(hs_project, monkeypatch):
+    from draftdata.hidden import verify
+
+    hs_project.run("hidden_states", "B3")
+    shard = next((hs_project.data("B3") / "hidden_states" / "shards").iterdir())
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 100)
+    with monkeypatch.context() as m, pytest.raises(UserError) as err:
+        m.setattr(verify, "make_engine", lambda *a: pytest.fail("the model was loaded"))
+        verify_in(hs_project)
+    message = str(err.value)
+    assert message.startswith(f"{Path('data/B3/hidden_states/shards') / shard.name}: missing or cut short")
+    assert "\n" not in message and "dvc repro hidden_states@B3" in message
+    # the stage finds the same file torn in its store and computes that shard's samples again
+    hs_project.run("hidden_states", "B3")
+    assert hs_metrics(hs_project)["torn_shards_redone"] == 1
+    assert verify_in(hs_project).ok

@@ -2,6 +2,7 @@
 
     draftdata plan [dataset=<D>] [plan.tok_s=<N>] [plan.out=<path>] [overrides]   what each dataset will cost
     draftdata export dataset=<D> export.format=specforge|speculators [overrides]   states in a trainer's layout
+    draftdata verify dataset=<D> [verify.engine=hf|vllm] [verify.samples=3]       stored states recomputed, compared
     draftdata compare [dataset=<D> ...]                                            experiments side by side
     draftdata reference [--write]                                                  the configuration reference
 
@@ -17,6 +18,7 @@ from importlib import import_module
 COMMANDS = {
     "plan": ("draftdata.cli.plan", "what each dataset will cost: tokens to generate, requests, GPU time, disk"),
     "export": ("draftdata.cli.export", "a dataset's hidden states (or samples alone) in a trainer's own layout"),
+    "verify": ("draftdata.cli.verify", "a few stored hidden states recomputed by another engine or batch size"),
     "compare": ("draftdata.cli.compare", "one short row per experiment from each dataset's summary.json"),
     "reference": ("draftdata.cli.reference", "the configuration reference table (--write: into docs/configuration.md)"),
 }

@@ -328,6 +328,29 @@ class ExportConfig:
 
 
 @dataclass
+class VerifyConfig:
+    """`draftdata verify`: stored hidden states recomputed by another engine or batch size and compared (not a DVC
+    stage: a check to run)."""
+
+    samples: int = 3  # stored samples recomputed, spread over the lengths: the shortest, the longest, evenly between
+    engine: str = "hf"  # hf | vllm: what recomputes them, set up by hidden_states.* as the stage sets it up
+    batch_size: int = 1  # samples per forward (padded to the longest by hf)
+    # the largest relative error a token's state may have in any layer; null: the stored dtype's (or the engine's,
+    # if coarser): float32 1e-3, float16 5e-3, bfloat16 2e-2, fp8 1e-1
+    tolerance: Optional[float] = None
+
+    def check(self, key: str) -> None:
+        if self.engine not in ("hf", "vllm"):
+            raise ConfigError(f"{key}.engine", f"must be hf or vllm, got {self.engine!r}")
+        _positive(f"{key}.samples", self.samples)
+        _positive(f"{key}.batch_size", self.batch_size)
+        if self.tolerance is not None and not (isinstance(self.tolerance, (int, float)) and self.tolerance > 0):
+            raise ConfigError(
+                f"{key}.tolerance", f"must be a number > 0 (null: the stored dtype's), got {self.tolerance!r}"
+            )
+
+
+@dataclass
 class BackendConfig:
     """Run-time: where generation runs. Not a DVC param: the same model gives the same data from any server."""
 
@@ -477,6 +500,7 @@ class Config:
     tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
     hidden_states: HiddenStatesConfig = field(default_factory=HiddenStatesConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
@@ -515,6 +539,7 @@ def validate(cfg: Config, need_dataset: bool) -> None:
     cfg.tokenize.check("tokenize")
     cfg.hidden_states.check("hidden_states")
     cfg.export.check("export")
+    cfg.verify.check("verify")
     cfg.backend.check("backend")
     cfg.run.check("run")
 
