@@ -110,6 +110,17 @@ def test_fp8_halves_the_bytes_and_reports_its_error(hs_project):
     for (_, _, _, aux, final), s in zip(ref, HiddenStates(hs_project.data("B3") / "hidden_states")):
         assert torch.linalg.vector_norm(s.aux - aux) / torch.linalg.vector_norm(aux) < 0.05
         assert torch.linalg.vector_norm(s.final_pre_norm - final) / torch.linalg.vector_norm(final) < 0.05
+    # what a token of training signal costs on disk: the bytes per token as stored over the share the loss mask
+    # trains, as stored and in bf16 and fp8 (3 layers + the final state, H = 64, the token's id); online: nothing
+    masks = pq.read_table(hs_project.data("B3") / "samples.parquet", columns=["loss_mask"]).column(0).to_pylist()
+    trained = sum(map(sum, masks))
+    share = trained / fp8["tokens"]
+    assert fp8["trained_tokens"] == bf16["trained_tokens"] == trained and 0 < share < 0.5
+    expected = {"bfloat16": round((8 * 64 + 4) / share), "fp8": round((4 * 68 + 4) / share), "online": 0}
+    assert fp8["per_trained_token"] == bf16["per_trained_token"] == expected
+    for m in (bf16, fp8):
+        assert m["bytes_per_trained_token"] == pytest.approx(m["bytes_per_token"] / share, abs=0.1)
+    assert expected["bfloat16"] <= bf16["bytes_per_trained_token"] <= 1.02 * expected["bfloat16"]  # + headers
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "fp8"])
@@ -692,9 +703,14 @@ def test_verify_passes_on_the_stored_states(hs_project, capsys):
     for e in report.layers:  # bf16 rounds each value by at most 2^-9: above zero, below that
         assert 0 < e.mean <= e.max < 2**-9 and e.tokens == sum(n for _, n in report.checked)
     out = capsys.readouterr().out
-    assert "3 of" in out and "verify: ok:" in out
+    print(out)
+    assert f"3 of {len(lengths)} samples recomputed by hf at batch size 1 (returned as float32)" in out
+    assert f"samples: {report.checked[0][0]} ({min(lengths)} tokens), " in out and "verify: ok:" in out
     # another batch size, every sample: the same verdict
     assert verify_in(hs_project, "verify.batch_size=4", "verify.samples=1000").ok
+    out = capsys.readouterr().out
+    print(out)
+    assert f"{len(lengths)} of {len(lengths)} samples" in out and f" and {len(lengths) - 6} more\n" in out
 
 
 def corrupt(project: Project, sample_index: int, layer: int, factor: float) -> str:

@@ -104,6 +104,42 @@ def test_reusable_tokens_are_what_the_store_holds(project, capsys, tiny_model):
     assert doc["datasets"][0]["to_generate"] == doc["total"]["to_generate"] == 100_000 - held
 
 
+def test_the_disk_per_trained_token_in_bf16_fp8_and_online(project, capsys, tiny_model):
+    """The hidden states' bytes per token as stored, and per token the loss mask trains (÷ the trained share):
+    estimated from the mean lengths before tokenize has run, counted by tokenize after; online training's is 0."""
+    project.set("datasets.B3.token_budget", 300)
+    project.run("prompts", "B3")
+    project.run("generate", "B3")
+    hidden = json.loads((tiny_model / "config.json").read_text())["hidden_size"]
+    p = one(project)
+    share = p.mean_completion / (p.mean_prompt + p.mean_completion)
+    assert p.trained_share_from == "estimate" and p.trained_share == pytest.approx(
+        share, abs=1e-3
+    )  # of the rounded means
+    project.run("tokenize", "B3")
+    capsys.readouterr()
+    p = one(project, opts=_opts(out=str(project.path / "plan.json")))
+    tm = json.loads((project.data("B3") / "tokenize_metrics.json").read_text())
+    assert p.trained_share_from == "measured" and p.trained_share == round(tm["trained_tokens"] / tm["tokens"], 4)
+    # 3 EAGLE-3 layers + the final state: H values each, 2 bytes in bf16, 1 in fp8 with a float32 scale; the id
+    bf16, fp8 = 4 * 2 * hidden + 4, 4 * (hidden + 4) + 4
+    doc = json.loads((project.path / "plan.json").read_text())
+    assert doc["model"]["disk_per_token"] == {"bfloat16": bf16, "fp8": fp8, "online": 0}
+    per_trained = doc["datasets"][0]["hidden_bytes_per_trained_token"]
+    assert per_trained == {"bfloat16": round(bf16 / p.trained_share), "fp8": round(fp8 / p.trained_share), "online": 0}
+    assert 1 < per_trained["bfloat16"] / bf16 == pytest.approx(1 / p.trained_share, rel=1e-3)
+    out = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(out) if line.startswith("hidden states on disk: per token"))
+    assert out[header + 1].split() == [
+        "dataset", "trained", "share", "share", "from", "bf16/token", "bf16/trained", "token", "fp8/token",
+        "fp8/trained", "token", "online",
+    ]  # fmt: skip
+    row = out[header + 2].split()
+    assert row[:3] == ["B3", f"{p.trained_share:.3f}", "measured"] and row[-2:] == ["0", "B"]
+    assert row[3:5] == [str(bf16), "B"] and row[7:9] == [str(fp8), "B"]
+    assert max(len(line) for line in out if not line.startswith("target: ")) <= 120
+
+
 def test_the_plan_renders_with_the_datasets_template_kwargs(project):
     """plan computes the keys generate computes: under a thinking template, what a dataset with thinking off stored
     counts toward it, and none of it for the same prompts with thinking on (other ids, so other keys)."""

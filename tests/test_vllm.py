@@ -558,3 +558,35 @@ def test_hidden_states_stage_gives_the_same_states_on_both_backends(project, tmp
             assert i == j
             torch.testing.assert_close(b, a, atol=2e-2, rtol=2e-2)  # both stored in bf16
             torch.testing.assert_close(g, f, atol=2e-2, rtol=2e-2)
+
+
+def test_verify_recomputes_hf_states_with_vllm(project, tmp_path, monkeypatch, capsys):
+    """`draftdata verify verify.engine=vllm`: states the stage stored from the hf backend (bf16), three of them
+    recomputed by vLLM one at a time, every layer within bf16's tolerance; the figures are printed. vLLM's CPU
+    build computes in bf16 by default; in float32 its states differ from the stored ones by bf16's rounding alone
+    (at most 2^-9 a value)."""
+    from draftdata.cli.verify import main
+    from draftdata.config.load import load_config
+
+    for k, v in CAPTURE_ENV.items():
+        monkeypatch.setenv(k, v)
+    project.params["model"]["path"] = str(build(tmp_path / "tiny-vllm", mean_response_tokens=24))
+    project.params["hidden_states"]["dtype"] = "bfloat16"
+    project.save()
+    for stage in ("prompts", "generate", "tokenize", "hidden_states"):
+        project.run(stage, "B3")
+    capsys.readouterr()
+    overrides = ["verify.engine=vllm", f"hidden_states.vllm_python={VLLM_PYTHON}"]
+    report = main(load_config("B3", overrides, params_path=project.path / "params.yaml"))
+    out = capsys.readouterr().out
+    print(out)
+    assert report.ok and report.engine == "vllm" and len(report.checked) == 3 and report.tolerance == 2e-2
+    assert len(report.layers) == 4 and all(0 < e.mean <= e.max for e in report.layers)
+    assert "verify: ok:" in out and "recomputed by vllm at batch size 1 (returned as float32)" in out
+    exact = main(
+        load_config(
+            "B3", [*overrides, "+hidden_states.vllm_kwargs.dtype=float32"], params_path=project.path / "params.yaml"
+        )
+    )
+    print(capsys.readouterr().out)
+    assert all(0 < e.max < 2**-9 for e in exact.layers)

@@ -43,6 +43,7 @@ from draftdata.generate.budget import LengthModel
 from draftdata.generate.selection import Planned, needs_request, plan_requests, tokens_of, unusable_reason
 from draftdata.generate.store import ResponseStore, StoredResponse
 from draftdata.generate.work import conversation_plan, plan_conversations
+from draftdata.hidden.shards import bytes_per_token, disk_per_token
 from draftdata.target.model import ModelNotBuilt, model_dir, model_limits
 from draftdata.target.tokenizer import end_of_turn_ids, has_tokenizer_files, load_tokenizer
 from draftdata.util.files import data_dir, read_jsonl, write_json
@@ -54,8 +55,6 @@ from draftdata.util.sqlite import resolve_store_path
 RESPONSES_BYTES_PER_TOKEN = 10.0
 # samples.parquet: input_ids int32 + loss_mask int8 per token, before parquet's compression (an upper bound).
 SAMPLES_BYTES_PER_TOKEN = 5.0
-# hidden states: bytes per stored value; fp8 adds a float32 scale per token and layer (draftdata/hidden/shards.py).
-VALUE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
 OPTIONS = ("plan.tok_s", "plan.out")
 
 
@@ -72,6 +71,8 @@ class ModelShape:
     layers: list[int]  # physical ids of the kept layers (the final state is kept too)
     dtype: str
     bytes_per_token: int  # hidden states of one token
+    # a token's states in bf16 and fp8, and online training's (the trainer computes them, nothing is stored): 0
+    disk_per_token: dict[str, int]
 
 
 @dataclass
@@ -100,6 +101,8 @@ class DatasetPlan:
     responses_from: str  # measured | estimate
     samples_from: str
     turns: int | None = None  # turns: all: the source turns of every conversation (None: turns: last)
+    trained_share: float | None = None  # of the samples' tokens, those the loss mask trains (None: not known)
+    trained_share_from: str = "-"  # measured (tokenize_metrics.json) | estimate (mean lengths) | -
     conversations_needed: int | None = None  # turns: all: conversations of the mean length the budget still takes
 
     @property
@@ -109,6 +112,13 @@ class DatasetPlan:
     @property
     def disk_bytes(self) -> int:
         return self.responses_bytes + self.samples_bytes + self.hidden_bytes
+
+    def per_trained_token(self, shape: ModelShape | None) -> dict[str, int] | None:
+        """The hidden states' bytes per token the loss mask trains: what a token of training signal costs on disk
+        (the prompts' and earlier turns' states are stored too, and train nothing)."""
+        if shape is None or not self.trained_share:
+            return None
+        return {d: round(n / self.trained_share) for d, n in shape.disk_per_token.items()}
 
 
 # ---- pure helpers ---------------------------------------------------------------------------------------------- #
@@ -143,11 +153,14 @@ def parse_options(raw: dict[str, str]) -> Options:
     return opts
 
 
-def hidden_bytes_per_token(n_kept: int, hidden_size: int, dtype: str) -> int:
-    """k kept layers + the final state, H values each (2·(k+1)·H in bf16), plus the token's int32 id; fp8 adds a
-    float32 scale per layer."""
-    per_layer = hidden_size * VALUE_BYTES[dtype] + (4 if dtype == "fp8" else 0)
-    return (n_kept + 1) * per_layer + 4
+def trained_share(tokenize: dict, mean_prompt: float | None, mean_c: float) -> tuple[float | None, str]:
+    """The share of the samples' tokens the loss mask trains: counted by tokenize where it ran; before, a
+    response's completion over its prompt + completion (an estimate: with `turns: all` a sample holds every turn)."""
+    if tokenize.get("tokens"):
+        return round(tokenize["trained_tokens"] / tokenize["tokens"], 4), "measured"
+    if mean_prompt:
+        return round(mean_c / (mean_prompt + mean_c), 4), "estimate"
+    return None, "-"
 
 
 def to_generate(budget: int, reusable: int) -> int:
@@ -239,7 +252,8 @@ def model_shape(cfg: Config) -> ModelShape:
         conf.hidden_size,
         layers,
         dtype,
-        hidden_bytes_per_token(len(layers), conf.hidden_size, dtype),
+        bytes_per_token(len(layers), conf.hidden_size, dtype),
+        disk_per_token(len(layers), conf.hidden_size),
     )
 
 
@@ -281,7 +295,9 @@ def plan_dataset(
 
     seq = sequence_tokens(ds.token_budget, ds.budget_unit.value, mean_prompt, mean_c)
     resp_rate = measured_rate(out / "responses.jsonl", gm.get("prompt_tokens", 0) + gm.get("completion_tokens", 0))
-    samp_rate = measured_rate(out / "samples.parquet", _read_json(out / "tokenize_metrics.json").get("tokens"))
+    tm = _read_json(out / "tokenize_metrics.json")
+    samp_rate = measured_rate(out / "samples.parquet", tm.get("tokens"))
+    share, share_from = trained_share(tm, mean_prompt, mean_c)
     return DatasetPlan(
         dataset=name,
         prompts=prompts,
@@ -308,6 +324,8 @@ def plan_dataset(
         samples_from="measured" if samp_rate else "estimate",
         turns=turns,
         conversations_needed=None if turns is None else expected_requests(left, mean_c * turns / max(prompts, 1)),
+        trained_share=share,
+        trained_share_from=share_from,
     )
 
 
@@ -369,7 +387,9 @@ def fmt_tokens(n: float | None) -> str:
     return f"{round(n):,}"
 
 
-def fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
     for unit in ("B", "kB", "MB", "GB", "TB"):
         if n < 1000 or unit == "TB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -503,6 +523,7 @@ def render(plans: list[DatasetPlan], shape: ModelShape | None, cfg: Config, warn
             cost_rows,
             left=(0, 2, 9),
         ),
+        *_disk_table(plans, shape),
     ]
     notes = [f"warning: {w}" for w in warnings] + [_conversations_note(p) for p in plans if p.turns is not None]
     notes += [
@@ -517,6 +538,29 @@ def render(plans: list[DatasetPlan], shape: ModelShape | None, cfg: Config, warn
             "counts completion tokens only"
         )
     return "\n".join(lines + ([""] + notes if notes else []))
+
+
+def _disk_table(plans: list[DatasetPlan], shape: ModelShape | None) -> list[str]:
+    """The hidden states' bytes per token as stored and per trained token, in bf16 and fp8, beside online
+    training's nothing."""
+    if shape is None:
+        return []
+    rows = []
+    for p in plans:
+        per_trained = p.per_trained_token(shape) or {}
+        rows.append(
+            [
+                p.dataset,
+                "-" if p.trained_share is None else f"{p.trained_share:.3f}",
+                p.trained_share_from,
+                *(fmt_bytes(n) for d in ("bfloat16", "fp8") for n in (shape.disk_per_token[d], per_trained.get(d))),
+                "0 B",
+            ]
+        )
+    headers = ["dataset", "trained share", "share from"]
+    headers += [h for d in ("bf16", "fp8") for h in (f"{d}/token", f"{d}/trained token")] + ["online"]
+    caption = "hidden states on disk: per token as stored, per trained token (÷ trained share); online stores none"
+    return ["", caption, *table(headers, rows, left=(0, 2))]
 
 
 def _sent(p: DatasetPlan) -> str:
@@ -553,7 +597,13 @@ def to_json(plans: list[DatasetPlan], shape: ModelShape | None, warnings: Sequen
         "model": asdict(shape) if shape else None,  # None: the model is not built yet
         "warnings": list(warnings),
         "datasets": [
-            dict(asdict(p), disk_bytes=p.disk_bytes, turns_per_conversation=p.turns_per_conversation) for p in plans
+            dict(
+                asdict(p),
+                disk_bytes=p.disk_bytes,
+                turns_per_conversation=p.turns_per_conversation,
+                hidden_bytes_per_trained_token=p.per_trained_token(shape),
+            )
+            for p in plans
         ],
         "total": {
             k: sum(getattr(p, k) for p in plans)

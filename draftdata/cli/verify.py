@@ -13,13 +13,17 @@ from draftdata.config.schema import Config
 from draftdata.hidden.verify import Report, verify
 from draftdata.util.files import data_dir
 
+SHOWN = 6  # sample ids listed; the rest counted
+
 
 def render(r: Report) -> str:
-    checked = ", ".join(f"{i} ({n:,} tokens)" for i, n in r.checked)
+    checked = ", ".join(f"{i} ({n:,} tokens)" for i, n in r.checked[:SHOWN])
+    more = f" and {len(r.checked) - SHOWN:,} more" if len(r.checked) > SHOWN else ""
     width = max(len("layer"), *(len(e.name) for e in r.layers))
     lines = [
         f"verify: {r.path}: {len(r.checked)} of {r.total:,} samples recomputed by {r.engine} at batch size "
-        f"{r.batch_size} ({r.computed_dtype}), against the stored {r.stored_dtype}: {checked}",
+        f"{r.batch_size} (returned as {r.computed_dtype}), against the stored {r.stored_dtype}",
+        f"samples: {checked}{more}",
         f"{'layer':<{width}}  {'max rel err':>11}  {'mean rel err':>12}  where the max is",
         *(f"{e.name:<{width}}  {e.max:>11.2e}  {e.mean:>12.2e}  {e.worst}" for e in r.layers),
     ]

@@ -70,6 +70,7 @@ class Rank:
 class HiddenTally:
     samples: int = 0
     tokens: int = 0
+    trained_tokens: int = 0  # under the loss mask
     computed: int = 0
     computed_tokens: int = 0
     torn: int = 0
@@ -357,6 +358,7 @@ def materialise(
             )
             tally.samples += len(ids)
             tally.tokens += sum(r.n_tokens for r in rows)
+            tally.trained_tokens += sum(map(sum, masks))
     norm = target.norm
     tensors = {"weight": norm.weight.contiguous()}
     if norm.bias is not None:

@@ -8,7 +8,7 @@ from pathlib import Path
 from draftdata.config.schema import Config
 from draftdata.hidden.compute import HiddenTally, LazyEngine
 from draftdata.hidden.layers import layer_numberings
-from draftdata.hidden.shards import FORMAT_VERSION
+from draftdata.hidden.shards import FORMAT_VERSION, disk_per_token
 from draftdata.hidden.state_store import Target
 
 
@@ -63,4 +63,17 @@ def output_metrics(
         m["vllm_path"], m["vllm_path_fallback"] = engine.vllm_path
     if hs.dtype == "fp8" and tally.fp8_err_den:
         m["fp8_rel_err"] = round((tally.fp8_err_num / tally.fp8_err_den) ** 0.5, 5)
-    return m
+    return m | disk_per_trained_token(m["bytes_per_token"], tally, len(layers), target.hidden_size)
+
+
+def disk_per_trained_token(stored: float, tally: HiddenTally, n_kept: int, hidden_size: int) -> dict:
+    """What a token of training signal costs on disk: the bytes per token as stored over the share of tokens the
+    loss mask trains (the prompts' states are stored too), and the same in bf16 and fp8, beside online training's
+    nothing (the trainer computes the states; none are stored)."""
+    share = tally.trained_tokens / tally.tokens if tally.tokens else 0.0
+    per_token = disk_per_token(n_kept, hidden_size)
+    return {
+        "trained_tokens": tally.trained_tokens,
+        "bytes_per_trained_token": round(stored / share, 1) if share else 0.0,
+        "per_trained_token": {d: round(n / share) if share else 0 for d, n in per_token.items()},
+    }

@@ -22,6 +22,7 @@ from draftdata.util.files import atomic_path
 
 FORMAT_VERSION = 1
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn value
+VALUE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}  # bytes of one stored value
 
 
 class StateError(UserError):
@@ -34,6 +35,19 @@ class SampleStates:
     input_ids: list[int]
     aux: object  # torch.Tensor [T, k, H], float32 or the model's dtype
     final: object  # torch.Tensor [T, H], pre-norm
+
+
+def bytes_per_token(n_kept: int, hidden_size: int, dtype: str) -> int:
+    """A token's bytes in a shard: k kept layers + the final state, H values each (2·(k+1)·H in bf16), plus its
+    int32 id; fp8 adds a float32 scale per layer. Headers and offsets aside (a few bytes a sample)."""
+    per_layer = hidden_size * VALUE_BYTES[dtype] + (4 if dtype == "fp8" else 0)
+    return (n_kept + 1) * per_layer + 4
+
+
+def disk_per_token(n_kept: int, hidden_size: int) -> dict[str, int]:
+    """A token's bytes in bf16 and in fp8, and online training's: 0 (the trainer computes the states; none are
+    stored)."""
+    return {d: bytes_per_token(n_kept, hidden_size, d) for d in ("bfloat16", "fp8")} | {"online": 0}
 
 
 def quantize_fp8(x):
