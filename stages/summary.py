@@ -26,7 +26,8 @@ def summarise(generate: dict, tokenize: dict) -> dict:
     but not here. `trained_share` is those trained tokens over every token of samples.parquet (prompts and history
     included): what share of the hidden states computed for the samples carries a training signal. The counts
     behind both, `tokens` and `trained_tokens`, are in tokenize_metrics.json; the hidden states' size is `bytes`
-    in hidden_states_metrics.json."""
+    in hidden_states_metrics.json, and what a trained token costs on disk `bytes_per_trained_token` there (one more
+    key here would take `dvc metrics show` past 120 columns, and this stage does not wait for hidden_states)."""
     new = generate.get("new_in_output_tokens", 0)
     budget, trained, every = generate["budget"], tokenize["trained_tokens"], tokenize["tokens"]
     return {
