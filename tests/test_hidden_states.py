@@ -681,6 +681,18 @@ def test_spread_takes_the_shortest_the_longest_and_between():
     assert spread(lengths, 10) == [1, 2, 5, 0, 4, 3]  # all, shortest first
 
 
+def test_a_damaged_value_is_an_infinite_error_not_a_small_one():
+    from draftdata.hidden.verify import LayerError, row_errors
+
+    fresh = torch.tensor([[3.0, 4.0], [1.0, 0.0], [0.0, 2.0]])
+    stored = torch.tensor([[3.0, 4.5], [float("nan"), 0.0], [0.0, 2.0]])
+    errors = row_errors(stored, fresh)
+    assert errors.tolist() == pytest.approx([0.1, float("inf"), 0.0])  # |(0, 0.5)| / |(3, 4)|
+    layer = LayerError("layer 1")
+    layer.add("s", errors)
+    assert layer.max == float("inf") and layer.worst == "sample s, token 1"
+
+
 def test_verify_passes_on_the_stored_states(hs_project, capsys):
     """bf16 states computed by the stage in batches of up to 2048 padded tokens; hf recomputes three of them (the
     shortest, the median and the longest) one at a time: every layer within bf16's rounding."""

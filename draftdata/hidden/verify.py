@@ -82,9 +82,11 @@ def spread(lengths: list[int], n: int) -> list[int]:
 
 
 def row_errors(stored, fresh):
-    """Per token ([T, H] -> [T]): |stored - fresh| / |fresh| over the hidden dimension."""
+    """Per token ([T, H] -> [T]): |stored - fresh| / |fresh| over the hidden dimension; a NaN (a damaged value) is
+    an infinite error, not one that compares as small."""
     fresh = fresh.float()
-    return (stored - fresh).norm(dim=-1) / fresh.norm(dim=-1).clamp_min(1e-12)
+    errors = (stored - fresh).norm(dim=-1) / fresh.norm(dim=-1).clamp_min(1e-12)
+    return errors.nan_to_num(nan=float("inf"))
 
 
 def check_stored(path: Path, dataset: str) -> dict:
@@ -128,6 +130,8 @@ def verify(cfg: Config, path: Path) -> Report:
     check_model(cfg, index, path)
     table = pq.read_table(path / "samples.parquet", columns=["shard", "n_tokens"])
     lengths = table.column("n_tokens").to_pylist()
+    if not lengths:
+        raise UserError(f"{path}: holds no samples; there is nothing to verify")
     rows = spread(lengths, v.samples)
     check_shards(path, table.column("shard").unique().to_pylist(), cfg.dataset)
     hs = HiddenStates(path)
