@@ -1,0 +1,284 @@
+"""The end-to-end measure of the data: train an EAGLE-3 drafter on our export with speculators' own model and loss,
+and report its acceptance on held-out samples.
+
+    python -m bench.drafter [--seeds 3] [--steps 40] [--max-len 512] [--target-steps 300] [--threads 1] [--workdir DIR]
+
+Needs DRAFTDATA_TRAINERS_PYTHON: a Python with speculators 0.9.0 (see tests/test_export.py for the venv); the drafter
+is trained there, by bench/drafter_train.py in a subprocess. Everything else runs here, with the project's own code:
+
+1. the target: the demo target (same tokenizer, shape and seed) trained on the demo corpus (bench/drafter_target.py).
+   The demo target's random weights make noise that no drafter predicts, so acceptance would mean nothing;
+2. the data, by the project's own stages run in a temp workdir with its own params.yaml (prompts → generate with the
+   embedded backend, which decodes with the target in-process → tokenize → hidden_states → `draftdata export`
+   format speculators), from the demo's multi-turn chats (B6_ultrachat) at temperature 0.3, so that the target's
+   answers follow its own likeliest tokens: `all` (every turn regenerated, the main set), `small` (the same at a
+   smaller budget) and `last` (the last turn only, at `all`'s budget). The hidden_states stage keeps every layer,
+   so each convention error below is cut from the same states; `all` is captured a second time in fp8;
+3. the split: by source conversation (its file:line), the same conversations held out of every training set; the
+   held-out samples of `all` (bf16) judge every variant;
+4. the drafters: one per variant and seed, the same steps of the same packed tokens each (bench/drafter_train.py).
+
+Writes bench/results/drafter.json: per variant, the accepted length (vLLM's convention) and speculators' per-step
+accuracies, mean and spread (max - min) over the seeds, each run's figures, and the goals: the correct export beats
+each convention error by more than 3 times the larger of the two spreads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TRAIN_SCRIPT = Path(__file__).resolve().parent / "drafter_train.py"
+ROOT = Path(__file__).resolve().parents[1]
+N_LAYERS = 8
+EAGLE3_LAYERS = [1, 3, 4]  # EAGLE-3's default for 8 layers, physical ids: [1, N//2 - 1, N - 4]
+HELD_OUT_EVERY = 5  # every 5th source conversation (by its line in the file) is held out
+
+# name -> (training export, aux layers in the order the drafter sees them, how the final state reaches the loss)
+VARIANTS = {
+    "correct": ("all", EAGLE3_LAYERS, "pre"),
+    "aux_off_by_one": ("all", [i + 1 for i in EAGLE3_LAYERS], "pre"),
+    "aux_reversed": ("all", EAGLE3_LAYERS[::-1], "pre"),
+    "post_norm_as_pre": ("all", EAGLE3_LAYERS, "post"),
+    "pre_norm_as_post": ("all", EAGLE3_LAYERS, "pre_as_post"),
+    "fp8": ("all_fp8", EAGLE3_LAYERS, "pre"),
+    "small_budget": ("small", EAGLE3_LAYERS, "pre"),
+    "last_turn": ("last", EAGLE3_LAYERS, "pre"),
+}
+ERRORS = ("aux_off_by_one", "aux_reversed", "post_norm_as_pre", "pre_norm_as_post")
+
+
+def dataset(turns: str, budget: int, max_tokens: int) -> dict:
+    return {
+        "source": {"shape": "messages", "path": str(ROOT / "sources" / "demo" / "B6_ultrachat.jsonl.gz")},
+        "max_prompt_tokens": 512,
+        "shuffle_seed": 0,
+        "token_budget": budget,
+        "budget_unit": "completion",
+        "max_tokens": max_tokens,
+        "sampling": {"temperature": 0.3, "top_p": 1.0, "top_k": -1},
+        "turns": turns,
+        "concurrency": 32,
+    }
+
+
+def params(work: Path, target: Path, budget: int, small_budget: int, max_tokens: int) -> dict:
+    return {
+        "model": {"path": str(target)},
+        "tokenize": {"max_seq_len": 2048, "on_too_long": "drop", "train_on": "all_turns"},
+        "hidden_states": {"layers": list(range(N_LAYERS)), "dtype": "bfloat16"},
+        "backend": {"kind": "embedded"},
+        "run": {"store_path": str(work / "store.sqlite"), "log_every_s": 60.0, "progress": False},
+        "datasets": {
+            "all": dataset("all", budget, max_tokens),
+            "small": dataset("all", small_budget, max_tokens),
+            "last": dataset("last", budget, max_tokens),
+        },
+    }
+
+
+@contextlib.contextmanager
+def inside(path: Path):
+    old = Path.cwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(old)
+
+
+def run_stage(work: Path, module: str, name: str, *overrides: str) -> None:
+    """A stage (or the export command) in-process, as `python -m stages.X dataset=name` would run it in `work`."""
+    import importlib
+
+    from draftdata.config.load import load_config
+
+    with inside(work):
+        cfg = load_config(name, list(overrides), params_path=work / "params.yaml")
+        importlib.import_module(module).main(cfg)
+
+
+def make_data(work: Path) -> dict:
+    """Every dataset through the stages and exported; `all` once more in fp8. name -> export dir."""
+    exports = {}
+    for name in ("all", "small", "last"):
+        for stage in ("prompts", "generate", "tokenize", "hidden_states"):
+            run_stage(work, f"stages.{stage}", name)
+        exports[name] = export(work, name, name)
+    run_stage(work, "stages.hidden_states", "all", "hidden_states.dtype=fp8")
+    exports["all_fp8"] = export(work, "all", "all_fp8")
+    return exports
+
+
+def export(work: Path, name: str, out: str) -> Path:
+    path = work / "exports" / out
+    run_stage(work, "draftdata.cli.export", name, "export.format=speculators", f"export.dir={path}")
+    return path
+
+
+def source_lines(work: Path, name: str) -> list[str]:
+    """Row i of the export -> the source line (file:line) of its conversation: a response names its prompt record by
+    `conversation` (`turns: all`), else by the prompt's own id (`turns: last`)."""
+    import pyarrow.parquet as pq
+
+    from draftdata.sources.select import prompt_id
+
+    data = work / "data" / name
+    where = {rec["id"]: rec["where"] for rec in map(json.loads, (data / "prompts.jsonl").read_text().splitlines())}
+    by_response = {}
+    for rec in map(json.loads, (data / "responses.jsonl").read_text().splitlines()):
+        prompt = rec.get("conversation") or prompt_id(rec["messages"], rec.get("tools"))
+        by_response[rec["id"]] = where[prompt]
+    ids = pq.read_table(data / "hidden_states" / "samples.parquet", columns=["id"])["id"]
+    return [by_response[i] for i in ids.to_pylist()]
+
+
+def held_out(where: str) -> bool:
+    return int(where.rsplit(":", 1)[1]) % HELD_OUT_EVERY == 0
+
+
+def split(work: Path, exports: dict) -> tuple[dict, list[int]]:
+    """(train rows per export, held-out rows of `all`): no conversation is in both."""
+    train = {}
+    for name in exports:
+        lines = source_lines(work, "all" if name == "all_fp8" else name)
+        train[name] = [i for i, w in enumerate(lines) if not held_out(w)]
+    held = [i for i, w in enumerate(source_lines(work, "all")) if held_out(w)]
+    return train, held
+
+
+def data_stats(path: Path, rows: list[int]) -> dict:
+    """Samples, tokens and trained tokens of an export's rows (from its marker and dataset)."""
+    from datasets import load_from_disk
+
+    ds = load_from_disk(str(path)).with_format(None)
+    masks = ds.select(rows)["loss_mask"]
+    return {"samples": len(rows), "tokens": sum(len(m) for m in masks), "trained_tokens": sum(map(sum, masks))}
+
+
+def trainers_python() -> str:
+    py = os.environ.get("DRAFTDATA_TRAINERS_PYTHON")
+    if not py:
+        sys.exit("bench.drafter: set DRAFTDATA_TRAINERS_PYTHON to a Python with speculators 0.9.0 (see --help)")
+    return py
+
+
+def train_drafters(work: Path, spec: dict) -> dict:
+    (work / "spec.json").write_text(json.dumps(spec, indent=1))
+    out = work / "drafters.json"
+    env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), TOKENIZERS_PARALLELISM="false")
+    # -I: not the script's folder first on sys.path, where bench/tokenize.py would hide the standard library's
+    subprocess.run([trainers_python(), "-I", str(TRAIN_SCRIPT), str(work / "spec.json"), str(out)], check=True, env=env)
+    return json.loads(out.read_text())
+
+
+def goals(results: dict) -> dict:
+    """The correct export beats each convention error by more than 3x the larger spread of the two."""
+    c = results["correct"]["accepted_length"]
+    out = {}
+    for name in ERRORS:
+        if name in results:
+            e = results[name]["accepted_length"]
+            out[f"correct_beats_{name}"] = c["mean"] - e["mean"] > 3 * max(c["spread"], e["spread"])
+    return out
+
+
+def spec_for(args, target: Path, exports: dict, train_rows: dict, eval_rows: list[int], variants: list[str]) -> dict:
+    return {
+        "target": str(target),
+        "hidden_size": args.hidden,
+        "exports": {n: {"path": str(p), "layers": list(range(N_LAYERS))} for n, p in exports.items()},
+        "train_rows": train_rows,
+        "eval": {"export": "all", "rows": eval_rows},
+        "eval_layers": EAGLE3_LAYERS,
+        "variants": [
+            {"name": v, "export": VARIANTS[v][0], "layers": VARIANTS[v][1], "final": VARIANTS[v][2]} for v in variants
+        ],
+        "seeds": list(range(args.seeds)),
+        "steps": args.steps,
+        "max_len": args.max_len,
+        "lr": args.lr,
+        "threads": args.threads,
+    }
+
+
+def run(args) -> dict:
+    import torch
+
+    from bench.drafter_target import TargetSpec, train_target
+
+    trainers_python()  # fail before any work
+    torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="draftdata-drafter-"))
+    work.mkdir(parents=True, exist_ok=True)
+    target = work / "target"
+    spec = TargetSpec(hidden_size=args.hidden, steps=args.target_steps)
+    target_info = train_target(target, spec, log=lambda m: print(m, flush=True))
+    p = params(work, target, args.budget, args.small_budget, args.max_tokens)
+    (work / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
+    t_data = time.perf_counter()
+    exports = make_data(work)
+    if args.variants != "all":
+        keep = {"all"} | {VARIANTS[v][0] for v in args.variants.split(",")}  # `all` holds the held-out samples
+        exports = {n: e for n, e in exports.items() if n in keep}
+    data_s = time.perf_counter() - t_data
+    train_rows, eval_rows = split(work, exports)
+    variants = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
+    t_train = time.perf_counter()
+    results = train_drafters(work, spec_for(args, target, exports, train_rows, eval_rows, variants))
+    datasets = {n: data_stats(exports[n], rows) for n, rows in train_rows.items()}
+    datasets["held_out"] = data_stats(exports["all"], eval_rows)
+    settings = {k: v for k, v in vars(args).items() if k not in ("workdir", "out")}
+    out = {
+        "settings": settings | {"eagle3_layers": EAGLE3_LAYERS, "dataset_params": copy.deepcopy(p["datasets"])},
+        "target": target_info,
+        "datasets": datasets,
+        "variants": results,
+        "goals": goals(results),
+        "wall_s": {
+            "target": target_info["train_s"],
+            "data": round(data_s, 1),
+            "drafters": round(time.perf_counter() - t_train, 1),
+            "all": round(time.perf_counter() - t0, 1),
+        },
+    }
+    for ds in out["settings"]["dataset_params"].values():  # no path of this machine in the results
+        ds["source"]["path"] = str(Path(ds["source"]["path"]).relative_to(ROOT))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.drafter", description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=40, help="drafter steps (packs of --max-len tokens) per run")
+    ap.add_argument("--max-len", type=int, default=512)
+    ap.add_argument("--lr", type=float, default=1e-3, help="speculators' default")
+    ap.add_argument("--target-steps", type=int, default=300)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--budget", type=int, default=5000, help="completion tokens of `all` and `last`")
+    ap.add_argument("--small-budget", type=int, default=2000, help="completion tokens of `small`")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--variants", default="all", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--workdir", help="keep the target, data and exports here (default: a temp dir)")
+    ap.add_argument("--out", type=Path, default=RESULTS / "drafter.json")
+    args = ap.parse_args(argv)
+    out = run(args)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    print(json.dumps({"goals": out["goals"], "wall_s": out["wall_s"]}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""The training half of `python -m bench.drafter`, run by the trainers' Python (DRAFTDATA_TRAINERS_PYTHON): it imports
+speculators and torch only, never the project.
+
+    <trainers python> bench/drafter_train.py SPEC.json OUT.json
+
+The library's own parts: the data path (`speculators.train.data.ArrowDataset` reads our export, `CollateFn` packs it),
+the drafter (`Eagle3DraftModel.from_training_args`, its draft decoder config from `create_transformer_layer_config`,
+the verifier's embeddings, LM head and final norm loaded from the target), its training-time-test forward with its
+KL loss and per-step accuracies (`full_acc_k`, `cond_acc_k`), and the accepted-length count
+(`speculators.models.metrics.compute_accepted_length_counts`, vLLM's convention: the leading run of correct draft
+tokens plus the verifier's bonus token). Ours: the loop below (AdamW with the library's default lr, gradient
+clipping at 1.0 as its Trainer does, float32 on a CPU where its Trainer moves batches to a GPU), the variants, and
+the blocks the accepted length is counted over.
+
+A variant trains on an export's states as some pipeline might have got them wrong: which of the captured layers
+feed the drafter (`layers`, physical ids, in that order), and how the final state reaches the loss (`final`: `pre`
+as speculators expects; `post` = the target's final norm applied already, so the trainer normalizes twice;
+`pre_as_post` = a trainer that expects the post-norm state, as SpecForge's does, and applies the LM head alone,
+given the pre-norm one). Every variant is judged on the same held-out samples served the right way: EAGLE-3's layers
+in index order, the pre-norm state through the target's own norm and head, as vLLM would serve the drafter.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+TTT_STEPS = 3
+
+
+def call_kwargs() -> dict:
+    """The forward's arguments as speculators' CLI builds them (its defaults: KL loss, no decay over the steps);
+    the loss's eager implementation, as its fused one needs Triton."""
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    train_kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(
+        loss_fn="kl_div", loss_implementation="eager", ttt_steps=TTT_STEPS, ttt_step_loss_decay=1.0
+    )
+    return train_kwargs
+
+
+class Select:
+    """CollateFn's `preprocess`: a variant's aux layers (and final state) from an export's sample."""
+
+    def __init__(self, idx: list[int], hidden: int, n_aux: int, norm=None):
+        self.idx, self.hidden, self.n_aux, self.norm = idx, hidden, n_aux, norm
+
+    def __call__(self, item: dict) -> dict:
+        hs = item["hidden_states"].reshape(-1, self.n_aux, self.hidden)[:, self.idx]
+        item = dict(item, hidden_states=hs.flatten(1))
+        if self.norm is not None:
+            with torch.no_grad():
+                item["verifier_last_hidden_states"] = self.norm(item["verifier_last_hidden_states"].float())
+        return item
+
+
+def load_export(path: str, max_len: int):
+    from speculators.train.data import ArrowDataset
+
+    return ArrowDataset(max_len=max_len, datapath=path, on_missing="raise", hidden_states_dtype=torch.float32)
+
+
+def packs(ds, rows: list[int], max_len: int) -> list[list[int]]:
+    """Rows grouped into packs of at most `max_len` tokens, in the given order."""
+    out, cur, n = [], [], 0
+    for r in rows:
+        length = min(ds.approx_lengths[r], max_len)
+        if cur and n + length > max_len:
+            out.append(cur)
+            cur, n = [], 0
+        cur.append(r)
+        n += length
+    return out + ([cur] if cur else [])
+
+
+def build_drafter(spec: dict, seed: int):
+    from speculators.models.eagle3 import Eagle3DraftModel
+    from speculators.train.cli import create_transformer_layer_config
+
+    torch.manual_seed(seed)
+    target = spec["target"]
+    layer_config = create_transformer_layer_config(
+        verifier_name_or_path=target,
+        num_layers=1,
+        draft_arch="llama",
+        hidden_act=None,
+        sliding_window=spec["max_len"],
+        full_attention_indices=[0],
+    )
+    return Eagle3DraftModel.from_training_args(
+        verifier_config=layer_config,
+        verifier_name_or_path=target,
+        draft_vocab_size=layer_config.vocab_size,  # the full vocabulary: no d2t/t2d mapping
+        norm_before_residual=True,
+        norm_before_fc=True,
+        norm_output=True,
+        ttt_steps=TTT_STEPS,
+        target_layer_ids=[i + 1 for i in spec["eval_layers"]],  # vLLM's numbering: id L is layer L-1's output
+        draft_attn_impl="eager",
+    ).float()
+
+
+def train(model, variant: dict, spec: dict, seed: int) -> float:
+    from speculators.train.data import CollateFn
+
+    ds = EXPORTS[variant["export"]]
+    n_aux = len(spec["exports"][variant["export"]]["layers"])
+    idx = [spec["exports"][variant["export"]]["layers"].index(i) for i in variant["layers"]]
+    norm = model.verifier_norm if variant["final"] == "post" else None
+    collate = CollateFn(
+        spec["max_len"], spec["hidden_size"], len(idx), torch.float32, Select(idx, spec["hidden_size"], n_aux, norm)
+    )
+    rows = spec["train_rows"][variant["export"]]
+    gen = torch.Generator().manual_seed(seed)
+    true_norm = model.verifier_norm
+    if variant["final"] == "pre_as_post":
+        model.verifier_norm = torch.nn.Identity()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec["lr"])
+    model.train()
+    step, t0 = 0, time.perf_counter()
+    while step < spec["steps"]:
+        order = [rows[i] for i in torch.randperm(len(rows), generator=gen).tolist()]
+        for pack in packs(ds, order, spec["max_len"]):
+            batch = collate([ds[r] for r in pack])
+            batch = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+            _, loss, _ = model(**batch, **call_kwargs())
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            step += 1
+            if step == spec["steps"]:
+                break
+    model.verifier_norm = true_norm
+    return time.perf_counter() - t0
+
+
+@torch.no_grad()
+def evaluate(model, spec: dict) -> dict:
+    """Held-out samples one at a time (no block crosses a sample), served right: the library's per-step
+    accuracies, and the accepted length of a block starting at every position."""
+    from speculators.models.metrics import compute_accepted_length_counts
+    from speculators.train.data import CollateFn
+
+    ev = spec["eval"]
+    ds = EXPORTS[ev["export"]]
+    layers = spec["exports"][ev["export"]]["layers"]
+    idx = [layers.index(i) for i in spec["eval_layers"]]
+    collate = CollateFn(
+        spec["max_len"], spec["hidden_size"], len(idx), torch.float32, Select(idx, spec["hidden_size"], len(layers))
+    )
+    model.eval()
+    sums: dict[str, float] = {}
+    accepted, blocks = 0.0, 0.0
+    for r in ev["rows"]:
+        item = ds[r]
+        n = min(item["input_ids"].shape[0], spec["max_len"])
+        batch = collate([item])
+        batch = {k: v[:, :n] for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        drafts, _, metrics = model(**batch, **call_kwargs())
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+        target = model.verifier_lm_head(model.verifier_norm(batch["verifier_last_hidden_states"])).argmax(-1)[0]
+        mask = batch["loss_mask"][0].bool()
+        correct = torch.zeros(n, TTT_STEPS, dtype=torch.bool)
+        valid = torch.zeros(n, TTT_STEPS, dtype=torch.bool)
+        for k, d in enumerate(drafts):  # step k's draft at position t is the token after t + k
+            correct[: n - k, k] = d[0, : n - k] == target[k:]
+            valid[: n - k, k] = mask[k:]
+        a, b = compute_accepted_length_counts(correct, valid)
+        accepted, blocks = accepted + float(a), blocks + float(b)
+    out = {"accepted_length": accepted / blocks, "blocks": int(blocks)}
+    for k in range(TTT_STEPS):
+        out[f"full_acc_{k}"] = sums[f"full_acc_{k}_sum"] / sums[f"full_acc_{k}_total"]
+        out[f"cond_acc_{k}"] = sums[f"cond_acc_{k}_sum"] / max(1.0, sums[f"cond_acc_{k}_total"])
+    return out
+
+
+EXPORTS: dict = {}
+
+
+def main(spec_path: str, out_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(spec["threads"])
+    for name, e in spec["exports"].items():
+        EXPORTS[name] = load_export(e["path"], spec["max_len"])
+    results = {}
+    for variant in spec["variants"]:
+        runs = []
+        for seed in spec["seeds"]:
+            model = build_drafter(spec, seed)
+            train_s = train(model, variant, spec, seed)
+            runs.append(dict(evaluate(model, spec), seed=seed, train_s=round(train_s, 1)))
+            print(f"{variant['name']} seed {seed}: accepted length {runs[-1]['accepted_length']:.4f}", flush=True)
+        results[variant["name"]] = {"variant": variant, "runs": runs, **summary(runs)}
+    Path(out_path).write_text(json.dumps(results, indent=1))
+
+
+def summary(runs: list[dict]) -> dict:
+    keys = [k for k in runs[0] if k.startswith(("accepted_length", "full_acc", "cond_acc"))]
+    out = {}
+    for k in keys:
+        xs = [r[k] for r in runs]
+        out[k] = {"mean": statistics.fmean(xs), "spread": max(xs) - min(xs)}
+    return out
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
