@@ -1,7 +1,7 @@
 """The end-to-end measure of the data: train an EAGLE-3 drafter on our export with speculators' own model and loss,
 and report its acceptance on held-out samples.
 
-    python -m bench.drafter [--seeds 3] [--steps 40] [--max-len 512] [--target-steps 300] [--threads 1] [--workdir DIR]
+    python -m bench.drafter [--seeds 3] [--steps 150] [--max-len 512] [--target-steps 300] [--threads 1] [--workdir DIR]
 
 Needs DRAFTDATA_TRAINERS_PYTHON: a Python with speculators 0.9.0 (see tests/test_export.py for the venv); the drafter
 is trained there, by bench/drafter_train.py in a subprocess. Everything else runs here, with the project's own code:
@@ -12,7 +12,8 @@ is trained there, by bench/drafter_train.py in a subprocess. Everything else run
    embedded backend, which decodes with the target in-process → tokenize → hidden_states → `draftdata export`
    format speculators), from the demo's multi-turn chats (B6_ultrachat) at temperature 0.3, so that the target's
    answers follow its own likeliest tokens: `all` (every turn regenerated, the main set), `small` (the same at a
-   smaller budget) and `last` (the last turn only, at `all`'s budget). The hidden_states stage keeps every layer,
+   smaller budget) and `last` (the last turn only, at `small`'s budget: the demo's 214 conversations
+   answered once each hold less than `all`'s). The hidden_states stage keeps every layer,
    so each convention error below is cut from the same states; `all` is captured a second time in fp8;
 3. the split: by source conversation (its file:line), the same conversations held out of every training set; the
    held-out samples of `all` (bf16) judge every variant;
@@ -83,7 +84,7 @@ def params(work: Path, target: Path, budget: int, small_budget: int, max_tokens:
         "datasets": {
             "all": dataset("all", budget, max_tokens),
             "small": dataset("all", small_budget, max_tokens),
-            "last": dataset("last", budget, max_tokens),
+            "last": dataset("last", small_budget, max_tokens),  # beside `small`: one budget, both binding
         },
     }
 
@@ -109,15 +110,18 @@ def run_stage(work: Path, module: str, name: str, *overrides: str) -> None:
         importlib.import_module(module).main(cfg)
 
 
-def make_data(work: Path) -> dict:
-    """Every dataset through the stages and exported; `all` once more in fp8. name -> export dir."""
+def make_data(work: Path, needed: set[str]) -> dict:
+    """The datasets the variants train on (and `all`, which holds the held-out samples) through the stages and
+    exported; `all_fp8` is `all` captured again in fp8. name -> export dir."""
     exports = {}
     for name in ("all", "small", "last"):
-        for stage in ("prompts", "generate", "tokenize", "hidden_states"):
-            run_stage(work, f"stages.{stage}", name)
-        exports[name] = export(work, name, name)
-    run_stage(work, "stages.hidden_states", "all", "hidden_states.dtype=fp8")
-    exports["all_fp8"] = export(work, "all", "all_fp8")
+        if name == "all" or name in needed:
+            for stage in ("prompts", "generate", "tokenize", "hidden_states"):
+                run_stage(work, f"stages.{stage}", name)
+            exports[name] = export(work, name, name)
+    if "all_fp8" in needed:
+        run_stage(work, "stages.hidden_states", "all", "hidden_states.dtype=fp8")
+        exports["all_fp8"] = export(work, "all", "all_fp8")
     return exports
 
 
@@ -228,14 +232,11 @@ def run(args) -> dict:
     target_info = train_target(target, spec, log=lambda m: print(m, flush=True))
     p = params(work, target, args.budget, args.small_budget, args.max_tokens)
     (work / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
+    variants = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
     t_data = time.perf_counter()
-    exports = make_data(work)
-    if args.variants != "all":
-        keep = {"all"} | {VARIANTS[v][0] for v in args.variants.split(",")}  # `all` holds the held-out samples
-        exports = {n: e for n, e in exports.items() if n in keep}
+    exports = make_data(work, {VARIANTS[v][0] for v in variants})
     data_s = time.perf_counter() - t_data
     train_rows, eval_rows = split(work, exports)
-    variants = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
     t_train = time.perf_counter()
     results = train_drafters(work, spec_for(args, target, exports, train_rows, eval_rows, variants))
     datasets = {n: data_stats(exports[n], rows) for n, rows in train_rows.items()}
@@ -262,19 +263,23 @@ def run(args) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.drafter", description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=40, help="drafter steps (packs of --max-len tokens) per run")
+    ap.add_argument("--steps", type=int, default=150, help="drafter steps (packs of --max-len tokens) per run")
     ap.add_argument("--max-len", type=int, default=512)
-    ap.add_argument("--lr", type=float, default=1e-3, help="speculators' default")
+    ap.add_argument("--lr", type=float, default=3e-3, help="speculators' default is 1e-3, for runs of many epochs")
     ap.add_argument("--target-steps", type=int, default=300)
     ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--budget", type=int, default=5000, help="completion tokens of `all` and `last`")
-    ap.add_argument("--small-budget", type=int, default=2000, help="completion tokens of `small`")
+    ap.add_argument("--budget", type=int, default=15000, help="completion tokens of `all`")
+    ap.add_argument("--small-budget", type=int, default=5000, help="completion tokens of `small` and `last`")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--variants", default="all", help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--workdir", help="keep the target, data and exports here (default: a temp dir)")
     ap.add_argument("--out", type=Path, default=RESULTS / "drafter.json")
     args = ap.parse_args(argv)
+    chosen = VARIANTS if args.variants == "all" else args.variants.split(",")
+    unknown = [v for v in chosen if v not in VARIANTS]
+    if unknown or "correct" not in chosen:  # before any work: the others are judged against `correct`
+        ap.error(f"--variants: {unknown or 'no correct'}; give correct and any of {', '.join(VARIANTS)}")
     out = run(args)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps({"goals": out["goals"], "wall_s": out["wall_s"]}))

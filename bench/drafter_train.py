@@ -8,7 +8,7 @@ the drafter (`Eagle3DraftModel.from_training_args`, its draft decoder config fro
 the verifier's embeddings, LM head and final norm loaded from the target), its training-time-test forward with its
 KL loss and per-step accuracies (`full_acc_k`, `cond_acc_k`), and the accepted-length count
 (`speculators.models.metrics.compute_accepted_length_counts`, vLLM's convention: the leading run of correct draft
-tokens plus the verifier's bonus token). Ours: the loop below (AdamW with the library's default lr, gradient
+tokens plus the verifier's bonus token). Ours: the loop below (AdamW at the given lr, gradient
 clipping at 1.0 as its Trainer does, float32 on a CPU where its Trainer moves batches to a GPU), the variants, and
 the blocks the accepted length is counted over.
 
@@ -198,7 +198,7 @@ def main(spec_path: str, out_path: str) -> None:
             runs.append(dict(evaluate(model, spec), seed=seed, train_s=round(train_s, 1)))
             print(f"{variant['name']} seed {seed}: accepted length {runs[-1]['accepted_length']:.4f}", flush=True)
         results[variant["name"]] = {"variant": variant, "runs": runs, **summary(runs)}
-    Path(out_path).write_text(json.dumps(results, indent=1))
+        Path(out_path).write_text(json.dumps(results, indent=1))  # after each variant: a cut run keeps what it did
 
 
 def summary(runs: list[dict]) -> dict:

@@ -5,9 +5,10 @@
 
 Every figure in the block comes from the files each benchmark writes (budget.json, budget_live.json, client.json,
 tokenize.json, hidden_states.json, hidden_states_llama8b.json, hidden_states_vllm.json, reliability.json, noop.json,
-noop_turns.json), so rerunning a benchmark and then `python -m bench.report --write` is all it takes to bring the page
-up to date; a test keeps the page's block equal to this output. Nothing here measures anything, and it imports
-nothing of the project.
+noop_turns.json, drafter.json), so rerunning a benchmark and then `python -m bench.report --write` is all it takes to
+bring the page up to date; a test keeps the page's block equal to this output. `--write` also rewrites README.md's
+quality block (the drafter's figures, from drafter.json). Nothing here measures anything, and it imports nothing of
+the project.
 """
 
 from __future__ import annotations
@@ -655,6 +656,110 @@ def reliability(r: dict) -> list[str]:
     return out
 
 
+DRAFTER_LABELS = {
+    "correct": "our export as it is",
+    "aux_off_by_one": "aux layers off by one",
+    "aux_reversed": "aux layers in reverse order",
+    "post_norm_as_pre": "post-norm final state where pre-norm is expected",
+    "pre_norm_as_post": "pre-norm final state where post-norm is expected",
+    "fp8": "fp8 states",
+    "small_budget": "`all` at the smaller budget",
+    "last_turn": "last turn only (`turns: last`), at the smaller budget",
+}
+
+
+def pm(m: dict, digits: int = 3) -> str:
+    """mean (spread over the seeds)"""
+    return f"{m['mean']:.{digits}f} ({m['spread']:.{digits}f})"
+
+
+def drafter(r: dict) -> list[str]:
+    s, t, v, ds = r["settings"], r["target"], r["variants"], r["datasets"]
+    before, after = t["before"], t["after"]
+    correct = v["correct"]["accepted_length"]["mean"]
+    body = []
+    for name, x in v.items():
+        runs = ", ".join(f"{run['accepted_length']:.3f}" for run in x["runs"])
+        body.append(
+            [
+                DRAFTER_LABELS.get(name, name),
+                f"`{x['variant']['export']}`",
+                f"{pm(x['accepted_length'])}",
+                runs,
+                f"{x['accepted_length']['mean'] - correct:+.3f}",
+                *(pm(x[f"full_acc_{k}"]) for k in range(3)),
+            ]
+        )
+    sets = [[f"`{n}`", num(d["samples"]), num(d["tokens"]), num(d["trained_tokens"])] for n, d in ds.items()]
+    goals = r["goals"]
+    return [
+        "### Drafter trained on our data: `python -m bench.drafter`",
+        "",
+        f"The target: the demo target ({t['shape']['num_layers']} layers, hidden {t['shape']['hidden_size']}, vocab "
+        f"{num(t['shape']['vocab_size'])}) trained {num(t['steps'])} steps of {num(t['tokens_per_step'])} tokens on "
+        f"the demo corpus ({t['train_s']:g} s). On {num(before['tokens'])} held-out tokens: loss "
+        f"{before['loss']:.2f} → {after['loss']:.2f} nats, next-token entropy {before['entropy_nats']:.2f} → "
+        f"{after['entropy_nats']:.2f} nats (uniform: {before['uniform_entropy_nats']:.2f}), mean top-1 probability "
+        f"{before['top1_prob']:.3f} → {after['top1_prob']:.3f}. Data by the stages from B6_ultrachat at temperature "
+        f"{s['dataset_params']['all']['sampling']['temperature']:g} (budgets {num(s['budget'])} and "
+        f"{num(s['small_budget'])} completion tokens), all {len(range(8))} layers captured, exported for speculators:",
+        "",
+        *table(["set", "samples", "tokens", "trained tokens"], sets),
+        "",
+        f"Drafter: speculators' `Eagle3DraftModel` (1 layer), its KL loss over {3} training-time-test steps, "
+        f"{num(s['steps'])} steps of packs of {num(s['max_len'])} tokens per run, seeds "
+        f"{', '.join(str(run['seed']) for run in v['correct']['runs'])}; judged on the held-out samples of `all` "
+        "served the right way. Accepted length in vLLM's convention (the bonus token included, 3 draft tokens: "
+        "at most 4); per-step accuracy is speculators' `full_acc_k`. Cells: mean (spread, max − min over the "
+        f"seeds). Wall time: {r['wall_s']['all']:g} s ({r['wall_s']['target']:g} s target, {r['wall_s']['data']:g} s "
+        f"data, {r['wall_s']['drafters']:g} s drafters).",
+        "",
+        *table(
+            [
+                "trained on",
+                "export",
+                "accepted length",
+                "per seed",
+                "vs ours",
+                "acc step 1",
+                "acc step 2",
+                "acc step 3",
+            ],
+            body,
+        ),
+        "",
+        "Ours beats each convention error by more than 3× the larger spread: "
+        + ", ".join(f"`{k.removeprefix('correct_beats_')}` {'yes' if ok else '**no**'}" for k, ok in goals.items())
+        + ".",
+    ]
+
+
+def readme_quality(r: dict) -> str:
+    """README.md's quality block: the drafter's headline figures, from drafter.json."""
+    v = r["variants"]
+    c = v["correct"]["accepted_length"]
+    worst = {k: v[k]["accepted_length"] for k in v if k in DRAFTER_ERRORS}
+    lines = [
+        f"A drafter trained on our export (speculators' own EAGLE-3 model and loss, {len(v['correct']['runs'])} "
+        f"seeds, a small target trained on the demo corpus) reaches an accepted length of {pm(c)} on held-out "
+        "conversations (mean, spread over the seeds). The same states with a convention error:",
+        "",
+        *(f"- {DRAFTER_LABELS[k]}: {pm(m)}" for k, m in worst.items()),
+    ]
+    others = [k for k in v if k not in DRAFTER_ERRORS and k != "correct"]
+    if others:
+        lines += [
+            "",
+            "Other choices of the data: "
+            + "; ".join(f"{DRAFTER_LABELS[k]} {pm(v[k]['accepted_length'])}" for k in others)
+            + ".",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+DRAFTER_ERRORS = ("aux_off_by_one", "aux_reversed", "post_norm_as_pre", "pre_norm_as_post")
+
+
 SECTIONS = (
     ("budget.json", "python -m bench.budget", budget),
     ("budget_live.json", "python -m bench.budget_live", budget_live),
@@ -666,7 +771,11 @@ SECTIONS = (
     ("reliability.json", "python -m bench.reliability kill|faults|inputs", reliability),
     ("noop.json", "python -m bench.noop", noop),
     ("noop_turns.json", "python -m bench.noop --turns 3 --prompts 20000", noop),
+    ("drafter.json", "python -m bench.drafter", drafter),
 )
+README = DOC.parents[1] / "README.md"
+QUALITY_START = "<!-- quality-report:start -->"
+QUALITY_END = "<!-- quality-report:end -->"
 
 
 def render(results: Path = RESULTS) -> str:
@@ -690,19 +799,34 @@ def block(text: str) -> str:
     return between(text, START, END)
 
 
+def render_quality(results: Path = RESULTS) -> str:
+    """README.md's quality block, from drafter.json (a missing file says which command writes it)."""
+    path = results / "drafter.json"
+    if not path.exists():
+        return "`bench/results/drafter.json` is missing: `python -m bench.drafter` writes it.\n"
+    return readme_quality(json.loads(path.read_text()))
+
+
+def write_block(path: Path, label: str, start: str, end: str, figures: str) -> None:
+    text = path.read_text()
+    new = replace_between(text, start, end, figures, label)
+    if new != text:
+        path.write_text(new)
+    print(f"{label}: benchmark figures {'updated' if new != text else 'already up to date'}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="rewrite the block in docs/benchmarks.md")
+    parser.add_argument(
+        "--write", action="store_true", help="rewrite the blocks in docs/benchmarks.md and README.md's quality section"
+    )
     args = parser.parse_args(argv)
     figures = render()
     if not args.write:
         sys.stdout.write(figures)
         return
-    text = DOC.read_text()
-    new = replace_block(text, figures)
-    if new != text:
-        DOC.write_text(new)
-    print(f"docs/benchmarks.md: benchmark figures {'updated' if new != text else 'already up to date'}")
+    write_block(DOC, "docs/benchmarks.md", START, END, figures)
+    write_block(README, "README.md", QUALITY_START, QUALITY_END, render_quality())
 
 
 if __name__ == "__main__":

@@ -1,0 +1,95 @@
+"""`python -m bench.drafter`: its variants cut the states they claim to, its figures reach the README only through
+`python -m bench.report --write`, and (under the `trainers` marker) a short run trains a drafter on our export that
+beats one trained on the same states with the aux layers off by one."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+import torch
+from conftest import ROOT
+from test_bench_report import renderings
+
+from bench import drafter, report
+from bench.drafter_train import Select
+
+TRAINERS_PYTHON = os.environ.get("DRAFTDATA_TRAINERS_PYTHON")
+README = ROOT / "README.md"
+
+
+def test_select_cuts_the_variants_layers_and_final_state():
+    """An export sample holds every layer (k=4 here, H=2): a variant's layers come out in its order; `post` applies
+    the norm it is given to the final state."""
+    t, k, h = 3, 4, 2
+    states = torch.arange(t * k * h, dtype=torch.float32).reshape(t, k, h)
+    item = {"hidden_states": states.flatten(1), "verifier_last_hidden_states": torch.ones(t, h)}
+    got = Select([3, 1], h, k)(dict(item))
+    assert torch.equal(got["hidden_states"], torch.cat([states[:, 3], states[:, 1]], dim=1))
+    assert torch.equal(got["verifier_last_hidden_states"], torch.ones(t, h))
+    doubled = Select([0], h, k, norm=lambda x: 2 * x)(dict(item))
+    assert torch.equal(doubled["verifier_last_hidden_states"], torch.full((t, h), 2.0))
+
+
+def test_the_variants_are_the_errors_they_name():
+    layers = {name: v[1] for name, v in drafter.VARIANTS.items()}
+    assert layers["correct"] == [1, 3, 4]  # EAGLE-3's default for 8 layers: [1, N//2 - 1, N - 4]
+    assert layers["aux_off_by_one"] == [2, 4, 5] and layers["aux_reversed"] == [4, 3, 1]
+    assert {drafter.VARIANTS[n][2] for n in ("post_norm_as_pre", "pre_norm_as_post")} == {"post", "pre_as_post"}
+    assert set(drafter.ERRORS) == set(report.DRAFTER_ERRORS)
+
+
+def test_goals_need_a_margin_of_three_spreads():
+    def v(mean, spread):
+        return {"accepted_length": {"mean": mean, "spread": spread}}
+
+    results = {"correct": v(2.0, 0.05), "aux_off_by_one": v(1.8, 0.02), "aux_reversed": v(1.9, 0.04)}
+    assert drafter.goals(results) == {"correct_beats_aux_off_by_one": True, "correct_beats_aux_reversed": False}
+
+
+def test_readme_quality_block_is_the_reports_output():
+    text = README.read_text()
+    assert text.count(report.QUALITY_START) == 1 and text.count(report.QUALITY_END) == 1
+    from draftdata.util.blocks import between
+
+    assert between(text, report.QUALITY_START, report.QUALITY_END) == report.render_quality(), (
+        "README.md's quality block differs from bench/results/drafter.json: run `python -m bench.report --write`"
+    )
+
+
+def test_no_hand_written_drafter_figures():
+    """The accepted lengths appear in the generated blocks only, never restated by hand in the README or the docs."""
+    r = json.loads((ROOT / "bench" / "results" / "drafter.json").read_text())
+    values = [x["accepted_length"]["mean"] for x in r["variants"].values()]
+    patterns = [rf"(?<![\d.,]){re.escape(s)}(?!\d|\.\d)" for v in values for s in renderings(v)]
+    readme = README.read_text()
+    doc = report.DOC.read_text()
+    pages = {
+        "README.md, outside its quality block": readme[: readme.index(report.QUALITY_START)]
+        + readme[readme.index(report.QUALITY_END) :],
+        "docs/benchmarks.md, outside its block": doc[: doc.index(report.START)] + doc[doc.index(report.END) :],
+    }
+    pages |= {f"docs/{p.name}": p.read_text() for p in (ROOT / "docs").glob("*.md") if p != report.DOC}
+    for name, text in pages.items():
+        found = [m.group(0) for pattern in patterns for m in [re.search(pattern, text)] if m]
+        assert not found, f"{name} restates the drafter's figures by hand: {found}"
+
+
+@pytest.mark.trainers
+@pytest.mark.timeout(1800)
+@pytest.mark.skipif(not TRAINERS_PYTHON, reason="set DRAFTDATA_TRAINERS_PYTHON to a Python with speculators")
+def test_a_drafter_trained_on_our_export_beats_the_off_by_one(tmp_path):
+    out = tmp_path / "drafter.json"
+    drafter.main(
+        [
+            *("--seeds", "1", "--steps", "30", "--target-steps", "200", "--budget", "3000"),
+            *("--variants", "correct,aux_off_by_one"),
+            *("--workdir", str(tmp_path / "work"), "--out", str(out)),
+        ]
+    )
+    r = json.loads(out.read_text())
+    assert r["target"]["after"]["top1_prob"] > 5 * r["target"]["before"]["top1_prob"]  # the target learned
+    correct, off = (r["variants"][n]["accepted_length"]["mean"] for n in ("correct", "aux_off_by_one"))
+    assert correct > off, (correct, off)
