@@ -178,13 +178,22 @@ def trainers_python() -> str:
     return py
 
 
+SAME_RUN = ("target", "exports", "train_rows", "eval", "eval_layers", "seeds", "steps", "max_len", "lr")
+
+
 def train_drafters(work: Path, spec: dict) -> dict:
-    (work / "spec.json").write_text(json.dumps(spec, indent=1))
-    out = work / "drafters.json"
+    """The variants' results. A rerun in the same --workdir keeps the variants that an earlier run of the same spec
+    finished (each is written as it ends) and trains the others."""
+    spec_path, out = work / "spec.json", work / "drafters.json"
+    earlier = json.loads(spec_path.read_text()) if spec_path.exists() else {}
+    if any(earlier.get(k) != spec[k] for k in SAME_RUN):
+        out.unlink(missing_ok=True)
+    spec_path.write_text(json.dumps(spec, indent=1))
     env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), TOKENIZERS_PARALLELISM="false")
     # -I: not the script's folder first on sys.path, where bench/tokenize.py would hide the standard library's
-    subprocess.run([trainers_python(), "-I", str(TRAIN_SCRIPT), str(work / "spec.json"), str(out)], check=True, env=env)
-    return json.loads(out.read_text())
+    subprocess.run([trainers_python(), "-I", str(TRAIN_SCRIPT), str(spec_path), str(out)], check=True, env=env)
+    results = json.loads(out.read_text())
+    return {v["name"]: results[v["name"]] for v in spec["variants"]}
 
 
 def goals(results: dict) -> dict:
@@ -229,7 +238,12 @@ def run(args) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     target = work / "target"
     spec = TargetSpec(hidden_size=args.hidden, steps=args.target_steps)
-    target_info = train_target(target, spec, log=lambda m: print(m, flush=True))
+    info = target / "bench_target.json"  # a rerun in the same --workdir keeps the trained target
+    if info.exists() and json.loads(info.read_text())["steps"] == args.target_steps:
+        target_info = json.loads(info.read_text())
+    else:
+        target_info = train_target(target, spec, log=lambda m: print(m, flush=True))
+        info.write_text(json.dumps(target_info, indent=1))
     p = params(work, target, args.budget, args.small_budget, args.max_tokens)
     (work / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
     variants = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
@@ -273,7 +287,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--variants", default="all", help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--workdir", help="keep the target, data and exports here (default: a temp dir)")
+    ap.add_argument(
+        "--workdir",
+        help="keep the target, data, exports and finished variants here, for a rerun to go on from (default: temp)",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS / "drafter.json")
     args = ap.parse_args(argv)
     chosen = VARIANTS if args.variants == "all" else args.variants.split(",")

@@ -702,7 +702,8 @@ def drafter(r: dict) -> list[str]:
         f"{after['entropy_nats']:.2f} nats (uniform: {before['uniform_entropy_nats']:.2f}), mean top-1 probability "
         f"{before['top1_prob']:.3f} → {after['top1_prob']:.3f}. Data by the stages from B6_ultrachat at temperature "
         f"{s['dataset_params']['all']['sampling']['temperature']:g} (budgets {num(s['budget'])} and "
-        f"{num(s['small_budget'])} completion tokens), all {len(range(8))} layers captured, exported for speculators:",
+        f"{num(s['small_budget'])} completion tokens), all {t['shape']['num_layers']} layers captured, exported for "
+        "speculators (training sets, and the held-out samples of `all`):",
         "",
         *table(["set", "samples", "tokens", "trained tokens"], sets),
         "",

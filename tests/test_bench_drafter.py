@@ -84,7 +84,7 @@ def test_a_drafter_trained_on_our_export_beats_the_off_by_one(tmp_path):
     out = tmp_path / "drafter.json"
     drafter.main(
         [
-            *("--seeds", "1", "--steps", "30", "--target-steps", "200", "--budget", "3000"),
+            *("--seeds", "1", "--steps", "120", "--target-steps", "200", "--budget", "8000"),
             *("--variants", "correct,aux_off_by_one"),
             *("--workdir", str(tmp_path / "work"), "--out", str(out)),
         ]
