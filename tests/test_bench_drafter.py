@@ -1,6 +1,7 @@
 """`python -m bench.drafter`: its variants cut the states they claim to, its figures reach the README only through
 `python -m bench.report --write`, and (under the `trainers` marker) a short run trains a drafter on our export that
-beats one trained on the same states with the aux layers off by one."""
+beats one trained on the same states by a trainer that expects the post-norm final state (the error this small target
+shows beyond the seeds' spread; the aux layers off by one cost it less than that, see docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -80,16 +81,15 @@ def test_no_hand_written_drafter_figures():
 @pytest.mark.trainers
 @pytest.mark.timeout(1800)
 @pytest.mark.skipif(not TRAINERS_PYTHON, reason="set DRAFTDATA_TRAINERS_PYTHON to a Python with speculators")
-def test_a_drafter_trained_on_our_export_beats_the_off_by_one(tmp_path):
+def test_a_drafter_trained_on_our_export_beats_a_convention_error(tmp_path):
     out = tmp_path / "drafter.json"
     drafter.main(
         [
-            *("--seeds", "1", "--steps", "120", "--target-steps", "200", "--budget", "8000"),
-            *("--variants", "correct,aux_off_by_one"),
+            *("--seeds", "1", "--budget", "8000", "--variants", "correct,pre_norm_as_post"),
             *("--workdir", str(tmp_path / "work"), "--out", str(out)),
         ]
     )
     r = json.loads(out.read_text())
     assert r["target"]["after"]["top1_prob"] > 5 * r["target"]["before"]["top1_prob"]  # the target learned
-    correct, off = (r["variants"][n]["accepted_length"]["mean"] for n in ("correct", "aux_off_by_one"))
-    assert correct > off, (correct, off)
+    correct, wrong = (r["variants"][n]["accepted_length"]["mean"] for n in ("correct", "pre_norm_as_post"))
+    assert correct > wrong, (correct, wrong)
