@@ -12,7 +12,7 @@ is trained there, by bench/drafter_train.py in a subprocess. Everything else run
    embedded backend, which decodes with the target in-process → tokenize → hidden_states → `draftdata export`
    format speculators), from the demo's multi-turn chats (B6_ultrachat) at temperature 0.3, so that the target's
    answers follow its own likeliest tokens: `all` (every turn regenerated, the main set), `small` (the same at a
-   smaller budget) and `last` (the last turn only, at `small`'s budget: the demo's 214 conversations
+   smaller budget) and `last` (the last turn only, at `small`'s budget: the demo's conversations
    answered once each hold less than `all`'s). The hidden_states stage keeps every layer,
    so each convention error below is cut from the same states; `all` is captured a second time in fp8;
 3. the split: by source conversation (its file:line), the same conversations held out of every training set; the
