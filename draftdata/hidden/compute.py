@@ -35,6 +35,7 @@ from draftdata.util.files import atomic_path
 from draftdata.util.hashing import content_hash
 from draftdata.util.log import log
 from draftdata.util.sqlite import hash_cache_path
+from draftdata.util.timing import Timers
 
 # ---- layers: which, in every numbering ------------------------------------------------------------------------- #
 
@@ -124,10 +125,13 @@ class ShardWriter:
     When the target computes on the CPU (`background=False`) there is nothing to overlap: a writer thread would
     only take cores from the compute threads, so shards are written in line."""
 
-    def __init__(self, store: StateStore, settings: dict, dtype: str, background: bool = True):
+    def __init__(
+        self, store: StateStore, settings: dict, dtype: str, background: bool = True, timers: Timers | None = None
+    ):
         from concurrent.futures import ThreadPoolExecutor
 
         self.store, self.settings, self.dtype = store, settings, dtype
+        self.timers = timers or Timers()
         self.settings_hash = content_hash(settings)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="shard-writer") if background else None
         self._pending: tuple | None = None
@@ -135,7 +139,7 @@ class ShardWriter:
     def submit(self, samples: list[SampleStates]) -> None:
         self.wait()
         name = self.store.new_shard_name(self.settings_hash)
-        args = (self.store.path(name), samples, self.dtype, self.settings)
+        args = (self.store.path(name), samples, self.dtype, self.settings, self.timers)
         job = self._pool.submit(write, *args) if self._pool is not None else _Done(write(*args))
         self._pending = (job, name, [s.key for s in samples], [len(s.input_ids) for s in samples])
 
@@ -145,7 +149,10 @@ class ShardWriter:
             return
         job, name, keys, lengths = self._pending
         self._pending = None
-        self.store.add_shard(name, self.settings_hash, keys, lengths, job.result())
+        with self.timers("waiting for the writer"):
+            size = job.result()
+        with self.timers("state store"):
+            self.store.add_shard(name, self.settings_hash, keys, lengths, size)
 
     def close(self) -> None:
         try:
@@ -178,11 +185,12 @@ class Computer:
     tally: HiddenTally
     names: dict = field(default_factory=dict)  # key -> sample id of the current window, for error messages
     background_writes: bool = True  # see ShardWriter: True where the target computes off the CPU
+    timers: Timers = field(default_factory=Timers)  # where the time outside the engine goes
     _buffer: list = field(default_factory=list)
     _writer: ShardWriter | None = None
 
     def __post_init__(self):
-        self._writer = ShardWriter(self.store, self.settings, self.dtype, self.background_writes)
+        self._writer = ShardWriter(self.store, self.settings, self.dtype, self.background_writes, self.timers)
 
     @property
     def settings_hash(self) -> str:
@@ -194,8 +202,10 @@ class Computer:
             states = self.engine.get().forward([ids for _, ids in batch])
             self.tally.seconds += time.perf_counter() - t0
             samples = [SampleStates(k, ids, aux, final) for (k, ids), (aux, final) in zip(batch, states)]
-            check(samples, self.names)
-            self._fp8_error(samples)
+            with self.timers("checks"):
+                check(samples, self.names)
+            with self.timers("fp8 error"):
+                self._fp8_error(samples)
             self._buffer += samples
             self.tally.computed += len(samples)
             self.tally.computed_tokens += sum(len(ids) for _, ids in batch)
