@@ -309,6 +309,25 @@ def test_non_finite_states_stop_with_the_sample_id(hs_project, monkeypatch):
     assert store_shards(hs_project) == 0  # nothing of that batch was written
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_one_non_finite_value_anywhere_is_found(dtype, bad):
+    """The check reads min and max (NaN and inf carry through both): one bad value at the start, the middle or the
+    end of a sample, or of one layer of a batch as the engine slices it, is found; an empty sample passes."""
+    from draftdata.hidden.shards import SampleStates, StateError, check, finite
+
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 33, 4097):
+        for at in (0, n // 2, n - 1):
+            batch = (torch.randn(2, n, 3, 17, generator=g) * 100).to(dtype)  # [B, W, k, H], as the engine stacks
+            assert finite(batch[1])
+            batch[1, at, 2, 16] = bad
+            assert not finite(batch[1]) and not finite(batch[1, :, 2]) and finite(batch[1, :, 0]) and finite(batch[0])
+            with pytest.raises(StateError, match="sample s1: non-finite values in its aux"):
+                check([SampleStates("k1", list(range(n)), batch[1], batch[1, :, 0])], {"k1": "s1"})
+    assert finite(torch.empty(0, 3, 17, dtype=dtype))
+
+
 def test_two_torchrun_ranks_equal_one_process(hs_project, samples_dir, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     cmd = [
