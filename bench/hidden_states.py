@@ -240,6 +240,16 @@ class Started:
         return self.engine.pad_tokens
 
 
+def background_writes(spec: Spec) -> bool:
+    """As the stage chooses: a writer thread where the target computes off the CPU."""
+    return spec.device != "cpu"
+
+
+def overlapped(spec: Spec) -> tuple:
+    """The steps that ran on the writer thread, beside the compute."""
+    return ("shard packing", "writes") if background_writes(spec) else ()
+
+
 class Ours:
     """The stage's compute pass, one window per round."""
 
@@ -261,8 +271,8 @@ class Ours:
             spec.batch_tokens,
             spec.shard_max_tokens,
             HiddenTally(),
-            background_writes=spec.device != "cpu",
-        )  # as the stage chooses
+            background_writes=background_writes(spec),
+        )
 
     def warm_up(self) -> None:
         self.engine.forward([[1] * WARMUP_TOKENS] * 2)
@@ -272,11 +282,24 @@ class Ours:
         from draftdata.hidden.state_store import state_key
 
         a, b = round_slices(len(self.samples), self.spec.rounds)[rnd]
-        pad0, clock = self.engine.pad_tokens, Clock()
+        pad0, before, clock = self.engine.pad_tokens, self.split(), Clock()
         sh = self.computer.settings_hash
-        self.computer.run([(state_key(sh, ids), ids) for ids in self.samples[a:b]])
+        with self.computer.timers("keys"):  # the stage hashes every sample's ids to look it up in the store
+            missing = [(state_key(sh, ids), ids) for ids in self.samples[a:b]]
+        self.computer.run(missing)
         self.computer.sync()  # the window's states on disk, as naive's are
-        return {**clock.read(), "tokens": sum(map(len, self.samples[a:b])), "padded": self.engine.pad_tokens - pad0}
+        times = clock.read()
+        split = {k: v - before.get(k, 0.0) for k, v in self.split().items()}
+        return {
+            **times,
+            "tokens": sum(map(len, self.samples[a:b])),
+            "padded": self.engine.pad_tokens - pad0,
+            "split": split,
+        }
+
+    def split(self) -> dict:
+        """Seconds so far per step: the engine's (padding, decoder, copies to host) and the stage's own."""
+        return {**self.engine.timers.snapshot(), **self.computer.timers.snapshot()}
 
     def finish(self) -> dict:
         self.computer.close()
@@ -288,6 +311,46 @@ class Ours:
         self.engine.close()
         self.store.close()
         return out
+
+
+def stage_batches(samples: list[list[int]], batch_tokens: int) -> list[list[list[int]]]:
+    """The samples' ids in the batches the stage cuts from them (a fresh store: every sample missing)."""
+    from draftdata.hidden.compute import length_batches
+
+    return [[ids for _, ids in batch] for batch in length_batches(list(enumerate(samples)), batch_tokens)]
+
+
+def plain_forward(engine, batches: list[list[list[int]]]) -> dict:
+    """The batches through `engine.prefill`: the engine's own forward on the same padded batches, nothing captured,
+    copied, packed, written or stored. The floor that ours (the same engine, the same batches, plus the capture) is
+    held against; any engine with `prefill(batch)` and `pad_tokens` can be timed so."""
+    pad0, clock = engine.pad_tokens, Clock()
+    for batch in batches:
+        engine.prefill(batch)
+    return {**clock.read(), "tokens": sum(len(x) for b in batches for x in b), "padded": engine.pad_tokens - pad0}
+
+
+class Forward:
+    """The plain prefill: ours' engine and batches, no capture (see `plain_forward`)."""
+
+    def __init__(self, spec: Spec):
+        from draftdata.config.schema import ModelConfig
+        from draftdata.hidden.engines.hf import HFEngine
+
+        self.spec, self.samples = spec, make_samples(spec)
+        self.engine = HFEngine(ModelConfig(path=spec.model_dir), list(spec.layers))
+
+    def warm_up(self) -> None:
+        self.engine.prefill([[1] * WARMUP_TOKENS] * 2)
+        self.engine.pad_tokens = 0
+
+    def run(self, rnd: int) -> dict:
+        a, b = round_slices(len(self.samples), self.spec.rounds)[rnd]
+        return plain_forward(self.engine, stage_batches(self.samples[a:b], self.spec.batch_tokens))
+
+    def finish(self) -> dict:
+        self.engine.close()
+        return {"bytes": 0, "files": 0}
 
 
 class Naive:
@@ -370,6 +433,14 @@ def peak_memory(device: str) -> dict:
     return out
 
 
+def make_path(kind: str, spec: Spec):
+    if kind == "naive":
+        return Naive(spec)
+    if kind == "forward":
+        return Forward(spec)
+    return Ours(spec, "fp8" if kind == "fp8" else "bfloat16")
+
+
 def serve(conn, kind: str, spec: Spec) -> None:
     """A worker's loop: build the path, then answer ("run", round) and ("finish",) until finished."""
     if spec.device == "cpu":
@@ -380,7 +451,7 @@ def serve(conn, kind: str, spec: Spec) -> None:
 
         logging.disable_progress_bar()  # one bar per process and checkpoint would bury the table
         torch.set_num_threads(spec.threads)
-        path = Naive(spec) if kind == "naive" else Ours(spec, "fp8" if kind == "fp8" else "bfloat16")
+        path = make_path(kind, spec)
         path.warm_up()
         conn.send(("ok", {"rss_after_load_mb": peak_memory(spec.device)["peak_rss_mb"]}))
         while (msg := conn.recv())[0] == "run":
@@ -423,15 +494,17 @@ class Worker:
 
 
 def interleaved(spec: Spec, fp8: bool = True) -> dict:
-    """ours and naive take turns on each round's slice; then fp8 alone."""
-    ours, naive = Worker("ours", spec), Worker("naive", spec)
-    loaded = {w.kind: w.answer() for w in (ours, naive)}
-    rounds: dict = {"ours": [], "naive": []}
+    """ours, the plain forward and naive take turns on each round's slice (the forward always next to ours, whose
+    floor it is); then fp8 alone."""
+    ours, forward, naive = Worker("ours", spec), Worker("forward", spec), Worker("naive", spec)
+    paths = (ours, forward, naive)
+    loaded = {w.kind: w.answer() for w in paths}
+    rounds: dict = {w.kind: [] for w in paths}
     for r in range(spec.rounds):
-        for w in (ours, naive) if r % 2 == 0 else (naive, ours):
+        for w in paths if r % 2 == 0 else paths[::-1]:
             rounds[w.kind].append(w.call("run", r))
-    final = {w.kind: {**loaded[w.kind], **w.call("finish")} for w in (ours, naive)}
-    for w in (ours, naive):
+    final = {w.kind: {**loaded[w.kind], **w.call("finish")} for w in paths}
+    for w in paths:
         w.close()
     if not fp8:
         return {"rounds": rounds, "final": final}
@@ -496,8 +569,47 @@ def round_ratios(ours: list[dict], naive: list[dict], clock: str) -> list[float]
     return [round(n[clock] / o[clock], 3) for o, n in zip(ours, naive)]  # same tokens: the ratio of times
 
 
+def time_split(ours: list[dict], forward: list[dict], overlapped: tuple = ()) -> dict:
+    """Where ours' wall time goes, summed over the rounds, beside the plain forward's: each timed step (the engine's
+    padding, decoder and copies to host; the checks, shard packing, writes, the state store's index, the keys) and
+    `other`, the wall time no timer covered (the batching, the loop). Steps in `overlapped` ran on the writer thread
+    beside the rest: listed, not subtracted."""
+    total, plain = sum(r["seconds"] for r in ours), sum(r["seconds"] for r in forward)
+    steps: dict[str, float] = {}
+    for r in ours:
+        for step, sec in r["split"].items():
+            steps[step] = steps.get(step, 0.0) + sec
+    steps["other"] = total - sum(v for k, v in steps.items() if k not in overlapped)
+    return {
+        "ours_seconds": round(total, 3),
+        "plain_forward_seconds": round(plain, 3),
+        "seconds": {k: round(v, 3) for k, v in steps.items()},
+        "share_of_ours": {k: round(v / total, 4) for k, v in steps.items()},
+        # the decoder inside ours against the same decoder run plain: above 1, the capture slows the forward itself
+        "decoder_vs_plain_forward": round(steps.get("decoder", 0.0) / plain, 3),
+        "overlapped": list(overlapped),
+    }
+
+
+def capture_figures(ours: list[dict], forward: list[dict], overlapped: tuple = ()) -> dict:
+    """Ours against the plain forward on the same rounds: capture_vs_forward = ours' tok/s / the forward's, per
+    round (both ran the same batches, one right after the other), their median, and where ours' extra time goes."""
+    per_round = round_ratios(ours, forward, "seconds")
+    per_round_cpu = round_ratios(ours, forward, "cpu_seconds")
+    return {
+        "capture_vs_forward": statistics.median(per_round),
+        "capture_vs_forward_per_round": per_round,
+        "capture_vs_forward_all_rounds": round(sum(r["seconds"] for r in forward) / sum(r["seconds"] for r in ours), 3),
+        "capture_vs_forward_cpu": statistics.median(per_round_cpu),
+        "capture_vs_forward_cpu_per_round": per_round_cpu,
+        "same_batches": [o["padded"] for o in ours] == [f["padded"] for f in forward],
+        "time_split": time_split(ours, forward, overlapped),
+    }
+
+
 def summarise(spec: Spec, runs: dict, fp8_err: float, hidden: int, naive_choice: tuple) -> dict:
-    paths = {k: path_stats(runs["rounds"][k], runs["final"][k], spec.device) for k in ("ours", "naive", "fp8")}
+    kinds = ("ours", "naive", "fp8", "forward")
+    paths = {k: path_stats(runs["rounds"][k], runs["final"][k], spec.device) for k in kinds}
     ours, naive, fp8 = paths["ours"], paths["naive"], paths["fp8"]
     per_round = round_ratios(runs["rounds"]["ours"], runs["rounds"]["naive"], "seconds")
     per_round_cpu = round_ratios(runs["rounds"]["ours"], runs["rounds"]["naive"], "cpu_seconds")
@@ -521,12 +633,15 @@ def summarise(spec: Spec, runs: dict, fp8_err: float, hidden: int, naive_choice:
         "peak_rss_how": "ru_maxrss of the process that ran ours alone (spawned; naive ran in another)",
         "naive_batch": spec.naive_batch,
         "avg_padded_batch_tokens": {"ours": round(naive_choice[1]), "naive": round(naive_choice[2])},
+        "forward_tok_s": round(paths["forward"]["tok_s"], 1),
+        **capture_figures(runs["rounds"]["ours"], runs["rounds"]["forward"], overlapped(spec)),
         "paths": paths,
     }
     if spec.device == "cuda":
         res["peak_gpu_mb"] = round(ours["peak_gpu_mb"], 1)
     res["goals"] = {
         "ratio_ge_2": res["ratio"] >= 2,
+        "capture_vs_forward_ge_0.95": res["capture_vs_forward"] >= 0.95,
         "bytes_per_token_within_1pct_of_limit": abs(res["bytes_per_token"] / res["limit_bytes_per_token"] - 1) <= 0.01,
         "fp8_le_0.55_of_bf16": res["fp8_bytes_per_token"] <= 0.55 * res["bytes_per_token"],
     }
@@ -588,8 +703,10 @@ def real_shape(args) -> dict:
         layers = [min(layer, depth - 1) for layer in default_layers(LLAMA_8B_LAYERS)]
         spec, runs, _, _ = compare(args, config, layers, args.samples, args.rounds, fp8=False, tiled=True)
         depths[depth] = depth_stats(spec, runs, config)
+        d = depths[depth]
         print(
-            f"8B shape, {depth} layers: ours/naive {depths[depth]['ratio']} (FLOPs: {depths[depth]['flops']['ratio']})"
+            f"8B shape, {depth} layers: ours/naive {d['ratio']} (FLOPs: {d['flops']['ratio']}); capture_vs_forward "
+            f"{d['capture_vs_forward']} (rounds {d['capture_vs_forward_per_round']})"
         )
     lens = lengths(spec.samples, spec.seed, spec.mean_len, spec.max_len)
     real = flop_shares(at_depth(config, LLAMA_8B_LAYERS), lens, spec)
@@ -605,6 +722,8 @@ def real_shape(args) -> dict:
         "fit_cpu": fits["cpu_seconds_per_token"]["fit"],
         "ratio": fits["seconds_per_token"]["ratio"],
         "ratio_cpu": fits["cpu_seconds_per_token"]["ratio"],
+        "capture_vs_forward": fits["seconds_per_token"]["capture_vs_forward"],
+        "capture_vs_forward_cpu": fits["cpu_seconds_per_token"]["capture_vs_forward"],
         "tok_s": fits["seconds_per_token"]["tok_s"],
         "flops": real,
         "small_shape_flops": small_shape_flops(),
@@ -632,12 +751,14 @@ def small_shape_flops() -> dict:
 
 
 def depth_stats(spec: Spec, runs: dict, config: dict) -> dict:
-    paths = {k: path_stats(runs["rounds"][k], runs["final"][k], spec.device) for k in ("ours", "naive")}
+    paths = {k: path_stats(runs["rounds"][k], runs["final"][k], spec.device) for k in ("ours", "naive", "forward")}
     ours, naive = paths["ours"], paths["naive"]
     return {
         "layers": list(spec.layers),
         "ours_tok_s": round(ours["tok_s"], 2),
         "naive_tok_s": round(naive["tok_s"], 2),
+        "forward_tok_s": round(paths["forward"]["tok_s"], 2),
+        **capture_figures(runs["rounds"]["ours"], runs["rounds"]["forward"], overlapped(spec)),
         "ratio": round(ours["tok_s"] / naive["tok_s"], 3),
         "ratio_per_round": round_ratios(runs["rounds"]["ours"], runs["rounds"]["naive"], "seconds"),
         "ratio_cpu": round(ours["cpu_tok_s"] / naive["cpu_tok_s"], 3),
@@ -651,15 +772,18 @@ def depth_stats(spec: Spec, runs: dict, config: dict) -> dict:
 def extrapolate(depths: dict, clock: str) -> dict:
     """Per path, the line through (layers, seconds per token), read at the real depth."""
     fit = {}
-    for path in ("ours", "naive"):
+    for path in next(iter(depths.values()))[clock]:
         line = statistics.linear_regression(list(depths), [d[clock][path] for d in depths.values()])
         fit[path] = {"fixed": line.intercept, "per_layer": line.slope}
     at = {k: f["fixed"] + f["per_layer"] * LLAMA_8B_LAYERS for k, f in fit.items()}
-    return {
+    out = {
         "fit": fit,
         "ratio": round(at["naive"] / at["ours"], 3),
         "tok_s": {k: round(1 / v, 2) for k, v in at.items()},
     }
+    if "forward" in at:
+        out["capture_vs_forward"] = round(at["forward"] / at["ours"], 3)
+    return out
 
 
 def implied_rates(depths: dict, fit: dict) -> dict:
@@ -688,7 +812,25 @@ def print_real(r: dict) -> None:
     print(
         f"fitted to {m['num_hidden_layers']} layers: ratio {r['ratio']} (by CPU time {r['ratio_cpu']}; FLOPs "
         f"{r['flops']['ratio']}, LM head {100 * r['flops']['lm_head_share_of_naive']:.1f} % of naive's); implied "
-        f"GFLOP per CPU second {r['implied_gflop_per_cpu_s']}"
+        f"GFLOP per CPU second {r['implied_gflop_per_cpu_s']}; capture_vs_forward {r['capture_vs_forward']} (by CPU "
+        f"time {r['capture_vs_forward_cpu']})"
+    )
+
+
+def print_capture(res: dict) -> None:
+    """capture_vs_forward and the time split, as `capture_figures` gives them."""
+    split = res["time_split"]
+    print(
+        f"capture_vs_forward (ours / plain forward, tok/s): median {res['capture_vs_forward']} (rounds "
+        f"{res['capture_vs_forward_per_round']}; all rounds {res['capture_vs_forward_all_rounds']}; by CPU time "
+        f"{res['capture_vs_forward_cpu']}); same batches: {res['same_batches']}"
+    )
+    steps = sorted(split["seconds"].items(), key=lambda kv: -kv[1])
+    print(
+        f"ours' {split['ours_seconds']:.2f} s against the plain forward's {split['plain_forward_seconds']:.2f} s: "
+        + ", ".join(f"{k} {v:.3f} s" for k, v in steps if v >= 0.0005 or k == "other")
+        + f"; decoder / plain forward {split['decoder_vs_plain_forward']}"
+        + (f" ({', '.join(split['overlapped'])} on the writer thread)" if split["overlapped"] else "")
     )
 
 
@@ -699,7 +841,7 @@ def print_table(res: dict) -> None:
         + (f" {'GPU MB':>8}" if gpu else "")
         + "  wall s per round"
     )
-    for name, kind in (("ours", "ours"), ("naive", "naive"), ("ours fp8", "fp8")):
+    for name, kind in (("ours", "ours"), ("forward", "forward"), ("naive", "naive"), ("ours fp8", "fp8")):
         p = res["paths"][kind]
         print(
             f"{name:<9} {p['tok_s']:>9,.0f} {p['cpu_tok_s']:>10,.0f} {100 * p['pad_share']:>6.2f} "
@@ -711,6 +853,7 @@ def print_table(res: dict) -> None:
         f"ratio ours/naive: {res['ratio']} (tokens/s over all rounds; rounds {res['ratio_per_round']}, median "
         f"{res['ratio_median_of_rounds']}; by CPU time {res['ratio_cpu']}, rounds {res['ratio_cpu_per_round']})"
     )
+    print_capture(res)
     print(
         f"naive batch {res['naive_batch']}: padded batch {res['avg_padded_batch_tokens']['naive']:,} tokens on "
         f"average, ours {res['avg_padded_batch_tokens']['ours']:,}"
@@ -824,10 +967,22 @@ def compare(args, config: dict, layers: list[int], samples: int, rounds: int, fp
         return spec, runs, naive_choice, fp8_rel_err(spec) if fp8 else None
 
 
+NO_GPU = "--device cuda: torch sees no GPU here (torch.cuda.is_available() is False); run it where one is"
+
+
+def check_device(device: str) -> None:
+    """Before a model is built: without a GPU, `--device cuda` would fail in a worker with a traceback."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(NO_GPU)
+
+
 def main(argv=None) -> None:
     from draftdata.hidden.layers import default_layers
 
     args = parse_args(argv)
+    check_device(args.device)
     t0 = time.perf_counter()
     config = model_config(args)
     if args.llama8b:

@@ -63,3 +63,72 @@ def test_implied_rates_agree_when_times_follow_the_flops():
         depths[d] = {"flops": flops, "s": {k: v * 1e9 / rate for k, v in flops["gflop_per_token"].items()}}
     rates = hb.implied_rates(depths, hb.extrapolate(depths, "s")["fit"])
     assert rates == pytest.approx({"ours_layer": 200, "naive_layer": 200, "lm_head": 200}, rel=2e-3)
+
+
+def rnd(seconds: float, padded: int, split: dict | None = None, cpu: float | None = None) -> dict:
+    return {"seconds": seconds, "cpu_seconds": cpu or seconds, "tokens": 100, "padded": padded, "split": split or {}}
+
+
+def test_capture_vs_forward_is_the_median_of_paired_rounds_and_the_split_accounts_for_every_second():
+    ours = [rnd(10.0, 5, {"decoder": 9.0, "writes": 0.5}), rnd(8.0, 3, {"decoder": 7.0, "writes": 0.4}), rnd(12.0, 0)]
+    forward = [rnd(9.0, 5), rnd(7.8, 3), rnd(9.0, 0)]
+    got = hb.capture_figures(ours, forward)
+    assert got["capture_vs_forward_per_round"] == [0.9, 0.975, 0.75]
+    assert got["capture_vs_forward"] == 0.9 and got["same_batches"]
+    assert got["capture_vs_forward_all_rounds"] == round(25.8 / 30.0, 3)
+    split = got["time_split"]
+    assert split["seconds"] == pytest.approx({"decoder": 16.0, "writes": 0.9, "other": 13.1})
+    assert split["decoder_vs_plain_forward"] == round(16.0 / 25.8, 3)
+    assert not hb.capture_figures(ours, [rnd(9.0, 6), *forward[1:]])["same_batches"]
+
+
+def test_steps_on_the_writer_thread_are_listed_but_not_subtracted():
+    ours = [rnd(10.0, 0, {"decoder": 9.0, "writes": 3.0, "waiting for the writer": 0.2})]
+    split = hb.time_split(ours, [rnd(9.0, 0)], overlapped=("writes",))
+    assert split["seconds"]["other"] == pytest.approx(0.8) and split["seconds"]["writes"] == 3.0
+
+
+def test_the_plain_forward_runs_the_stages_batches_through_the_same_decoder(tiny_model, tmp_path):
+    """The floor is fair: the same padded shapes reach the decoder in the stage's Computer and in plain_forward, and
+    the plain forward captures, copies and writes nothing."""
+    import torch
+
+    from draftdata.config.schema import ModelConfig
+    from draftdata.hidden.compute import Computer, HiddenTally
+    from draftdata.hidden.engines.hf import HFEngine
+    from draftdata.hidden.state_store import StateStore
+
+    samples = [[(7 * i + j) % 50 + 1 for j in range(n)] for i, n in enumerate([30, 5, 31, 12, 29, 6, 12, 64])]
+    shapes: dict = {"ours": [], "plain": []}
+    engines = {k: HFEngine(ModelConfig(path=str(tiny_model)), [1, 3, 4]) for k in shapes}
+    for k, e in engines.items():
+        e.decoder.register_forward_pre_hook(
+            lambda _m, _a, kw, k=k: shapes[k].append(tuple(kw["input_ids"].shape)), with_kwargs=True
+        )
+    store = StateStore(tmp_path / "store")
+    computer = Computer(
+        hb.Started(engines["ours"]), store, {"v": 1}, "bfloat16", 64, 1 << 20, HiddenTally(), background_writes=False
+    )
+    computer.run([(str(i), ids) for i, ids in enumerate(samples)])
+    computer.close()
+    got = hb.plain_forward(engines["plain"], hb.stage_batches(samples, 64))
+    assert shapes["plain"] == shapes["ours"] and len(shapes["ours"]) > 2
+    assert got["padded"] == engines["ours"].pad_tokens > 0 and got["tokens"] == sum(map(len, samples))
+    plain = engines["plain"].timers.snapshot()
+    assert plain["decoder"] > 0 and "copies to host" not in plain and not engines["plain"]._out
+    assert {"decoder", "copies to host"} <= set(engines["ours"].timers.snapshot())
+    assert {"checks", "shard packing", "writes", "state store"} <= set(computer.timers.snapshot())
+    # capture is back on after a prefill: the engine returns the same states as one that never ran plain
+    batch = [[5, 6, 7, 8], [9, 10]]
+    for (a, f), (b, g) in zip(engines["plain"].forward(batch), engines["ours"].forward(batch)):
+        assert torch.equal(a, b) and torch.equal(f, g)
+
+
+def test_device_cuda_without_a_gpu_fails_in_one_line(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        hb.main(["--device", "cuda", "--quick"])
+    assert str(e.value) == hb.NO_GPU
+    assert "\n" not in str(e.value)
