@@ -18,24 +18,36 @@ state. Side by side, in one run:
   the unpadded tensors in bf16. Its batch size is the one whose padded batches (batch size x longest sample in the
   batch, averaged over batches) come closest to ours' average padded batch, so both run batches of about the same
   size and differ in what they compute and pad (`--naive-batch` sets it instead: 1 is a loop that pads nothing);
+- forward: the plain prefill, ours' floor: the same engine (`HFEngine.prefill`: the same decoder on the same
+  right-padded batches without an attention mask, every layer and the final norm, no LM head, as ours) on the same
+  batches (`stage_batches`, checked by their padding), with nothing captured, copied, packed, written or stored
+  (`plain_forward`, any engine with `prefill`). Ours needs the last layer's output, so it runs every layer too: the
+  two run the same layers. A serving engine's prefill computes the LM head for the last token of each sample only,
+  a negligible share, so no LM head here either;
 - ours again with dtype fp8, for its bytes and its error against the bf16 states (both stores read back with
   `ShardReader`; relative L2 over every sample, aux and final together).
 
 Each path lives in its own spawned process (the same `--threads` torch threads in each) that loads the model once;
-the parent cuts the samples into `rounds` consecutive slices and has ours and naive take turns on each (ours first
-in even rounds, naive first in odd ones), so a slow spell of the machine hits both. A round's time runs from the
+the parent cuts the samples into `rounds` consecutive slices and has the paths take turns on each (ours, forward,
+naive in even rounds, the reverse in odd ones: forward always next to ours), so a slow spell of the machine hits
+all. A round's time runs from the
 token ids to the files on disk (ours flushes its shard at the end of each round); the process's CPU time is kept
 beside the wall time, as a check on a shared machine. A slice is ours' window (`window_samples`): the stage sorts
 within a window, so ours pads a little more than it would over the whole set. tok/s count real tokens; `ratio` is
 ours_tok_s / naive_tok_s over all rounds (`ratio_median_of_rounds` the median of the paired rounds' ratios, as a
-check on the machine's noise; `ratio_cpu` by CPU time).
+check on the machine's noise; `ratio_cpu` by CPU time). `capture_vs_forward` is ours' tok/s / the plain
+forward's, the median of the paired rounds (each round's value beside it, and by CPU time), and `time_split` says
+where ours' time went, from timers in the stage's code (`draftdata.util.timing.Timers`): the engine's padding,
+decoder and copies to host, the checks, shard packing, writes, the state store's index, the keys, and `other` (no
+timer: the batching, the loop); with a background writer (on a GPU) packing and writes overlap the compute.
 Peak RSS is each process's own `ru_maxrss`, so the naive run cannot inflate ours'; `rss_after_load_mb` is the
 same reading before the first timed round (imports, weights, a warm-up forward). The fp8 run comes after the
 comparison, alone.
 
 Writes bench/results/hidden_states.json (with `--device cuda`, as bench/hidden_states_gpu.sh runs it:
-hidden_states_gpu.json). Goals: ratio >= 2; bytes_per_token within 1 % of 2 * 4 * H (bf16, 3 aux layers + the
-final state; ids, offsets and keys are the rest); fp8 bytes_per_token <= 0.55 of bf16's.
+hidden_states_gpu.json; without a GPU it stops in one line). Goals: ratio >= 2; capture_vs_forward >= 0.95;
+bytes_per_token within 1 % of 2 * 4 * H (bf16, 3 aux layers + the final state; ids, offsets and keys are the rest);
+fp8 bytes_per_token <= 0.55 of bf16's.
 
 The small default shape flatters ours: the LM head that naive computes and ours skips is a far bigger share of the
 work at hidden 256 / vocab 8,192 than on a real target. `--llama8b` runs the same comparison (no fp8) on
@@ -43,10 +55,10 @@ Llama-3.1-8B's shape (hidden 4096, 32 heads of 128, 8 KV heads, MLP 14336, vocab
 so that it fits a small machine (the checkpoint is memory-mapped, so both paths share one copy of the weights), and
 keeps the real target's three aux layers (each at most the last layer there is). Cutting layers inflates the LM
 head's share in turn, so per path seconds per token = fixed + per_layer x layers is fitted over the depths (least
-squares, by wall and by CPU time) and read at 32 layers. The FLOPs of every path and depth are counted over the
-batches that ran (`flops_per_token`): their ratio is what the time ratio should be if both ran at one rate, and
-the GFLOP per CPU second each fitted term implies checks the fit against the count. Writes
-bench/results/hidden_states_llama8b.json.
+squares, by wall and by CPU time) and read at 32 layers (capture_vs_forward too, from ours' and forward's lines). The
+FLOPs of every path and depth are counted over the batches that ran (`flops_per_token`): their ratio is what the time
+ratio should be if both ran at one rate, and the GFLOP per CPU second each fitted term implies checks the fit against
+the count. Writes bench/results/hidden_states_llama8b.json.
 """
 
 from __future__ import annotations

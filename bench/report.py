@@ -394,6 +394,7 @@ def hidden_states(r: dict) -> list[str]:
     s, m, paths = r["settings"], r["settings"]["model"], r["paths"]
     labels = {
         "ours": f"ours ({s['store_dtype']})",
+        "forward": "plain forward (ours' engine and batches, nothing captured)",
         "naive": f"naive (batches of {r['naive_batch']}, {s['naive_batch_rule']})",
         "fp8": "ours, fp8",
     }
@@ -430,12 +431,37 @@ def hidden_states(r: dict) -> list[str]:
         f"{s['store_dtype']} limit 2·(k+1)·H = {num(r['limit_bytes_per_token'])}: "
         f"{r['bytes_per_token'] / r['limit_bytes_per_token']:.4f}; fp8 ÷ bf16: "
         f"{r['fp8_bytes_per_token'] / r['bytes_per_token']:.2f}, relative error {r['fp8_rel_err']:.4f}. Peak RSS: "
-        f"{r['peak_rss_how']}. {goals_line(r['goals'])}",
+        f"{r['peak_rss_how']}.",
+        "",
+        *capture_lines(r),
+        "",
+        goals_line(r["goals"]),
+    ]
+
+
+def capture_lines(r: dict) -> list[str]:
+    """capture_vs_forward and where ours' time goes, as bench.hidden_states.capture_figures gives them."""
+    split = r["time_split"]
+    steps = sorted(((k, v) for k, v in split["seconds"].items() if v >= 0.0005 or k == "other"), key=lambda kv: -kv[1])
+    rows = [[k, f"{v:.3f}", f"{100 * split['share_of_ours'][k]:.2f} %"] for k, v in steps]
+    overlapped = f" ({', '.join(split['overlapped'])} ran on the writer thread)" if split["overlapped"] else ""
+    return [
+        f"ours ÷ plain forward (`capture_vs_forward`): {r['capture_vs_forward']:.3f}, the median of the paired rounds "
+        f"({', '.join(f'{x:.3f}' for x in r['capture_vs_forward_per_round'])}); "
+        f"{r['capture_vs_forward_all_rounds']:.3f} over all rounds, {r['capture_vs_forward_cpu']:.3f} by CPU time "
+        "(rounds "
+        f"{', '.join(f'{x:.3f}' for x in r['capture_vs_forward_cpu_per_round'])}); the same padded batches in both: "
+        f"{'yes' if r['same_batches'] else 'no'}. Where ours' {split['ours_seconds']:.1f} s went against the plain "
+        f"forward's {split['plain_forward_seconds']:.1f} s (the decoder inside ours ÷ the plain forward: "
+        f"{split['decoder_vs_plain_forward']:.3f}){overlapped}:",
+        "",
+        *table(["step", "seconds", "share of ours"], rows),
     ]
 
 
 def hidden_states_llama8b(r: dict) -> list[str]:
     m, s, fl, small = r["model"], r["settings"], r["flops"], r["small_shape_flops"]
+    capture = "capture_vs_forward" in r  # a run before the plain forward was measured has no such column
 
     def share(f: dict) -> str:
         return f"{100 * f['lm_head_share_of_naive']:.1f} %"
@@ -449,11 +475,20 @@ def hidden_states_llama8b(r: dict) -> list[str]:
             f"{d['ratio_cpu']:.3f}",
             f"{d['flops']['ratio']:.3f}",
             share(d["flops"]),
+            *([f"{d['capture_vs_forward']:.3f} ({d['capture_vs_forward_cpu']:.3f})"] if capture else []),
         ]
         for depth, d in r["depths"].items()
     ]
     fitted = [num(r["tok_s"]["ours"], 1), num(r["tok_s"]["naive"], 1), f"{r['ratio']:.3f}", f"{r['ratio_cpu']:.3f}"]
-    body.append([f"**{m['num_hidden_layers']}, fitted**", *fitted, f"{fl['ratio']:.3f}", share(fl)])
+    body.append(
+        [
+            f"**{m['num_hidden_layers']}, fitted**",
+            *fitted,
+            f"{fl['ratio']:.3f}",
+            share(fl),
+            *([f"{r['capture_vs_forward']:.3f} ({r['capture_vs_forward_cpu']:.3f})"] if capture else []),
+        ]
+    )
     rates = r["implied_gflop_per_cpu_s"]
     out = [
         "### Hidden states at an 8B target's shape: `python -m bench.hidden_states --llama8b`",
@@ -475,6 +510,7 @@ def hidden_states_llama8b(r: dict) -> list[str]:
                 "by CPU time",
                 "by FLOP count",
                 "LM head, share of naive's FLOPs",
+                *(["ours ÷ plain forward (by CPU time)"] if capture else []),
             ],
             body,
         ),
