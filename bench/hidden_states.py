@@ -609,10 +609,10 @@ def capture_figures(ours: list[dict], forward: list[dict], overlapped: tuple = (
     per_round = round_ratios(ours, forward, "seconds")
     per_round_cpu = round_ratios(ours, forward, "cpu_seconds")
     return {
-        "capture_vs_forward": statistics.median(per_round),
+        "capture_vs_forward": round(statistics.median(per_round), 3),
         "capture_vs_forward_per_round": per_round,
         "capture_vs_forward_all_rounds": round(sum(r["seconds"] for r in forward) / sum(r["seconds"] for r in ours), 3),
-        "capture_vs_forward_cpu": statistics.median(per_round_cpu),
+        "capture_vs_forward_cpu": round(statistics.median(per_round_cpu), 3),
         "capture_vs_forward_cpu_per_round": per_round_cpu,
         "same_batches": [o["padded"] for o in ours] == [f["padded"] for f in forward],
         "time_split": time_split(ours, forward, overlapped),

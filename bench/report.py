@@ -404,7 +404,7 @@ def hidden_states(r: dict) -> list[str]:
             num(p["tok_s"]),
             num(p["cpu_tok_s"]),
             f"{100 * p['pad_share']:.1f} %",
-            num(p["bytes_per_token"], 2),
+            num(p["bytes_per_token"], 2) if p["files"] else "–",  # the plain forward stores nothing
             num(p["files"]),
             num(p["peak_rss_mb"]),
         ]
