@@ -27,11 +27,13 @@ state. Side by side, in one run:
 - ours again with dtype fp8, for its bytes and its error against the bf16 states (both stores read back with
   `ShardReader`; relative L2 over every sample, aux and final together).
 
-Each path lives in its own spawned process (the same `--threads` torch threads in each) that loads the model once;
-the parent cuts the samples into `rounds` consecutive slices and has the paths take turns on each (ours, forward,
-naive in even rounds, the reverse in odd ones: forward always next to ours), so a slow spell of the machine hits
-all. A round's time runs from the
-token ids to the files on disk (ours flushes its shard at the end of each round); the process's CPU time is kept
+Each path lives in its own spawned process (the same `--threads` torch threads in each) that loads the model once,
+except the plain forward, which ours' process runs on ours' engine: run in a process of its own, the same forward
+took 6-19 % longer than ours' whole capture in every round of a quiet run (the process's state, not the capture);
+its RSS is ours'. The parent cuts the samples into `rounds` consecutive slices and has the paths take turns on each
+(ours, forward, naive in even rounds, the reverse in odd ones: forward always next to ours), so a slow spell of the
+machine hits all. A round's time runs from the token ids to the files on disk (ours flushes its shard at the end of
+each round); the process's CPU time is kept
 beside the wall time, as a check on a shared machine. A slice is ours' window (`window_samples`): the stage sorts
 within a window, so ours pads a little more than it would over the whole set. tok/s count real tokens; `ratio` is
 ours_tok_s / naive_tok_s over all rounds (`ratio_median_of_rounds` the median of the paired rounds' ratios, as a
@@ -290,6 +292,13 @@ class Ours:
         self.engine.forward([[1] * WARMUP_TOKENS] * 2)
         self.engine.pad_tokens = 0
 
+    def forward(self, rnd: int) -> dict:
+        """The plain prefill of this round's slice: this engine, these batches, nothing captured (`plain_forward`).
+        Run in this process, beside the capture, so both meet the same allocator, threads and caches: in separate
+        processes the same forward's speed differed by 10-20 % between them, which is the machine, not the capture."""
+        a, b = round_slices(len(self.samples), self.spec.rounds)[rnd]
+        return plain_forward(self.engine, stage_batches(self.samples[a:b], self.spec.batch_tokens))
+
     def run(self, rnd: int) -> dict:
         from draftdata.hidden.state_store import state_key
 
@@ -340,29 +349,6 @@ def plain_forward(engine, batches: list[list[list[int]]]) -> dict:
     for batch in batches:
         engine.prefill(batch)
     return {**clock.read(), "tokens": sum(len(x) for b in batches for x in b), "padded": engine.pad_tokens - pad0}
-
-
-class Forward:
-    """The plain prefill: ours' engine and batches, no capture (see `plain_forward`)."""
-
-    def __init__(self, spec: Spec):
-        from draftdata.config.schema import ModelConfig
-        from draftdata.hidden.engines.hf import HFEngine
-
-        self.spec, self.samples = spec, make_samples(spec)
-        self.engine = HFEngine(ModelConfig(path=spec.model_dir), list(spec.layers))
-
-    def warm_up(self) -> None:
-        self.engine.prefill([[1] * WARMUP_TOKENS] * 2)
-        self.engine.pad_tokens = 0
-
-    def run(self, rnd: int) -> dict:
-        a, b = round_slices(len(self.samples), self.spec.rounds)[rnd]
-        return plain_forward(self.engine, stage_batches(self.samples[a:b], self.spec.batch_tokens))
-
-    def finish(self) -> dict:
-        self.engine.close()
-        return {"bytes": 0, "files": 0}
 
 
 class Naive:
@@ -448,8 +434,6 @@ def peak_memory(device: str) -> dict:
 def make_path(kind: str, spec: Spec):
     if kind == "naive":
         return Naive(spec)
-    if kind == "forward":
-        return Forward(spec)
     return Ours(spec, "fp8" if kind == "fp8" else "bfloat16")
 
 
@@ -466,8 +450,8 @@ def serve(conn, kind: str, spec: Spec) -> None:
         path = make_path(kind, spec)
         path.warm_up()
         conn.send(("ok", {"rss_after_load_mb": peak_memory(spec.device)["peak_rss_mb"]}))
-        while (msg := conn.recv())[0] == "run":
-            conn.send(("ok", path.run(msg[1])))
+        while (msg := conn.recv())[0] in ("run", "forward"):
+            conn.send(("ok", getattr(path, msg[0])(msg[1])))
         conn.send(("ok", {**path.finish(), **peak_memory(spec.device)}))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
@@ -506,17 +490,18 @@ class Worker:
 
 
 def interleaved(spec: Spec, fp8: bool = True) -> dict:
-    """ours, the plain forward and naive take turns on each round's slice (the forward always next to ours, whose
-    floor it is); then fp8 alone."""
-    ours, forward, naive = Worker("ours", spec), Worker("forward", spec), Worker("naive", spec)
-    paths = (ours, forward, naive)
-    loaded = {w.kind: w.answer() for w in paths}
-    rounds: dict = {w.kind: [] for w in paths}
+    """ours, the plain forward and naive take turns on each round's slice (the forward, run by ours' own worker on
+    its own engine, always next to ours, whose floor it is); then fp8 alone."""
+    ours, naive = Worker("ours", spec), Worker("naive", spec)
+    loaded = {w.kind: w.answer() for w in (ours, naive)}
+    turns = (("ours", ours, "run"), ("forward", ours, "forward"), ("naive", naive, "run"))
+    rounds: dict = {kind: [] for kind, _, _ in turns}
     for r in range(spec.rounds):
-        for w in paths if r % 2 == 0 else paths[::-1]:
-            rounds[w.kind].append(w.call("run", r))
-    final = {w.kind: {**loaded[w.kind], **w.call("finish")} for w in paths}
-    for w in paths:
+        for kind, w, what in turns if r % 2 == 0 else turns[::-1]:
+            rounds[kind].append(w.call(what, r))
+    final = {w.kind: {**loaded[w.kind], **w.call("finish")} for w in (ours, naive)}
+    final["forward"] = {**final["ours"], "bytes": 0, "files": 0}  # its process is ours'
+    for w in (ours, naive):
         w.close()
     if not fp8:
         return {"rounds": rounds, "final": final}
@@ -642,7 +627,7 @@ def summarise(spec: Spec, runs: dict, fp8_err: float, hidden: int, naive_choice:
         "fp8_rel_err": round(fp8_err, 5),
         "fp8_rel_err_stage": round(runs["final"]["fp8"].get("fp8_rel_err_stage", 0.0), 5),
         "peak_rss_mb": round(ours["peak_rss_mb"], 1),
-        "peak_rss_how": "ru_maxrss of the process that ran ours alone (spawned; naive ran in another)",
+        "peak_rss_how": "ru_maxrss of the process that ran ours and the plain forward (spawned; naive ran in another)",
         "naive_batch": spec.naive_batch,
         "avg_padded_batch_tokens": {"ours": round(naive_choice[1]), "naive": round(naive_choice[2])},
         "forward_tok_s": round(paths["forward"]["tok_s"], 1),
