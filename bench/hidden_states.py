@@ -29,7 +29,7 @@ state. Side by side, in one run:
 
 Each path lives in its own spawned process (the same `--threads` torch threads in each) that loads the model once,
 except the plain forward, which ours' process runs on ours' engine: run in a process of its own, the same forward
-took 6-19 % longer than ours' whole capture in every round of a quiet run (the process's state, not the capture);
+took longer than ours' whole capture in every round of a quiet run (the process's state, not the capture);
 its RSS is ours'. The parent cuts the samples into `rounds` consecutive slices and has the paths take turns on each
 (ours, forward, naive in even rounds, the reverse in odd ones: forward always next to ours), so a slow spell of the
 machine hits all. A round's time runs from the token ids to the files on disk (ours flushes its shard at the end of
@@ -295,7 +295,7 @@ class Ours:
     def forward(self, rnd: int) -> dict:
         """The plain prefill of this round's slice: this engine, these batches, nothing captured (`plain_forward`).
         Run in this process, beside the capture, so both meet the same allocator, threads and caches: in separate
-        processes the same forward's speed differed by 10-20 % between them, which is the machine, not the capture."""
+        processes the same forward ran at different speeds, which is the processes' state, not the capture."""
         a, b = round_slices(len(self.samples), self.spec.rounds)[rnd]
         return plain_forward(self.engine, stage_batches(self.samples[a:b], self.spec.batch_tokens))
 

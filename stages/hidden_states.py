@@ -22,9 +22,9 @@ from draftdata.hidden.compute import (
     n_layers_of,
     state_settings,
 )
-from draftdata.hidden.export import SKIPPED
 from draftdata.hidden.layers import resolve_layers
 from draftdata.hidden.output import index_doc, output_metrics
+from draftdata.hidden.reader import SKIPPED
 from draftdata.hidden.state_store import StateStore
 from draftdata.util.files import data_dir, write_json
 from draftdata.util.hashing import content_hash

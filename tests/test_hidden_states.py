@@ -778,6 +778,20 @@ def test_verify_fails_on_wrong_numbers_in_one_layer_of_one_sample(hs_project):
     assert float(rows["3"][0]) > 2e-2 and all(float(rows[k][0]) < 2**-9 for k in ("1", "4"))
 
 
+def test_verify_of_a_dataset_that_stores_no_states_says_so(hs_project, monkeypatch):
+    """store_hidden_states: false leaves skipped.json, not states: verify says why there is nothing to check, rather
+    than sending the user to run a stage that has run."""
+    from draftdata.hidden import verify
+
+    hs_project.params["datasets"]["B3"]["store_hidden_states"] = False
+    hs_project.save()
+    hs_project.run("hidden_states", "B3")
+    with monkeypatch.context() as m, pytest.raises(UserError, match="store_hidden_states is false") as err:
+        m.setattr(verify, "make_engine", lambda *a: pytest.fail("the model was loaded"))
+        verify_in(hs_project)
+    assert "\n" not in str(err.value)
+
+
 def test_verify_names_a_shard_cut_short_before_loading_the_model(hs_project, monkeypatch):
     from draftdata.hidden import verify
 

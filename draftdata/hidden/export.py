@@ -79,12 +79,11 @@ from pathlib import Path
 
 from draftdata.config.schema import Config
 from draftdata.errors import ConfigError, UserError
-from draftdata.hidden.reader import HiddenStates, Sample
+from draftdata.hidden.reader import SKIPPED, HiddenStates, Sample
 from draftdata.hidden.vocab import specforge_mapping, speculators_mapping
 from draftdata.util.files import atomic_path, data_dir
 
 MARKER = "draftdata_export.json"
-SKIPPED = "skipped.json"  # what the hidden_states stage writes instead of states (datasets.<D>.store_hidden_states)
 SPECFORGE_VOCAB = "vocab_mapping/vocab_mapping.pt"  # where SpecForge's prepare_hidden_states.py puts it
 SPECFORGE_GROUP = 2000  # prepare_hidden_states.py's --file-group-size default: files per rows_* folder
 SOURCE_FILES = ("index.json", "samples.parquet", "final_norm.safetensors")

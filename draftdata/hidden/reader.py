@@ -25,6 +25,9 @@ from pathlib import Path
 from draftdata.hidden.norm import FinalNorm
 from draftdata.hidden.shards import ShardReader
 
+# what the hidden_states stage writes in place of states where datasets.<D>.store_hidden_states is false
+SKIPPED = "skipped.json"
+
 
 @dataclass
 class Sample:

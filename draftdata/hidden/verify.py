@@ -17,7 +17,7 @@ from pathlib import Path
 from draftdata.config.schema import Config
 from draftdata.errors import UserError
 from draftdata.hidden.compute import make_engine
-from draftdata.hidden.reader import HiddenStates, Sample
+from draftdata.hidden.reader import SKIPPED, HiddenStates, Sample
 from draftdata.hidden.shards import torn
 from draftdata.target.fingerprint import model_fingerprint
 from draftdata.util.sqlite import hash_cache_path
@@ -92,6 +92,11 @@ def row_errors(stored, fresh):
 def check_stored(path: Path, dataset: str) -> dict:
     """index.json, read; a missing output says which stage to run, before any model is loaded."""
     index = path / "index.json"
+    if (path / SKIPPED).is_file():
+        raise UserError(
+            f"{path}: holds no states to verify (datasets.{dataset}.store_hidden_states is false: its samples are for "
+            "online training)"
+        )
     if not index.is_file():
         raise UserError(f"{index}: not found; run the hidden_states stage first (dvc repro hidden_states@{dataset})")
     return json.loads(index.read_text())
