@@ -28,20 +28,24 @@ state. Side by side, in one run:
   `ShardReader`; relative L2 over every sample, aux and final together).
 
 Each path lives in its own spawned process (the same `--threads` torch threads in each) that loads the model once,
-except the plain forward, which ours' process runs on ours' engine: run in a process of its own, the same forward
-took longer than ours' whole capture in every round of a quiet run (the process's state, not the capture);
-its RSS is ours'. The parent cuts the samples into `rounds` consecutive slices and has the paths take turns on each
-(ours, forward, naive in even rounds, the reverse in odd ones: forward always next to ours), so a slow spell of the
-machine hits all. A round's time runs from the token ids to the files on disk (ours flushes its shard at the end of
-each round); the process's CPU time is kept
-beside the wall time, as a check on a shared machine. A slice is ours' window (`window_samples`): the stage sorts
+except the plain forward, which ours' process runs on ours' engine: run in a process of its own, the same forward took
+longer than ours' whole capture in every round of a quiet run (the process's state, not the capture); its RSS is ours'.
+The parent cuts the samples into `rounds` consecutive slices and has ours and naive take turns on each (ours first in
+even rounds, naive in odd ones), so a slow spell of the machine hits both. The plain forward is paired with ours batch
+by batch (`Paired`): each batch of ours' round also runs through `prefill`, before its capture in one batch and after it
+in the next, timed apart and taken out of ours' round, so the two meet the same machine a fraction of a second apart
+(rounds of whole passes, a few seconds each, drifted by more than the few percent being measured on a shared 2-core
+machine, up to a quarter between the rounds of one run). With a background writer (on a GPU) the prefill would share the
+machine with ours' writes, so there it runs the round's batches as a turn of its own, next to ours'. A round's time runs
+from the token ids to the files on disk (ours flushes its shard at the end of each round); the process's CPU time is
+kept beside the wall time, as a check on a shared machine. A slice is ours' window (`window_samples`): the stage sorts
 within a window, so ours pads a little more than it would over the whole set. tok/s count real tokens; `ratio` is
-ours_tok_s / naive_tok_s over all rounds (`ratio_median_of_rounds` the median of the paired rounds' ratios, as a
-check on the machine's noise; `ratio_cpu` by CPU time). `capture_vs_forward` is ours' tok/s / the plain
-forward's, the median of the paired rounds (each round's value beside it, and by CPU time), and `time_split` says
-where ours' time went, from timers in the stage's code (`draftdata.util.timing.Timers`): the engine's padding,
-decoder and copies to host, the checks, shard packing, writes, the state store's index, the keys, and `other` (no
-timer: the batching, the loop); with a background writer (on a GPU) packing and writes overlap the compute.
+ours_tok_s / naive_tok_s over all rounds (`ratio_median_of_rounds` the median of the paired rounds' ratios, as a check
+on the machine's noise; `ratio_cpu` by CPU time). `capture_vs_forward` is ours' tok/s / the plain forward's, the median
+of the rounds (each round's value beside it, and by CPU time), and `time_split` says where ours' time went, from timers
+in the stage's code (`draftdata.util.timing.Timers`): the engine's padding, decoder and copies to host, the checks,
+shard packing, writes, the state store's index, the keys, and `other` (no timer: the batching, the loop); with a
+background writer (on a GPU) packing and writes overlap the compute.
 Peak RSS is each process's own `ru_maxrss`, so the naive run cannot inflate ours'; `rss_after_load_mb` is the
 same reading before the first timed round (imports, weights, a warm-up forward). The fp8 run comes after the
 comparison, alone.
@@ -254,6 +258,43 @@ class Started:
         return self.engine.pad_tokens
 
 
+class Paired:
+    """Ours' engine with the plain prefill of each batch run beside its capture, before it in one batch and after it
+    in the next, timed apart: on a shared 2-core machine the speed drifts by more than the few percent being
+    measured over the seconds a round takes, while two forwards of the same batch a fraction of a second apart meet
+    the same machine. `take()` hands over the prefills' time since the last call, for the round to subtract."""
+
+    def __init__(self, engine):
+        self.engine, self.batches = engine, 0
+        self._plain = {"seconds": 0.0, "cpu_seconds": 0.0, "tokens": 0, "padded": 0}
+
+    def forward(self, batch: list[list[int]]):
+        before = self.batches % 2 == 0
+        self.batches += 1
+        if before:
+            self._prefill(batch)
+        out = self.engine.forward(batch)
+        if not before:
+            self._prefill(batch)
+        return out
+
+    def _prefill(self, batch: list[list[int]]) -> None:
+        clock = Clock()
+        padded = self.engine.prefill(batch)
+        for k, v in clock.read().items():
+            self._plain[k] += v
+        self._plain["tokens"] += sum(map(len, batch))
+        self._plain["padded"] += padded
+
+    @property
+    def pad_tokens(self) -> int:
+        return self.engine.pad_tokens
+
+    def take(self) -> dict:
+        out, self._plain = self._plain, {k: type(v)() for k, v in self._plain.items()}
+        return out
+
+
 def background_writes(spec: Spec) -> bool:
     """As the stage chooses: a writer thread where the target computes off the CPU."""
     return spec.device != "cpu"
@@ -265,9 +306,11 @@ def overlapped(spec: Spec) -> tuple:
 
 
 class Ours:
-    """The stage's compute pass, one window per round."""
+    """The stage's compute pass, one window per round. With `paired` (the bf16 run, writes in line) the plain
+    prefill runs beside each batch (`Paired`); with a background writer (on a GPU) it would share the machine with
+    the writes, so there it runs the round's batches as a turn of its own (`forward`), next to ours'."""
 
-    def __init__(self, spec: Spec, dtype: str):
+    def __init__(self, spec: Spec, dtype: str, paired: bool = False):
         from draftdata.config.schema import ModelConfig
         from draftdata.hidden.compute import Computer, HiddenTally
         from draftdata.hidden.engines.hf import HFEngine
@@ -277,8 +320,9 @@ class Ours:
         self.root = Path(spec.out_dir) / f"ours-{dtype}"
         self.engine = HFEngine(ModelConfig(path=spec.model_dir), list(spec.layers))
         self.store = StateStore(self.root)
+        self.paired = Paired(self.engine) if paired and not background_writes(spec) else None
         self.computer = Computer(
-            Started(self.engine),
+            Started(self.paired or self.engine),
             self.store,
             state_settings(spec, dtype),
             dtype,
@@ -293,9 +337,10 @@ class Ours:
         self.engine.pad_tokens = 0
 
     def forward(self, rnd: int) -> dict:
-        """The plain prefill of this round's slice: this engine, these batches, nothing captured (`plain_forward`).
-        Run in this process, beside the capture, so both meet the same allocator, threads and caches: in separate
-        processes the same forward ran at different speeds, which is the processes' state, not the capture."""
+        """The plain prefill of this round's slice as a turn of its own (unpaired: see the class): this engine,
+        these batches, nothing captured (`plain_forward`). Run in this process, beside the capture, so both meet the
+        same allocator, threads and caches: in separate processes the same forward ran at different speeds, which
+        is the processes' state, not the capture."""
         a, b = round_slices(len(self.samples), self.spec.rounds)[rnd]
         return plain_forward(self.engine, stage_batches(self.samples[a:b], self.spec.batch_tokens))
 
@@ -311,12 +356,11 @@ class Ours:
         self.computer.sync()  # the window's states on disk, as naive's are
         times = clock.read()
         split = {k: v - before.get(k, 0.0) for k, v in self.split().items()}
-        return {
-            **times,
-            "tokens": sum(map(len, self.samples[a:b])),
-            "padded": self.engine.pad_tokens - pad0,
-            "split": split,
-        }
+        out = {"tokens": sum(map(len, self.samples[a:b])), "padded": self.engine.pad_tokens - pad0, "split": split}
+        if self.paired is None:
+            return {**times, **out}
+        plain = self.paired.take()
+        return {**{k: v - plain[k] for k, v in times.items()}, **out, "forward": plain}
 
     def split(self) -> dict:
         """Seconds so far per step: the engine's (padding, decoder, copies to host) and the stage's own."""
@@ -344,11 +388,11 @@ def stage_batches(samples: list[list[int]], batch_tokens: int) -> list[list[list
 def plain_forward(engine, batches: list[list[list[int]]]) -> dict:
     """The batches through `engine.prefill`: the engine's own forward on the same padded batches, nothing captured,
     copied, packed, written or stored. The floor that ours (the same engine, the same batches, plus the capture) is
-    held against; any engine with `prefill(batch)` and `pad_tokens` can be timed so."""
-    pad0, clock = engine.pad_tokens, Clock()
+    held against; any engine whose `prefill(batch)` returns the batch's pad tokens can be timed so."""
+    clock, padded = Clock(), 0
     for batch in batches:
-        engine.prefill(batch)
-    return {**clock.read(), "tokens": sum(len(x) for b in batches for x in b), "padded": engine.pad_tokens - pad0}
+        padded += engine.prefill(batch)
+    return {**clock.read(), "tokens": sum(len(x) for b in batches for x in b), "padded": padded}
 
 
 class Naive:
@@ -434,7 +478,7 @@ def peak_memory(device: str) -> dict:
 def make_path(kind: str, spec: Spec):
     if kind == "naive":
         return Naive(spec)
-    return Ours(spec, "fp8" if kind == "fp8" else "bfloat16")
+    return Ours(spec, "fp8" if kind == "fp8" else "bfloat16", paired=kind == "ours")
 
 
 def serve(conn, kind: str, spec: Spec) -> None:
@@ -490,15 +534,20 @@ class Worker:
 
 
 def interleaved(spec: Spec, fp8: bool = True) -> dict:
-    """ours, the plain forward and naive take turns on each round's slice (the forward, run by ours' own worker on
-    its own engine, always next to ours, whose floor it is); then fp8 alone."""
+    """ours and naive take turns on each round's slice, the plain forward paired with ours' batches (or, with a
+    background writer, a turn of its own on ours' worker and engine, always next to ours, whose floor it is); then
+    fp8 alone."""
     ours, naive = Worker("ours", spec), Worker("naive", spec)
     loaded = {w.kind: w.answer() for w in (ours, naive)}
-    turns = (("ours", ours, "run"), ("forward", ours, "forward"), ("naive", naive, "run"))
-    rounds: dict = {kind: [] for kind, _, _ in turns}
+    turns = (("ours", ours, "run"), ("naive", naive, "run"))
+    if background_writes(spec):  # the forward can't run paired (see Ours): a turn of its own, next to ours'
+        turns = (turns[0], ("forward", ours, "forward"), turns[1])
+    rounds: dict = {"ours": [], "forward": [], "naive": []}
     for r in range(spec.rounds):
         for kind, w, what in turns if r % 2 == 0 else turns[::-1]:
             rounds[kind].append(w.call(what, r))
+            if "forward" in rounds[kind][-1]:  # paired: ours' round holds the forward's
+                rounds["forward"].append(rounds[kind][-1].pop("forward"))
     final = {w.kind: {**loaded[w.kind], **w.call("finish")} for w in (ours, naive)}
     final["forward"] = {**final["ours"], "bytes": 0, "files": 0}  # its process is ours'
     for w in (ours, naive):
@@ -588,9 +637,10 @@ def time_split(ours: list[dict], forward: list[dict], overlapped: tuple = ()) ->
     }
 
 
-def capture_figures(ours: list[dict], forward: list[dict], overlapped: tuple = ()) -> dict:
+def capture_figures(ours: list[dict], forward: list[dict], overlapped: tuple = (), paired: bool = False) -> dict:
     """Ours against the plain forward on the same rounds: capture_vs_forward = ours' tok/s / the forward's, per
-    round (both ran the same batches, one right after the other), their median, and where ours' extra time goes."""
+    round (both ran the same batches, paired or one right after the other), their median, and where ours' extra
+    time goes."""
     per_round = round_ratios(ours, forward, "seconds")
     per_round_cpu = round_ratios(ours, forward, "cpu_seconds")
     return {
@@ -600,6 +650,7 @@ def capture_figures(ours: list[dict], forward: list[dict], overlapped: tuple = (
         "capture_vs_forward_cpu": round(statistics.median(per_round_cpu), 3),
         "capture_vs_forward_cpu_per_round": per_round_cpu,
         "same_batches": [o["padded"] for o in ours] == [f["padded"] for f in forward],
+        "forward_paired_by_batch": paired,
         "time_split": time_split(ours, forward, overlapped),
     }
 
@@ -631,7 +682,9 @@ def summarise(spec: Spec, runs: dict, fp8_err: float, hidden: int, naive_choice:
         "naive_batch": spec.naive_batch,
         "avg_padded_batch_tokens": {"ours": round(naive_choice[1]), "naive": round(naive_choice[2])},
         "forward_tok_s": round(paths["forward"]["tok_s"], 1),
-        **capture_figures(runs["rounds"]["ours"], runs["rounds"]["forward"], overlapped(spec)),
+        **capture_figures(
+            runs["rounds"]["ours"], runs["rounds"]["forward"], overlapped(spec), not background_writes(spec)
+        ),
         "paths": paths,
     }
     if spec.device == "cuda":
@@ -755,7 +808,9 @@ def depth_stats(spec: Spec, runs: dict, config: dict) -> dict:
         "ours_tok_s": round(ours["tok_s"], 2),
         "naive_tok_s": round(naive["tok_s"], 2),
         "forward_tok_s": round(paths["forward"]["tok_s"], 2),
-        **capture_figures(runs["rounds"]["ours"], runs["rounds"]["forward"], overlapped(spec)),
+        **capture_figures(
+            runs["rounds"]["ours"], runs["rounds"]["forward"], overlapped(spec), not background_writes(spec)
+        ),
         "ratio": round(ours["tok_s"] / naive["tok_s"], 3),
         "ratio_per_round": round_ratios(runs["rounds"]["ours"], runs["rounds"]["naive"], "seconds"),
         "ratio_cpu": round(ours["cpu_tok_s"] / naive["cpu_tok_s"], 3),

@@ -7,6 +7,7 @@ import argparse
 import pytest
 
 from bench import hidden_states as hb
+from draftdata.util.timing import Timers
 
 TINY = {
     "hidden_size": 2,
@@ -114,14 +115,69 @@ def test_the_plain_forward_runs_the_stages_batches_through_the_same_decoder(tiny
     got = hb.plain_forward(engines["plain"], hb.stage_batches(samples, 64))
     assert shapes["plain"] == shapes["ours"] and len(shapes["ours"]) > 2
     assert got["padded"] == engines["ours"].pad_tokens > 0 and got["tokens"] == sum(map(len, samples))
-    plain = engines["plain"].timers.snapshot()
-    assert plain["decoder"] > 0 and "copies to host" not in plain and not engines["plain"]._out
+    assert engines["plain"].timers.snapshot() == {} and not engines["plain"]._out  # its time is the caller's
     assert {"decoder", "copies to host"} <= set(engines["ours"].timers.snapshot())
     assert {"checks", "shard packing", "writes", "state store"} <= set(computer.timers.snapshot())
     # capture is back on after a prefill: the engine returns the same states as one that never ran plain
     batch = [[5, 6, 7, 8], [9, 10]]
     for (a, f), (b, g) in zip(engines["plain"].forward(batch), engines["ours"].forward(batch)):
         assert torch.equal(a, b) and torch.equal(f, g)
+
+
+class Counting(Timers):
+    """Timers that also list the steps timed, in order."""
+
+    def __init__(self, steps: list):
+        super().__init__()
+        self.steps = steps
+
+    def __call__(self, step: str):
+        self.steps.append(step)
+        return super().__call__(step)
+
+
+def test_the_paired_prefill_runs_each_batch_beside_its_capture_and_leaves_the_captures_counts_alone(
+    tiny_model, tmp_path
+):
+    """Paired: the stage's Computer on a Paired engine runs every batch twice, the plain prefill before the capture
+    in one batch and after it in the next; the prefill's tokens, pads and time are handed over apart, and the
+    engine's pad count and timers keep the capture's alone (as a Computer on the bare engine has them)."""
+    from draftdata.config.schema import ModelConfig
+    from draftdata.hidden.compute import Computer, HiddenTally
+    from draftdata.hidden.engines.hf import HFEngine
+    from draftdata.hidden.state_store import StateStore
+
+    samples = [[(3 * i + j) % 50 + 1 for j in range(n)] for i, n in enumerate([30, 5, 31, 12, 29, 6, 12, 64])]
+    calls: list = []
+    engines = {k: HFEngine(ModelConfig(path=str(tiny_model)), [1, 3, 4]) for k in ("paired", "bare")}
+    paired = hb.Paired(engines["paired"])
+    timed: list = []
+    engines["paired"].timers = Counting(timed)
+    engines["paired"].decoder.register_forward_pre_hook(
+        lambda _m, _a, kw: calls.append((engines["paired"]._capture, tuple(kw["input_ids"].shape))), with_kwargs=True
+    )
+    for name, engine in (("paired", paired), ("bare", engines["bare"])):
+        computer = Computer(
+            hb.Started(engine),
+            StateStore(tmp_path / name),
+            {"v": 1},
+            "bfloat16",
+            64,
+            1 << 20,
+            HiddenTally(),
+            background_writes=False,
+        )
+        computer.run([(str(i), ids) for i, ids in enumerate(samples)])
+        computer.close()
+    n = len(calls) // 2
+    assert n > 2 and [c[1] for c in calls[0::2]] == [c[1] for c in calls[1::2]]  # each batch twice, same shape
+    # prefill (capture off) first in even batches, second in odd ones
+    assert [c[0] for c in calls] == [x for i in range(n) for x in ((False, True) if i % 2 == 0 else (True, False))]
+    plain = paired.take()
+    assert plain["tokens"] == sum(map(len, samples)) and plain["padded"] == engines["bare"].pad_tokens > 0
+    assert plain["seconds"] > 0 and paired.take()["seconds"] == 0  # taken once
+    assert engines["paired"].pad_tokens == engines["bare"].pad_tokens
+    assert timed == ["padding", "decoder", "copies to host"] * n  # the engine's timers saw the captures, not the prefills
 
 
 def test_device_cuda_without_a_gpu_fails_in_one_line(monkeypatch):

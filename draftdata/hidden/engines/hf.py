@@ -79,7 +79,7 @@ class HFEngine:
     def forward(self, batch: list[list[int]]) -> list[tuple[object, object]]:
         import torch
 
-        self._run(batch)
+        self.pad_tokens += self._run(batch, self.timers)
         # under a device_map the layers' outputs sit on their layers' GPUs: gathered on the first one's, then one
         # copy to the host per batch, not one per sample (each is a device sync); in the model's own dtype: a bf16
         # target's states stored as bf16 need no float32 round trip
@@ -90,32 +90,35 @@ class HFEngine:
             self._out.clear()
         return [(aux[i, : len(x)], final[i, : len(x)]) for i, x in enumerate(batch)]
 
-    def prefill(self, batch: list[list[int]]) -> None:
+    def prefill(self, batch: list[list[int]]) -> int:
         """The same padded batch through the same decoder with nothing kept or copied: the plain prefill that the
-        benchmark holds the capture against (its hooks stay registered and return at once)."""
+        benchmark holds the capture against (its hooks stay registered and return at once). Its time is the
+        caller's to measure: the engine's timers and `pad_tokens` keep the capture's alone. Returns the batch's pad
+        tokens."""
         self._capture = False
         try:
-            self._run(batch)
+            return self._run(batch, Timers())
         finally:
             self._capture = True
 
-    def _run(self, batch: list[list[int]]) -> None:
-        """The batch padded on the right, through the decoder (no LM head); the hooks see the layers' outputs."""
+    def _run(self, batch: list[list[int]], timers: Timers) -> int:
+        """The batch padded on the right, through the decoder (no LM head); the hooks see the layers' outputs.
+        Returns the batch's pad tokens."""
         import torch
 
-        with self.timers("padding"):
+        with timers("padding"):
             width = max(len(x) for x in batch)
             ids = torch.zeros(len(batch), width, dtype=torch.long)
             for i, x in enumerate(batch):
                 ids[i, : len(x)] = torch.tensor(x)
-            self.pad_tokens += len(batch) * width - sum(len(x) for x in batch)
             device = self.decoder.layers[0].parameters().__next__().device
             ids = ids.to(device)
-        with self.timers("decoder"), torch.inference_mode():
+        with timers("decoder"), torch.inference_mode():
             self.decoder(input_ids=ids, use_cache=False)
             last = self.decoder.norm.weight.device  # under a device_map, the last GPU the batch runs on
             if last.type == "cuda":  # the kernels are queued: the time is theirs once they have run
                 torch.cuda.synchronize(last)
+        return len(batch) * width - sum(len(x) for x in batch)
 
     def close(self) -> None:
         for h in self._handles:
