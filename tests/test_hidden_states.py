@@ -148,6 +148,81 @@ def test_shard_pack_unpack_round_trip(tmp_path, dtype):
     assert torn(path)
 
 
+def shard_samples(lengths: list[int], seed: int = 0) -> list:
+    from draftdata.hidden.shards import SampleStates
+
+    g = torch.Generator().manual_seed(seed)
+    return [
+        SampleStates(
+            f"k{i}", list(range(n)), torch.randn(n, 3, 16, generator=g).bfloat16(), torch.randn(n, 16, generator=g)
+        )
+        for i, n in enumerate(lengths)
+    ]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "fp8"])
+def test_a_shard_is_the_same_safetensors_file_with_o_direct_and_through_the_page_cache(tmp_path, monkeypatch, dtype):
+    """The shard's image goes out with O_DIRECT where the file system takes it; where it refuses (EINVAL, as tmpfs
+    does) the same bytes go through the page cache. Either file is what safetensors itself reads, with the same
+    tensors as safetensors' own writer would have stored."""
+    import errno
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    from draftdata.hidden.shards import pack, torn, write
+
+    samples = shard_samples([3, 17, 1, 40, 999])
+    opened: list[int] = []
+    real_open = os.open
+
+    def recording_open(path, flags, *a):
+        opened.append(flags)
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", recording_open)
+    write(tmp_path / "direct.safetensors", samples, dtype, {"x": 1})
+    assert opened and opened[-1] & os.O_DIRECT  # tried first
+
+    def refusing_open(path, flags, *a):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    write(tmp_path / "cached.safetensors", samples, dtype, {"x": 1})
+    direct, cached = (tmp_path / f"{n}.safetensors" for n in ("direct", "cached"))
+    assert direct.read_bytes() == cached.read_bytes() and not torn(direct)
+    monkeypatch.setattr(os, "open", real_open)
+    theirs = {k: torch.cat(v) for k, v in pack(samples, dtype).items()}
+    save_file(theirs, tmp_path / "theirs.safetensors")
+    ours = load_file(direct)
+    assert ours.keys() == theirs.keys()
+    for k, t in theirs.items():
+        assert ours[k].dtype == t.dtype and torch.equal(ours[k].view(torch.uint8), t.view(torch.uint8)), k
+
+
+def test_a_kept_buffer_writes_a_small_shard_after_a_big_one(tmp_path):
+    """The writer keeps one buffer for every shard: a shard after a bigger one is cut to its own size, and none of
+    the bigger one's bytes are in it."""
+    from draftdata.hidden.shards import ShardBuffer, ShardReader, torn, write
+
+    buffer = ShardBuffer()
+    big, small = shard_samples([500, 700], seed=1), shard_samples([5, 9], seed=2)
+    write(tmp_path / "big.safetensors", big, "bfloat16", {}, buffer=buffer)
+    size = write(tmp_path / "small.safetensors", small, "bfloat16", {}, buffer=buffer)
+    alone = write(tmp_path / "alone.safetensors", small, "bfloat16", {})
+    buffer.close()
+    assert (
+        size == alone and (tmp_path / "small.safetensors").read_bytes() == (tmp_path / "alone.safetensors").read_bytes()
+    )
+    assert not torn(tmp_path / "small.safetensors")
+    reader = ShardReader(tmp_path / "small.safetensors")
+    for row, s in enumerate(small):
+        ids, aux, _ = reader.sample(row)
+        assert ids.tolist() == s.input_ids and torch.equal(aux.bfloat16(), s.aux)
+
+
 def test_a_budget_round_trip_recomputes_nothing(hs_project):
     hs_project.run("hidden_states", "B3")
     first = hs_metrics(hs_project)

@@ -26,7 +26,7 @@ from pathlib import Path
 from draftdata.config.schema import Config
 from draftdata.errors import UserError
 from draftdata.hidden.engines.base import Engine
-from draftdata.hidden.shards import FORMAT_VERSION, SampleStates, check, encode, write
+from draftdata.hidden.shards import FORMAT_VERSION, SampleStates, ShardBuffer, check, encode, write
 from draftdata.hidden.state_store import StateStore, Target, state_key
 from draftdata.target.fingerprint import model_fingerprint
 from draftdata.target.model import check_tokenizer_fits, model_dir, model_limits
@@ -135,11 +135,12 @@ class ShardWriter:
         self.settings_hash = content_hash(settings)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="shard-writer") if background else None
         self._pending: tuple | None = None
+        self._buffer = ShardBuffer()  # one shard's image at a time: the one in flight
 
     def submit(self, samples: list[SampleStates]) -> None:
         self.wait()
         name = self.store.new_shard_name(self.settings_hash)
-        args = (self.store.path(name), samples, self.dtype, self.settings, self.timers)
+        args = (self.store.path(name), samples, self.dtype, self.settings, self.timers, self._buffer)
         job = self._pool.submit(write, *args) if self._pool is not None else _Done(write(*args))
         self._pending = (job, name, [s.key for s in samples], [len(s.input_ids) for s in samples])
 
@@ -160,6 +161,7 @@ class ShardWriter:
         finally:
             if self._pool is not None:
                 self._pool.shutdown()
+            self._buffer.close()
 
 
 @dataclass

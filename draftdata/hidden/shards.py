@@ -13,7 +13,10 @@ are renamed; `check` runs before every write (ids and states agree, values finit
 
 from __future__ import annotations
 
+import errno
 import json
+import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,24 +78,23 @@ def encode(x, dtype: str) -> dict:
     return {"": x.to(getattr(torch, dtype))}
 
 
-def pack(samples: list[SampleStates], dtype: str) -> dict:
-    """The tensors of one shard."""
+def pack(samples: list[SampleStates], dtype: str) -> dict[str, list]:
+    """The tensors of one shard, each as its samples' parts in order (joined where the file is laid out)."""
     import torch
 
     lengths = torch.tensor([len(s.input_ids) for s in samples], dtype=torch.int64)
     offsets = torch.zeros(len(samples) + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(lengths, 0)
-    tensors = {
-        "offsets": offsets,
-        "input_ids": torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.int32),
+    parts: dict[str, list] = {
+        "offsets": [offsets],
+        "input_ids": [torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.int32)],
     }
-    for name, parts in (
-        ("aux_hidden_states", [s.aux for s in samples]),
-        ("final_hidden_states", [s.final for s in samples]),
-    ):
-        for suffix, t in encode(torch.cat(parts), dtype).items():
-            tensors[name.replace("_hidden_states", "_scale") if suffix else name] = t.contiguous()
-    return tensors
+    for what in ("aux", "final"):
+        encoded = [encode(getattr(s, what), dtype) for s in samples]  # fp8's scales are per row: per sample is the same
+        for suffix, name in (("", f"{what}_hidden_states"), ("_scale", f"{what}_scale")):
+            if suffix in encoded[0]:
+                parts[name] = [e[suffix] for e in encoded]
+    return parts
 
 
 def finite(t) -> bool:
@@ -123,18 +125,140 @@ def check(samples: list[SampleStates], sample_ids: dict[str, str]) -> None:
                 )
 
 
-def write(path: Path, samples: list[SampleStates], dtype: str, settings: dict, timers: Timers | None = None) -> int:
+def write(
+    path: Path,
+    samples: list[SampleStates],
+    dtype: str,
+    settings: dict,
+    timers: Timers | None = None,
+    buffer: ShardBuffer | None = None,
+) -> int:
     """Write one shard (temp name, then rename); returns its size in bytes. `timers` gets the packing's and the
-    write's seconds."""
-    from safetensors.torch import save_file
-
+    write's seconds; `buffer`, kept from one shard to the next, saves touching fresh memory for every shard."""
     timers = timers or Timers()
     meta = {"version": FORMAT_VERSION, "settings": settings, "keys": [s.key for s in samples]}
-    with timers("shard packing"):
-        tensors = pack(samples, dtype)
-    with timers("writes"), atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata={"draftdata": json.dumps(meta, sort_keys=True)})
+    own = buffer is None
+    buffer = buffer or ShardBuffer()
+    try:
+        with timers("shard packing"):
+            image = ShardImage(pack(samples, dtype), {"draftdata": json.dumps(meta, sort_keys=True)}, buffer)
+        with timers("writes"), atomic_path(path) as tmp:
+            image.write(tmp)
+    finally:
+        if own:
+            buffer.close()
     return path.stat().st_size
+
+
+SAFETENSORS_DTYPES = {
+    "int64": "I64",
+    "int32": "I32",
+    "float32": "F32",
+    "bfloat16": "BF16",
+    "float16": "F16",
+    "float8_e4m3fn": "F8_E4M3",
+}
+ALIGN = 4096  # O_DIRECT wants the buffer, the offsets and the lengths in whole blocks of the device: 4 KiB covers them
+CHUNK = 1 << 30  # one write call at most (Linux moves under 2 GiB a call)
+
+
+class ShardBuffer:
+    """Page-aligned memory for one shard's image, kept and grown to the largest shard: a writer that reuses it
+    copies into pages already mapped, where a new buffer for every shard pays for mapping each page again (a
+    shard is 134 MB at the bench's shape, gigabytes at a large target's)."""
+
+    def __init__(self):
+        self._map = None
+
+    def get(self, size: int):
+        import mmap
+
+        size = -(-size // ALIGN) * ALIGN
+        if self._map is None or len(self._map) < size:
+            self.close()
+            self._map = mmap.mmap(-1, size)
+        return self._map
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+
+
+class ShardImage:
+    """A shard's file, byte for byte, in one page-aligned buffer: safetensors' layout (an 8-byte header length, the
+    JSON header padded with spaces to 8 bytes, then each tensor's bytes, widest type first, so that every tensor
+    starts aligned to its own type), with the samples' parts copied straight to their places.
+
+    Why not safetensors' own `save_file`: it writes through the page cache, and copying into the page cache was
+    the biggest cost of storing the states beside the forward (`python -m bench.hidden_states`, its time split), where
+    O_DIRECT hands the pages to the device with next to no CPU. On a CPU target a writer thread cannot hide that copy:
+    the forward takes every core. And the states are written once and read back by a later stage or a trainer, so
+    caching them buys nothing and evicts what is worth caching (the model's weights). The files are read with
+    safetensors (`ShardReader`)."""
+
+    def __init__(self, parts: dict[str, list], metadata: dict[str, str], buffer: ShardBuffer):
+        import torch
+
+        order = sorted(parts, key=lambda name: -parts[name][0].element_size())  # sorted() is stable: ties keep order
+        header: dict = {"__metadata__": metadata}
+        start = 0
+        for name in order:
+            first = parts[name][0]
+            shape = [sum(p.shape[0] for p in parts[name]), *first.shape[1:]]
+            size = math.prod(shape) * first.element_size()
+            header[name] = {
+                "dtype": SAFETENSORS_DTYPES[str(first.dtype).removeprefix("torch.")],
+                "shape": shape,
+                "data_offsets": [start, start + size],
+            }
+            start += size
+        head = json.dumps(header, separators=(",", ":")).encode()
+        head += b" " * (-len(head) % 8)
+        base = 8 + len(head)
+        self.size = base + start
+        self.buffer = buffer.get(self.size)
+        self.buffer[:base] = len(head).to_bytes(8, "little") + head
+        flat = torch.frombuffer(self.buffer, dtype=torch.uint8)
+        for name in order:
+            a, b = header[name]["data_offsets"]
+            dtype = parts[name][0].dtype
+            torch.cat(parts[name], out=flat[base + a : base + b].view(dtype).view(header[name]["shape"]))
+        del flat  # no view may outlive the buffer
+
+    def write(self, path: Path) -> None:
+        """The image into the (existing, empty) file at `path`: with O_DIRECT where the file system takes it, else
+        through the page cache."""
+        direct = getattr(os, "O_DIRECT", 0)
+        if direct and self._write(path, direct):
+            return
+        self._write(path, 0)
+
+    def _write(self, path: Path, flags: int) -> bool:
+        """False where the file system refuses O_DIRECT (tmpfs, some network file systems: EINVAL)."""
+        # O_DIRECT moves whole blocks from a block-aligned address (the buffer's start is a page's): the last block
+        # goes out whole and the file is cut to its size after
+        end = -(-self.size // ALIGN) * ALIGN if flags else self.size
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_TRUNC | flags)
+        except OSError as e:
+            if flags and e.errno == errno.EINVAL:
+                return False
+            raise
+        view = memoryview(self.buffer)
+        try:
+            done = 0
+            while done < end:
+                done += os.write(fd, view[done : min(end, done + CHUNK)])
+            os.ftruncate(fd, self.size)
+        except OSError as e:
+            if flags and e.errno == errno.EINVAL:
+                return False
+            raise
+        finally:
+            view.release()
+            os.close(fd)
+        return True
 
 
 def torn(path: Path) -> bool:
