@@ -349,29 +349,36 @@ def extract_layer_ids(layers: list[int], n_layers: int) -> list[int]:
 def extract_kwargs(settings: dict, n_layers: int) -> dict:
     """vLLM's own hidden-state extraction (the path speculators drives): the `extract_hidden_states` speculative
     method caches the chosen layers' states in a cache-only KV layer, and a hidden-states connector writes each
-    finished request's to a safetensors file in `states_dir`. vLLM's connector on a GPU; on the CPU build, the
-    same connector copying from host memory (draftdata/hidden/engines/vllm_connector.py)."""
+    finished request's to a safetensors file in `states_dir`."""
     from vllm.platforms import current_platform
 
+    ids = extract_layer_ids(settings["layers"], n_layers)
+    return extraction_config(ids, settings["states_dir"], current_platform.is_cuda_alike())
+
+
+def extraction_config(layer_ids: list[int], states_dir: str, cuda: bool) -> dict:
+    """`speculative_config` and `kv_transfer_config` of vLLM's extraction of layers `layer_ids` (vLLM's numbering)
+    into files in `states_dir`: `vllm.LLM`'s arguments here, and, as JSON, `vllm serve`'s flags for speculators'
+    online training (its scripts/launch_vllm.py passes the same). vLLM's connector on a GPU (`cuda`); on the CPU
+    build, the same connector copying from host memory (draftdata/hidden/engines/vllm_connector.py)."""
     connector = (
         {"kv_connector": "ExampleHiddenStatesConnector"}
-        if current_platform.is_cuda_alike()
+        if cuda
         else {
             "kv_connector": "HostHiddenStatesConnector",
             "kv_connector_module_path": "draftdata.hidden.engines.vllm_connector",
         }
     )
-    ids = extract_layer_ids(settings["layers"], n_layers)
     return {
         "speculative_config": {
             "method": "extract_hidden_states",
             "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": ids}},
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
         },
         "kv_transfer_config": {
             **connector,
             "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": settings["states_dir"]},
+            "kv_connector_extra_config": {"shared_storage_path": states_dir},
         },
     }
 
