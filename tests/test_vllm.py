@@ -46,8 +46,9 @@ def build(out: Path, mean_response_tokens: int) -> Path:
     return out
 
 
-def serve(model: Path, log: Path, *flags: str):
-    """vLLM's OpenAI server for `model` on a free port, with `flags`: a context manager that gives its URL."""
+def serve(model: Path, log: Path, *flags: str, env: dict | None = None):
+    """vLLM's OpenAI server for `model` on a free port, with `flags` (and `env` added to its environment): a context
+    manager that gives its URL."""
 
     def argv(port: int) -> list[str]:
         return [
@@ -64,7 +65,7 @@ def serve(model: Path, log: Path, *flags: str):
             *flags,
         ]
 
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     return server_process(argv, log, env, timeout=300)
 
 
@@ -105,9 +106,14 @@ async def started(cfg: Config, tok):
         await backend.close()
 
 
-def running(url: str) -> float:
+def metric(url: str, name: str) -> float:
+    """A Prometheus metric of the server at `url`, summed over its labels."""
     text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
-    return sum(float(v) for v in re.findall(r"^vllm:num_requests_running\{[^}]*\} ([0-9.]+)$", text, re.M))
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}\{{[^}}]*\}} ([0-9.e+]+)$", text, re.M))
+
+
+def running(url: str) -> float:
+    return metric(url, "vllm:num_requests_running")
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
