@@ -14,7 +14,8 @@ speculators 0.9.0: train/data.py `ArrowDataset` looks for `hidden_states/hs_<i>.
 endpoint (`--vllm-endpoint`, data_generation/vllm_client.py `generate_hidden_states`: a Completions request with the
 ids as the prompt, `max_tokens` 1, `return_token_ids`), checks the returned prompt ids against the row
 (`extract_output`), loads the states vLLM's hidden-states connector wrote (`kv_transfer_params.hidden_states_path`)
-and takes `loss_mask` from the row. vLLM must be serving the target with speculators' extraction settings.
+and takes `loss_mask` from the row. vLLM must be serving the target with speculators' extraction settings
+(docs/hidden-states.md gives the flags; tests/test_online_vllm.py runs them against a live server).
 
 specforge_online: `prompts.jsonl` for `data.prompts_path` (pre-tokenized: `{"input_ids", "loss_mask"}` per line,
 used as they are: specforge/data/prompt_builder.py `prepare_prompt_tasks`, which truncates to `data.max_length` and

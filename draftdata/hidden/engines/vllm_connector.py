@@ -1,6 +1,7 @@
 """vLLM's hidden-states KV connector for a KV cache in host memory (vLLM's CPU build); loaded by vLLM by module
-path (`kv_connector_module_path`) in the process that owns the model. Imports vLLM at the top: only the vLLM side
-imports it.
+path (`kv_connector_module_path`) in the process that owns the model, for the vllm engine's extract path and for a
+`vllm serve` that speculators' online training asks for states (docs/hidden-states.md). Imports vLLM at the top:
+only the vLLM side imports it.
 
 vLLM's `extract_hidden_states` method writes the chosen layers' states into the KV cache of a cache-only layer, and
 its `ExampleHiddenStatesConnector` copies them out to one safetensors file per finished request. That copy goes
