@@ -177,7 +177,7 @@ def test_the_paired_prefill_runs_each_batch_beside_its_capture_and_leaves_the_ca
     assert plain["tokens"] == sum(map(len, samples)) and plain["padded"] == engines["bare"].pad_tokens > 0
     assert plain["seconds"] > 0 and paired.take()["seconds"] == 0  # taken once
     assert engines["paired"].pad_tokens == engines["bare"].pad_tokens
-    assert timed == ["padding", "decoder", "copies to host"] * n  # the engine's timers saw the captures, not the prefills
+    assert timed == ["padding", "decoder", "copies to host"] * n  # the captures timed, not the prefills
 
 
 def test_device_cuda_without_a_gpu_fails_in_one_line(monkeypatch):

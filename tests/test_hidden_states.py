@@ -505,8 +505,8 @@ def fake_vllm(monkeypatch, started: list):
     [("cuda", False, None), ("cpu", True, None), ("cpu", False, "CPU build"), ("tpu", True, "platform is tpu")],
 )
 def test_auto_takes_vllms_extraction_only_where_its_own_connector_runs(monkeypatch, platform, forced, expect):
-    """On the CPU build the extraction needs draftdata's connector (slower than the hooks, and tied to vLLM's
-    internals as they are): auto takes the hooks there, a forced extract still runs it."""
+    """On the CPU build the extraction needs draftdata's connector (tied to vLLM's internals as they are): auto
+    takes the hooks there, a forced extract still runs it."""
     import importlib.util
     import types
 

@@ -386,7 +386,9 @@ def extraction_config(layer_ids: list[int], states_dir: str, cuda: bool) -> dict
 def extract_unavailable(forced: bool = False) -> str | None:
     """Why this vLLM does not run its own extraction here, or None. `auto` takes it only where vLLM's own connector
     runs (CUDA): on the CPU build the extraction needs draftdata's connector, which reaches into vLLM's internals
-    (what the extraction is meant to avoid) and is slower than the hooks, so only a forced `extract` runs it there."""
+    (it overrides a private method of vLLM's connector: what the extraction is meant to avoid), so only a forced
+    `extract` runs it there. Speed does not decide it: on the CPU build the two paths' costs outside the forward are
+    memory copies, and their order changed from one run of bench.hidden_states_vllm to the next."""
     import importlib.util
 
     from vllm.platforms import current_platform
@@ -398,7 +400,8 @@ def extract_unavailable(forced: bool = False) -> str | None:
     if current_platform.is_cpu():
         return (
             "vLLM's hidden-states connector copies through CUDA; on the CPU build the extraction runs through "
-            "draftdata's own connector, slower than the hooks (hidden_states.vllm_path: extract runs it)"
+            "draftdata's own connector, which overrides a private vLLM method "
+            "(hidden_states.vllm_path: extract runs it)"
         )
     return f"vLLM's hidden-states connector copies through CUDA, and the platform is {current_platform.device_name}"
 
