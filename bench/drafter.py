@@ -1,13 +1,16 @@
 """The end-to-end measure of the data: train an EAGLE-3 drafter on our export with speculators' own model and loss,
 and report its acceptance on held-out samples.
 
-    python -m bench.drafter [--seeds 3] [--steps 150] [--max-len 512] [--target-steps 300] [--threads 1] [--workdir DIR]
+    python -m bench.drafter [--seeds 3] [--steps 400] [--max-len 512] [--target-steps 1500] [--threads 1] [--workdir D]
+    python -m bench.drafter --device cuda [--hidden 256] [--layers 16] ...     (a bigger target, on a GPU)
 
 Needs DRAFTDATA_TRAINERS_PYTHON: a Python with speculators 0.9.0 (see tests/test_export.py for the venv); the drafter
 is trained there, by bench/drafter_train.py in a subprocess. Everything else runs here, with the project's own code:
 
 1. the target: the demo target (same tokenizer, shape and seed) trained on the demo corpus (bench/drafter_target.py).
-   The demo target's random weights make noise that no drafter predicts, so acceptance would mean nothing;
+   The demo target's random weights make noise that no drafter predicts, so acceptance would mean nothing. With
+   `--device cuda` the target is wider and deeper (`--hidden`, `--layers`; EAGLE-3's layers follow the depth) and it
+   and the drafters train on the GPU; the stages take the GPU by themselves;
 2. the data, by the project's own stages run in a temp workdir with its own params.yaml (prompts → generate with the
    embedded backend, which decodes with the target in-process → tokenize → hidden_states → `draftdata export`
    format speculators), from the demo's multi-turn chats (B6_ultrachat) at temperature 0.3, so that the target's
@@ -17,11 +20,14 @@ is trained there, by bench/drafter_train.py in a subprocess. Everything else run
    so each convention error below is cut from the same states; `all` is captured a second time in fp8;
 3. the split: by source conversation (its file:line), the same conversations held out of every training set; the
    held-out samples of `all` (bf16) judge every variant;
-4. the drafters: one per variant and seed, the same steps of the same packed tokens each (bench/drafter_train.py).
+4. the drafters: one per variant and seed, the same steps of the same packed tokens each, under speculators' own
+   optimizer and schedule (bench/drafter_train.py). `no_states` (zeros for states, in training and when judged) is
+   the scale: what the states are worth to this drafter, which bounds what any convention error can cost.
 
 Writes bench/results/drafter.json: per variant, the accepted length (vLLM's convention) and speculators' per-step
 accuracies, mean and spread (max - min) over the seeds, each run's figures, and the goals: the correct export beats
-each convention error by more than 3 times the larger of the two spreads.
+each convention error by more than 3 times the larger of the two spreads, and beside them the paired differences (the
+same seed, hence the same initial weights and order of packs, with and without the error).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import contextlib
 import copy
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -39,24 +46,34 @@ from pathlib import Path
 
 import yaml
 
+from draftdata.hidden.layers import default_layers
+
 RESULTS = Path(__file__).resolve().parent / "results"
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "drafter_train.py"
 ROOT = Path(__file__).resolve().parents[1]
-N_LAYERS = 8
-EAGLE3_LAYERS = [1, 3, 4]  # EAGLE-3's default for 8 layers, physical ids: [1, N//2 - 1, N - 4]
 HELD_OUT_EVERY = 5  # every 5th source conversation (by its line in the file) is held out
+SCHEDULE = "speculators' own: AdamW, linear warm-up over 1 % of the steps, linear decay to zero"
+CUDA_SHAPE = {"hidden": 256, "layers": 16}  # --device cuda's target unless --hidden / --layers say otherwise
 
-# name -> (training export, aux layers in the order the drafter sees them, how the final state reaches the loss)
-VARIANTS = {
-    "correct": ("all", EAGLE3_LAYERS, "pre"),
-    "aux_off_by_one": ("all", [i + 1 for i in EAGLE3_LAYERS], "pre"),
-    "aux_reversed": ("all", EAGLE3_LAYERS[::-1], "pre"),
-    "post_norm_as_pre": ("all", EAGLE3_LAYERS, "post"),
-    "pre_norm_as_post": ("all", EAGLE3_LAYERS, "pre_as_post"),
-    "fp8": ("all_fp8", EAGLE3_LAYERS, "pre"),
-    "small_budget": ("small", EAGLE3_LAYERS, "pre"),
-    "last_turn": ("last", EAGLE3_LAYERS, "pre"),
-}
+
+def variants_for(eagle3: list[int]) -> dict:
+    """name -> (training export, aux layers in the order the drafter sees them, how the final state reaches the
+    loss), for a target whose EAGLE-3 layers (physical ids) are `eagle3`."""
+    return {
+        "correct": ("all", eagle3, "pre"),
+        "aux_off_by_one": ("all", [i + 1 for i in eagle3], "pre"),
+        "aux_reversed": ("all", eagle3[::-1], "pre"),
+        "post_norm_as_pre": ("all", eagle3, "post"),
+        "pre_norm_as_post": ("all", eagle3, "pre_as_post"),
+        "fp8": ("all_fp8", eagle3, "pre"),
+        "small_budget": ("small", eagle3, "pre"),
+        "last_turn": ("last", eagle3, "pre"),
+        "no_states": ("all", eagle3, "no_states"),  # the scale: what the states are worth to this drafter
+    }
+
+
+N_LAYERS = 8  # the demo target's depth, the default
+VARIANTS = variants_for(default_layers(N_LAYERS))
 ERRORS = ("aux_off_by_one", "aux_reversed", "post_norm_as_pre", "pre_norm_as_post")
 
 
@@ -74,11 +91,11 @@ def dataset(turns: str, budget: int, max_tokens: int) -> dict:
     }
 
 
-def params(work: Path, target: Path, budget: int, small_budget: int, max_tokens: int) -> dict:
+def params(work: Path, target: Path, budget: int, small_budget: int, max_tokens: int, n_layers: int) -> dict:
     return {
         "model": {"path": str(target)},
         "tokenize": {"max_seq_len": 2048, "on_too_long": "drop", "train_on": "all_turns"},
-        "hidden_states": {"layers": list(range(N_LAYERS)), "dtype": "bfloat16"},
+        "hidden_states": {"layers": list(range(n_layers)), "dtype": "bfloat16"},
         "backend": {"kind": "embedded"},
         "run": {"store_path": str(work / "store.sqlite"), "log_every_s": 60.0, "progress": False},
         "datasets": {
@@ -171,6 +188,14 @@ def data_stats(path: Path, rows: list[int]) -> dict:
     return {"samples": len(rows), "tokens": sum(len(m) for m in masks), "trained_tokens": sum(map(sum, masks))}
 
 
+def check_device(device: str) -> None:
+    """Before any work: `--device cuda` without a GPU would fail later, in a stage or in the trainers' Python."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench.drafter: --device cuda: torch sees no GPU here (torch.cuda.is_available() is False)")
+
+
 def trainers_python() -> str:
     py = os.environ.get("DRAFTDATA_TRAINERS_PYTHON")
     if not py:
@@ -207,23 +232,41 @@ def goals(results: dict) -> dict:
     return out
 
 
+def paired(results: dict) -> dict:
+    """Per convention error, the correct export's lead seed by seed (the same seed: the same initial weights and
+    order of packs) and whether every seed shows it: a check beside the goals, which compare means and spreads."""
+    by_seed = {r["seed"]: r["accepted_length"] for r in results["correct"]["runs"]}
+    out = {}
+    for name in ERRORS:
+        if name in results:
+            diffs = [round(by_seed[r["seed"]] - r["accepted_length"], 4) for r in results[name]["runs"]]
+            out[name] = {"per_seed": diffs, "mean": round(statistics.fmean(diffs), 4), "every_seed": min(diffs) > 0}
+    return out
+
+
 def spec_for(args, target: Path, exports: dict, train_rows: dict, eval_rows: list[int], variants: list[str]) -> dict:
+    eagle3, table = default_layers(args.layers), variants_for(default_layers(args.layers))
     return {
         "target": str(target),
         "hidden_size": args.hidden,
-        "exports": {n: {"path": str(p), "layers": list(range(N_LAYERS))} for n, p in exports.items()},
+        "exports": {n: {"path": str(p), "layers": list(range(args.layers))} for n, p in exports.items()},
         "train_rows": train_rows,
         "eval": {"export": "all", "rows": eval_rows},
-        "eval_layers": EAGLE3_LAYERS,
-        "variants": [
-            {"name": v, "export": VARIANTS[v][0], "layers": VARIANTS[v][1], "final": VARIANTS[v][2]} for v in variants
-        ],
+        "eval_layers": eagle3,
+        "variants": [{"name": v, "export": table[v][0], "layers": table[v][1], "final": table[v][2]} for v in variants],
         "seeds": list(range(args.seeds)),
         "steps": args.steps,
         "max_len": args.max_len,
         "lr": args.lr,
         "threads": args.threads,
+        "device": args.device,
     }
+
+
+def same_target(info: dict, spec) -> bool:
+    """Whether a trained target kept in --workdir is the one asked for."""
+    shape = info["shape"]
+    return (info["steps"], shape["hidden_size"], shape["num_layers"]) == (spec.steps, spec.hidden_size, spec.num_layers)
 
 
 def run(args) -> dict:
@@ -237,18 +280,18 @@ def run(args) -> dict:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="draftdata-drafter-"))
     work.mkdir(parents=True, exist_ok=True)
     target = work / "target"
-    spec = TargetSpec(hidden_size=args.hidden, steps=args.target_steps)
+    spec = TargetSpec(hidden_size=args.hidden, num_layers=args.layers, steps=args.target_steps, device=args.device)
     info = target / "bench_target.json"  # a rerun in the same --workdir keeps the trained target
-    if info.exists() and json.loads(info.read_text())["steps"] == args.target_steps:
+    if info.exists() and same_target(json.loads(info.read_text()), spec):
         target_info = json.loads(info.read_text())
     else:
         target_info = train_target(target, spec, log=lambda m: print(m, flush=True))
         info.write_text(json.dumps(target_info, indent=1))
-    p = params(work, target, args.budget, args.small_budget, args.max_tokens)
+    p = params(work, target, args.budget, args.small_budget, args.max_tokens, args.layers)
     (work / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
     variants = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
     t_data = time.perf_counter()
-    exports = make_data(work, {VARIANTS[v][0] for v in variants})
+    exports = make_data(work, {VARIANTS[v][0] for v in variants})  # which export: the same at any depth
     data_s = time.perf_counter() - t_data
     train_rows, eval_rows = split(work, exports)
     t_train = time.perf_counter()
@@ -257,11 +300,17 @@ def run(args) -> dict:
     datasets["held_out"] = data_stats(exports["all"], eval_rows)
     settings = {k: v for k, v in vars(args).items() if k not in ("workdir", "out")}
     out = {
-        "settings": settings | {"eagle3_layers": EAGLE3_LAYERS, "dataset_params": copy.deepcopy(p["datasets"])},
+        "settings": settings
+        | {
+            "eagle3_layers": default_layers(args.layers),
+            "schedule": SCHEDULE,
+            "dataset_params": copy.deepcopy(p["datasets"]),
+        },
         "target": target_info,
         "datasets": datasets,
         "variants": results,
         "goals": goals(results),
+        "paired": paired(results),
         "wall_s": {
             "target": target_info["train_s"],
             "data": round(data_s, 1),
@@ -277,13 +326,22 @@ def run(args) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.drafter", description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=150, help="drafter steps (packs of --max-len tokens) per run")
+    ap.add_argument("--steps", type=int, default=400, help="drafter steps (packs of --max-len tokens) per run")
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--lr", type=float, default=3e-3, help="speculators' default is 1e-3, for runs of many epochs")
-    ap.add_argument("--target-steps", type=int, default=300)
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--budget", type=int, default=15000, help="completion tokens of `all`")
-    ap.add_argument("--small-budget", type=int, default=5000, help="completion tokens of `small` and `last`")
+    ap.add_argument("--target-steps", type=int, default=1500)
+    ap.add_argument("--hidden", type=int, default=None, help=f"default 64 ({CUDA_SHAPE['hidden']} with --device cuda)")
+    ap.add_argument(
+        "--layers", type=int, default=None, help=f"default {N_LAYERS} ({CUDA_SHAPE['layers']} with --device cuda)"
+    )
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the target trains and the drafters train and are judged (the stages take a GPU where one is)",
+    )
+    ap.add_argument("--budget", type=int, default=25000, help="completion tokens of `all` (B6's every conversation)")
+    ap.add_argument("--small-budget", type=int, default=8000, help="completion tokens of `small` and `last`")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--variants", default="all", help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--threads", type=int, default=1)
@@ -293,6 +351,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--out", type=Path, default=RESULTS / "drafter.json")
     args = ap.parse_args(argv)
+    big = args.device == "cuda"
+    args.hidden = args.hidden or (CUDA_SHAPE["hidden"] if big else 64)
+    args.layers = args.layers or (CUDA_SHAPE["layers"] if big else N_LAYERS)
+    check_device(args.device)
     chosen = VARIANTS if args.variants == "all" else args.variants.split(",")
     unknown = [v for v in chosen if v not in VARIANTS]
     if unknown or "correct" not in chosen:  # before any work: the others are judged against `correct`

@@ -41,6 +41,7 @@ class TargetSpec:
     batch: int = 4
     lr: float = 3e-3
     seed: int = 0
+    device: str = "cpu"
 
 
 def demo_sources() -> list[tuple[str, Path]]:
@@ -70,20 +71,29 @@ def batches(stream: list[int], spec: TargetSpec, rng: random.Random):
 
     while True:
         starts = [rng.randrange(len(stream) - spec.seq_len - 1) for _ in range(spec.batch)]
-        yield torch.tensor([stream[s : s + spec.seq_len + 1] for s in starts])
+        yield torch.tensor([stream[s : s + spec.seq_len + 1] for s in starts], device=spec.device)
 
 
 def stats(model, held: list[list[int]], max_len: int = 1024) -> dict:
-    """Mean next-token loss, entropy (nats) and top-1 probability over the held-out conversations' tokens."""
+    """Mean next-token loss, entropy (nats) and top-1 probability over the held-out conversations' tokens; and how
+    alike neighbouring layers are (`adjacent_layer_cosine[l]`: the mean cosine of layer l's output and layer l+1's,
+    per token), which bounds what a drafter given the wrong layer can lose."""
     import torch
 
     loss = entropy = top1 = 0.0
     n = 0
+    cosines = torch.zeros(model.config.num_hidden_layers - 2, dtype=torch.float64)
     model.eval()
     with torch.no_grad():
         for ids in held:
-            x = torch.tensor([ids[:max_len]])
-            logp = model(input_ids=x).logits[0, :-1].float().log_softmax(-1)
+            x = torch.tensor([ids[:max_len]], device=model.device)
+            out = model(input_ids=x, output_hidden_states=True)
+            # hidden_states[l + 1] is layer l's output; the last entry has the final norm applied: left out
+            hs = out.hidden_states[1:-1]
+            cosines += torch.stack(
+                [torch.cosine_similarity(a[0], b[0], dim=-1).sum() for a, b in zip(hs, hs[1:])]
+            ).cpu()
+            logp = out.logits[0, :-1].float().log_softmax(-1)
             p = logp.exp()
             loss -= logp.gather(1, x[0, 1:, None]).sum().item()
             entropy -= (p * logp).sum().item()
@@ -95,6 +105,7 @@ def stats(model, held: list[list[int]], max_len: int = 1024) -> dict:
         "top1_prob": round(top1 / n, 4),
         "uniform_entropy_nats": round(math.log(model.config.vocab_size), 4),
         "tokens": n,
+        "adjacent_layer_cosine": [round(c, 4) for c in (cosines / (n + len(held))).tolist()],
     }
 
 
@@ -112,7 +123,7 @@ def train_target(out: Path, spec: TargetSpec, log=print) -> dict:
         seed=spec.seed,
     )
     tok = build_target(tm)
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).to(spec.device)
     train, held = rendered_conversations(tok)
     before = stats(model, held)
     stream = [t for ids in train for t in ids]

@@ -8,16 +8,18 @@ the drafter (`Eagle3DraftModel.from_training_args`, its draft decoder config fro
 the verifier's embeddings, LM head and final norm loaded from the target), its training-time-test forward with its
 KL loss and per-step accuracies (`full_acc_k`, `cond_acc_k`), and the accepted-length count
 (`speculators.models.metrics.compute_accepted_length_counts`, vLLM's convention: the leading run of correct draft
-tokens plus the verifier's bonus token). Ours: the loop below (AdamW at the given lr, gradient
-clipping at 1.0 as its Trainer does, float32 on a CPU where its Trainer moves batches to a GPU), the variants, and
-the blocks the accepted length is counted over.
+tokens plus the verifier's bonus token). Also the library's: the optimizer
+(`build_optimizers`: AdamW with its weight decay) and its Trainer's default schedule (linear warm-up over 1 % of the
+steps, then linear decay to zero). Ours: the loop below (gradient clipping at 1.0 as its Trainer does, float32 on a
+CPU where its Trainer moves batches to a GPU), the variants, and the blocks the accepted length is counted over.
 
-A variant trains on an export's states as some pipeline might have got them wrong: which of the captured layers
-feed the drafter (`layers`, physical ids, in that order), and how the final state reaches the loss (`final`: `pre`
-as speculators expects; `post` = the target's final norm applied already, so the trainer normalizes twice;
-`pre_as_post` = a trainer that expects the post-norm state, as SpecForge's does, and applies the LM head alone,
-given the pre-norm one). Every variant is judged on the same held-out samples served the right way: EAGLE-3's layers
-in index order, the pre-norm state through the target's own norm and head, as vLLM would serve the drafter.
+A variant trains on an export's states as some pipeline might have got them wrong: which of the captured layers feed the
+drafter (`layers`, physical ids, in that order), and how the final state reaches the loss (`final`: `pre` as speculators
+expects; `post` = the target's final norm applied already, so the trainer normalizes twice; `pre_as_post` = a trainer
+that expects the post-norm state, as SpecForge's does, and applies the LM head alone, given the pre-norm one;
+`no_states` = zeros where the states go, in training and when judged: what the states are worth to the drafter, not an
+error). Every other variant is judged on the same held-out samples served the right way: EAGLE-3's layers in index
+order, the pre-norm state through the target's own norm and head, as vLLM would serve the drafter.
 """
 
 from __future__ import annotations
@@ -45,14 +47,15 @@ def call_kwargs() -> dict:
 
 
 class Select:
-    """CollateFn's `preprocess`: a variant's aux layers (and final state) from an export's sample."""
+    """CollateFn's `preprocess`: a variant's aux layers (and final state) from an export's sample; with `zero`,
+    zeros in their place (the drafter sees no states)."""
 
-    def __init__(self, idx: list[int], hidden: int, n_aux: int, norm=None):
-        self.idx, self.hidden, self.n_aux, self.norm = idx, hidden, n_aux, norm
+    def __init__(self, idx: list[int], hidden: int, n_aux: int, norm=None, zero: bool = False):
+        self.idx, self.hidden, self.n_aux, self.norm, self.zero = idx, hidden, n_aux, norm, zero
 
     def __call__(self, item: dict) -> dict:
-        hs = item["hidden_states"].reshape(-1, self.n_aux, self.hidden)[:, self.idx]
-        item = dict(item, hidden_states=hs.flatten(1))
+        hs = item["hidden_states"].reshape(-1, self.n_aux, self.hidden)[:, self.idx].flatten(1)
+        item = dict(item, hidden_states=torch.zeros_like(hs) if self.zero else hs)
         if self.norm is not None:
             with torch.no_grad():
                 item["verifier_last_hidden_states"] = self.norm(item["verifier_last_hidden_states"].float())
@@ -92,17 +95,35 @@ def build_drafter(spec: dict, seed: int):
         sliding_window=spec["max_len"],
         full_attention_indices=[0],
     )
-    return Eagle3DraftModel.from_training_args(
-        verifier_config=layer_config,
-        verifier_name_or_path=target,
-        draft_vocab_size=layer_config.vocab_size,  # the full vocabulary: no d2t/t2d mapping
-        norm_before_residual=True,
-        norm_before_fc=True,
-        norm_output=True,
-        ttt_steps=TTT_STEPS,
-        target_layer_ids=[i + 1 for i in spec["eval_layers"]],  # vLLM's numbering: id L is layer L-1's output
-        draft_attn_impl="eager",
-    ).float()
+    return (
+        Eagle3DraftModel.from_training_args(
+            verifier_config=layer_config,
+            verifier_name_or_path=target,
+            draft_vocab_size=layer_config.vocab_size,  # the full vocabulary: no d2t/t2d mapping
+            norm_before_residual=True,
+            norm_before_fc=True,
+            norm_output=True,
+            ttt_steps=TTT_STEPS,
+            target_layer_ids=[i + 1 for i in spec["eval_layers"]],  # vLLM's numbering: id L is layer L-1's output
+            draft_attn_impl="eager",
+        )
+        .float()
+        .to(spec.get("device", "cpu"))
+    )
+
+
+def optimizers(model, spec: dict) -> tuple[list, list]:
+    """speculators' own optimizer (`build_optimizers`: AdamW, its weight decay) and learning-rate schedule, as its
+    Trainer sets them up for a run of `steps` steps: linear warm-up over its default 1 % of the steps, then linear
+    decay to zero (`_resolve_scheduler_steps`, `get_linear_schedule_with_warmup`)."""
+    from speculators.train.optimizers import build_optimizers
+    from speculators.train.trainer import TrainerConfig, _resolve_scheduler_steps
+    from transformers import get_linear_schedule_with_warmup
+
+    config = TrainerConfig(lr=spec["lr"], num_epochs=1, save_path="", max_steps=spec["steps"])
+    opts = build_optimizers(model, config)
+    warmup, total = _resolve_scheduler_steps(config, spec["steps"])
+    return opts, [get_linear_schedule_with_warmup(o, warmup, total) for o in opts]
 
 
 def train(model, variant: dict, spec: dict, seed: int) -> float:
@@ -112,27 +133,29 @@ def train(model, variant: dict, spec: dict, seed: int) -> float:
     n_aux = len(spec["exports"][variant["export"]]["layers"])
     idx = [spec["exports"][variant["export"]]["layers"].index(i) for i in variant["layers"]]
     norm = model.verifier_norm if variant["final"] == "post" else None
-    collate = CollateFn(
-        spec["max_len"], spec["hidden_size"], len(idx), torch.float32, Select(idx, spec["hidden_size"], n_aux, norm)
-    )
+    select = Select(idx, spec["hidden_size"], n_aux, norm, zero=variant["final"] == "no_states")
+    collate = CollateFn(spec["max_len"], spec["hidden_size"], len(idx), torch.float32, select)
     rows = spec["train_rows"][variant["export"]]
     gen = torch.Generator().manual_seed(seed)
     true_norm = model.verifier_norm
     if variant["final"] == "pre_as_post":
         model.verifier_norm = torch.nn.Identity()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec["lr"])
+    opts, schedulers = optimizers(model, spec)
     model.train()
     step, t0 = 0, time.perf_counter()
     while step < spec["steps"]:
         order = [rows[i] for i in torch.randperm(len(rows), generator=gen).tolist()]
         for pack in packs(ds, order, spec["max_len"]):
             batch = collate([ds[r] for r in pack])
-            batch = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+            batch = {k: v.to(model.device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
             _, loss, _ = model(**batch, **call_kwargs())
-            opt.zero_grad()
+            for opt in opts:
+                opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+            for opt, sched in zip(opts, schedulers):
+                opt.step()
+                sched.step()
             step += 1
             if step == spec["steps"]:
                 break
@@ -141,9 +164,10 @@ def train(model, variant: dict, spec: dict, seed: int) -> float:
 
 
 @torch.no_grad()
-def evaluate(model, spec: dict) -> dict:
-    """Held-out samples one at a time (no block crosses a sample), served right: the library's per-step
-    accuracies, and the accepted length of a block starting at every position."""
+def evaluate(model, spec: dict, zero: bool = False) -> dict:
+    """Held-out samples one at a time (no block crosses a sample), served right (with `zero`, with no states, as
+    the drafter was trained): the library's per-step accuracies, and the accepted length of a block starting at
+    every position."""
     from speculators.models.metrics import compute_accepted_length_counts
     from speculators.train.data import CollateFn
 
@@ -151,9 +175,8 @@ def evaluate(model, spec: dict) -> dict:
     ds = EXPORTS[ev["export"]]
     layers = spec["exports"][ev["export"]]["layers"]
     idx = [layers.index(i) for i in spec["eval_layers"]]
-    collate = CollateFn(
-        spec["max_len"], spec["hidden_size"], len(idx), torch.float32, Select(idx, spec["hidden_size"], len(layers))
-    )
+    select = Select(idx, spec["hidden_size"], len(layers), zero=zero)
+    collate = CollateFn(spec["max_len"], spec["hidden_size"], len(idx), torch.float32, select)
     model.eval()
     sums: dict[str, float] = {}
     accepted, blocks = 0.0, 0.0
@@ -161,16 +184,16 @@ def evaluate(model, spec: dict) -> dict:
         item = ds[r]
         n = min(item["input_ids"].shape[0], spec["max_len"])
         batch = collate([item])
-        batch = {k: v[:, :n] for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        batch = {k: v[:, :n].to(model.device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
         drafts, _, metrics = model(**batch, **call_kwargs())
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + float(v)
-        target = model.verifier_lm_head(model.verifier_norm(batch["verifier_last_hidden_states"])).argmax(-1)[0]
-        mask = batch["loss_mask"][0].bool()
+        target = model.verifier_lm_head(model.verifier_norm(batch["verifier_last_hidden_states"])).argmax(-1)[0].cpu()
+        mask = batch["loss_mask"][0].bool().cpu()
         correct = torch.zeros(n, TTT_STEPS, dtype=torch.bool)
         valid = torch.zeros(n, TTT_STEPS, dtype=torch.bool)
         for k, d in enumerate(drafts):  # step k's draft at position t is the token after t + k
-            correct[: n - k, k] = d[0, : n - k] == target[k:]
+            correct[: n - k, k] = d[0, : n - k].cpu() == target[k:]
             valid[: n - k, k] = mask[k:]
         a, b = compute_accepted_length_counts(correct, valid)
         accepted, blocks = accepted + float(a), blocks + float(b)
@@ -199,7 +222,8 @@ def main(spec_path: str, out_path: str) -> None:
         for seed in spec["seeds"]:
             model = build_drafter(spec, seed)
             train_s = train(model, variant, spec, seed)
-            runs.append(dict(evaluate(model, spec), seed=seed, train_s=round(train_s, 1)))
+            judged = evaluate(model, spec, zero=variant["final"] == "no_states")
+            runs.append(dict(judged, seed=seed, train_s=round(train_s, 1)))
             print(f"{variant['name']} seed {seed}: accepted length {runs[-1]['accepted_length']:.4f}", flush=True)
         results[variant["name"]] = {"variant": variant, "runs": runs, **summary(runs)}
         Path(out_path).write_text(json.dumps(results, indent=1))  # after each variant: a cut run keeps what it did

@@ -709,6 +709,7 @@ DRAFTER_LABELS = {
     "fp8": "fp8 states",
     "small_budget": "`all` at the smaller budget",
     "last_turn": "last turn only (`turns: last`), at the smaller budget",
+    "no_states": "no states (zeros, in training and when judged)",
 }
 
 
@@ -749,7 +750,8 @@ def drafter(r: dict) -> list[str]:
         f"the demo corpus ({t['train_s']:g} s). On {num(before['tokens'])} held-out tokens: loss "
         f"{before['loss']:.2f} → {after['loss']:.2f} nats, next-token entropy {before['entropy_nats']:.2f} → "
         f"{after['entropy_nats']:.2f} nats (uniform: {before['uniform_entropy_nats']:.2f}), mean top-1 probability "
-        f"{before['top1_prob']:.3f} → {after['top1_prob']:.3f}. Data by the stages from B6_ultrachat at temperature "
+        f"{before['top1_prob']:.3f} → {after['top1_prob']:.3f}.{alike(after)} Data by the stages from B6_ultrachat "
+        "at temperature "
         f"{s['dataset_params']['all']['sampling']['temperature']:g} (budgets {num(s['budget'])} and "
         f"{num(s['small_budget'])} completion tokens), all {t['shape']['num_layers']} layers captured, exported for "
         "speculators (training sets, and the held-out samples of `all`):",
@@ -757,7 +759,8 @@ def drafter(r: dict) -> list[str]:
         *table(["set", "samples", "tokens", "trained tokens"], sets),
         "",
         f"Drafter: speculators' `Eagle3DraftModel` (1 layer), its KL loss over {3} training-time-test steps, "
-        f"{num(s['steps'])} steps of packs of {num(s['max_len'])} tokens per run, seeds "
+        f"{num(s['steps'])} steps of packs of {num(s['max_len'])} tokens per run at learning rate {s['lr']:g} "
+        f"({schedule(s)}), seeds "
         f"{', '.join(str(run['seed']) for run in v['correct']['runs'])}; judged on the held-out samples of `all` "
         "served the right way. Accepted length in vLLM's convention (the bonus token included, 3 draft tokens: "
         "at most 4); per-step accuracy is speculators' `full_acc_k`. Cells: mean (spread, max − min over the "
@@ -783,8 +786,36 @@ def drafter(r: dict) -> list[str]:
             f"`{k.removeprefix('correct_beats_')}` {'yes' if ok else '**no**'} ({margin(v, k):.1f})"
             for k, ok in goals.items()
         )
-        + ".",
+        + "."
+        + paired_line(r),
     ]
+
+
+def paired_line(r: dict) -> str:
+    """The errors' per-seed differences (a result from before they were kept has none)."""
+    if "paired" not in r:
+        return ""
+    parts = [
+        f"`{k}` {', '.join(f'{d:+.3f}' for d in x['per_seed'])} (every seed: {'yes' if x['every_seed'] else 'no'})"
+        for k, x in r["paired"].items()
+    ]
+    return " Ours minus the error, seed by seed (the same initial weights and packs): " + "; ".join(parts) + "."
+
+
+def alike(after: dict) -> str:
+    """How alike the trained target's neighbouring layers are (a result from before it was measured says nothing)."""
+    cos = after.get("adjacent_layer_cosine")
+    if not cos:
+        return ""
+    return (
+        f" Neighbouring layers' outputs after training: cosine {min(cos):.3f} to {max(cos):.3f} (mean over "
+        "tokens, layer l against l + 1)."
+    )
+
+
+def schedule(s: dict) -> str:
+    """The drafter's learning-rate schedule (constant in results from before speculators' own was used)."""
+    return s.get("schedule", "constant")
 
 
 def margin(v: dict, goal: str) -> float:

@@ -42,6 +42,25 @@ def test_the_variants_are_the_errors_they_name():
     assert set(drafter.ERRORS) == set(report.DRAFTER_ERRORS)
 
 
+def test_the_variants_follow_the_targets_depth_and_no_states_zeroes_them():
+    """A deeper target (--layers) gets EAGLE-3's layers for its depth and every error cut from them; `no_states`
+    hands the drafter zeros of the states' shape."""
+    deep = drafter.variants_for(drafter.default_layers(16))
+    assert deep["correct"][1] == [1, 7, 12] and deep["aux_off_by_one"][1] == [2, 8, 13]
+    assert deep["aux_reversed"][1] == [12, 7, 1] and deep["no_states"][2] == "no_states"
+    states = torch.randn(3, 4 * 2)
+    got = Select([2, 0], 2, 4, zero=True)({"hidden_states": states, "verifier_last_hidden_states": torch.ones(3, 2)})
+    assert got["hidden_states"].shape == (3, 4) and not got["hidden_states"].any()
+
+
+def test_device_cuda_without_a_gpu_stops_before_any_work(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as err:
+        drafter.main(["--device", "cuda", "--workdir", str(tmp_path / "w")])
+    assert "--device cuda" in str(err.value) and "no GPU" in str(err.value)
+    assert not (tmp_path / "w").exists()
+
+
 def test_goals_need_a_margin_of_three_spreads():
     def v(mean, spread):
         return {"accepted_length": {"mean": mean, "spread": spread}}
