@@ -442,8 +442,8 @@ def hidden_states(r: dict) -> list[str]:
 def pairing(r: dict) -> str:
     """How the plain forward was timed beside ours (a result from before the pairing says neither)."""
     if r.get("forward_paired_by_batch"):
-        return "(the plain forward paired with ours batch by batch) "
-    return "" if "forward_paired_by_batch" not in r else "(the plain forward a turn of its own next to ours) "
+        return ", the plain forward paired with ours batch by batch"
+    return "" if "forward_paired_by_batch" not in r else ", the plain forward a turn of its own next to ours"
 
 
 def capture_lines(r: dict) -> list[str]:
@@ -454,8 +454,7 @@ def capture_lines(r: dict) -> list[str]:
     overlapped = f" ({', '.join(split['overlapped'])} ran on the writer thread)" if split["overlapped"] else ""
     return [
         f"ours ÷ plain forward (`capture_vs_forward`): {r['capture_vs_forward']:.3f}, the median of the rounds "
-        f"{pairing(r)}"
-        f"({', '.join(f'{x:.3f}' for x in r['capture_vs_forward_per_round'])}); "
+        f"({', '.join(f'{x:.3f}' for x in r['capture_vs_forward_per_round'])}){pairing(r)}; "
         f"{r['capture_vs_forward_all_rounds']:.3f} over all rounds, {r['capture_vs_forward_cpu']:.3f} by CPU time "
         "(rounds "
         f"{', '.join(f'{x:.3f}' for x in r['capture_vs_forward_cpu_per_round'])}); the same padded batches in both: "

@@ -1,7 +1,8 @@
 """`python -m bench.drafter`: its variants cut the states they claim to, its figures reach the README only through
 `python -m bench.report --write`, and (under the `trainers` marker) a short run trains a drafter on our export that
 beats one trained on the same states by a trainer that expects the post-norm final state (the error this small target
-shows beyond the seeds' spread; the aux layers off by one cost it less than that, see docs/benchmarks.md)."""
+shows beyond the seeds' spread; the aux layers off by one cost it less than that, see docs/benchmarks.md) and one
+that sees no states at all."""
 
 from __future__ import annotations
 
@@ -104,11 +105,21 @@ def test_a_drafter_trained_on_our_export_beats_a_convention_error(tmp_path):
     out = tmp_path / "drafter.json"
     drafter.main(
         [
-            *("--seeds", "1", "--budget", "8000", "--variants", "correct,pre_norm_as_post"),
+            *("--seeds", "1", "--budget", "8000", "--variants", "correct,pre_norm_as_post,no_states"),
+            *(
+                "--target-steps",
+                "400",
+                "--steps",
+                "150",
+            ),  # a few minutes, where the bench's defaults take most of an hour
             *("--workdir", str(tmp_path / "work"), "--out", str(out)),
         ]
     )
     r = json.loads(out.read_text())
     assert r["target"]["after"]["top1_prob"] > 5 * r["target"]["before"]["top1_prob"]  # the target learned
-    correct, wrong = (r["variants"][n]["accepted_length"]["mean"] for n in ("correct", "pre_norm_as_post"))
+    correct, wrong, blind = (
+        r["variants"][n]["accepted_length"]["mean"] for n in ("correct", "pre_norm_as_post", "no_states")
+    )
     assert correct > wrong, (correct, wrong)
+    assert correct > blind, (correct, blind)  # the states are worth something to the drafter
+    assert len(r["target"]["after"]["adjacent_layer_cosine"]) == r["target"]["shape"]["num_layers"] - 2
