@@ -839,7 +839,13 @@ def readme_quality(r: dict) -> str:
         + (", ".join(DRAFTER_LABELS[k.removeprefix("correct_beats_")] for k, ok in r["goals"].items() if ok) or "none")
         + " (the spread is wide at this size; docs/benchmarks.md has the per-step accuracies and the margins).",
     ]
-    others = [k for k in v if k not in DRAFTER_ERRORS and k != "correct"]
+    if "no_states" in v:
+        lines += [
+            "",
+            f"The same drafter given no states (zeros) reaches {pm_short(v['no_states']['accepted_length'])}: what the "
+            "states are worth to it, the most a convention error could cost.",
+        ]
+    others = [k for k in v if k not in DRAFTER_ERRORS and k not in ("correct", "no_states")]
     if others:
         lines += [
             "",
