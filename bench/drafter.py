@@ -263,6 +263,16 @@ def spec_for(args, target: Path, exports: dict, train_rows: dict, eval_rows: lis
     }
 
 
+def final_norm_weight(target: Path) -> dict:
+    """The spread of the target's final-norm weights: the post-norm state normalized a second time differs from
+    the right one by about these weights over their mean, so the nearer alike they are, the less that error costs."""
+    from safetensors import safe_open
+
+    with safe_open(str(target / "model.safetensors"), framework="pt") as f:
+        w = f.get_tensor("model.norm.weight").float()
+    return {"mean": round(w.mean().item(), 4), "std": round(w.std().item(), 4)}
+
+
 def same_target(info: dict, spec) -> bool:
     """Whether a trained target kept in --workdir is the one asked for."""
     shape = info["shape"]
@@ -306,7 +316,7 @@ def run(args) -> dict:
             "schedule": SCHEDULE,
             "dataset_params": copy.deepcopy(p["datasets"]),
         },
-        "target": target_info,
+        "target": target_info | {"final_norm_weight": final_norm_weight(target)},
         "datasets": datasets,
         "variants": results,
         "goals": goals(results),

@@ -749,7 +749,7 @@ def drafter(r: dict) -> list[str]:
         f"the demo corpus ({t['train_s']:g} s). On {num(before['tokens'])} held-out tokens: loss "
         f"{before['loss']:.2f} → {after['loss']:.2f} nats, next-token entropy {before['entropy_nats']:.2f} → "
         f"{after['entropy_nats']:.2f} nats (uniform: {before['uniform_entropy_nats']:.2f}), mean top-1 probability "
-        f"{before['top1_prob']:.3f} → {after['top1_prob']:.3f}.{alike(after)} Data by the stages from B6_ultrachat "
+        f"{before['top1_prob']:.3f} → {after['top1_prob']:.3f}.{alike(t)} Data by the stages from B6_ultrachat "
         "at temperature "
         f"{s['dataset_params']['all']['sampling']['temperature']:g} (budgets {num(s['budget'])} and "
         f"{num(s['small_budget'])} completion tokens), all {t['shape']['num_layers']} layers captured, exported for "
@@ -801,15 +801,19 @@ def paired_line(r: dict) -> str:
     return " Ours minus the error, seed by seed (the same initial weights and packs): " + "; ".join(parts) + "."
 
 
-def alike(after: dict) -> str:
-    """How alike the trained target's neighbouring layers are (a result from before it was measured says nothing)."""
-    cos = after.get("adjacent_layer_cosine")
-    if not cos:
-        return ""
-    return (
-        f" Neighbouring layers' outputs after training: cosine {min(cos):.3f} to {max(cos):.3f} (mean over "
-        "tokens, layer l against l + 1)."
-    )
+def alike(t: dict) -> str:
+    """How alike the trained target's neighbouring layers are, and how far its final norm's weights spread (a result
+    from before they were measured says nothing)."""
+    cos, norm = t["after"].get("adjacent_layer_cosine"), t.get("final_norm_weight")
+    out = ""
+    if cos:
+        out += (
+            f" Neighbouring layers' outputs after training: cosine {min(cos):.3f} to {max(cos):.3f} (mean over "
+            "tokens, layer l against l + 1)."
+        )
+    if norm:
+        out += f" Its final norm's weights: mean {norm['mean']:.2f}, standard deviation {norm['std']:.2f}."
+    return out
 
 
 def schedule(s: dict) -> str:
