@@ -3,6 +3,7 @@ and report its acceptance on held-out samples.
 
     python -m bench.drafter [--seeds 3] [--steps 400] [--max-len 512] [--target-steps 1500] [--threads 1] [--workdir D]
     python -m bench.drafter --device cuda [--hidden 256] [--layers 16] ...     (a bigger target, on a GPU)
+    python -m bench.drafter --target DIR ...                                  (a given model as the target)
 
 Needs DRAFTDATA_TRAINERS_PYTHON: a Python with speculators 0.9.0 (see tests/test_export.py for the venv); the drafter
 is trained there, by bench/drafter_train.py in a subprocess. Everything else runs here, with the project's own code:
@@ -188,6 +189,25 @@ def data_stats(path: Path, rows: list[int]) -> dict:
     return {"samples": len(rows), "tokens": sum(len(m) for m in masks), "trained_tokens": sum(map(sum, masks))}
 
 
+def shape_from(args, ap) -> None:
+    """--hidden and --layers: a given target's own (from its config.json, before any work), else the defaults."""
+    if args.target is None:
+        big = args.device == "cuda"
+        args.hidden = args.hidden or (CUDA_SHAPE["hidden"] if big else 64)
+        args.layers = args.layers or (CUDA_SHAPE["layers"] if big else N_LAYERS)
+        return
+    if args.hidden or args.layers:
+        ap.error("--target: its shape comes from its config; leave out --hidden and --layers")
+    from transformers import AutoConfig
+
+    args.target = args.target.resolve()
+    try:
+        cfg = AutoConfig.from_pretrained(args.target).get_text_config()
+    except (OSError, ValueError) as e:
+        ap.error(f"--target {args.target}: not a transformers model directory ({str(e).splitlines()[0]})")
+    args.hidden, args.layers = cfg.hidden_size, cfg.num_hidden_layers
+
+
 def check_device(device: str) -> None:
     """Before any work: `--device cuda` without a GPU would fail later, in a stage or in the trainers' Python."""
     import torch
@@ -263,14 +283,41 @@ def spec_for(args, target: Path, exports: dict, train_rows: dict, eval_rows: lis
     }
 
 
-def final_norm_weight(target: Path) -> dict:
+def final_norm_weight(model) -> dict:
     """The spread of the target's final-norm weights: the post-norm state normalized a second time differs from
     the right one by about these weights over their mean, so the nearer alike they are, the less that error costs."""
-    from safetensors import safe_open
+    from draftdata.hidden.engines.base import find_decoder
 
-    with safe_open(str(target / "model.safetensors"), framework="pt") as f:
-        w = f.get_tensor("model.norm.weight").float()
+    w = find_decoder(model).norm.weight.detach().float()
     return {"mean": round(w.mean().item(), 4), "std": round(w.std().item(), 4)}
+
+
+def load_target(path: Path, device: str = "cpu"):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype="float32").to(device).eval()
+
+
+def given_target(path: Path, device: str) -> dict:
+    """A target given by --target (a transformers model directory with its tokenizer and chat template): its shape
+    from its config, its figures on the demo's held-out conversations (what a trained target reports after
+    training) and nothing trained."""
+    from transformers import AutoTokenizer
+
+    from bench.drafter_target import rendered_conversations, stats
+
+    model = load_target(path, device)
+    tok = AutoTokenizer.from_pretrained(path)
+    cfg = model.config.get_text_config()
+    shape = {"hidden_size": cfg.hidden_size, "num_layers": cfg.num_hidden_layers, "vocab_size": len(tok)}
+    after = stats(model, rendered_conversations(tok)[1])
+    return {
+        "given": path.name,
+        "shape": shape,
+        "train_s": 0.0,
+        "after": after,
+        "final_norm_weight": final_norm_weight(model),
+    }
 
 
 def same_target(info: dict, spec) -> bool:
@@ -292,11 +339,16 @@ def run(args) -> dict:
     target = work / "target"
     spec = TargetSpec(hidden_size=args.hidden, num_layers=args.layers, steps=args.target_steps, device=args.device)
     info = target / "bench_target.json"  # a rerun in the same --workdir keeps the trained target
-    if info.exists() and same_target(json.loads(info.read_text()), spec):
+    if args.target:
+        target = args.target
+        target_info = given_target(target, args.device)
+    elif info.exists() and same_target(json.loads(info.read_text()), spec):
         target_info = json.loads(info.read_text())
     else:
         target_info = train_target(target, spec, log=lambda m: print(m, flush=True))
         info.write_text(json.dumps(target_info, indent=1))
+    if "final_norm_weight" not in target_info:  # a trained target: small, loaded again to read it
+        target_info["final_norm_weight"] = final_norm_weight(load_target(target))
     p = params(work, target, args.budget, args.small_budget, args.max_tokens, args.layers)
     (work / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
     variants = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
@@ -308,7 +360,7 @@ def run(args) -> dict:
     results = train_drafters(work, spec_for(args, target, exports, train_rows, eval_rows, variants))
     datasets = {n: data_stats(exports[n], rows) for n, rows in train_rows.items()}
     datasets["held_out"] = data_stats(exports["all"], eval_rows)
-    settings = {k: v for k, v in vars(args).items() if k not in ("workdir", "out")}
+    settings = {k: v for k, v in vars(args).items() if k not in ("workdir", "out", "target")}
     out = {
         "settings": settings
         | {
@@ -316,7 +368,7 @@ def run(args) -> dict:
             "schedule": SCHEDULE,
             "dataset_params": copy.deepcopy(p["datasets"]),
         },
-        "target": target_info | {"final_norm_weight": final_norm_weight(target)},
+        "target": target_info,
         "datasets": datasets,
         "variants": results,
         "goals": goals(results),
@@ -340,6 +392,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--lr", type=float, default=3e-3, help="speculators' default is 1e-3, for runs of many epochs")
     ap.add_argument("--target-steps", type=int, default=1500)
+    ap.add_argument(
+        "--target",
+        type=Path,
+        help="a transformers model directory (with its tokenizer and chat template) to take as the target instead of "
+        "training one: --hidden and --layers come from its config",
+    )
     ap.add_argument("--hidden", type=int, default=None, help=f"default 64 ({CUDA_SHAPE['hidden']} with --device cuda)")
     ap.add_argument(
         "--layers", type=int, default=None, help=f"default {N_LAYERS} ({CUDA_SHAPE['layers']} with --device cuda)"
@@ -361,10 +419,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--out", type=Path, default=RESULTS / "drafter.json")
     args = ap.parse_args(argv)
-    big = args.device == "cuda"
-    args.hidden = args.hidden or (CUDA_SHAPE["hidden"] if big else 64)
-    args.layers = args.layers or (CUDA_SHAPE["layers"] if big else N_LAYERS)
     check_device(args.device)
+    shape_from(args, ap)
     chosen = VARIANTS if args.variants == "all" else args.variants.split(",")
     unknown = [v for v in chosen if v not in VARIANTS]
     if unknown or "correct" not in chosen:  # before any work: the others are judged against `correct`

@@ -724,7 +724,6 @@ def pm_short(m: dict) -> str:
 
 def drafter(r: dict) -> list[str]:
     s, t, v, ds = r["settings"], r["target"], r["variants"], r["datasets"]
-    before, after = t["before"], t["after"]
     correct = v["correct"]["accepted_length"]["mean"]
     body = []
     for name, x in v.items():
@@ -744,13 +743,7 @@ def drafter(r: dict) -> list[str]:
     return [
         "### Drafter trained on our data: `python -m bench.drafter`",
         "",
-        f"The target: the demo target ({t['shape']['num_layers']} layers, hidden {t['shape']['hidden_size']}, vocab "
-        f"{num(t['shape']['vocab_size'])}) trained {num(t['steps'])} steps of {num(t['tokens_per_step'])} tokens on "
-        f"the demo corpus ({t['train_s']:g} s). On {num(before['tokens'])} held-out tokens: loss "
-        f"{before['loss']:.2f} → {after['loss']:.2f} nats, next-token entropy {before['entropy_nats']:.2f} → "
-        f"{after['entropy_nats']:.2f} nats (uniform: {before['uniform_entropy_nats']:.2f}), mean top-1 probability "
-        f"{before['top1_prob']:.3f} → {after['top1_prob']:.3f}.{alike(t)} Data by the stages from B6_ultrachat "
-        "at temperature "
+        f"{target_line(t)}{alike(t)} Data by the stages from B6_ultrachat at temperature "
         f"{s['dataset_params']['all']['sampling']['temperature']:g} (budgets {num(s['budget'])} and "
         f"{num(s['small_budget'])} completion tokens), all {t['shape']['num_layers']} layers captured, exported for "
         "speculators (training sets, and the held-out samples of `all`):",
@@ -801,6 +794,28 @@ def paired_line(r: dict) -> str:
     return " Ours minus the error, seed by seed (the same initial weights and packs): " + "; ".join(parts) + "."
 
 
+def target_line(t: dict) -> str:
+    """What the target is and how well it models the demo corpus (before and after training, where it was trained
+    here)."""
+    shape = (
+        f"{t['shape']['num_layers']} layers, hidden {t['shape']['hidden_size']}, vocab {num(t['shape']['vocab_size'])}"
+    )
+    a = t["after"]
+    if "given" in t:
+        return (
+            f"The target: `{t['given']}` ({shape}), given by `--target`. On {num(a['tokens'])} held-out tokens of the "
+            f"demo corpus: loss {a['loss']:.2f} nats, next-token entropy {a['entropy_nats']:.2f} nats, mean top-1 "
+            f"probability {a['top1_prob']:.3f}."
+        )
+    b = t["before"]
+    return (
+        f"The target: the demo target ({shape}) trained {num(t['steps'])} steps of {num(t['tokens_per_step'])} tokens "
+        f"on the demo corpus ({t['train_s']:g} s). On {num(b['tokens'])} held-out tokens: loss {b['loss']:.2f} → "
+        f"{a['loss']:.2f} nats, next-token entropy {b['entropy_nats']:.2f} → {a['entropy_nats']:.2f} nats (uniform: "
+        f"{b['uniform_entropy_nats']:.2f}), mean top-1 probability {b['top1_prob']:.3f} → {a['top1_prob']:.3f}."
+    )
+
+
 def alike(t: dict) -> str:
     """How alike the trained target's neighbouring layers are, and how far its final norm's weights spread (a result
     from before they were measured says nothing)."""
@@ -808,7 +823,8 @@ def alike(t: dict) -> str:
     out = ""
     if cos:
         out += (
-            f" Neighbouring layers' outputs after training: cosine {min(cos):.3f} to {max(cos):.3f} (mean over "
+            f" Neighbouring layers' outputs{'' if 'given' in t else ' after training'}: cosine {min(cos):.3f} to "
+            f"{max(cos):.3f} (mean over "
             "tokens, layer l against l + 1)."
         )
     if norm:
@@ -827,6 +843,10 @@ def margin(v: dict, goal: str) -> float:
     return (c["mean"] - e["mean"]) / max(c["spread"], e["spread"], 1e-9)
 
 
+def which_target(t: dict) -> str:
+    return f"the target `{t['given']}`" if "given" in t else "a small target trained on the demo corpus"
+
+
 def readme_quality(r: dict) -> str:
     """README.md's quality block: the drafter's headline figures, from drafter.json."""
     v = r["variants"]
@@ -834,7 +854,7 @@ def readme_quality(r: dict) -> str:
     worst = {k: v[k]["accepted_length"] for k in v if k in DRAFTER_ERRORS}
     lines = [
         f"A drafter trained on our export (speculators' own EAGLE-3 model and loss, {len(v['correct']['runs'])} "
-        f"seeds, a small target trained on the demo corpus) reaches an accepted length of {pm_short(c)} on held-out "
+        f"seeds, {which_target(r['target'])}) reaches an accepted length of {pm_short(c)} on held-out "
         "conversations (mean, spread over the seeds). The same states with a convention error:",
         "",
         *(f"- {DRAFTER_LABELS[k]}: {pm_short(m)}" for k, m in worst.items()),

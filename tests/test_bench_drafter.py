@@ -6,9 +6,11 @@ that sees no states at all."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -59,6 +61,31 @@ def test_device_cuda_without_a_gpu_stops_before_any_work(monkeypatch, capsys, tm
     with pytest.raises(SystemExit) as err:
         drafter.main(["--device", "cuda", "--workdir", str(tmp_path / "w")])
     assert "--device cuda" in str(err.value) and "no GPU" in str(err.value)
+    assert not (tmp_path / "w").exists()
+
+
+def test_a_given_target_brings_its_shape_and_its_figures(tiny_model):
+    """--target: the shape comes from the model's config (before any work), the figures from the demo's held-out
+    conversations, and nothing is trained."""
+    ap = argparse.ArgumentParser()
+    args = argparse.Namespace(target=Path(tiny_model), hidden=None, layers=None, device="cpu")
+    drafter.shape_from(args, ap)
+    cfg = json.loads((Path(tiny_model) / "config.json").read_text())
+    assert (args.hidden, args.layers) == (cfg["hidden_size"], cfg["num_hidden_layers"])
+    info = drafter.given_target(args.target, "cpu")
+    assert info["given"] == Path(tiny_model).name and info["train_s"] == 0.0 and "before" not in info
+    assert info["shape"]["num_layers"] == cfg["num_hidden_layers"] and info["after"]["tokens"] > 0
+    assert len(info["after"]["adjacent_layer_cosine"]) == cfg["num_hidden_layers"] - 2
+    assert info["final_norm_weight"]["std"] >= 0
+    assert "`" + info["given"] + "`" in report.which_target(info)
+
+
+@pytest.mark.parametrize("argv", [["--target", "{tmp}"], ["--target", "{model}", "--layers", "4"]])
+def test_a_bad_target_is_one_error_before_any_work(tiny_model, tmp_path, capsys, argv):
+    argv = [a.format(tmp=tmp_path, model=tiny_model) for a in argv]
+    with pytest.raises(SystemExit) as err:
+        drafter.main([*argv, "--workdir", str(tmp_path / "w")])
+    assert err.value.code == 2 and "--target" in capsys.readouterr().err
     assert not (tmp_path / "w").exists()
 
 
