@@ -23,7 +23,7 @@ is trained there, by bench/drafter_train.py in a subprocess. Everything else run
    held-out samples of `all` (bf16) judge every variant;
 4. the drafters: one per variant and seed, the same steps of the same packed tokens each, under speculators' own
    optimizer and schedule (bench/drafter_train.py). `no_states` (zeros for states, in training and when judged) is
-   the scale: what the states are worth to this drafter, which bounds what any convention error can cost.
+   the scale: what the states are worth to this drafter, against which the convention errors' costs read.
 
 Writes bench/results/drafter.json: per variant, the accepted length (vLLM's convention) and speculators' per-step
 accuracies, mean and spread (max - min) over the seeds, each run's figures, and the goals: the correct export beats

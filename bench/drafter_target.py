@@ -77,7 +77,7 @@ def batches(stream: list[int], spec: TargetSpec, rng: random.Random):
 def stats(model, held: list[list[int]], max_len: int = 1024) -> dict:
     """Mean next-token loss, entropy (nats) and top-1 probability over the held-out conversations' tokens; and how
     alike neighbouring layers are (`adjacent_layer_cosine[l]`: the mean cosine of layer l's output and layer l+1's,
-    per token), which bounds what a drafter given the wrong layer can lose."""
+    per token): the more alike, the less a drafter given the neighbouring layer has to lose."""
     import torch
 
     loss = entropy = top1 = 0.0

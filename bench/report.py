@@ -867,7 +867,7 @@ def readme_quality(r: dict) -> str:
         lines += [
             "",
             f"The same drafter given no states (zeros) reaches {pm_short(v['no_states']['accepted_length'])}: what the "
-            "states are worth to it, the most a convention error could cost.",
+            "states are worth to it, the scale the errors' costs read against.",
         ]
     others = [k for k in v if k not in DRAFTER_ERRORS and k not in ("correct", "no_states")]
     if others:
