@@ -36,7 +36,7 @@ class TargetSpec:
     hidden_size: int = 64
     num_layers: int = 8
     num_heads: int = 4
-    steps: int = 400
+    steps: int = 1500  # bench.drafter's default
     seq_len: int = 256
     batch: int = 4
     lr: float = 3e-3
