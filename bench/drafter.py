@@ -1,7 +1,7 @@
 """The end-to-end measure of the data: train an EAGLE-3 drafter on our export with speculators' own model and loss,
 and report its acceptance on held-out samples.
 
-    python -m bench.drafter [--seeds 3] [--steps 400] [--max-len 512] [--target-steps 1500] [--threads 1] [--workdir D]
+    python -m bench.drafter [--seeds 3] [--steps 1000] [--max-len 512] [--target-steps 1500] [--jobs 2] [--workdir D]
     python -m bench.drafter --device cuda [--hidden 256] [--layers 16] ...     (a bigger target, on a GPU)
     python -m bench.drafter --target DIR ...                                  (a given model as the target)
 
@@ -14,11 +14,12 @@ is trained there, by bench/drafter_train.py in a subprocess. Everything else run
    and the drafters train on the GPU; the stages take the GPU by themselves;
 2. the data, by the project's own stages run in a temp workdir with its own params.yaml (prompts → generate with the
    embedded backend, which decodes with the target in-process → tokenize → hidden_states → `draftdata export`
-   format speculators), from the demo's multi-turn chats (B6_ultrachat) at temperature 0.3, so that the target's
-   answers follow its own likeliest tokens: `all` (every turn regenerated, the main set), `small` (the same at a
-   smaller budget) and `last` (the last turn only, at `small`'s budget: the demo's conversations
-   answered once each hold less than `all`'s). The hidden_states stage keeps every layer,
-   so each convention error below is cut from the same states; `all` is captured a second time in fp8;
+   format speculators), from every demo conversation (the eight sources' ~1,800, read by the project's own
+   readers into one `messages` file; one file's ~230 left the drafter so little data that the seeds' spread hid the
+   errors' costs) at temperature 0.3, so that the target's answers follow its own likeliest tokens: `all` (every turn
+   regenerated, the main set), `mid` and `small` (the same at smaller budgets: where does acceptance flatten?) and
+   `last` (the last turn only, at `small`'s budget). The hidden_states stage keeps every layer, so each convention
+   error below is cut from the same states; `all` is captured a second time in fp8;
 3. the split: by source conversation (its file:line), the same conversations held out of every training set; the
    held-out samples of `all` (bf16) judge every variant;
 4. the drafters: one per variant and seed, the same steps of the same packed tokens each, under speculators' own
@@ -28,7 +29,8 @@ is trained there, by bench/drafter_train.py in a subprocess. Everything else run
 Writes bench/results/drafter.json: per variant, the accepted length (vLLM's convention) and speculators' per-step
 accuracies, mean and spread (max - min) over the seeds, each run's figures, and the goals: the correct export beats
 each convention error by more than 3 times the larger of the two spreads, and beside them the paired differences (the
-same seed, hence the same initial weights and order of packs, with and without the error).
+same seed, hence the same initial weights and order of packs, with and without the error) and, for the final-state
+errors, what they do to the targets the drafter is fitted to (`target_shift`).
 """
 
 from __future__ import annotations
@@ -51,7 +53,6 @@ from draftdata.hidden.layers import default_layers
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "drafter_train.py"
-ROOT = Path(__file__).resolve().parents[1]
 HELD_OUT_EVERY = 5  # every 5th source conversation (by its line in the file) is held out
 SCHEDULE = "speculators' own: AdamW, linear warm-up over 1 % of the steps, linear decay to zero"
 CUDA_SHAPE = {"hidden": 256, "layers": 16}  # --device cuda's target unless --hidden / --layers say otherwise
@@ -67,6 +68,7 @@ def variants_for(eagle3: list[int]) -> dict:
         "post_norm_as_pre": ("all", eagle3, "post"),
         "pre_norm_as_post": ("all", eagle3, "pre_as_post"),
         "fp8": ("all_fp8", eagle3, "pre"),
+        "mid_budget": ("mid", eagle3, "pre"),
         "small_budget": ("small", eagle3, "pre"),
         "last_turn": ("last", eagle3, "pre"),
         "no_states": ("all", eagle3, "no_states"),  # the scale: what the states are worth to this drafter
@@ -78,9 +80,33 @@ VARIANTS = variants_for(default_layers(N_LAYERS))
 ERRORS = ("aux_off_by_one", "aux_reversed", "post_norm_as_pre", "pre_norm_as_post")
 
 
-def dataset(turns: str, budget: int, max_tokens: int) -> dict:
+def conversations(work: Path) -> Path:
+    """Every demo file's conversations (the eight sources' shapes read by the project's own readers: tool calls,
+    tools and system turns kept) in one `messages` file, so that the drafter trains and is judged on ~1,800
+    conversations of the target's corpus, not one file's ~230; written once per --workdir."""
+    from bench.drafter_target import demo_sources
+    from draftdata.sources.files import iter_local
+    from draftdata.sources.shapes import BadRecord, to_prompt
+
+    path = work / "conversations.jsonl"
+    if not path.exists():
+        lines = []
+        for shape, src in demo_sources():
+            for row in iter_local(src):
+                try:
+                    p = to_prompt(shape, row.value)
+                except BadRecord:  # as the prompts stage would skip it
+                    continue
+                lines.append(json.dumps({"messages": p.conversation, "tools": p.tools}, ensure_ascii=False))
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("\n".join(lines) + "\n")
+        tmp.replace(path)
+    return path
+
+
+def dataset(source: Path, turns: str, budget: int, max_tokens: int) -> dict:
     return {
-        "source": {"shape": "messages", "path": str(ROOT / "sources" / "demo" / "B6_ultrachat.jsonl.gz")},
+        "source": {"shape": "messages", "path": str(source)},
         "max_prompt_tokens": 512,
         "shuffle_seed": 0,
         "token_budget": budget,
@@ -92,7 +118,9 @@ def dataset(turns: str, budget: int, max_tokens: int) -> dict:
     }
 
 
-def params(work: Path, target: Path, budget: int, small_budget: int, max_tokens: int, n_layers: int) -> dict:
+def params(work: Path, target: Path, budgets: dict, max_tokens: int, n_layers: int) -> dict:
+    """`budgets`: completion tokens of `all`, `mid` and `small`."""
+    source = conversations(work)
     return {
         "model": {"path": str(target)},
         "tokenize": {"max_seq_len": 2048, "on_too_long": "drop", "train_on": "all_turns"},
@@ -100,9 +128,10 @@ def params(work: Path, target: Path, budget: int, small_budget: int, max_tokens:
         "backend": {"kind": "embedded"},
         "run": {"store_path": str(work / "store.sqlite"), "log_every_s": 60.0, "progress": False},
         "datasets": {
-            "all": dataset("all", budget, max_tokens),
-            "small": dataset("all", small_budget, max_tokens),
-            "last": dataset("last", small_budget, max_tokens),  # beside `small`: one budget, both binding
+            "all": dataset(source, "all", budgets["all"], max_tokens),
+            "mid": dataset(source, "all", budgets["mid"], max_tokens),
+            "small": dataset(source, "all", budgets["small"], max_tokens),
+            "last": dataset(source, "last", budgets["small"], max_tokens),  # beside `small`: one budget, both binding
         },
     }
 
@@ -132,7 +161,7 @@ def make_data(work: Path, needed: set[str]) -> dict:
     """The datasets the variants train on (and `all`, which holds the held-out samples) through the stages and
     exported; `all_fp8` is `all` captured again in fp8. name -> export dir."""
     exports = {}
-    for name in ("all", "small", "last"):
+    for name in ("all", "mid", "small", "last"):
         if name == "all" or name in needed:
             for stage in ("prompts", "generate", "tokenize", "hidden_states"):
                 run_stage(work, f"stages.{stage}", name)
@@ -208,6 +237,17 @@ def shape_from(args, ap) -> None:
     args.hidden, args.layers = cfg.hidden_size, cfg.num_hidden_layers
 
 
+def budgets_arg(text: str) -> dict:
+    """--budgets ALL,MID,SMALL: three budgets, largest first."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: three whole numbers, e.g. 120000,40000,13000") from None
+    if len(values) != 3 or not values[0] > values[1] > values[2] > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: three budgets, largest first, each above 0")
+    return dict(zip(("all", "mid", "small"), values))
+
+
 def check_device(device: str) -> None:
     """Before any work: `--device cuda` without a GPU would fail later, in a stage or in the trainers' Python."""
     import torch
@@ -226,18 +266,32 @@ def trainers_python() -> str:
 SAME_RUN = ("target", "exports", "train_rows", "eval", "eval_layers", "seeds", "steps", "max_len", "lr")
 
 
-def train_drafters(work: Path, spec: dict) -> dict:
-    """The variants' results. A rerun in the same --workdir keeps the variants that an earlier run of the same spec
-    finished (each is written as it ends) and trains the others."""
-    spec_path, out = work / "spec.json", work / "drafters.json"
-    earlier = json.loads(spec_path.read_text()) if spec_path.exists() else {}
-    if any(earlier.get(k) != spec[k] for k in SAME_RUN):
-        out.unlink(missing_ok=True)
-    spec_path.write_text(json.dumps(spec, indent=1))
+def train_drafters(work: Path, spec: dict, jobs: int = 1) -> dict:
+    """The variants' results, trained by `jobs` processes of the trainers' Python at once, each given every
+    `jobs`-th variant (a variant's seeds stay in one process: the same figures whatever `jobs` is). A rerun in the
+    same --workdir with the same --jobs keeps the variants that an earlier run of the same spec finished (each is
+    written as it ends) and trains the others."""
     env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), TOKENIZERS_PARALLELISM="false")
-    # -I: not the script's folder first on sys.path, where bench/tokenize.py would hide the standard library's
-    subprocess.run([trainers_python(), "-I", str(TRAIN_SCRIPT), str(spec_path), str(out)], check=True, env=env)
-    results = json.loads(out.read_text())
+    procs, outs = [], []
+    for k in range(jobs):
+        part = dict(spec, variants=spec["variants"][k::jobs])
+        if not part["variants"]:
+            continue
+        spec_path, out = work / f"spec{k}.json", work / f"drafters{k}.json"
+        earlier = json.loads(spec_path.read_text()) if spec_path.exists() else {}
+        if any(earlier.get(key) != part[key] for key in SAME_RUN):
+            out.unlink(missing_ok=True)
+        spec_path.write_text(json.dumps(part, indent=1))
+        # -I: not the script's folder first on sys.path, where bench/tokenize.py would hide the standard library's
+        cmd = [trainers_python(), "-I", str(TRAIN_SCRIPT), str(spec_path), str(out)]
+        procs.append(subprocess.Popen(cmd, env=env))
+        outs.append(out)
+    failed = [p.args for p in procs if p.wait() != 0]
+    if failed:
+        sys.exit(f"bench.drafter: the drafters' training failed: {failed[0]}")
+    results = {}
+    for out in outs:
+        results |= json.loads(out.read_text())
     return {v["name"]: results[v["name"]] for v in spec["variants"]}
 
 
@@ -349,7 +403,7 @@ def run(args) -> dict:
         info.write_text(json.dumps(target_info, indent=1))
     if "final_norm_weight" not in target_info:  # a trained target: small, loaded again to read it
         target_info["final_norm_weight"] = final_norm_weight(load_target(target))
-    p = params(work, target, args.budget, args.small_budget, args.max_tokens, args.layers)
+    p = params(work, target, args.budgets, args.max_tokens, args.layers)
     (work / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
     variants = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
     t_data = time.perf_counter()
@@ -357,7 +411,7 @@ def run(args) -> dict:
     data_s = time.perf_counter() - t_data
     train_rows, eval_rows = split(work, exports)
     t_train = time.perf_counter()
-    results = train_drafters(work, spec_for(args, target, exports, train_rows, eval_rows, variants))
+    results = train_drafters(work, spec_for(args, target, exports, train_rows, eval_rows, variants), args.jobs)
     datasets = {n: data_stats(exports[n], rows) for n, rows in train_rows.items()}
     datasets["held_out"] = data_stats(exports["all"], eval_rows)
     settings = {k: v for k, v in vars(args).items() if k not in ("workdir", "out", "target")}
@@ -381,14 +435,14 @@ def run(args) -> dict:
         },
     }
     for ds in out["settings"]["dataset_params"].values():  # no path of this machine in the results
-        ds["source"]["path"] = str(Path(ds["source"]["path"]).relative_to(ROOT))
+        ds["source"]["path"] = Path(ds["source"]["path"]).name  # conversations(): the workdir's own file
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.drafter", description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=400, help="drafter steps (packs of --max-len tokens) per run")
+    ap.add_argument("--steps", type=int, default=1000, help="drafter steps (packs of --max-len tokens) per run")
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--lr", type=float, default=3e-3, help="speculators' default is 1e-3, for runs of many epochs")
     ap.add_argument("--target-steps", type=int, default=1500)
@@ -408,17 +462,26 @@ def main(argv: list[str] | None = None) -> None:
         default="cpu",
         help="where the target trains and the drafters train and are judged (the stages take a GPU where one is)",
     )
-    ap.add_argument("--budget", type=int, default=25000, help="completion tokens of `all` (B6's every conversation)")
-    ap.add_argument("--small-budget", type=int, default=8000, help="completion tokens of `small` and `last`")
+    ap.add_argument(
+        "--budgets",
+        type=budgets_arg,
+        default=budgets_arg("120000,40000,13000"),
+        help="completion tokens of `all`, `mid` and `small` (and `last`), largest first (default: 120000,40000,13000)",
+    )
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--variants", default="all", help=f"comma-separated, of {', '.join(VARIANTS)}")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument(
+        "--jobs", type=int, default=1, help="processes training drafters at once (up to the machine's cores / threads)"
+    )
     ap.add_argument(
         "--workdir",
         help="keep the target, data, exports and finished variants here, for a rerun to go on from (default: temp)",
     )
     ap.add_argument("--out", type=Path, default=RESULTS / "drafter.json")
     args = ap.parse_args(argv)
+    if args.jobs < 1:
+        ap.error(f"--jobs {args.jobs}: at least 1")
     check_device(args.device)
     shape_from(args, ap)
     chosen = VARIANTS if args.variants == "all" else args.variants.split(",")

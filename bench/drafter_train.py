@@ -204,6 +204,28 @@ def evaluate(model, spec: dict, zero: bool = False) -> dict:
     return out
 
 
+@torch.no_grad()
+def target_shift(model, spec: dict, final: str) -> dict:
+    """What an error in the final state does to the drafter's training targets, on the held-out samples' trained
+    positions: the mean KL (nats) of the right distribution to the wrong one, and the share whose argmax token
+    changes. Where the KL is near zero the drafter is fitted to the same targets, so the error cannot cost it
+    anything measurable; a large KL (targets flattened or sharpened) can cost much even where the argmax rarely
+    changes, as the KL loss fits whole distributions."""
+    ds = EXPORTS[spec["eval"]["export"]]
+    head, norm = model.verifier_lm_head, model.verifier_norm
+    wrong = {"post": lambda x: head(norm(norm(x))), "pre_as_post": head}[final]
+    flips = kl = n = 0.0
+    for r in spec["eval"]["rows"]:
+        item = ds[r]
+        mask = item["loss_mask"][: spec["max_len"]].bool()
+        x = item["verifier_last_hidden_states"][: spec["max_len"]][mask].float().to(model.device)
+        right, bad = head(norm(x)).log_softmax(-1), wrong(x).log_softmax(-1)
+        flips += (right.argmax(-1) != bad.argmax(-1)).sum().item()
+        kl += (right.exp() * (right - bad)).sum().item()
+        n += x.shape[0]
+    return {"argmax_changed": flips / n, "kl_nats": kl / n, "positions": int(n)}
+
+
 EXPORTS: dict = {}
 
 
@@ -226,6 +248,8 @@ def main(spec_path: str, out_path: str) -> None:
             runs.append(dict(judged, seed=seed, train_s=round(train_s, 1)))
             print(f"{variant['name']} seed {seed}: accepted length {runs[-1]['accepted_length']:.4f}", flush=True)
         results[variant["name"]] = {"variant": variant, "runs": runs, **summary(runs)}
+        if variant["final"] in ("post", "pre_as_post"):  # the verifier's head and norm: the target's, any seed
+            results[variant["name"]]["target_shift"] = target_shift(model, spec, variant["final"])
         Path(out_path).write_text(json.dumps(results, indent=1))  # after each variant: a cut run keeps what it did
 
 

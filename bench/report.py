@@ -706,8 +706,9 @@ DRAFTER_LABELS = {
     "post_norm_as_pre": "post-norm final state where pre-norm is expected",
     "pre_norm_as_post": "pre-norm final state where post-norm is expected",
     "fp8": "fp8 states",
-    "small_budget": "`all` at the smaller budget",
-    "last_turn": "last turn only (`turns: last`), at the smaller budget",
+    "mid_budget": "`all` at the middle budget",
+    "small_budget": "`all` at the smallest budget",
+    "last_turn": "last turn only (`turns: last`), at the smallest budget",
     "no_states": "no states (zeros, in training and when judged)",
 }
 
@@ -743,10 +744,11 @@ def drafter(r: dict) -> list[str]:
     return [
         "### Drafter trained on our data: `python -m bench.drafter`",
         "",
-        f"{target_line(t)}{alike(t)} Data by the stages from B6_ultrachat at temperature "
-        f"{s['dataset_params']['all']['sampling']['temperature']:g} (budgets {num(s['budget'])} and "
-        f"{num(s['small_budget'])} completion tokens), all {t['shape']['num_layers']} layers captured, exported for "
-        "speculators (training sets, and the held-out samples of `all`):",
+        f"{target_line(t)}{alike(t)} Data by the stages from the demo's conversations (all eight sources in one "
+        f"`messages` file) at temperature {s['dataset_params']['all']['sampling']['temperature']:g}, budgets "
+        f"{', '.join(num(b) for b in s['budgets'].values())} completion tokens (`all`, `mid`, `small`), all "
+        f"{t['shape']['num_layers']} layers captured, exported for speculators (training sets, and the held-out "
+        "samples of `all`):",
         "",
         *table(["set", "samples", "tokens", "trained tokens"], sets),
         "",
@@ -756,8 +758,7 @@ def drafter(r: dict) -> list[str]:
         f"{', '.join(str(run['seed']) for run in v['correct']['runs'])}; judged on the held-out samples of `all` "
         "served the right way. Accepted length in vLLM's convention (the bonus token included, 3 draft tokens: "
         "at most 4); per-step accuracy is speculators' `full_acc_k`. Cells: mean (spread, max − min over the "
-        f"seeds). Wall time: {r['wall_s']['all']:g} s ({r['wall_s']['target']:g} s target, {r['wall_s']['data']:g} s "
-        f"data, {r['wall_s']['drafters']:g} s drafters).",
+        f"seeds). {wall(r['wall_s'])}{jobs(s)}",
         "",
         *table(
             [
@@ -779,8 +780,42 @@ def drafter(r: dict) -> list[str]:
             for k, ok in goals.items()
         )
         + "."
-        + paired_line(r),
+        + paired_line(r)
+        + shift_line(v),
     ]
+
+
+def shift_line(v: dict) -> str:
+    """What each final-state error does to the drafter's training targets, where measured."""
+    parts = [
+        f"`{k}` KL {x['target_shift']['kl_nats']:.2g} nats, argmax changed at "
+        f"{100 * x['target_shift']['argmax_changed']:.1f} % of the positions"
+        for k, x in v.items()
+        if "target_shift" in x
+    ]
+    if not parts:
+        return ""
+    return (
+        " What the final-state errors do to the targets the drafter is fitted to, on the held-out samples' trained "
+        "positions (near-zero KL: the same targets, nothing measurable to lose): " + "; ".join(parts) + "."
+    )
+
+
+def wall(w: dict) -> str:
+    """The run's wall time. A target kept in --workdir from an earlier run is not in this run's total (which is then
+    below the sum of its parts): said so, not added."""
+    if w["all"] + 1 < w["target"] + w["data"] + w["drafters"]:
+        return (
+            f"Wall time: {w['all']:g} s ({w['data']:g} s data, {w['drafters']:g} s drafters); the target "
+            f"({w['target']:g} s) was trained by an earlier run in the same --workdir."
+        )
+    return f"Wall time: {w['all']:g} s ({w['target']:g} s target, {w['data']:g} s data, {w['drafters']:g} s drafters)."
+
+
+def jobs(s: dict) -> str:
+    """How many processes trained drafters at once (one in results from before `--jobs`)."""
+    n = s.get("jobs", 1)
+    return f" {n} processes trained drafters at once (`--jobs {n}`), {s['threads']} torch thread each." if n > 1 else ""
 
 
 def paired_line(r: dict) -> str:
@@ -843,6 +878,24 @@ def margin(v: dict, goal: str) -> float:
     return (c["mean"] - e["mean"]) / max(c["spread"], e["spread"], 1e-9)
 
 
+def unseparated(r: dict) -> str:
+    """The errors the goal misses: by how much ours leads seed by seed, and (final-state errors) how little they
+    move the targets the drafter is fitted to."""
+    parts = []
+    for goal, ok in r["goals"].items():
+        name = goal.removeprefix("correct_beats_")
+        d = r.get("paired", {}).get(name)
+        if ok or d is None:
+            continue
+        lead = f"ours ahead on {'every' if d['every_seed'] else 'not every'} seed, by {min(d['per_seed']):.3f} to "
+        lead += f"{max(d['per_seed']):.3f}"
+        shift = r["variants"][name].get("target_shift")
+        if shift:
+            lead += f"; the error moves the targets by a KL of {shift['kl_nats']:.2g} nats"
+        parts.append(f"{DRAFTER_LABELS[name]} ({lead})")
+    return " Not separated: " + "; ".join(parts) + "." if parts else ""
+
+
 def which_target(t: dict) -> str:
     return f"the target `{t['given']}`" if "given" in t else "a small target trained on the demo corpus"
 
@@ -861,7 +914,8 @@ def readme_quality(r: dict) -> str:
         "",
         "Of these, beaten by more than 3× the larger spread of the two: "
         + (", ".join(DRAFTER_LABELS[k.removeprefix("correct_beats_")] for k, ok in r["goals"].items() if ok) or "none")
-        + " (the spread is wide at this size; docs/benchmarks.md has the per-step accuracies and the margins).",
+        + " (docs/benchmarks.md has the per-step accuracies and the margins)."
+        + unseparated(r),
     ]
     if "no_states" in v:
         lines += [

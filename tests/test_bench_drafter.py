@@ -92,6 +92,39 @@ def test_a_bad_target_is_one_error_before_any_work(tiny_model, tmp_path, capsys,
     assert not (tmp_path / "w").exists()
 
 
+def test_budgets_are_three_largest_first_and_jobs_at_least_one(capsys, tmp_path):
+    assert drafter.budgets_arg("9,5,2") == {"all": 9, "mid": 5, "small": 2}
+    for bad in ("9,5", "9,9,2", "2,5,9", "9,5,x", "9,5,0"):
+        with pytest.raises(SystemExit) as err:
+            drafter.main(["--budgets", bad, "--workdir", str(tmp_path / "w")])
+        assert err.value.code == 2 and "--budgets" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as err:
+        drafter.main(["--jobs", "0", "--workdir", str(tmp_path / "w")])
+    assert err.value.code == 2 and "--jobs" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()
+
+
+def test_every_demo_conversation_is_one_messages_row(tmp_path):
+    """The drafter's source: each demo file's conversations as the project's readers read them (tools, tool calls
+    and system turns kept), in one file the `messages` shape reads back the same."""
+    from bench.drafter_target import demo_sources
+    from draftdata.sources.files import iter_local
+    from draftdata.sources.shapes import BadRecord, to_prompt
+
+    want = []
+    for shape, src in demo_sources():
+        for row in iter_local(src):
+            try:
+                want.append(to_prompt(shape, row.value))
+            except BadRecord:
+                pass
+    path = drafter.conversations(tmp_path)
+    got = [to_prompt("messages", row.value) for row in iter_local(path)]
+    assert len(demo_sources()) == 8 and len(got) == len(want) > 1000
+    assert [(g.conversation, g.tools) for g in got] == [(w.conversation, w.tools) for w in want]
+    assert any(g.tools for g in got) and any(m["role"] == "tool" for g in got for m in g.conversation)
+
+
 def test_goals_need_a_margin_of_three_spreads():
     def v(mean, spread):
         return {"accepted_length": {"mean": mean, "spread": spread}}
@@ -135,7 +168,7 @@ def test_a_drafter_trained_on_our_export_beats_a_convention_error(tmp_path):
     out = tmp_path / "drafter.json"
     drafter.main(
         [
-            *("--seeds", "1", "--budget", "8000", "--variants", "correct,pre_norm_as_post,no_states"),
+            *("--seeds", "1", "--budgets", "8000,4000,2000", "--variants", "correct,pre_norm_as_post,no_states"),
             *(
                 "--target-steps",
                 "400",
