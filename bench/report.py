@@ -887,8 +887,7 @@ def unseparated(r: dict) -> str:
         d = r.get("paired", {}).get(name)
         if ok or d is None:
             continue
-        lead = f"ours ahead on {'every' if d['every_seed'] else 'not every'} seed, by {min(d['per_seed']):.3f} to "
-        lead += f"{max(d['per_seed']):.3f}"
+        lead = f"ours minus it, seed by seed, {min(d['per_seed']):+.3f} to {max(d['per_seed']):+.3f}"
         shift = r["variants"][name].get("target_shift")
         if shift:
             lead += f"; the error moves the targets by a KL of {shift['kl_nats']:.2g} nats"

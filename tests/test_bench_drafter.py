@@ -133,6 +133,24 @@ def test_goals_need_a_margin_of_three_spreads():
     assert drafter.goals(results) == {"correct_beats_aux_off_by_one": True, "correct_beats_aux_reversed": False}
 
 
+def test_the_report_names_only_the_missed_errors_with_their_lead_and_shift():
+    r = {
+        "goals": {"correct_beats_aux_off_by_one": True, "correct_beats_post_norm_as_pre": False},
+        "paired": {
+            "aux_off_by_one": {"per_seed": [0.05, 0.07], "every_seed": True},
+            "post_norm_as_pre": {"per_seed": [-0.002, 0.004], "every_seed": False},
+        },
+        "variants": {"post_norm_as_pre": {"target_shift": {"kl_nats": 0.00074, "argmax_changed": 0.01}}},
+    }
+    text = report.unseparated(r)
+    assert "post-norm final state" in text and "off by one" not in text
+    assert "-0.002 to +0.004" in text and "KL of 0.00074 nats" in text
+    assert report.unseparated(dict(r, goals={k: True for k in r["goals"]})) == ""
+    shift = report.shift_line(r["variants"])
+    assert "`post_norm_as_pre` KL 0.00074 nats" in shift and "1.0 %" in shift
+    assert report.shift_line({"correct": {}}) == ""
+
+
 def test_readme_quality_block_is_the_reports_output():
     text = README.read_text()
     assert text.count(report.QUALITY_START) == 1 and text.count(report.QUALITY_END) == 1
