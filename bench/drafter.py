@@ -81,26 +81,15 @@ ERRORS = ("aux_off_by_one", "aux_reversed", "post_norm_as_pre", "pre_norm_as_pos
 
 
 def conversations(work: Path) -> Path:
-    """Every demo file's conversations (the eight sources' shapes read by the project's own readers: tool calls,
-    tools and system turns kept) in one `messages` file, so that the drafter trains and is judged on ~1,800
-    conversations of the target's corpus, not one file's ~230; written once per --workdir."""
-    from bench.drafter_target import demo_sources
-    from draftdata.sources.files import iter_local
-    from draftdata.sources.shapes import BadRecord, to_prompt
+    """Every demo conversation (`demo_prompts`: the eight sources' shapes read by the project's own readers, tool
+    calls, tools and system turns kept) in one `messages` file in the workdir, so that the drafter trains and is
+    judged on ~1,800 conversations of the target's corpus, not one file's ~230. Written on every run: the same
+    sources give the same file, and edited ones are never read stale."""
+    from bench.drafter_target import demo_prompts
 
     path = work / "conversations.jsonl"
-    if not path.exists():
-        lines = []
-        for shape, src in demo_sources():
-            for row in iter_local(src):
-                try:
-                    p = to_prompt(shape, row.value)
-                except BadRecord:  # as the prompts stage would skip it
-                    continue
-                lines.append(json.dumps({"messages": p.conversation, "tools": p.tools}, ensure_ascii=False))
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("\n".join(lines) + "\n")
-        tmp.replace(path)
+    lines = (json.dumps({"messages": p.conversation, "tools": p.tools}, ensure_ascii=False) for _, p in demo_prompts())
+    path.write_text("\n".join(lines) + "\n")
     return path
 
 

@@ -50,18 +50,24 @@ def demo_sources() -> list[tuple[str, Path]]:
     return [(ds["source"]["shape"], ROOT / ds["source"]["path"]) for ds in params["datasets"].values()]
 
 
-def rendered_conversations(tok) -> tuple[list[list[int]], list[list[int]]]:
-    """(train, held out): every demo conversation's token ids, rendered whole by the chat template."""
-    train, held = [], []
+def demo_prompts():
+    """(row index in its file, Prompt) of every demo conversation, read by the project's own readers; a record they
+    refuse is skipped, as the prompts stage skips it."""
     for shape, path in demo_sources():
         for i, row in enumerate(iter_local(path)):
             try:
-                p = to_prompt(shape, row.value)
+                yield i, to_prompt(shape, row.value)
             except BadRecord:
                 continue
-            ids = tok.apply_chat_template(template_messages(p.conversation), tools=p.tools, tokenize=True)
-            ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-            (held if i % HELD_OUT_EVERY == 0 else train).append(ids)
+
+
+def rendered_conversations(tok) -> tuple[list[list[int]], list[list[int]]]:
+    """(train, held out): every demo conversation's token ids, rendered whole by the chat template."""
+    train, held = [], []
+    for i, p in demo_prompts():
+        ids = tok.apply_chat_template(template_messages(p.conversation), tools=p.tools, tokenize=True)
+        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        (held if i % HELD_OUT_EVERY == 0 else train).append(ids)
     return train, held
 
 

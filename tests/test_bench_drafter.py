@@ -112,7 +112,7 @@ def test_every_demo_conversation_is_one_messages_row(tmp_path):
     from draftdata.sources.shapes import BadRecord, to_prompt
 
     want = []
-    for shape, src in demo_sources():
+    for shape, src in demo_sources():  # read here without demo_prompts, which conversations() uses
         for row in iter_local(src):
             try:
                 want.append(to_prompt(shape, row.value))
