@@ -30,6 +30,35 @@ DEMO_SHAPES = {
 }
 
 
+# The optional suites' Pythons (scripts/test_envs.sh makes both). Where DRAFTDATA_REQUIRE_SUITES is set (CI), a
+# missing one stops the run at once rather than letting its tests skip: a green run must have run them.
+SUITE_PYTHONS = {"vllm": "DRAFTDATA_VLLM_PYTHON", "trainers": "DRAFTDATA_TRAINERS_PYTHON"}
+
+
+def pytest_sessionstart(session) -> None:
+    if not os.environ.get("DRAFTDATA_REQUIRE_SUITES"):
+        return
+    for suite, var in SUITE_PYTHONS.items():
+        python = os.environ.get(var)
+        if not python or not os.access(python, os.X_OK):
+            raise pytest.UsageError(
+                f"DRAFTDATA_REQUIRE_SUITES is set but {var} ({python!r}) is not an executable Python: the {suite} "
+                'tests would skip; eval "$(scripts/test_envs.sh)" first'
+            )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under DRAFTDATA_REQUIRE_SUITES, a test skipped for want of an optional suite's Python counts as failed."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and os.environ.get("DRAFTDATA_REQUIRE_SUITES"):
+        reason = str(report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr)
+        if any(var in reason for var in SUITE_PYTHONS.values()):
+            report.outcome = "failed"
+            report.longrepr = f"skipped under DRAFTDATA_REQUIRE_SUITES: {reason}"
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     from draftdata.config.schema import TinyModelConfig

@@ -271,7 +271,24 @@ class VLLMEngine:
             self.workers.append(Worker(argv, env, self.dir / f"worker-{i}.log"))
         deadline = time.monotonic() + timeout
         infos = [w.reply(max(1.0, deadline - time.monotonic()), "while loading the model") for w in self.workers]
-        first = infos[0]
+        try:
+            self._describe(infos[0])
+        except (KeyError, TypeError, ValueError, OSError) as e:
+            # A worker of another version, or one that broke mid-reply: a worker failure like any other, named by
+            # its log, not a traceback from deep in the engine
+            worker = self.workers[0]
+            worker.kill()
+            detail = (str(e).splitlines() or [""])[0][:200]
+            what = f"lacks {e}" if isinstance(e, KeyError) else f"is unusable ({type(e).__name__}: {detail})"
+            raise UserError(
+                f"vllm engine: the worker's start-up reply {what} while loading the model ({worker.keep_log()})"
+            ) from None
+        bad = [i for i in self.layers if not 0 <= i < self.n_layers]
+        if bad:
+            raise UserError(f"hidden_states.layers: layer ids {bad} out of range for a {self.n_layers}-layer model")
+
+    def _describe(self, first: dict) -> None:
+        """The model as the worker's start-up reply describes it (the protocol in vllm_worker.py)."""
         self.n_layers = int(first["n_layers"])
         self.hidden_size = int(first["hidden_size"])
         self.max_len = int(first["max_len"])
@@ -280,9 +297,6 @@ class VLLMEngine:
         self.vllm_path = first["path"]
         self.fallback = first.get("fallback")
         self.final_norm = norm_from_file(first["norm_file"], first["norm"])
-        bad = [i for i in self.layers if not 0 <= i < self.n_layers]
-        if bad:
-            raise UserError(f"hidden_states.layers: layer ids {bad} out of range for a {self.n_layers}-layer model")
 
     def forward(self, batch: list[list[int]]) -> list[tuple[object, object]]:
         """Per sample of `batch`, in order: (aux [T, k, H], final pre-norm [T, H]), float32 on the CPU."""
