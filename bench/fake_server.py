@@ -72,6 +72,7 @@ GENERATE_FIELDS = set(
 # Before a reset: what was written has reached the client and been read (a reset makes the client drop what it
 # received but had not read yet, so without the pause the tokens it saw would depend on its scheduling).
 RESET_PAUSE_S = 0.2
+VLLM_ENGINE_DEAD = "EngineCore encountered an issue. See stack trace (above) for the root cause."  # EngineDeadError
 MID_STREAM = ("reset", "stall", "malformed", "stream_error")  # the faults that cut a stream after `after` tokens
 # The sampling fields a request may leave out and what each is then, unless `generation_config` says otherwise: the
 # protocols' own defaults (SGLang's SamplingParams, vLLM's SamplingParams).
@@ -236,6 +237,7 @@ class Fault:
     retry_after: str | None = None
     after: int = 0
     reason: str | None = None  # the finish_reason of a `finish` fault
+    message: str = "injected engine failure"  # what a `stream_error` reports
 
 
 @dataclass
@@ -250,6 +252,7 @@ class Faults:
     hang_times: int = 0  # never answer
     malformed_times: int = 0  # 200 with a body that is not JSON
     stream_error_times: int = 0  # a stream that reports {"error": ...} (as SGLang does for a ValueError)
+    stream_error_message: str = "injected engine failure"  # what it reports (VLLM_ENGINE_DEAD: vLLM's engine died)
     empty_times: int = 0  # a 200 answer that finished ("stop") without a single token
 
     def take(self) -> Fault | None:
@@ -259,7 +262,7 @@ class Faults:
                 if name == "status":
                     return Fault("status", self.status, self.retry_after)
                 if name == "stream_error":
-                    return Fault("stream_error", after=1)  # once the stream has begun
+                    return Fault("stream_error", after=1, message=self.stream_error_message)  # once it has begun
                 return Fault("drop" if name == "reset" else name)
         return None
 
@@ -311,6 +314,9 @@ class FakeServer:
     stream_interval: int = 1  # like --stream-interval: a stream chunk every this many tokens (and at the end)
     starting_s: float = 0.0  # /health answers 503 for this long after start
     has_model_info: bool = True  # False: an older server with /get_model_info only
+    # vLLM's engine has died (EngineDeadError): /health answers 503 and every generation request HTTP 500 with
+    # vLLM's message, until the server is restarted (vLLM's API server exits soon after)
+    engine_dead: bool = False
     # The model's generation_config.json, as vLLM (`--generation-config auto`, its default) and SGLang read it: a
     # sampling field a request leaves out takes its value from here (GENERATION_CONFIG_FIELDS); None: no file.
     generation_config: dict | None = None
@@ -424,7 +430,7 @@ class FakeServer:
     async def _health(self, request: web.Request) -> web.Response:
         self.health_calls += 1
         starting = time.monotonic() - self._started < self.starting_s
-        return web.Response(status=503 if starting else 200)
+        return web.Response(status=503 if starting or self.engine_dead else 200)
 
     async def _model_info(self, request: web.Request) -> web.Response:
         if request.path == "/model_info" and not self.has_model_info:
@@ -497,6 +503,8 @@ class FakeServer:
         a = self._arrive(request, body)
         chat = request.path == "/v1/chat/completions"
         vllm = self.openai_flavour == "vllm"
+        if self.engine_dead:  # vLLM's engine_error_handler: a 500 with the engine's dead message
+            return self._refuse(a, _openai_error(vllm, 500, VLLM_ENGINE_DEAD))
         if body.get("model") != self.model_path:
             name = body.get("model")
             message = f"The model `{name}` does not exist." if vllm else f"The model '{name}' does not exist"
@@ -661,7 +669,7 @@ class FakeServer:
         elif fault.kind == "malformed":
             await resp.write(b'data: {"id": "' + wire.rid.encode() + b'", "choices": [{"text\n\n')
         else:  # stream_error: the engine gave up mid-answer
-            await _sse(resp, {"error": {"message": "injected engine failure"}})
+            await _sse(resp, {"error": {"message": fault.message}})
         await resp.write(b"data: [DONE]\n\n")
         return resp
 

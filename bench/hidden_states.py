@@ -247,6 +247,8 @@ class Started:
     """The stage's Computer takes its engine from a holder (the stage's own starts the model on first use); this
     one hands over a model already loaded and warmed up, so loading stays out of the timed rounds."""
 
+    name = "hf"  # what the state store records for each shard (the stage's LazyEngine.name): the bench's HFEngine
+
     def __init__(self, engine):
         self.engine = engine
 

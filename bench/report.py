@@ -315,6 +315,104 @@ def client(r: dict) -> list[str]:
     ]
 
 
+EMBEDDED_LABELS = {
+    "ours": "ours (slot batching)",
+    "vllm": "vLLM's CPU build (tuned)",
+    "transformers_cb": "transformers' continuous batching",
+    "static": "transformers `generate`, static batches",
+}
+
+
+def embedded(r: dict) -> list[str]:
+    """The embedded engine against the alternatives and this CPU's limit."""
+    cs = list(r["limit"]["by_concurrency"])
+    engines = [e for e in EMBEDDED_LABELS if e in r["engines"]]
+
+    def cell(e: str, c: str, fmt) -> str:  # an engine measured at fewer concurrencies leaves the others blank
+        row = r["engines"][e].get(c)
+        return fmt(row) if row else "-"
+
+    body = [[EMBEDDED_LABELS[e], *(cell(e, c, lambda x: num(x["tok_s"], 1)) for c in cs)] for e in engines]
+    lim = r["limit"]["by_concurrency"]
+    body.append(["limit, this workload (prefill counted)", *(num(lim[c]["workload_tok_s"], 1) for c in cs)])
+    body.append(["limit, decode only", *(num(lim[c]["decode_only_tok_s"], 1) for c in cs)])
+    detail = []
+    for e in engines:
+        row = r["engines"][e]
+        detail.append(
+            [
+                EMBEDDED_LABELS[e],
+                *(
+                    cell(e, c, lambda x: f"{x['ttft_median_s']} / {x['ttft_p90_s']}" if x["ttft_median_s"] else "-")
+                    for c in cs
+                ),
+                f"{max(row[c]['peak_rss_mb'] for c in cs if c in row):,}",
+            ]
+        )
+    w = r["workload"]
+    ours = r["engines"].get("ours", {})
+    split = (
+        [
+            "prefill, decode, sampling s: "
+            + ", ".join(
+                f"{c}: {t['prefill_s']:g} / {t['decode_s']:g} / {t['sample_s']:g} "
+                f"(mean batch {ours[c]['mean_decode_batch']})"
+                for c in cs
+                if (t := ours.get(c, {}).get("time_split_s"))
+            )
+        ]
+        if ours
+        else []
+    )
+    prof = r.get("ours_profile")
+    step = (
+        [
+            f"A decode step of ours at {prof['requests_in_flight']} in flight ({prof['compute_dtype']} arithmetic, "
+            f"16-bit keys and values): {prof['step_ms']} ms under torch's profiler; "
+            + ", ".join(f"{k.replace('_', ' ')} {100 * v:.0f} %" for k, v in prof["share"].items())
+            + "."
+        ]
+        if prof
+        else []
+    )
+    rates = ", ".join(
+        f"{c}: bf16 {lim[c]['matmul_gflop_s']['bfloat16']:g}, float32 {lim[c]['matmul_gflop_s']['float32']:g}"
+        for c in cs
+    )
+    goals = r["goals"]
+    return [
+        "### The embedded engine: `python -m bench.embedded`",
+        "",
+        f"{r['model']}, the demo's prompts (mean {w['prompt_tokens_mean']:g} tokens, up to {w['prompt_tokens_max']}), "
+        f"{w['new_tokens'][0]} to {w['new_tokens'][1]} new tokens, temperature {w['sampling']['temperature']}, top_p "
+        f"{w['sampling']['top_p']}; {r['machine']['cpus']} cores. Output tokens per second at c in flight:",
+        "",
+        *table(["engine", *(f"c = {c}" for c in cs)], body),
+        "",
+        "Time to first token, median / 90th percentile (s), and peak memory (MB):",
+        "",
+        *table(["engine", *(f"c = {c}" for c in cs), "peak MB"], detail),
+        "",
+        f"Matmul rates measured at the model's shapes (GFLOP/s, by rows): {rates}; memory "
+        f"{r['limit']['memory_bandwidth_gb_s']} GB/s. Ours: {'; '.join(split)}.",
+        *([""] + step if step else []),
+        "",
+        "ours ÷ the others: "
+        + "; ".join(
+            f"{k.removeprefix('ours_vs_')} {', '.join(f'{c}: {v}' for c, v in d.items())}"
+            for k, d in r["ratios"].items()
+        )
+        + f". Ours ÷ the limit at 32: {goals['ours_of_limit_at_32']['workload']} of this workload's, "
+        f"{goals['ours_of_limit_at_32']['decode_only']} of decode alone. "
+        + goals_line(
+            {
+                "ours >= vLLM at 8, 32, 64": goals.get("ours_vs_vllm_met", False),
+                "ours >= 0.5 of the limit at 32": goals.get("ours_of_limit_met", False),
+            }
+        ),
+    ]
+
+
 TOKENIZE_TEMPLATES = {
     "chatml": "ChatML (the demo's 20-line template)",
     "qwen3_tools": "Qwen3's template, thinking and tools",
@@ -940,6 +1038,7 @@ SECTIONS = (
     ("budget.json", "python -m bench.budget", budget),
     ("budget_live.json", "python -m bench.budget_live", budget_live),
     ("client.json", "python -m bench.client", client),
+    ("embedded.json", "python -m bench.embedded --vllm-python <venv>/bin/python", embedded),
     ("tokenize.json", "python -m bench.tokenize", tokenize),
     ("hidden_states.json", "python -m bench.hidden_states", hidden_states),
     ("hidden_states_llama8b.json", "python -m bench.hidden_states --llama8b", hidden_states_llama8b),

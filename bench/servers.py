@@ -20,14 +20,17 @@ def free_port() -> int:
 
 
 @contextmanager
-def server_process(argv_for_port, log_path: Path, env: dict, timeout: float):
+def server_process(argv_for_port, log_path: Path, env: dict, timeout: float, procs: list | None = None):
     """Start a server (`argv_for_port(port)`) on a free localhost port, wait until GET /health answers 200, yield
-    its URL, and stop it afterwards. The server's log goes to `log_path` and into any failure message."""
+    its URL, and stop it afterwards. The server's log goes to `log_path` and into any failure message; its process
+    is appended to `procs` where given (to read its memory, say)."""
     port = free_port()
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(
             argv_for_port(port), stdout=log_file, stderr=subprocess.STDOUT, env=dict(os.environ, **env)
         )
+    if procs is not None:
+        procs.append(proc)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout

@@ -5,16 +5,25 @@ declared params changed; so a typo in a run-time key (`concurency`) or a bad val
 would pass `dvc repro` unnoticed until that stage next ran, perhaps hours into a run. This stage depends on
 params.yaml itself, so DVC runs it on every edit; it loads the config as every stage does and checks the values of
 every dataset, and, where the target's tokenizer is on this disk, that its chat template ends the turn on a token
-the target stops on. It writes nothing.
+the target stops on, and says which token that is.
+
+Every other stage depends on its output, data/params_checked.json: a refused config stops `dvc repro` here, before
+DVC removes the outputs of the stage asked for to rerun it. The file's bytes are the same whenever the check passes,
+so it reruns nothing downstream.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from draftdata.config.load import cli
 from draftdata.config.schema import Config, check_all, length_warnings, template_kwargs_of
 from draftdata.target.model import local_context
 from draftdata.target.tokenizer import check_local_target
+from draftdata.util.files import write_json
 from draftdata.util.log import log
+
+CHECKED = Path("data") / "params_checked.json"
 
 
 def main(cfg: Config) -> None:
@@ -23,6 +32,7 @@ def main(cfg: Config) -> None:
     check_local_target(cfg.model, [template_kwargs_of(cfg, name) for name in cfg.datasets or [None]])
     for line in length_warnings(cfg, context=local_context(cfg.model)):  # samples tokenize may drop: told, not refused
         log("check_params", warning=line)
+    write_json(CHECKED, {"checked": "params.yaml", "ok": True})
     log("check_params", datasets=len(cfg.datasets), ok=True)
 
 

@@ -27,7 +27,7 @@ def summarise(generate: dict, tokenize: dict) -> dict:
     included): what share of the hidden states computed for the samples carries a training signal. The counts
     behind both, `tokens` and `trained_tokens`, are in tokenize_metrics.json; the hidden states' size is `bytes`
     in hidden_states_metrics.json, and what a trained token costs on disk `bytes_per_trained_token` there (one more
-    key here would take `dvc metrics show` past 120 columns, and this stage does not wait for hidden_states)."""
+    key here would take `dvc metrics show` past 120 columns)."""
     new = generate.get("new_in_output_tokens", 0)
     budget, trained, every = generate["budget"], tokenize["trained_tokens"], tokenize["tokens"]
     return {

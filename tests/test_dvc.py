@@ -66,6 +66,7 @@ def repo(tmp_path_factory) -> Path:
             shutil.copy2(src, dst)
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["datasets"] = {k: v for k, v in params["datasets"].items() if k in KEEP}
+    params["model"]["path"] = params["tiny_model"]["path"]  # the fast profile: DVC's behaviour, not the model's
     for ds in params["datasets"].values():  # small, so the test stays quick on 2 cores
         ds.update(token_budget=300, max_tokens=48, max_prompts=60)
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
@@ -79,7 +80,7 @@ def repo(tmp_path_factory) -> Path:
 def test_repro_noop_and_budget_edit_reruns_one_chain(repo):
     first = dvc("repro", cwd=repo)
     chain = ("prompts", "generate", "tokenize", "hidden_states", "summary")
-    expected = {"check_params", "tiny_model"} | {f"{s}@{d}" for s in chain for d in KEEP}
+    expected = {"check_params", "packaged_model", "tiny_model"} | {f"{s}@{d}" for s in chain for d in KEEP}
     assert ran(first) == expected
     for d in KEEP:
         assert (repo / "data" / d / "samples.parquet").exists()
@@ -160,6 +161,64 @@ def test_a_typo_in_a_run_time_key_stops_repro_even_when_nothing_reruns(repo):
 
 
 @pytest.mark.slow
+def test_a_refused_config_leaves_every_output_in_place(repo):
+    """A typo'd or bad key, whichever stage is asked for: check_params, upstream of every stage, refuses it in one
+    line naming the key before DVC removes the outputs of the stage it was asked to rerun (it used to remove them,
+    then fail)."""
+    dvc("repro", cwd=repo)
+    good = (repo / "params.yaml").read_text()
+    d = repo / "data" / "B3_magicoder"
+    outputs = ["prompts.jsonl", "prompts_metrics.json", "responses.jsonl", "hidden_states_metrics.json"]
+    outputs += [str(p.relative_to(d)) for p in (d / "hidden_states").rglob("*") if p.is_file()]
+    before = {name: (d / name).read_bytes() for name in outputs}
+
+    def rename(key, new):
+        return lambda p: p["datasets"]["B3_magicoder"].__setitem__(new, p["datasets"]["B3_magicoder"].pop(key))
+
+    cases = [
+        (rename("shuffle_seed", "shuffle_sed"), "prompts@B3_magicoder", "datasets.B3_magicoder.shuffle_sed"),
+        (
+            lambda p: p["hidden_states"].__setitem__("dtype", "bf16"),
+            "hidden_states@B3_magicoder",
+            "hidden_states.dtype",
+        ),
+        (rename("token_budget", "token_budgt"), "generate@B3_magicoder", "datasets.B3_magicoder.token_budgt"),
+        (rename("max_tokens", "max_tokns"), "summary@B3_magicoder", "datasets.B3_magicoder.max_tokns"),
+    ]
+    for edit, stage, key in cases:
+        params = yaml.safe_load(good)
+        edit(params)
+        (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "dvc", "repro", stage],
+                cwd=repo,
+                capture_output=True,
+                text=True,
+                env=dict(os.environ, DVC_NO_ANALYTICS="1"),
+            )
+        finally:
+            (repo / "params.yaml").write_text(good)
+        assert proc.returncode != 0, stage
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and errors[0].startswith(f"error: {key}"), proc.stderr[-3000:]
+        assert "dvc.yaml" not in proc.stderr and not ran(proc.stdout + proc.stderr) - {"check_params"}
+        assert {name: (d / name).read_bytes() for name in outputs} == before, stage
+    assert ran(dvc("repro", cwd=repo)) <= {"check_params"}  # back as it was: nothing to redo
+
+
+def test_the_summary_ends_the_chain_and_exports_are_not_committed(repo):
+    """`dvc repro summary@D` builds the whole chain (the summary depends on the states), and `draftdata export`'s
+    default folder is ignored by git, so the README's `git add -A` does not commit a trainer's copy."""
+    spec = yaml.safe_load((repo / "dvc.yaml").read_text())["stages"]["summary"]["do"]
+    assert "data/${key}/hidden_states_metrics.json" in spec["deps"]
+    export = repo / "data" / "B3_magicoder" / "export-specforge"
+    export.mkdir(parents=True, exist_ok=True)
+    (export / "rows_0").write_text("x")
+    assert sh(["git", "check-ignore", str(export / "rows_0")], repo).strip()
+
+
+@pytest.mark.slow
 def test_temp_experiment_shares_the_workspace_store(repo):
     """`dvc exp run --temp` runs in a copy under .dvc/tmp/exps; its responses must land in the workspace's store."""
     import sqlite3
@@ -171,15 +230,17 @@ def test_temp_experiment_shares_the_workspace_store(repo):
         with sqlite3.connect(store) as db:
             return db.execute("SELECT COUNT(*) FROM responses").fetchone()[0]
 
+    # above the repo's budget, whatever the fixture or an earlier test left it at: the experiment must generate
+    budget = yaml.safe_load((repo / "params.yaml").read_text())["datasets"]["B3_magicoder"]["token_budget"] + 600
     before = count()
-    out = dvc("exp", "run", "--temp", "-S", "datasets.B3_magicoder.token_budget=900", cwd=repo)
+    out = dvc("exp", "run", "--temp", "-S", f"datasets.B3_magicoder.token_budget={budget}", cwd=repo)
     assert "generate@B3_magicoder" in out
     assert count() > before
     assert not list((repo / ".dvc" / "tmp").rglob("store.sqlite"))
     # the experiment's states went to the workspace's state store too: here, the same budget computes nothing
     # (DVC restores the stages from its run cache; forced, the stage finds every state in the store)
     params = yaml.safe_load((repo / "params.yaml").read_text())
-    params["datasets"]["B3_magicoder"]["token_budget"] = 900
+    params["datasets"]["B3_magicoder"]["token_budget"] = budget
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     dvc("repro", cwd=repo)
     assert "hidden_states@B3_magicoder" in ran(dvc("repro", "-s", "-f", "hidden_states@B3_magicoder", cwd=repo))
@@ -191,8 +252,8 @@ def test_temp_experiment_shares_the_workspace_store(repo):
     lines = shown.strip().splitlines()
     assert lines[0] == "B3_magicoder" and lines[1].split()[:3] == ["experiment", "budget", "tokens"]
     rows = {line.split()[0]: line.split()[1:] for line in lines[2:]}
-    assert rows["workspace"][0] == "900" and len(rows) >= 2 and max(map(len, lines)) <= 120
-    assert any(r[0] == "900" for name, r in rows.items() if name != "workspace")  # the experiment's own row
+    assert rows["workspace"][0] == str(budget) and len(rows) >= 2 and max(map(len, lines)) <= 120
+    assert any(r[0] == str(budget) for name, r in rows.items() if name != "workspace")  # the experiment's own row
 
 
 def stage_imports(module: str) -> set[Path]:
@@ -234,7 +295,7 @@ def stage_imports(module: str) -> set[Path]:
 
 # package markers that hold a docstring only (checked below): editing them changes no output
 MARKERS = (Path("stages/__init__.py"), Path("draftdata/__init__.py"))
-STAGES = ["tiny_model", "prompts", "generate", "tokenize", "hidden_states", "check_params", "summary"]
+STAGES = ["packaged_model", "tiny_model", "prompts", "generate", "tokenize", "hidden_states", "check_params", "summary"]
 
 
 def code_deps(stage: str) -> list[Path]:
@@ -288,6 +349,8 @@ def test_the_import_walk_finds_lazy_imports():
 @pytest.mark.slow
 def test_two_repros_at_once_the_second_stops_on_dvc_s_lock(repo):
     dvc("repro", cwd=repo)
+    responses = repo / "data" / "B1_glaive" / "responses.jsonl"
+    before = responses.read_bytes()
     env = dict(os.environ, DVC_NO_ANALYTICS="1")
     first = subprocess.Popen(
         [sys.executable, "-m", "dvc", "repro", "-f", "-s", "generate@B1_glaive"],
@@ -307,6 +370,7 @@ def test_two_repros_at_once_the_second_stops_on_dvc_s_lock(repo):
     finally:
         rest, _ = first.communicate(timeout=300)
     assert first.returncode == 0, rest
+    assert responses.read_bytes() == before  # its budget met, the forced rerun generates nothing and writes the same
     assert second.returncode != 0 and "lock" in (second.stdout + second.stderr).lower()
     assert "Traceback" not in second.stderr
     # nothing was left half-done: only the summary of the regenerated dataset is behind (its metrics changed)
@@ -316,8 +380,9 @@ def test_two_repros_at_once_the_second_stops_on_dvc_s_lock(repo):
 
 @pytest.mark.slow
 def test_store_hidden_states_false_reruns_that_stage_alone_and_stores_nothing(repo):
-    """Online training needs no states: the flag reruns hidden_states@D alone, which writes its marker (no model
-    loaded) and nothing else; set back, the states come back from the state store, computed 0 times."""
+    """Online training needs no states: the flag reruns hidden_states@D and nothing upstream (the summary after it,
+    which reads its metrics, reruns too); the stage writes its marker (no model loaded) and nothing else; set back,
+    the states come back from the state store, computed 0 times."""
     dvc("repro", cwd=repo)
     good = (repo / "params.yaml").read_text()
     params = yaml.safe_load(good)
@@ -326,8 +391,9 @@ def test_store_hidden_states_false_reruns_that_stage_alone_and_stores_nothing(re
     out = repo / "data" / "B3_magicoder"
     try:
         changed = set(re.findall(r"^(\S+):\s*$", dvc("status", cwd=repo), flags=re.M))
+        # the summary is not listed yet: its input, hidden_states' metrics, changes when that stage reruns
         assert changed == {"check_params", "hidden_states@B3_magicoder"}
-        assert ran(dvc("repro", cwd=repo)) == {"check_params", "hidden_states@B3_magicoder"}
+        assert ran(dvc("repro", cwd=repo)) == {"check_params", "hidden_states@B3_magicoder", "summary@B3_magicoder"}
         assert [p.name for p in (out / "hidden_states").iterdir()] == ["skipped.json"]
         assert json.loads((out / "hidden_states_metrics.json").read_text())["stored"] is False
         assert ran(dvc("repro", cwd=repo)) == set()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -224,15 +225,34 @@ def test_specforge_online_holds_the_samples_and_their_regenerated_conversations(
         turns.setdefault(r["conversation"], []).append(r)
     convs = {c["id"]: c for c in read_jsonl(out / "conversations.jsonl")}
     assert set(convs) == {r["id"] for r in rows}
+    skipped = skipped_by_text(chats)
     for row in rows:
         messages = convs[row["id"]]["conversations"]
         assert set().union(*map(set, messages)) <= {"role", "content", "tool_calls"}
         # every answer in it is the target's own, each turn's as regenerated, in order (the history keeps the special
         # tokens the tiny target writes mid-answer, which a response's text leaves out)
-        answers = [m["content"].replace("<|endoftext|>", "") for m in messages if m["role"] == "assistant"]
+        answers = [without(m["content"], skipped) for m in messages if m["role"] == "assistant"]
         assert answers == [r["text"] for r in turns[row["conversation"]][: row["turn"] + 1]]
         assert messages[-1]["role"] == "assistant" and messages[0]["role"] in ("system", "user")
     assert json.loads((out / MARKER).read_text())["train_only_last_turn"] is False
+
+
+def skipped_by_text(project) -> list[str]:
+    """The added tokens a response's text leaves out: those the tokenizer's decoding with skip_special_tokens drops,
+    longest first (so that one holding another is removed whole)."""
+    from draftdata.config.schema import ModelConfig
+    from draftdata.target.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(ModelConfig(path=project.params["model"]["path"]))
+    added = tok.added_tokens_decoder
+    skipped = [t.content for i, t in added.items() if not tok.decode([i], skip_special_tokens=True)]
+    return sorted(skipped, key=len, reverse=True)
+
+
+def without(text: str, tokens: list[str]) -> str:
+    for token in tokens:
+        text = text.replace(token, "")
+    return text
 
 
 def test_vocab_mapping_ties_and_fill_up_follow_each_trainer():
@@ -362,6 +382,9 @@ READERS = textwrap.dedent("""
 
     ds = ArrowDataset(max_len=BIG, datapath=sp_dir, on_missing="raise")
     dump("speculators_dataset", [(i, ds[i]) for i in range(len(ds))])
+    # what its EAGLE-3 trainer makes of each item: shift_batch pairs position t's states with token t + 1
+    from speculators.models.eagle3.data import shift_batch
+    dump("speculators_shifted", [(i, shift_batch(ds[i])) for i in range(len(ds))])
     meta = json.loads((Path(sp_dir) / "draftdata_export.json").read_text())
     total = max(ds.approx_lengths) * 2
     train, val = create_train_val_loaders(
@@ -451,6 +474,33 @@ def test_trainers_own_readers_load_the_exports(states, tmp_path):
             assert torch.equal(b["verifier_last_hidden_states"][0][rows].float(), s.final_pre_norm)
             seen.append(tuple(ids.tolist()))
     assert sorted(seen) == sorted(tuple(s.input_ids.tolist()) for s in samples)
+
+    # Every token of the difference between what the two trainers read and train, from their own conventions
+    # (SpecForge #885): speculators pairs position t's states with token t + 1 (shift_batch: n - 1 positions, the
+    # loss mask of token t + 1); SpecForge reads all n positions and gates the loss at t (whose target is token
+    # t + 1) by the mask of token t, its last position zeroed. So SpecForge never trains an answer's first token,
+    # trains the token after each answer's end instead, and reads one position more per sample.
+    shifted = read_dump(dumps / "speculators_shifted.safetensors")
+    sf_loader = read_dump(dumps / "specforge_loader.safetensors")
+    sp_tokens = sum(int(shifted[i]["lengths"]) for i in range(len(samples)))
+    sf_tokens = sum(sf_loader[i]["input_ids"].shape[1] for i in range(len(samples)))
+    sp_trained = [
+        {t + 1 for t in torch.nonzero(shifted[i]["loss_mask"]).flatten().tolist()} for i in range(len(samples))
+    ]
+    sf_trained = [
+        {t + 1 for t in torch.nonzero(sf_loader[i]["loss_mask"][0]).flatten().tolist()} for i in range(len(samples))
+    ]
+    assert sf_tokens - sp_tokens == len(samples)
+    first = after = 0
+    for s, sp_targets, sf_targets in zip(samples, sp_trained, sf_trained):
+        m = s.loss_mask.tolist()
+        starts = {t for t in range(1, len(m)) if m[t] and not m[t - 1]}  # an answer's first token
+        ends = {t + 1 for t in range(len(m) - 1) if m[t] and not m[t + 1]}  # the token after an answer
+        assert sp_targets == {t for t in range(1, len(m)) if m[t]}  # exactly the trained tokens
+        assert sf_targets == (sp_targets - starts) | ends  # and SpecForge's, by its rule
+        first, after = first + len(starts), after + len(ends)
+    assert sum(map(len, sp_trained)) - sum(map(len, sf_trained)) == first - after
+    assert first > after  # every sample's last answer ends the sample: SpecForge trains fewer positions
 
     # token frequencies: SpecForge's own recount of the .ckpt files and speculators' token_freq.pt agree with ours
     counts = json.loads((dumps / "counts.json").read_text())
@@ -617,3 +667,59 @@ def test_specforge_re_tokenizes_the_conversations_with_our_check(chats):
     assert report["ours_prefix_of_theirs"] > 0
     t = report["trained_tokens"]
     assert t["ours_only"] == 0 and t["theirs_only"] == t["our_spans"] > 0 and t["theirs"] == t["ours"] + t["our_spans"]
+
+
+def test_the_states_output_is_whole_on_its_own_and_says_which_engine_computed_each_sample(chats, tmp_path):
+    """Copied alone to a training machine (no tokenize samples.parquet beside it), the hidden-states output still
+    exports the conversation and turn of `turns: all`; each sample names the engine that computed it, and the
+    metrics count them."""
+    import sqlite3
+
+    chats.params["datasets"]["B6"]["store_hidden_states"] = True
+    chats.save()
+    chats.run("hidden_states", "B6")
+    src = chats.data("B6") / "hidden_states"
+    rows = pq.read_table(src / "samples.parquet").to_pylist()
+    assert {r["engine"] for r in rows} == {"hf"} and any(r["turn"] > 0 for r in rows)
+    metrics = json.loads((chats.data("B6") / "hidden_states_metrics.json").read_text())
+    assert metrics["engines"] == {"hf": len(rows)}
+
+    alone = tmp_path / "elsewhere" / "hidden_states"
+    shutil.copytree(src, alone)
+    out = tmp_path / "exported"
+    chats.run("export", "B6", "export.format=speculators", f"export.dir={out}")  # from the project, for comparison
+    from datasets import load_from_disk
+
+    want = load_from_disk(str(out)).to_list()
+    hs = HiddenStates(alone)
+    assert hs.carries_turns
+    for s, row, w in zip(hs, rows, want):
+        assert (s.conversation, s.turn) == (row["conversation"], row["turn"]) == (w["conversation"], w["turn"])
+
+    # a store whose shards another engine computed: the same states serve, and the output says whose they are
+    store = sqlite3.connect(chats.path / "states" / "index.sqlite")  # beside run.store_path
+    store.execute("UPDATE shards SET engine = 'vllm:hook'")
+    store.commit()
+    store.close()
+    chats.run("hidden_states", "B6")
+    metrics = json.loads((chats.data("B6") / "hidden_states_metrics.json").read_text())
+    assert metrics["computed_samples"] == 0 and metrics["engines"] == {"vllm:hook": len(rows)}
+
+
+def test_a_sample_list_and_shards_of_two_runs_are_refused_by_the_reader(states):
+    """The reader pairs each shard row with samples.parquet's mask: a length that differs is two runs mixed."""
+    import pyarrow as pa
+
+    src = states.data("B3") / "hidden_states"
+    table = pq.read_table(src / "samples.parquet")
+    masks = table.column("loss_mask").to_pylist()
+    masks[1] = masks[1][:-1]
+    broken = table.set_column(
+        table.schema.get_field_index("loss_mask"), "loss_mask", pa.array(masks, table.schema.field("loss_mask").type)
+    )
+    (src / "samples.parquet").unlink()
+    pq.write_table(broken, src / "samples.parquet")
+    hs = HiddenStates(src)
+    hs[0]
+    with pytest.raises(ValueError, match=r"sample 1 .* loss mask of .* mixed from two runs"):
+        hs[1]

@@ -190,9 +190,59 @@ def test_embedded_sampling_is_reproducible(project, monkeypatch):
     first, second = outputs("a.sqlite"), outputs("b.sqlite")
     common = set(first) & set(second)
     assert len(common) >= 8 and all(first[i] == second[i] for i in common)
-    monkeypatch.setattr(embedded, "install_seeded_sampling", lambda manager: False)
+    add = embedded.SlotBatching.add_request  # the same engine, its requests sent without their seeds
+
+    def unseeded(self, ids, request_id, max_new_tokens, streaming=False, seed=None):
+        return add(self, ids, request_id, max_new_tokens, streaming)
+
+    monkeypatch.setattr(embedded.SlotBatching, "add_request", unseeded)
     third = outputs("c.sqlite")
     assert any(first[i] != third[i] for i in set(first) & set(third))
+
+
+def test_an_embedded_continuation_draws_what_the_uninterrupted_answer_drew(tiny_model):
+    """The contract for a parked answer continued later: the embedded engine draws the token at sequence position
+    p from (seed + p), so prompt + the first tokens, continued, give the uninterrupted answer exactly. (A server's
+    generator restarts with the continuation: `attempt_seed` offsets the seed there, so a continuation samples the
+    same distribution without replaying the first draws, but not the same tokens; docs/generation.md.)"""
+    import asyncio
+
+    from draftdata.config.schema import BackendConfig, Config, DatasetConfig, ModelConfig, SamplingConfig
+    from draftdata.generate.backends import GenRequest, Partial, make_backend
+    from draftdata.target.tokenizer import load_tokenizer, render_prompt_ids
+
+    cfg = Config(
+        model=ModelConfig(path=str(tiny_model)),
+        datasets={"d": DatasetConfig(token_budget=1, max_tokens=40, sampling=SamplingConfig(0.8, 0.95))},
+        dataset="d",
+        backend=BackendConfig(),
+    )
+    tok = load_tokenizer(cfg.model)
+    prompt = render_prompt_ids(tok, [{"role": "user", "content": "Write a haiku."}], None, {})
+    sampling = {"temperature": 0.8, "top_p": 0.95, "top_k": -1}
+    # the tiny target often ends an answer within a few tokens: the longest of a few seeds' answers is the one cut.
+    # Seeds far apart: seed s + 1 draws at position p what seed s draws at p + 1, the same answer shifted by one
+    seeds = [1234 + 10_007 * i for i in range(8)]
+
+    def request(seed: int, parked: Partial | None = None) -> GenRequest:
+        return GenRequest(f"a{seed}", list(prompt), [], None, 40, sampling, partial=parked or Partial(), seed=seed)
+
+    async def go():
+        backend = make_backend(cfg, tok)
+        await backend.start()
+        try:
+            wholes = await asyncio.gather(*(backend.generate(request(s)) for s in seeds))
+            assert all(w.error is None for w in wholes), [w.detail for w in wholes]
+            whole, seed = max(zip(wholes, seeds), key=lambda ws: len(ws[0].output_ids))
+            cut = whole.output_ids[: len(whole.output_ids) // 2]
+            rest = await backend.generate(request(seed, Partial(output_ids=list(cut), completion_tokens=len(cut))))
+            return whole, rest
+        finally:
+            await backend.close()
+
+    whole, rest = asyncio.run(go())
+    assert len(whole.output_ids) > 15 and rest.continued_from == len(whole.output_ids) // 2
+    assert rest.output_ids == whole.output_ids and rest.finish_reason == whole.finish_reason
 
 
 def test_two_generate_processes_on_one_store_share_it_safely(project, tiny_model):
@@ -269,11 +319,16 @@ def test_a_tokenizer_from_another_model_is_refused(project, tiny_model, tmp_path
         assert err.value.key == "model.path" and "not a pair" in str(err.value)
 
 
-def test_prompts_the_template_renders_alike_are_one_sample(project, tmp_path):
+def test_prompts_the_template_renders_alike_are_one_sample(project, tmp_path, monkeypatch):
     """The prompts stage dedups by message JSON; a template that trims the content renders "Hello" and "Hello\\n" to
     the same ids, hence one store key. Generate asks it once and outputs it once, the first prompt's, with its
     tokens counted once toward the budget, and says how many it dropped."""
+    import draftdata.generate.backends.embedded as embedded
     from draftdata.target.tiny import CHAT_TEMPLATE
+
+    # the tiny target may end an answer at its first token, an empty answer the output skips (and a later run asks
+    # again): without a stop token every answer runs to max_tokens, so each of the three keys has one in the output
+    monkeypatch.setattr(embedded, "end_of_turn_ids", lambda *args, **kwargs: set())
 
     untrimmed = "(message.content or '')"
     assert untrimmed in CHAT_TEMPLATE

@@ -305,7 +305,7 @@ def test_plan_options_are_checked():
 
 
 def test_a_fresh_clone_plans_before_the_demo_target_is_built(tmp_path, monkeypatch, capsys):
-    """models/tiny-llama does not exist before `dvc repro tiny_model`, and it looks like a hub id then: the plan
+    """The demo's target does not exist before `dvc repro packaged_model`, and it looks like a hub id then: the plan
     says which stage makes it and plans what it can, instead of trying huggingface.co."""
     import shutil
 
@@ -318,10 +318,10 @@ def test_a_fresh_clone_plans_before_the_demo_target_is_built(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # were the hub asked, fail at once rather than after its retries
     cfg = load_config(None, [], params_path=tmp_path / "params.yaml", need_dataset=False)
-    assert cfg.model.path == "models/tiny-llama" and not (tmp_path / "models").exists()
+    assert cfg.model.path == "models/smollm2-135m-instruct" and not (tmp_path / "models").exists()
     plans = main(cfg)
     out = capsys.readouterr().out
-    assert "models/tiny-llama does not exist yet; dvc.yaml's stage tiny_model makes it" in out
+    assert "models/smollm2-135m-instruct does not exist yet; dvc.yaml's stage packaged_model makes it" in out
     assert "huggingface" not in out
     assert [p.dataset for p in plans] == list(cfg.datasets)
     assert all(p.prompts and p.prompts_from.startswith("source") and p.to_generate == p.budget for p in plans)
@@ -353,3 +353,13 @@ def test_turns_all_plans_every_turn_of_every_conversation(project, capsys):
     # every stored turn found (the output is what the walk reached, landed on the budget: a prefix of it)
     assert p.reusable >= gm["completion_tokens"] and p.to_generate == 0 and p.requests == 0
     assert p.prompts_left < turns - gm["turns_regenerated"] + 1
+
+
+def test_the_plan_says_which_token_ends_a_turn(project, capsys):
+    """Under the target line: the end of turn the chat template writes, and the ids generation stops on."""
+    plan(project)
+    out = capsys.readouterr().out.splitlines()
+    target = next(i for i, line in enumerate(out) if line.startswith("target: "))
+    assert out[target + 1] == (
+        "end of turn: '<|im_end|>' (2), as the chat template writes it; generation stops on '<|im_end|>' (2)"
+    )

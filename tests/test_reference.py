@@ -107,19 +107,27 @@ def test_a_meaning_for_a_key_the_schema_lacks_stops_the_generator():
         reference.keys(Small, SMALL_SOURCE, meanings={"added": "Explained elsewhere.", "removed": "Gone."})
 
 
-def test_help_shows_the_config_and_runs_nothing(tmp_path):
+def test_help_says_what_the_stage_does_and_show_config_the_config_and_neither_runs_anything(tmp_path):
     (tmp_path / "params.yaml").write_text("tokenize:\n  max_seq_len: 1234\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run(
-        [sys.executable, "-m", "stages.tokenize", "dataset=B3_magicoder", "--help"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+
+    def stage(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "stages.tokenize", "dataset=B3_magicoder", *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    proc = stage("--help")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith("usage: python -m stages.tokenize dataset=<D> [key=value ...]\n")
+    assert proc.stdout.startswith("Stage `tokenize@D`")  # its description first
+    assert "usage: python -m stages.tokenize dataset=<D> [key=value ...] [--show-config]\n" in proc.stdout
+    assert len(proc.stdout.splitlines()) < 40
+    proc = stage("--show-config")
+    assert proc.returncode == 0, proc.stderr
     assert "\ntokenize:\n" in proc.stdout
     assert "  max_seq_len: 1234\n" in proc.stdout  # params.yaml composed over the defaults
     assert "  on_too_long: drop\n" in proc.stdout  # a default params.yaml does not set
@@ -133,7 +141,11 @@ def test_help_in_the_project_writes_nothing_under_data():
 
     before = snapshot()
     proc = subprocess.run(
-        [sys.executable, "-m", "stages.tokenize", "-h"], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "stages.tokenize", "--show-config"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert "tokenize:" in proc.stdout and "max_seq_len" in proc.stdout

@@ -366,3 +366,42 @@ def test_a_plain_fast_tokenizer_loads_as_autotokenizer_loads_it_without_torch(ti
 
 def _edit_json(path, **changes) -> None:
     path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def test_a_stop_answer_whose_ids_do_not_end_its_turn_is_skipped_on_the_id_path_too(project, tok):
+    """A server that stopped on a stop string says `stop` with ids that end on an ordinary token: that sample would
+    never train the end of the turn. The id path refuses it as the text path does: `no_end_of_turn`, counted."""
+    good = response(tok, "a", HISTORY, "Three.", ids=True)
+    cut = response(tok, "b", HISTORY[:2], "Two.", ids=True, output_ids=tok.encode("Two.", add_special_tokens=False))
+    assert cut["finish_reason"] == "stop" and cut["output_ids"][-1] != tok.eos_token_id
+    project.params["tokenize"]["max_skip_pct"] = 100.0
+    project.save()
+    rows, metrics = run_tokenize(project, [good, cut])
+    assert [r["id"] for r in rows] == ["a"] and metrics["skipped"]["no_end_of_turn"] == 1
+
+
+def test_a_template_that_fails_on_a_plain_turn_is_refused_not_skipped_over(tiny_model, tmp_path):
+    """The end-of-turn check renders a plain user and assistant turn: a template that raises there is refused in
+    one line naming the key (the check used to pass it silently)."""
+    from draftdata.target.tokenizer import end_of_turn_ids
+
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{{ raise_exception('this template takes tool turns only') }}")
+    tok = load_tokenizer(ModelConfig(path=str(tiny_model), chat_template=str(broken)))
+    with pytest.raises(ConfigError, match=r"^model.chat_template: the chat template fails on a plain .* tool turns"):
+        end_of_turn_ids(tok, ModelConfig(path=str(tiny_model), chat_template=str(broken)))
+
+
+def test_library_code_never_exits_the_process():
+    """Only the entry points end the process (draftdata.config.load.cli, the commands' and the vLLM worker's
+    mains); a library function raises, and its caller decides."""
+    import re
+
+    root = Path(__file__).resolve().parents[1] / "draftdata"
+    allowed = {"config/load.py", "cli/__init__.py", "cli/verify.py", "cli/compare.py", "hidden/engines/vllm_worker.py"}
+    calls = [
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
+        if re.search(r"\bsys\.exit\(", p.read_text()) and str(p.relative_to(root)) not in allowed
+    ]
+    assert not calls

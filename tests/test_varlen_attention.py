@@ -117,10 +117,14 @@ def sharp_model(tiny_model, tmp_path_factory):
     return out
 
 
-def test_greedy_answers_from_packed_chunked_prefills_equal_one_prompt_generation(sharp_model, monkeypatch):
-    """Six prompts of different lengths at once, prefilled in chunks of 48 tokens beside the others' decodes: each
-    greedy answer equals `generate` on that prompt alone, and the per-sequence path did the packed steps."""
+@pytest.mark.parametrize("batching", ["transformers", "slots"])
+def test_greedy_answers_from_packed_chunked_prefills_equal_one_prompt_generation(sharp_model, monkeypatch, batching):
+    """Six prompts of different lengths at once, prefilled packed beside the others' decodes: each greedy answer
+    equals `generate` on that prompt alone. transformers' continuous batching (a GPU's engine, run here on the CPU)
+    prefills in chunks of 48 tokens, and the per-sequence path did its packed steps; slot batching (the CPU's) packs
+    whole prompts up to 48 tokens a forward, through its own attention."""
     from draftdata.generate.backends import make_backend
+    from draftdata.generate.backends.slots import SlotBatching
     from draftdata.target.model import load_model
     from draftdata.target.tokenizer import end_of_turn_ids, load_tokenizer, render_prompt_ids
 
@@ -132,7 +136,9 @@ def test_greedy_answers_from_packed_chunked_prefills_equal_one_prompt_generation
         model=ModelConfig(path=str(sharp_model)),
         datasets={"d": ds},
         dataset="d",
-        backend=BackendConfig(kind=BackendKind.embedded, max_batch_tokens=48, num_blocks=64),
+        backend=BackendConfig(
+            kind=BackendKind.embedded, embedded_batching=batching, max_batch_tokens=48, num_blocks=64
+        ),
     )
     tok = load_tokenizer(cfg.model)
     prompts = [
@@ -146,12 +152,13 @@ def test_greedy_answers_from_packed_chunked_prefills_equal_one_prompt_generation
         await backend.start()
         try:
             reqs = [GenRequest(f"r{i}", ids, None, None, 12, {}) for i, ids in enumerate(prompts)]
-            return await asyncio.gather(*(backend.generate(r) for r in reqs))
+            return isinstance(backend.manager, SlotBatching), await asyncio.gather(*(backend.generate(r) for r in reqs))
         finally:
             await backend.close()
 
-    results = asyncio.run(asyncio.wait_for(go(), 120))
-    assert any(calls), "no packed step took the per-sequence path"
+    slots, results = asyncio.run(asyncio.wait_for(go(), 120))
+    assert slots == (batching == "slots")
+    assert slots or any(calls), "no packed step took the per-sequence path"
     model, stop = load_model(cfg.model), sorted(end_of_turn_ids(tok, cfg.model))
     answers = [
         model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=stop) for ids in prompts

@@ -546,3 +546,94 @@ def test_verify_recomputes_hf_states_with_vllm(project, tmp_path, monkeypatch, c
     )
     print(capsys.readouterr().out)
     assert all(0 < e.max < 2**-9 for e in exact.layers)
+
+
+# --- the demo's real target (SmolLM2-135M-Instruct) with the demo's real prompt lengths ---------------------------
+
+# vLLM's CPU build kills its engine on a seeded request whose prefill is chunked ("CPU Generator does not use offset"):
+# with a token budget per step above any prompt, no prefill is chunked. docs/generation.md says so too.
+NO_CHUNKED_PREFILL = ("--max-num-batched-tokens", "32768")
+REAL_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4", "OMP_NUM_THREADS": "2"}
+
+
+def real_demo_project(project, smollm2: Path, url: str) -> None:
+    """B6 (ultrachat) on the real target, its last turns (each prompt holds the conversation so far: up to 504
+    tokens, a fifth of them over 300), 32 in flight, through vLLM with token-id prompts."""
+    project.params["model"]["path"] = str(smollm2)
+    project.params["tokenize"]["train_on"] = "all_turns"
+    project.params["datasets"] = {
+        "B6": dataset_params(
+            "B6_ultrachat",
+            "messages",
+            turns="last",
+            max_prompts=None,
+            max_prompt_tokens=768,
+            token_budget=3000,
+            max_tokens=96,
+            concurrency=32,
+        )
+    }
+    project.params["backend"] = {
+        "kind": "openai",
+        "urls": [url],
+        "prompt_format": "ids",
+        "return_token_ids": True,
+        "request_timeout_s": 300,
+        "max_retries": 1,
+        "backoff_base_s": 0.1,
+        "backoff_max_s": 0.5,
+    }
+    project.save()
+
+
+def test_the_real_target_at_32_in_flight_through_vllm_is_token_exact(smollm2, project, tmp_path):
+    with serve(smollm2, tmp_path / "vllm.log", *NO_CHUNKED_PREFILL, "--max-num-seqs", "32", env=REAL_ENV) as url:
+        real_demo_project(project, smollm2, url)
+        for stage in ("prompts", "generate", "tokenize"):
+            project.run(stage, "B6")
+    prompts = [json.loads(line) for line in (project.data("B6") / "responses.jsonl").read_text().splitlines()]
+    assert max(p["prompt_tokens"] for p in prompts) > 300  # the demo's long prompts, not a toy's
+    m = json.loads((project.data("B6") / "generate_metrics.json").read_text())
+    assert m["budget_met"] and not m["failed"]
+    t = json.loads((project.data("B6") / "tokenize_metrics.json").read_text())
+    assert t["text_path_samples"] == 0 and t["samples"] > 0
+
+
+def test_a_dead_vllm_engine_stops_the_run_with_what_to_do(smollm2, project, tmp_path):
+    """The same run on vLLM's default step budget: its engine dies on a seeded chunked prefill. The run stops with
+    one line that says the engine died, to restart it, and the flag that avoids it; nothing committed is lost."""
+    from draftdata.errors import UserError
+
+    with serve(smollm2, tmp_path / "vllm.log", "--max-num-seqs", "32", env=REAL_ENV) as url:
+        real_demo_project(project, smollm2, url)
+        project.params["run"]["fail_fast_after"] = 8
+        project.save()
+        project.run("prompts", "B6")
+        with pytest.raises(UserError) as e:
+            project.run("generate", "B6")
+    message = str(e.value)
+    assert "\n" not in message and "engine_dead" in message and "--max-num-batched-tokens" in message, message
+    assert "CPU Generator does not use offset" in (tmp_path / "vllm.log").read_text()  # the crash it names
+
+
+def test_verify_agrees_between_hf_and_vllm_on_the_real_target(smollm2, project, monkeypatch, capsys):
+    """The states the hf engine stored for the real target (30 layers, bf16), recomputed by vLLM: within bf16. Both
+    engines compute in bf16, so single tokens stray (up to 8 % here: draftdata/hidden/verify.py says why) and each
+    sample's mean error is judged, within eps x sqrt(depth) in every layer."""
+    from draftdata.cli.verify import main
+    from draftdata.config.load import load_config
+
+    for k, v in CAPTURE_ENV.items():
+        monkeypatch.setenv(k, v)
+    project.params["model"]["path"] = str(smollm2)
+    project.params["datasets"]["B3"].update(token_budget=200, max_tokens=48, max_prompts=20)
+    project.save()
+    for stage in ("prompts", "generate", "tokenize", "hidden_states"):
+        project.run(stage, "B3")
+    overrides = ["verify.engine=vllm", f"hidden_states.vllm_python={VLLM_PYTHON}"]
+    report = main(load_config("B3", overrides, params_path=project.path / "params.yaml"))
+    print(capsys.readouterr().out)
+    assert report.ok and report.engine == "vllm" and len(report.checked) == 3
+    assert not report.per_token and report.forward_dtype == "bfloat16" and report.tolerance == 2e-2
+    assert len(report.layers) == 4 and all(0 < e.sample_max <= e.tolerance for e in report.layers)
+    assert report.layers[-1].tolerance == pytest.approx(2**-7 * 30**0.5)  # the final state: 30 layers deep

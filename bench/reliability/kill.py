@@ -36,7 +36,7 @@ every restart's for the phases it went through whole (the writing always; the wo
 nothing stored), the work of a run aimed at its writing, and a run's that ended before its kill moment (such a draw
 is drawn again, up to MAX_DRAWS). How long a phase takes changes with the machine's load, by a factor or two: within
 the lower quartile a moment falls within the phase of at least 3 runs in 4. Every stage run here holds each output
-whole at its temp name for HOLD_S before renaming it (DRAFTDATA_HOLD_BEFORE_RENAME_S): the writing, milliseconds
+whole at its temp name for HOLD_S before renaming it (bench/reliability/held.py): the writing, milliseconds
 otherwise, lasts long enough to be aimed at, and a kill in it lands with a temp file whole or half-written and the
 outputs renamed so far beside the ones not yet (the temp files are never read; their order is the stage's). The
 default rotation (ROTATION) gives the aimed kills of prompts and tokenize, seconds each, five turns, the writing of
@@ -85,7 +85,6 @@ import yaml
 from bench.reliability import kill_checks as checks
 from bench.reliability.kill_checks import Delivery, Problem
 from bench.servers import transformers_serve
-from draftdata.util.files import HOLD_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "sources" / "demo"
@@ -94,7 +93,7 @@ BUDGET = 600
 # How often a run is looked at: often enough to see the writing of a small output (a few ms) begin.
 POLL_S = 0.0005
 WORK_POLL_S = 0.01  # how often the store is read for the first commit
-# How long every output is held whole at its temp name before its rename (draftdata/util/files.py): a stage writes
+# How long every output is held whole at its temp name before its rename (bench/reliability/held.py): a stage writes
 # its outputs in milliseconds, less than a loaded machine may take to schedule this process after the stage's line
 # that its writing begins; held, the writing of 2 to 4 outputs lasts a tenth of a second or more.
 HOLD_S = 0.05
@@ -263,11 +262,10 @@ class Project:
     def spawn(self, stage: str) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if k not in ("DRAFTDATA_STORE", "DRAFTDATA_PARAMS")}
         env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")  # 2 cores: threads would only contend
-        env[HOLD_ENV] = str(HOLD_S)
         self.new_run()
-        with open(self.log, "a") as log:
+        with open(self.log, "a") as log:  # every output held whole at its temp name (bench/reliability/held.py)
             return subprocess.Popen(
-                [sys.executable, "-m", f"stages.{stage}", f"dataset={DATASET}"],
+                [sys.executable, "-m", "bench.reliability.held", str(HOLD_S), f"stages.{stage}", f"dataset={DATASET}"],
                 cwd=self.path,
                 env=env,
                 stdout=log,

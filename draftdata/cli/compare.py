@@ -78,5 +78,12 @@ def run(argv: list[str]) -> None:
     if proc.returncode != 0:
         sys.exit(f"error: dvc exp show failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
     rows = experiments(json.loads(proc.stdout))
-    for dataset in wanted or changed(rows) or sorted({d for _, s in rows for d in s}):
+    known = sorted({d for _, s in rows for d in s})
+    unknown = [d for d in wanted if d not in known]
+    if unknown:  # an empty table and status 0 would read as "nothing differs"
+        sys.exit(
+            f"error: dataset: no summary.json of {', '.join(unknown)} in any experiment or the workspace; "
+            f"known: {', '.join(known) or 'none (run dvc repro first)'}"
+        )
+    for dataset in wanted or changed(rows) or known:
         print("\n".join(table(rows, dataset)) + "\n")

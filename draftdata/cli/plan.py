@@ -45,7 +45,7 @@ from draftdata.generate.store import ResponseStore, StoredResponse
 from draftdata.generate.work import conversation_plan, plan_conversations
 from draftdata.hidden.shards import bytes_per_token, disk_per_token
 from draftdata.target.model import ModelNotBuilt, model_dir, model_limits
-from draftdata.target.tokenizer import end_of_turn_ids, has_tokenizer_files, load_tokenizer
+from draftdata.target.tokenizer import end_of_turn_line, has_tokenizer_files, load_tokenizer
 from draftdata.util.files import data_dir, read_jsonl, write_json
 from draftdata.util.sqlite import resolve_store_path
 
@@ -420,7 +420,13 @@ def table(headers: list[str], rows: list[list[str]], left: tuple[int, ...] = (0,
     return lines
 
 
-def render(plans: list[DatasetPlan], shape: ModelShape | None, cfg: Config, warnings: Sequence[str] = ()) -> str:
+def render(
+    plans: list[DatasetPlan],
+    shape: ModelShape | None,
+    cfg: Config,
+    warnings: Sequence[str] = (),
+    ends: Sequence[str] = (),
+) -> str:
     all_gpu = all(p.gpu_s is not None for p in plans)
     prompts_known = all(p.prompts is not None for p in plans)
     tokens_rows = [
@@ -489,6 +495,7 @@ def render(plans: list[DatasetPlan], shape: ModelShape | None, cfg: Config, warn
     lines = [
         f"plan: {len(plans)} dataset(s); nothing is sent to any server",
         _target_line(cfg, shape),
+        *ends,  # which token ends a turn, under each distinct template_kwargs
         "",
         *table(
             [
@@ -642,10 +649,11 @@ def main(cfg: Config, opts: Options | None = None) -> list[DatasetPlan]:
     else:
         warnings = length_warnings(cfg, names, model_limits(cfg.model).context)
     tokenizer = _tokenizer_loader(cfg) if shape else None
+    ends: list[str] = []
     if tokenizer is not None and has_tokenizer_files(model_dir(cfg.model)):
-        # as check_params and generate: a template that ends the turn where the target does not stop, in one line
-        for name in names:
-            end_of_turn_ids(tokenizer(), cfg.model, template_kwargs_of(cfg, name))
+        # as check_params and generate: a template that ends the turn where the target does not stop, in one line;
+        # else which token it is
+        ends = sorted({end_of_turn_line(tokenizer(), cfg.model, template_kwargs_of(cfg, name)) for name in names})
     store_path = resolve_store_path(cfg.run.store_path)
     store = ResponseStore(store_path) if store_path.exists() else None  # no store yet: nothing stored, none made
     try:
@@ -653,7 +661,7 @@ def main(cfg: Config, opts: Options | None = None) -> list[DatasetPlan]:
     finally:
         if store is not None:
             store.close()
-    print(render(plans, shape, cfg, warnings))
+    print(render(plans, shape, cfg, warnings, ends))
     if opts.out:
         write_json(opts.out, to_json(plans, shape, warnings))
     return plans
@@ -667,8 +675,6 @@ def _tokenizer_loader(cfg: Config):
 
 
 def run(argv: list[str]) -> None:
-    if "--help" in argv or "-h" in argv:  # what the command prints and its own options, then the config's help
-        print(__doc__.strip() + "\n")
     raw, rest = split_options(argv)
     # with dataset=<D> the loader checks that D exists, as for every stage; without it, all datasets are planned
     one = any(a.partition("=")[0].lstrip("+") == "dataset" for a in rest)

@@ -40,15 +40,15 @@ MEANINGS = {
     "model.revision": "The revision (branch, tag or commit; null: `main`) to load when `model.path` is a hub id; "
     "resolved to its commit in the local HF cache, whose snapshot's files are the target's fingerprint and are "
     "what every stage loads (a hub id not downloaded there is refused).",
-    "tiny_model.path": "Where the `tiny_model` stage writes the demo target.",
-    "tiny_model.corpus_dir": "The prompt files the demo target's tokenizer and weights are fitted to.",
-    "tiny_model.seed": "Seed of the demo target's random weights.",
-    "tiny_model.vocab_size": "Vocabulary size of the demo target's tokenizer.",
-    "tiny_model.hidden_size": "Hidden size of the demo target.",
-    "tiny_model.num_layers": "Decoder layers of the demo target.",
-    "tiny_model.num_heads": "Attention heads of the demo target.",
-    "tiny_model.max_position_embeddings": "Longest sequence the demo target takes.",
-    "tiny_model.mean_response_tokens": "Mean length of the demo target's responses before it ends its turn.",
+    "tiny_model.path": "Where the `tiny_model` stage writes the tiny target (the tests' and the fast profile's).",
+    "tiny_model.corpus_dir": "The prompt files the tiny target's tokenizer and weights are fitted to.",
+    "tiny_model.seed": "Seed of the tiny target's random weights.",
+    "tiny_model.vocab_size": "Vocabulary size of the tiny target's tokenizer.",
+    "tiny_model.hidden_size": "Hidden size of the tiny target.",
+    "tiny_model.num_layers": "Decoder layers of the tiny target.",
+    "tiny_model.num_heads": "Attention heads of the tiny target.",
+    "tiny_model.max_position_embeddings": "Longest sequence the tiny target takes.",
+    "tiny_model.mean_response_tokens": "Mean length of the tiny target's responses before it ends its turn.",
     "datasets.<name>.source.shape": "How a row of the source becomes a prompt: `glaive`, `opencodeinstruct`, "
     "`magicoder_oss`, `magicoder_evol`, `messages`, `conversations` or `swe_agent` (draftdata/sources/shapes.py).",
     "datasets.<name>.source.hf_name": "A dataset on the HF hub (or a local dataset directory), read with "

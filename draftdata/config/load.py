@@ -108,6 +108,63 @@ def _select_backend(params: dict, overrides: list[str], params_path: Path) -> li
     return [f"backend={kind}", *overrides]
 
 
+_FREE = "free"  # a Dict[str, Any] field: any key below it is the user's (template_kwargs, sampling.extra, ...)
+
+
+def _schema_node(parts: list[str]):
+    """What the schema has at a dotted key: a dataclass, a leaf type, _FREE (inside a free-form mapping), or None
+    (no such key)."""
+    import dataclasses
+    import typing
+
+    node: Any = Config
+    for part in parts:
+        while typing.get_origin(node) is typing.Union:  # Optional[X]
+            node = next(a for a in typing.get_args(node) if a is not type(None))
+        if dataclasses.is_dataclass(node):
+            hints = typing.get_type_hints(node)
+            if part not in hints:
+                return None
+            node = hints[part]
+        elif typing.get_origin(node) in (dict, typing.Dict):  # noqa: UP006 - the schema's annotations
+            value = typing.get_args(node)[1]
+            if value is Any:
+                return _FREE
+            node = value  # a named entry (datasets.<name>): any name
+        else:
+            return None  # below a leaf
+    return node
+
+
+def _checked_overrides(overrides: list[str]) -> list[str]:
+    """The command line against the schema, before Hydra: `+key=v` adds a key, which a typo'd key must not be
+    (`+datasets.D.token_budgt=5000` was taken silently); `key={a: b}` on a free-form mapping (template_kwargs,
+    sampling.extra, extra_body, vllm_kwargs) replaces the mapping, which Hydra refuses for keys not yet in it."""
+    import difflib
+    import typing
+
+    out = []
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        bare = key.lstrip("+~")
+        if not sep or bare in ("dataset", "backend"):
+            out.append(override)
+            continue
+        parts = bare.split(".")
+        node = _schema_node(parts)
+        if node is None:
+            parent = _schema_node(parts[:-1])
+            known = list(typing.get_type_hints(parent)) if hasattr(parent, "__dataclass_fields__") else []
+            near = difflib.get_close_matches(parts[-1], known, n=1)
+            hint = f"; did you mean {'.'.join(parts[:-1] + near)}?" if near else ""
+            raise ConfigError(bare, f"unknown key{hint} [from command line]")
+        free_mapping = node is _FREE or typing.get_args(node)[1:] == (Any,)
+        if not key.startswith("+") and value.lstrip().startswith("{") and free_mapping:
+            override = f"++{bare}={value}"
+        out.append(override)
+    return out
+
+
 def load_config(
     dataset: str | None,
     overrides: list[str] | None = None,
@@ -124,7 +181,7 @@ def load_config(
     params_path = params_path or Path(os.environ.get("DRAFTDATA_PARAMS", "params.yaml"))
     params = _read_params(params_path)
     _check_sections(params, str(params_path))
-    overrides = _select_backend(params, list(overrides or []), params_path)
+    overrides = _select_backend(params, _checked_overrides(list(overrides or [])), params_path)
     cs = ConfigStore.instance()
     cs.store(name="draftdata_schema", node=Config)
     cs.store(name="draftdata_params", node=params)
@@ -141,19 +198,31 @@ def load_config(
     return cfg
 
 
-def _print_help(overrides: list[str], need_dataset: bool, prog: str | None) -> None:
-    """`--help`: how to call the stage, then the config it would run with (params.yaml and the overrides given,
-    composed over conf/ and the schema's defaults) as YAML. Nothing runs and nothing is written."""
+def _description(main: Callable) -> str:
+    """The stage's or command's own docstring: its module's (`python -m stages.X`, `draftdata X`)."""
+    module = sys.modules.get(getattr(main, "__module__", "") or "") or sys.modules.get("__main__")
+    return (getattr(module, "__doc__", None) or "").strip()
+
+
+def _print_help(main: Callable, need_dataset: bool, prog: str) -> None:
+    """`--help`: what the stage or command does and how to call it; `--show-config` prints the config."""
+    description = _description(main)
+    if description:
+        print(description + "\n")
+    print(f"usage: {prog}{' dataset=<D>' if need_dataset else ''} [key=value ...] [--show-config]")
+    sections = ", ".join(name for name in Config.__dataclass_fields__ if name != "dataset")
+    print(
+        "\nkey=value overrides in Hydra's grammar; last wins: schema defaults < conf/ preset < params.yaml < command "
+        f"line.\nsections: {sections}; every key is explained in docs/configuration.md.\n"
+        f"{prog} --show-config [key=value ...] prints the config these overrides give, as YAML; nothing runs."
+    )
+
+
+def _show_config(overrides: list[str]) -> None:
+    """The config it would run with (params.yaml and the overrides given, composed over conf/ and the schema's
+    defaults) as YAML. Nothing runs and nothing is written."""
     from omegaconf import OmegaConf
 
-    if prog is None:
-        spec = getattr(sys.modules["__main__"], "__spec__", None)
-        prog = f"python -m {spec.name if spec is not None else f'stages.{Path(sys.argv[0]).stem}'}"
-    print(f"usage: {prog}{' dataset=<D>' if need_dataset else ''} [key=value ...]")
-    print(
-        "Overrides in Hydra's grammar; last wins: schema defaults < conf/ preset < params.yaml < command line.\n"
-        "Every key is explained in docs/configuration.md. The config with these overrides:\n"
-    )
     try:  # the keys, not one dataset's run: a dataset= override is left out and no source file is looked for
         cfg: Any = load_config(None, [o for o in overrides if not o.startswith("dataset=")], need_dataset=False)
     except UserError as e:
@@ -162,18 +231,53 @@ def _print_help(overrides: list[str], need_dataset: bool, prog: str | None) -> N
     print(OmegaConf.to_yaml(OmegaConf.structured(cfg)), end="")
 
 
+def _program(prog: str | None) -> str:
+    if prog is not None:
+        return prog
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    return f"python -m {spec.name if spec is not None else f'stages.{Path(sys.argv[0]).stem}'}"
+
+
+def _quiet_broken_pipe() -> None:
+    """Output piped into `head` and cut short: end quietly, as a shell tool does, not with a traceback."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    sys.exit(0)
+
+
+def _refuse_dashed(args: list[str], prog: str) -> None:
+    """`--dataset B3`: the config takes key=value only; a dashed word reached Hydra's parser as an override and ended
+    in its lexer's traceback."""
+    for arg in args:
+        if arg.startswith("-") and arg not in ("--show-config",):
+            key = arg.lstrip("-").partition("=")[0]
+            raise ConfigError(
+                "command line", f"{arg}: {prog} takes key=value (e.g. {key}=...), and --help or --show-config"
+            )
+
+
 def cli(
     main: Callable[[Config], Any], need_dataset: bool = True, argv: list[str] | None = None, prog: str | None = None
 ) -> None:
     """Entry point of every stage (`python -m stages.<name> dataset=<D> [hydra overrides]`) and of the commands that
-    take the config (`draftdata plan|export ...`); `--help` (`-h`) shows the config and its defaults instead of
-    running."""
+    take the config (`draftdata plan|export ...`); `--help` (`-h`) says what it does and how to call it,
+    `--show-config` prints the config it would run with; neither runs anything."""
     args = sys.argv[1:] if argv is None else argv
-    if "--help" in args or "-h" in args:
-        _print_help([a for a in args if a not in ("--help", "-h")], need_dataset, prog)
-        return
+    prog = _program(prog)
     try:
+        if "--help" in args or "-h" in args:
+            _print_help(main, need_dataset, prog)
+            return
+        if "--show-config" in args:
+            _show_config([a for a in args if a != "--show-config"])
+            return
+    except BrokenPipeError:
+        _quiet_broken_pipe()
+    try:
+        _refuse_dashed(args, prog)
         main(load_config(dataset=None, overrides=args, need_dataset=need_dataset))
+    except BrokenPipeError:
+        _quiet_broken_pipe()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

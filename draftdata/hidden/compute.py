@@ -78,6 +78,7 @@ class HiddenTally:
     seconds: float = 0.0
     fp8_err_num: float = 0.0
     fp8_err_den: float = 0.0
+    engines: dict = field(default_factory=dict)  # samples of the output by the engine that computed them
 
 
 class LazyEngine:
@@ -100,6 +101,12 @@ class LazyEngine:
         """The vllm engine's path (extract or hook) and why not extract; None if no vllm engine ran."""
         path = getattr(self.engine, "vllm_path", None)
         return None if path is None else (path, getattr(self.engine, "fallback", None))
+
+    @property
+    def name(self) -> str:
+        """What computes the states, as the state store records it per shard: `hf`, `vllm:hook`, `vllm:extract`."""
+        path = getattr(self.get(), "vllm_path", None)
+        return "hf" if path is None else f"vllm:{path}"
 
     @property
     def pad_tokens(self) -> int:
@@ -137,23 +144,23 @@ class ShardWriter:
         self._pending: tuple | None = None
         self._buffer = ShardBuffer()  # one shard's image at a time: the one in flight
 
-    def submit(self, samples: list[SampleStates]) -> None:
+    def submit(self, samples: list[SampleStates], engine: str) -> None:
         self.wait()
         name = self.store.new_shard_name(self.settings_hash)
         args = (self.store.path(name), samples, self.dtype, self.settings, self.timers, self._buffer)
         job = self._pool.submit(write, *args) if self._pool is not None else _Done(write(*args))
-        self._pending = (job, name, [s.key for s in samples], [len(s.input_ids) for s in samples])
+        self._pending = (job, name, [s.key for s in samples], [len(s.input_ids) for s in samples], engine)
 
     def wait(self) -> None:
         """The shard in flight, written and indexed (a write's error is raised here)."""
         if self._pending is None:
             return
-        job, name, keys, lengths = self._pending
+        job, name, keys, lengths, engine = self._pending
         self._pending = None
         with self.timers("waiting for the writer"):
             size = job.result()
         with self.timers("state store"):
-            self.store.add_shard(name, self.settings_hash, keys, lengths, size)
+            self.store.add_shard(name, self.settings_hash, keys, lengths, size, engine)
 
     def close(self) -> None:
         try:
@@ -217,7 +224,7 @@ class Computer:
     def flush(self) -> None:
         """The buffered samples to a shard (written in the background)."""
         if self._buffer:
-            self._writer.submit(self._buffer)
+            self._writer.submit(self._buffer, self.engine.name)
             self._buffer = []
 
     def sync(self) -> None:
@@ -272,12 +279,20 @@ def computes_off_cpu(hs) -> bool:
     return hs.backend == "vllm" or torch.cuda.is_available()
 
 
-def windows(src: Path, size: int):
-    """(ids, input_ids, loss_masks) of `size` samples at a time, streamed from samples.parquet."""
+# tokenize's columns the hidden-states output carries on, so that it is whole without samples.parquet beside it
+CARRIED = ("conversation", "turn")
+
+
+def windows(src: Path, size: int, carried: bool = False):
+    """(ids, input_ids, loss_masks) of `size` samples at a time, streamed from samples.parquet; with `carried`, a
+    dict of the CARRIED columns tokenize wrote (`turns: all`) as a fourth item."""
     import pyarrow.parquet as pq
 
-    for batch in pq.ParquetFile(src).iter_batches(batch_size=size, columns=["id", "input_ids", "loss_mask"]):
-        yield tuple(batch.column(i).to_pylist() for i in range(3))
+    pf = pq.ParquetFile(src)
+    extra = [c for c in CARRIED if c in pf.schema_arrow.names] if carried else []
+    for batch in pf.iter_batches(batch_size=size, columns=["id", "input_ids", "loss_mask", *extra]):
+        main = tuple(batch.column(i).to_pylist() for i in range(3))
+        yield (*main, {c: batch.column(3 + i).to_pylist() for i, c in enumerate(extra)}) if carried else main
 
 
 def compute(
@@ -334,17 +349,14 @@ def materialise(
     sh = content_hash(settings)
     linked: dict[str, str] = {}
     how = "hardlink"
-    schema = pa.schema(
-        [
-            ("id", pa.string()),
-            ("shard", pa.string()),
-            ("row", pa.int32()),
-            ("n_tokens", pa.int32()),
-            ("loss_mask", pa.list_(pa.int8())),
-        ]
-    )
+    carried = [c for c in CARRIED if c in pq.read_schema(src).names]
+    fields = [("id", pa.string()), ("shard", pa.string()), ("row", pa.int32()), ("n_tokens", pa.int32())]
+    fields += [("loss_mask", pa.list_(pa.int8())), ("engine", pa.string())]
+    fields += [(c, pq.read_schema(src).field(c).type) for c in carried]
+    schema = pa.schema(fields)
+    engines: dict[str, str | None] = {}
     with atomic_path(out / "samples.parquet") as tmp, pq.ParquetWriter(tmp, schema) as writer:
-        for ids, input_ids, masks in windows(src, cfg.hidden_states.window_samples):
+        for ids, input_ids, masks, extra in windows(src, cfg.hidden_states.window_samples, carried=True):
             keys = [state_key(sh, x) for x in input_ids]
             found = store.lookup(keys)
             lost = [i for i, k in zip(ids, keys) if k not in found]
@@ -355,22 +367,23 @@ def materialise(
                 )
             for loc in {found[k].shard for k in keys} - set(linked):
                 linked[loc], how = _link(store.path(loc), out / "shards", how)
+            engines.update(store.engines({found[k].shard for k in keys} - set(engines)))
             rows = [found[k] for k in keys]
-            writer.write_table(
-                pa.table(
-                    {
-                        "id": ids,
-                        "shard": [linked[r.shard] for r in rows],
-                        "row": [r.row for r in rows],
-                        "n_tokens": [r.n_tokens for r in rows],
-                        "loss_mask": masks,
-                    },
-                    schema=schema,
-                )
-            )
+            columns = {
+                "id": ids,
+                "shard": [linked[r.shard] for r in rows],
+                "row": [r.row for r in rows],
+                "n_tokens": [r.n_tokens for r in rows],
+                "loss_mask": masks,
+                "engine": [engines.get(r.shard) for r in rows],
+            }
+            writer.write_table(pa.table(columns | extra, schema=schema))
             tally.samples += len(ids)
             tally.tokens += sum(r.n_tokens for r in rows)
             tally.trained_tokens += sum(map(sum, masks))
+            for r in rows:
+                name = engines.get(r.shard) or "unrecorded"
+                tally.engines[name] = tally.engines.get(name, 0) + 1
     norm = target.norm
     tensors = {"weight": norm.weight.contiguous()}
     if norm.bias is not None:

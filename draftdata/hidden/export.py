@@ -234,7 +234,6 @@ def write_speculators(hs: HiddenStates, staging: Path, tally: ExportTally) -> No
     """The states file by file, the rows with them (speculators' `hs_<i>` is row i)."""
     from safetensors.torch import save_file
 
-    extras = SampleExtras(hs.path.parent / "samples.parquet")
     (staging / "hidden_states").mkdir()
 
     def rows():
@@ -242,28 +241,11 @@ def write_speculators(hs: HiddenStates, staging: Path, tally: ExportTally) -> No
             with atomic_path(staging / "hidden_states" / f"hs_{i}.safetensors") as tmp:
                 save_file(speculators_tensors(s), str(tmp))
             count(s.input_ids, s.loss_mask, tally, i)
-            yield speculators_row(s.input_ids.tolist(), s.loss_mask.tolist(), extras.of(i, s.id))
+            # the conversation and turn of `turns: all` come with the states: the output is whole on its own
+            extra = {"conversation": s.conversation, "turn": s.turn} if hs.carries_turns else {}
+            yield speculators_row(s.input_ids.tolist(), s.loss_mask.tolist(), extra)
 
-    save_speculators_rows(staging, rows(), extras.present, tally)
-
-
-class SampleExtras:
-    """The `conversation` and `turn` of tokenize's samples (`turns: all`), for the offline exports: the stage's
-    own sample list holds neither, and its sample i is tokenize's sample i (checked by id)."""
-
-    def __init__(self, samples: Path):
-        import pyarrow.parquet as pq
-
-        names = pq.read_schema(samples).names if samples.is_file() else []
-        self.present = "conversation" in names
-        self._cols = pq.read_table(samples, columns=["id", "conversation", "turn"]) if self.present else None
-
-    def of(self, i: int, sample_id: str) -> dict:
-        if self._cols is None:
-            return {}
-        if self._cols["id"][i].as_py() != sample_id:
-            raise UserError(f"samples.parquet: sample {i} is not the hidden states' {sample_id}; rerun dvc repro")
-        return {"conversation": self._cols["conversation"][i].as_py(), "turn": self._cols["turn"][i].as_py()}
+    save_speculators_rows(staging, rows(), hs.carries_turns, tally)
 
 
 # ---- the run ----------------------------------------------------------------------------------------------------- #

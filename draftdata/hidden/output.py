@@ -59,6 +59,7 @@ def output_metrics(
         "padded_compute_share": round(engine.pad_tokens / (computed + engine.pad_tokens), 4) if computed else 0.0,
         "tok_s": round(computed / tally.seconds, 1) if tally.seconds else 0.0,
     }
+    m["engines"] = dict(sorted(tally.engines.items()))  # which computed the output's samples (samples.parquet: each)
     if engine.vllm_path is not None:  # the vllm engine ran: which of its paths, and why not vLLM's extraction
         m["vllm_path"], m["vllm_path_fallback"] = engine.vllm_path
     if hs.dtype == "fp8" and tally.fp8_err_den:

@@ -37,6 +37,8 @@ class Sample:
     aux: object
     final_pre_norm: object
     norm: FinalNorm
+    conversation: str | None = None  # a regenerated conversation's id and its last trained turn (`turns: all`)
+    turn: int | None = None
 
     @property
     def final_post_norm(self):
@@ -56,7 +58,10 @@ class HiddenStates:
         params = load_file(str(self.path / spec["file"]))
         self.norm = FinalNorm(spec["kind"], spec["eps"], params["weight"], params.get("bias"), spec["weight_offset"])
         # kept columnar (a few dozen bytes a sample), not as Python objects: datasets run to millions of samples
-        self._rows = pq.read_table(self.path / "samples.parquet", columns=["id", "shard", "row"])
+        names = pq.read_schema(self.path / "samples.parquet").names
+        self.carries_turns = "conversation" in names  # `turns: all`: each sample's conversation and turn
+        columns = ["id", "shard", "row"] + (["conversation", "turn"] if self.carries_turns else [])
+        self._rows = pq.read_table(self.path / "samples.parquet", columns=columns)
         self._shards: dict[str, ShardReader] = {}
         # loss masks are read a row group at a time, when asked for
         self._pf = pq.ParquetFile(self.path / "samples.parquet")
@@ -79,9 +84,14 @@ class HiddenStates:
         if shard is None:
             shard = self._shards[name] = ShardReader(self.path / "shards" / name)
         ids, aux, final = shard.sample(row)
-        return Sample(
-            self._rows["id"][i].as_py(), ids, torch.tensor(self._mask(i), dtype=torch.long), aux, final, self.norm
-        )
+        sample_id, mask = self._rows["id"][i].as_py(), self._mask(i)
+        if len(mask) != len(ids):  # the sample list and the shards of two different runs
+            raise ValueError(
+                f"{self.path}: sample {i} ({sample_id}) has {len(ids)} tokens in {name} but a loss mask of "
+                f"{len(mask)} in samples.parquet: the output was mixed from two runs; rerun the hidden_states stage"
+            )
+        turns = (self._rows["conversation"][i].as_py(), self._rows["turn"][i].as_py()) if self.carries_turns else ()
+        return Sample(sample_id, ids, torch.tensor(mask, dtype=torch.long), aux, final, self.norm, *turns)
 
     def _mask(self, i: int) -> list[int]:
         g = bisect.bisect_right(self._group_starts, i) - 1

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftdata.hidden.shards import torn
+from draftdata.util.files import sweep_abandoned
 from draftdata.util.hashing import content_hash
 from draftdata.util.sqlite import open_db
 
@@ -34,9 +35,14 @@ CREATE TABLE IF NOT EXISTS shards (
     n_samples INTEGER NOT NULL,
     n_tokens INTEGER NOT NULL,
     bytes INTEGER NOT NULL,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    engine TEXT
 );
 """
+# The engine that computed a shard's states (`hf`, `vllm:hook`, `vllm:extract`): the states of one sample are the same
+# within their dtype's rounding whichever computed them (`draftdata verify` checks it), so a store serves every engine,
+# and says which one each sample came from. NULL: a shard of a store older than the column.
+ENGINE_COLUMN = "ALTER TABLE shards ADD COLUMN engine TEXT"
 
 
 @dataclass
@@ -61,18 +67,15 @@ class StateStore:
     def __init__(self, root: Path):
         self.root = Path(root)
         self.db = open_db(self.root / "index.sqlite", "hidden-state store", SCHEMA)  # creates the directory
+        if "engine" not in {row[1] for row in self.db.execute("PRAGMA table_info(shards)")}:
+            self.db.execute(ENGINE_COLUMN)
         self._sweep_temp_files()
 
-    def _sweep_temp_files(self, older_than_s: float = 3600.0) -> None:
-        """Shards half-written by a killed run (temp names, never indexed). Only old ones: a torchrun job's other
-        ranks may be writing theirs right now."""
-        now = time.time()
-        for tmp in self.root.glob(".*.safetensors.*.tmp"):
-            try:
-                if now - tmp.stat().st_mtime > older_than_s:
-                    tmp.unlink()
-            except FileNotFoundError:
-                pass
+    def _sweep_temp_files(self) -> None:
+        """Shards half-written by a killed run (temp names, never indexed), in the settings folders where shards are
+        written. Only a dead writer's: a torchrun job's other ranks may be writing theirs right now."""
+        for folder in [self.root, *(p for p in self.root.iterdir() if p.is_dir())]:
+            sweep_abandoned(folder)
 
     def close(self) -> None:
         self.db.close()
@@ -94,14 +97,17 @@ class StateStore:
             out.update((k, Location(s, r, n)) for k, s, r, n in rows)
         return out
 
-    def add_shard(self, name: str, settings_hash: str, keys: list[str], lengths: list[int], size: int) -> None:
+    def add_shard(
+        self, name: str, settings_hash: str, keys: list[str], lengths: list[int], size: int, engine: str
+    ) -> None:
         """Record a shard already renamed into place: a kill before this commit leaves an unreferenced file,
         never a reference to a missing one."""
         self.db.execute("BEGIN IMMEDIATE")
         try:
             self.db.execute(
-                "INSERT OR REPLACE INTO shards VALUES (?, ?, ?, ?, ?, ?)",
-                (name, settings_hash, len(keys), sum(lengths), size, time.time()),
+                "INSERT OR REPLACE INTO shards (name, settings, n_samples, n_tokens, bytes, created_at, engine) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (name, settings_hash, len(keys), sum(lengths), size, time.time(), engine),
             )
             self.db.executemany(
                 "INSERT OR REPLACE INTO states VALUES (?, ?, ?, ?)",
@@ -125,6 +131,15 @@ class StateStore:
             ).fetchone()
             total_bytes, total_tokens = total_bytes + b, total_tokens + t
         return total_bytes, total_tokens
+
+    def engines(self, shards: Iterable[str]) -> dict[str, str | None]:
+        """The engine each of these shards was computed by (None: not recorded)."""
+        shards, out = list(shards), {}
+        for i in range(0, len(shards), 500):
+            chunk = shards[i : i + 500]
+            query = f"SELECT name, engine FROM shards WHERE name IN ({','.join('?' * len(chunk))})"
+            out.update(self.db.execute(query, chunk).fetchall())
+        return out
 
     def save_target(self, settings_hash: str, target: Target) -> None:
         """What the output needs of the target besides its states (its final norm, sizes), kept with the states so

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,19 +44,36 @@ def check_model_path(path: str) -> None:
 
 
 def stage_making(path: str, dvc_yaml: Path = Path("dvc.yaml")) -> str | None:
-    """The stage of the project's dvc.yaml (stages run from the project's root) whose `outs` list `path`."""
+    """The stage of the project's dvc.yaml (stages run from the project's root) whose `outs` list `path`; an out
+    such as `${packaged_model.path}` is read from params.yaml beside it, as DVC does."""
     import yaml
 
     try:
         stages = yaml.safe_load(dvc_yaml.read_text()).get("stages") or {}
     except (OSError, ValueError, AttributeError, yaml.YAMLError):
         return None  # no dvc.yaml here (a stage run elsewhere): nothing to point to
+    try:
+        params = yaml.safe_load((dvc_yaml.parent / "params.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        params = {}
     want = os.path.normpath(path)
     for name, stage in stages.items():
         for out in (stage or {}).get("outs") or []:  # an out is a path, or {path: options}
-            if any(os.path.normpath(str(o)) == want for o in (out if isinstance(out, dict) else [out])):
+            paths = (_param(str(o), params) for o in (out if isinstance(out, dict) else [out]))
+            if any(o is not None and os.path.normpath(o) == want for o in paths):
                 return name
     return None
+
+
+def _param(out: str, params: dict) -> str | None:
+    """`out` with a whole-value `${a.b}` replaced by params.yaml's a.b (None when it is not there)."""
+    m = re.fullmatch(r"\$\{([\w.]+)\}", out)
+    if m is None:
+        return out
+    value: object = params
+    for part in m.group(1).split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return None if value is None else str(value)
 
 
 def hub_cache_dir() -> Path:

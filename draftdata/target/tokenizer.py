@@ -8,7 +8,7 @@ import json
 import re
 from pathlib import Path
 
-from draftdata.config.schema import ModelConfig
+from draftdata.config.schema import ModelConfig, chat_template_file
 from draftdata.errors import ConfigError
 from draftdata.target.model import (
     ModelLimits,
@@ -36,6 +36,18 @@ def end_of_turn_ids(tok, model: ModelConfig | None, template_kwargs: dict | None
         template_kwargs = dict(model.template_kwargs) if model is not None else {}
     check_template_end(tok, ids, model, template_kwargs)
     return ids
+
+
+def end_of_turn_line(tok, model: ModelConfig | None, template_kwargs: dict) -> str:
+    """Which token ends an assistant turn, and which ones generation stops on, as check_params and plan say it:
+    `end of turn: '<|im_end|>' (2), as the chat template writes it; generation stops on '<|im_end|>' (2)`."""
+    stops = end_of_turn_ids(tok, model, template_kwargs)  # refuses a template whose end the target does not stop on
+    end = _template_end_token(tok, template_kwargs)
+    names = ", ".join(f"{tok.convert_ids_to_tokens(i)!r} ({i})" for i in sorted(stops)) or "none"
+    if end is None:
+        return f"end of turn: none the chat template shows as a special token; generation stops on {names}"
+    written = f"{tok.convert_ids_to_tokens(end)!r} ({end})"
+    return f"end of turn: {written}, as the chat template writes it; generation stops on {names}"
 
 
 def _generation_config_eos(model: ModelConfig) -> set[int]:
@@ -86,15 +98,44 @@ def _template_end_token(tok, template_kwargs: dict) -> int | None:
         full = tok.apply_chat_template(
             user + [{"role": "assistant", "content": probe}], tokenize=False, **template_kwargs
         )
-    except Exception:  # noqa: BLE001 - a template that rejects the probe says nothing about its end token
-        return None
+    except Exception as e:  # noqa: BLE001 - whatever a template raises: it cannot render the plainest conversation
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ConfigError(
+            "model.chat_template",
+            f"the chat template fails on a plain user and assistant turn ({type(e).__name__}: {first}) under "
+            f"template_kwargs {template_kwargs}; its end of turn cannot be checked, nor any conversation rendered",
+        ) from None
     at = full.find(probe, len(prompt) if full.startswith(prompt) else 0)
     if at < 0:
         return None
-    after = tok.backend_tokenizer.encode(full[at + len(probe) :], add_special_tokens=False).ids
+    suffix = full[at + len(probe) :]
+    after = tok.backend_tokenizer.encode(suffix, add_special_tokens=False).ids
     if after and after[0] in set(tok.all_special_ids) | set(tok.added_tokens_decoder):
         return after[0]
+    _refuse_foreign_marker(tok, suffix)
     return None
+
+
+# What a chat template's end-of-turn marker looks like: <|eot_id|>, <end_of_turn>, </s>, [/INST]
+_MARKER = re.compile(r"\s*(<\|[^|<>\s]{1,40}\|>|</?[A-Za-z_][^<>\s]{0,40}>|\[/?[A-Z_]{2,20}\])")
+
+
+def _refuse_foreign_marker(tok, suffix: str) -> None:
+    """A template whose turn ends on a marker this tokenizer does not hold as one token was written for another
+    model (Llama 3's template on SmolLM2: `<|eot_id|>` encodes to 8 ordinary tokens): the target would never stop on
+    it, and every sample would train those pieces as text."""
+    match = _MARKER.match(suffix)
+    if match is None:
+        return
+    marker = match.group(1)
+    ids = tok.backend_tokenizer.encode(marker, add_special_tokens=False).ids
+    if len(ids) > 1:
+        raise ConfigError(
+            "model.chat_template",
+            f"the chat template ends an assistant turn with {marker!r}, which this tokenizer does not hold as one "
+            f"token (it encodes to {len(ids)} ordinary tokens): a template written for another model? Use the "
+            "target's own template (model.chat_template: null) or one that ends the turn with its end-of-turn token",
+        )
 
 
 # Model types whose tokenizer AutoTokenizer takes from tokenizer_config.json as it stands ("" : no config.json)
@@ -141,10 +182,7 @@ def load_tokenizer(model: ModelConfig, need_template: bool = True):
     except (OSError, ValueError) as e:
         raise load_error(e, "a tokenizer", model.path) from None
     if model.chat_template is not None:
-        path = Path(model.chat_template)
-        if not path.exists():
-            raise ConfigError("model.chat_template", f"file not found: {path}")
-        tok.chat_template = path.read_text()
+        tok.chat_template = chat_template_file(model.chat_template).read_text()
     if need_template and not tok.chat_template:
         raise ConfigError("model.chat_template", f"the tokenizer at {model.path!r} has no chat template; set one")
     return tok
@@ -162,8 +200,8 @@ def check_local_target(model: ModelConfig, template_kwargs: list[dict]) -> None:
     (generate before any request)."""
     if has_tokenizer_files(model.path):
         tok = load_tokenizer(model)
-        for kwargs in template_kwargs:
-            end_of_turn_ids(tok, model, kwargs)
+        for line in sorted({end_of_turn_line(tok, model, kwargs) for kwargs in template_kwargs}):
+            print(f"check_params {line}", flush=True)
 
 
 def load_target_tokenizer(model: ModelConfig, template_kwargs: dict) -> tuple[object, ModelLimits]:

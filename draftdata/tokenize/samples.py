@@ -75,6 +75,15 @@ def from_ids(prompt_ids: list[int], output_ids: list[int]) -> tuple[list[int], l
     return prompt_ids + output_ids, [0] * len(prompt_ids) + [1] * len(output_ids)
 
 
+def ids_sample(rec: dict, ends: set[int]) -> tuple[list[int], list[int]] | Skip:
+    """A response with its ids as a sample, or the Skip that says why not: one the server says the target ended
+    (`stop`) must end on an end-of-turn id, else the sample would never train the end of the turn (a server that
+    stopped on a stop string, say): `no_end_of_turn`, as the text path says of it."""
+    if _ended(rec) and (not rec["output_ids"] or rec["output_ids"][-1] not in ends):
+        return Skip("no_end_of_turn")
+    return from_ids(rec["prompt_ids"], rec["output_ids"])
+
+
 def render_texts(tok, rec: dict, template_kwargs: dict) -> tuple[str, str]:
     """(prompt with the generation prompt, whole conversation with the response), as the template renders them."""
     return _render(tok, rec, assistant_message(rec), template_kwargs)
@@ -302,7 +311,8 @@ def build_samples(recs: list[dict], tok, cfg: Config) -> tuple[list[Tokenized], 
             usable.append(rec)
     by_ids = [r for r in usable if r.get("prompt_ids") is not None and r.get("output_ids") is not None]
     by_text = [r for r in usable if r.get("prompt_ids") is None or r.get("output_ids") is None]
-    built: dict[str, object] = {r["id"]: from_ids(r["prompt_ids"], r["output_ids"]) for r in by_ids}
+    ends = end_of_turn_ids(tok, cfg.model, template_kwargs_of(cfg, cfg.dataset)) if by_ids else set()
+    built: dict[str, object] = {r["id"]: ids_sample(r, ends) for r in by_ids}
     for rec, result in zip(by_text, text_samples_parallel(tok, by_text, cfg)):
         built[rec["id"]] = result
         if not isinstance(result, Skip):

@@ -7,6 +7,7 @@ import errno
 import glob
 import json
 import os
+import socket
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
@@ -26,13 +27,6 @@ def _umask() -> int:
 FILE_MODE = 0o666 & ~_umask()
 
 
-# Seconds a complete output is held at its temp name before the rename; unset (0) but in the kill suite
-# (bench/reliability/kill.py). A stage writes its outputs in milliseconds, less than a loaded machine takes to
-# schedule the process that is to kill it then: held, every output gives the suite a window to land in, with the
-# temp file whole and, after the first output, the outputs renamed so far beside the ones not yet.
-HOLD_ENV = "DRAFTDATA_HOLD_BEFORE_RENAME_S"
-
-
 class DiskFull(OSError):
     """Out of disk while writing: one line naming the file (a UserError for `cli`)."""
 
@@ -48,21 +42,69 @@ def disk_full(e: BaseException) -> bool:
     )
 
 
+# A temp file is named for its final name and its writer: `.<name>.<host>.<pid>.<random>.tmp`. A writer removes the
+# temp files of its final name that no live writer holds (one killed mid-write), never another live writer's: under
+# torchrun several ranks write the same file at once, and each must find its own temp file where it left it.
+HOST = socket.gethostname().replace(".", "-")
+STALE_S = 3600.0  # a temp file from another host (a shared file system) is taken as abandoned after this long
+
+
+def temp_prefix(name: str) -> str:
+    return f".{name}.{HOST}.{os.getpid()}."
+
+
+def abandoned(tmp: Path, now: float | None = None) -> bool:
+    """Whether a temp file's writer is gone: a process of this host that no longer runs, or (another host's, or a
+    name this cannot read) older than STALE_S."""
+    parts = tmp.name.rsplit(".", 4)  # [.name, host, pid, random, tmp]
+    if len(parts) == 5 and parts[1] == HOST and parts[2].isdigit():
+        return not _alive(int(parts[2]))
+    try:
+        return (now or time.time()) - tmp.stat().st_mtime > STALE_S
+    except FileNotFoundError:
+        return False
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def sweep_abandoned(folder: Path, pattern: str = ".*.tmp") -> int:
+    """Remove the abandoned temp files matching `pattern` in `folder`; how many."""
+    removed = 0
+    for tmp in folder.glob(pattern):
+        if abandoned(tmp):
+            tmp.unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """Rename a whole temp file over its final name. A module function, so that the kill suite can hold a complete
+    output at its temp name for a while (bench/reliability/held.py) without the product knowing."""
+    os.replace(tmp, path)
+
+
 @contextmanager
 def atomic_path(path: Path | str) -> Iterator[Path]:
     """Yield a temp path beside `path`; rename it over `path` only if the block succeeds."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):  # left by a writer that was killed
-        stale.unlink(missing_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    sweep_abandoned(path.parent, f".{glob.escape(path.name)}.*.tmp")  # left by a writer that was killed
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path.name), suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         yield Path(tmp)
         os.chmod(tmp, FILE_MODE)  # after the block: a writer may have replaced the file (safetensors makes it 0600)
-        if hold := float(os.environ.get(HOLD_ENV) or 0):
-            time.sleep(hold)
-        os.replace(tmp, path)
+        _publish(Path(tmp), path)
     except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
         if disk_full(e):

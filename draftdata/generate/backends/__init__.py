@@ -22,8 +22,8 @@ Error codes: `http_<status>` (a status that is not retried), `connection`, `time
 (unparseable answer, or an OpenAI answer with a missing or unknown finish reason), `content_filter` (an OpenAI
 server's filter withheld or cut the answer), `unrenderable` (a chat answer with a part, moved out of its text by a
 server parser, that the chat template cannot render), `engine_error` (the server reported a failure inside a 200
-answer). A successful result's `finish_reason` is `stop` or `length`, never `abort`: an aborted answer is not a
-response.
+answer), `engine_dead` (the server says its engine died: it leaves the rotation; the detail says what to do). A
+successful result's `finish_reason` is `stop` or `length`, never `abort`: an aborted answer is not a response.
 """
 
 from __future__ import annotations

@@ -17,10 +17,18 @@ import itertools
 import time
 
 from draftdata.config.schema import Config, template_kwargs_of
+from draftdata.errors import ConfigError
 from draftdata.generate.backends import GenRequest, GenResult, cancel_as_stop, stopped_result, varlen_attention
+from draftdata.generate.backends.slots import Sampling, SlotBatching, Unsupported
 from draftdata.target.model import load_model
 from draftdata.target.tokenizer import end_of_turn_ids
 from draftdata.util.log import log
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 class EmbeddedBackend:
@@ -37,19 +45,55 @@ class EmbeddedBackend:
         self._attempts = itertools.count()
 
     async def start(self) -> None:
-        from transformers import GenerationConfig
-        from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-        ds = self.cfg.ds
         # the turn ends where a server's would: on the tokenizer's eos and every id of the generation config's
         # eos_token_id (gpt-oss: <|return|>, <|call|>; never <|end|>, which closes its reasoning); checked before the
         # weights are loaded
         self.stop_ids = end_of_turn_ids(self.tokenizer, self.cfg.model, template_kwargs_of(self.cfg, self.cfg.dataset))
-        model = load_model(self.cfg.model)
+        self.manager = await self._slots()  # started: its thread loaded the model and checked it
+        if self.manager is None:
+            self.manager = self._transformers(load_model(self.cfg.model))
+            self.manager.start()
+
+    async def _slots(self) -> SlotBatching | None:
+        """Slot batching where `backend.embedded_batching` asks for it (auto: on a CPU) and the model passes its
+        check, started; None: transformers' continuous batching is to run instead."""
+        choice = self.cfg.backend.embedded_batching
+        if choice == "transformers" or (choice == "auto" and torch_cuda_available()):
+            return None
+        if torch_cuda_available():  # its cache and its kernels are a CPU's
+            raise ConfigError("backend.embedded_batching", "slots runs on a CPU; on a GPU use auto or transformers")
+        s = self.cfg.ds.sampling
+        engine = SlotBatching(
+            lambda: load_model(self.cfg.model),
+            Sampling(s.temperature, s.top_p, s.top_k),
+            self.stop_ids,
+            slots=self.cfg.ds.concurrency,
+            prefill_tokens=self.cfg.backend.max_batch_tokens,
+        )
+        engine.start()
+        try:
+            await asyncio.to_thread(engine.wait_ready)
+        except Unsupported as e:
+            engine.stop()
+            if choice == "slots":
+                raise ConfigError("backend.embedded_batching", f"slots cannot run {self.cfg.model.path}: {e}") from None
+            log("backend", kind="embedded", batching="transformers", why=f"slots cannot run this model: {e}")
+            return None
+        self.seeded = True  # slot batching draws each seeded request's tokens from its own seed
+        dtype = str(engine.compute_dtype).removeprefix("torch.")
+        small = engine.small_rows
+        log("backend", kind="embedded", batching="slots", slots=engine.slots, compute_dtype=dtype, bf16_rows=small)
+        return engine
+
+    def _transformers(self, model):
+        """transformers' continuous batching (a GPU's, and the fallback)."""
+        from transformers import GenerationConfig
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        sampling = self.cfg.ds.sampling
         eos = self.tokenizer.eos_token_id
-        sampling = ds.sampling
         gen = GenerationConfig(
-            max_new_tokens=ds.max_tokens,
+            max_new_tokens=self.cfg.ds.max_tokens,
             eos_token_id=sorted(self.stop_ids),
             pad_token_id=self.tokenizer.pad_token_id or eos,
             do_sample=sampling.temperature > 0,
@@ -58,15 +102,13 @@ class EmbeddedBackend:
             top_k=sampling.top_k if sampling.top_k > 0 else None,
         )
         cb = ContinuousBatchingConfig(
-            num_blocks=self.cfg.backend.num_blocks,
-            max_batch_tokens=self.cfg.backend.max_batch_tokens,
-            page_size=32,
+            num_blocks=self.cfg.backend.num_blocks, max_batch_tokens=self.cfg.backend.max_batch_tokens, page_size=32
         )
-        self.manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+        manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
         self.varlen = varlen_attention.install()  # each sequence attends to its own keys only (see the module)
         if gen.do_sample:
-            self.seeded = install_seeded_sampling(self.manager)
-        self.manager.start()
+            self.seeded = install_seeded_sampling(manager)
+        return manager
 
     async def generate(self, req: GenRequest) -> GenResult:
         return await cancel_as_stop(req, self._generate(req))

@@ -64,7 +64,37 @@ class Failure(Exception):
         self.retry, self.dead, self.abort, self.retry_after = retry, dead, abort, retry_after
 
 
+# What a server says when its engine has died (vLLM: the API server answers every request so, then exits): no retry
+# on it can succeed until it is restarted, and the cause is in its own log.
+DEAD_ENGINE_MARKS = ("EngineCore encountered an issue", "EngineDeadError", "Engine loop has died")
+DEAD_ENGINE_HINT = (
+    "the server's engine died: restart it (its log has the cause). vLLM's CPU build dies so on a seeded request "
+    "whose prefill is chunked ('CPU Generator does not use offset'): serve it with --max-num-batched-tokens of at "
+    "least the longest prompt plus max_tokens (e.g. 32768)"
+)
+
+
+def dead_engine(message: str) -> Failure | None:
+    """A failure that says the server's engine is dead: the server leaves the rotation (it is probed until it
+    serves again), and the detail says what to do."""
+    if not any(mark in message for mark in DEAD_ENGINE_MARKS):
+        return None
+    return Failure("engine_dead", f"{error_message(message)[:200]} ({DEAD_ENGINE_HINT})", retry=True, dead=True)
+
+
+def error_message(body: str) -> str:
+    """The message of an OpenAI-style error body (`{"error": {"message": ...}}`, as vLLM and SGLang answer), else
+    the body itself."""
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, TypeError, KeyError):
+        return body.strip()
+    return message.strip() if isinstance(message, str) else body.strip()
+
+
 def status_failure(status: int, body: str, retry_after_header: str | None) -> Failure:
+    if status >= 500 and (dead := dead_engine(body)) is not None:
+        return dead
     retry = status in RETRY_STATUSES or status >= 500
     return Failure(
         f"http_{status}",
@@ -599,8 +629,8 @@ def _sse_data(raw: bytes):
 def engine_error(answer: dict) -> Failure:
     """`{"error": {"message": ...}}` (or a bare string) inside a 200 answer or a stream: the server gave up."""
     err = answer["error"]
-    message = err.get("message", err) if isinstance(err, dict) else err
-    return Failure("engine_error", str(message)[:500])
+    message = str(err.get("message", err) if isinstance(err, dict) else err)
+    return dead_engine(message) or Failure("engine_error", message[:500])
 
 
 def finish_or_discard(req: GenRequest, parse: Callable[[object], str], value, new_tokens: int) -> str:

@@ -1,0 +1,175 @@
+"""Slot batching, the embedded backend's engine on a CPU (draftdata/generate/backends/slots/): its sampling against
+transformers' own warpers, its cache's rows as requests come, grow and go, its tokens against the model's own, and
+its refusal of a model it does not compute the same."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from draftdata.generate.backends.slots import SlotBatching
+from draftdata.generate.backends.slots.cache import KVCache, capacity_for
+from draftdata.generate.backends.slots.sampling import Sampling, _candidates, sample
+
+
+def hf_kept(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The tokens transformers' own warpers keep (TopK, then TopP), as a boolean mask."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    out = scores
+    if top_k > 0:
+        out = TopKLogitsWarper(top_k)(None, out)
+    if top_p < 1.0:
+        out = TopPLogitsWarper(top_p)(None, out)
+    return out > float("-inf")
+
+
+@pytest.mark.parametrize("top_k, top_p", [(-1, 0.95), (-1, 0.5), (20, 1.0), (40, 0.9), (-1, 1.0)])
+def test_the_cut_keeps_what_transformers_keeps(top_k, top_p):
+    """Peaked rows (a real model's) are cut on the candidates; a flat row's cut lies beyond them and is sorted
+    whole: either way the kept tokens are transformers'."""
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randn(6, 5000, generator=gen)
+    scores[:3, :7] += 12  # peaked: the mass is in a few tokens
+    sampling = Sampling(1.0, top_p, top_k)
+    vals, idx = _candidates(scores, 5000 if top_k <= 0 and top_p >= 1 else (top_k if top_k > 0 else 256), sampling)
+    for row in range(6):
+        want = hf_kept(scores[row : row + 1], top_k, top_p)[0]
+        ours = torch.zeros_like(want)
+        ours[idx[row][vals[row] > float("-inf")]] = True
+        if top_k <= 0 and top_p < 1 and bool(vals[row, -1] > float("-inf")):
+            continue  # beyond the candidates: sample() sorts this row whole (checked below)
+        assert torch.equal(ours, want), row
+    tokens = sample(scores, Sampling(1.0, top_p, top_k), [7] * 6, [100] * 6)
+    kept = hf_kept(scores, top_k, top_p)
+    assert all(bool(kept[row, t]) for row, t in enumerate(tokens))
+
+
+def test_a_seeded_draw_depends_on_the_seed_and_position_only():
+    scores = torch.randn(3, 1000, generator=torch.Generator().manual_seed(1))
+    sampling = Sampling(0.8, 0.95, -1)
+    a = sample(scores, sampling, [5, 5, 9], [10, 11, 10])
+    b = sample(scores[[2, 0]], sampling, [9, 5], [10, 10])  # other batch-mates, another order
+    assert (a[0], a[2]) == (b[1], b[0])
+    draws = [sample(scores[:1], sampling, [5], [p])[0] for p in range(40)]
+    assert len(set(draws)) > 1  # a position's draw is its own
+    assert sample(scores, Sampling(0.0, 1.0, -1), [None] * 3, [0] * 3) == scores.argmax(-1).tolist()
+
+
+def test_a_rounding_that_reorders_near_equal_candidates_leaves_the_draw_alone():
+    """Noise keyed by token id, not by rank: scores moved by far less than bf16's rounding (which reorders the
+    near-equal candidates of a flat distribution) draw the same tokens, position after position."""
+    flat = torch.randn(64, 49_152, generator=torch.Generator().manual_seed(2)) * 0.05  # many near-ties
+    nudged = flat + torch.randn(flat.shape, generator=torch.Generator().manual_seed(3)) * 1e-5
+    sampling = Sampling(0.8, 0.95, -1)
+    positions = list(range(64))
+    assert (flat.topk(256).indices != nudged.topk(256).indices).any()  # the ranks did move
+    assert sample(flat, sampling, [7] * 64, positions) == sample(nudged, sampling, [7] * 64, positions)
+
+
+def test_sampling_follows_the_distribution():
+    """Gumbel-max over the kept tokens draws each with its softmax probability (a 1,000-draw chi-square-ish check)."""
+    scores = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]])
+    probs = torch.softmax(scores[0, :4], -1)
+    counts = torch.zeros(5)
+    for p in range(2000):
+        counts[sample(scores, Sampling(1.0, 1.0, -1), [3], [p])[0]] += 1
+    assert counts[4] == 0
+    assert torch.allclose(counts[:4] / 2000, probs, atol=0.03)
+
+
+def test_rows_grow_through_classes_and_keep_their_keys():
+    """Keys written position by position stay where they were through a class change and another row's removal."""
+    cache = KVCache(n_layers=2, kv_heads=1, head_dim=2, dtype=torch.float32, max_rows=4)
+    for rid, n in (("a", 60), ("b", 10), ("c", 30)):
+        cache.place(rid, n)
+    assert {rid: cap for rid, (cap, _) in cache.where.items()} == {"a": 64, "b": 64, "c": 64}
+    keys = {rid: [] for rid in "abc"}
+    cache.begin_prefill([("a", 60), ("b", 10), ("c", 30)])
+    q = torch.zeros(1, 1, 100, 2)
+    k = torch.arange(100, dtype=torch.float32).repeat_interleave(2).view(1, 1, 100, 2)
+    for layer in range(2):
+        cache.attend(layer, q, k, k, 1.0)
+    keys["a"], keys["b"], keys["c"] = list(range(60)), list(range(60, 70)), list(range(70, 100))
+    for step in range(8):  # a outgrows 64 positions at its 5th step
+        order = cache.begin_decode()
+        new = torch.tensor([[[[1000.0 + 10 * step + i] * 2]] for i, _ in enumerate(order)]).view(len(order), 1, 1, 2)
+        for layer in range(2):
+            cache.attend(layer, torch.zeros(len(order), 1, 1, 2), new, new, 1.0)
+        for i, rid in enumerate(order):
+            keys[rid].append(1000.0 + 10 * step + i)
+        if step == 3:
+            cache.free("b")
+            del keys["b"]
+    assert cache.where["a"][0] == 128 and capacity_for(68) == 128
+    for rid, want in keys.items():
+        cap, row = cache.where[rid]
+        cls = cache.classes[cap]
+        got = cls.k[1][row, 0, : len(want), 0].tolist()
+        assert got == want and cls.filled[row] == len(want), rid
+
+
+def model_with(tmp_path, **config):
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    small = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    if "sliding_window" in config:
+        return MistralForCausalLM(MistralConfig(**small, **config)).eval()
+    return LlamaForCausalLM(LlamaConfig(**small, **config)).eval()
+
+
+def test_a_model_it_does_not_compute_the_same_is_refused_at_start(tmp_path):
+    """A sliding window (Mistral's): the probe against the model's own forward refuses it before any request."""
+    from draftdata.generate.backends.slots import Unsupported
+
+    engine = SlotBatching(lambda: model_with(tmp_path, sliding_window=4), Sampling(0.0, 1.0, -1), {1}, slots=2)
+    engine.start()
+    with pytest.raises(Unsupported, match="sliding_window"):
+        engine.wait_ready()
+    engine.stop()
+    ok = SlotBatching(lambda: model_with(tmp_path), Sampling(0.0, 1.0, -1), {1}, slots=2)
+    ok.start()
+    ok.wait_ready()
+    ok.stop()
+
+
+def test_greedy_tokens_are_the_models_own_through_joins_and_leaves(tmp_path):
+    """Requests of other lengths joining and leaving a running batch (slots 3, 7 requests): each one's greedy
+    tokens are its own, as the model's plain forward gives them token by token (float32: exact)."""
+    model = model_with(tmp_path)
+    prompts = [[(5 * i + 7 * j) % 60 + 2 for j in range(n)] for i, n in enumerate((3, 70, 9, 130, 5, 40, 66))]
+    engine = SlotBatching(lambda: model, Sampling(0.0, 1.0, -1), set(), slots=3, prefill_tokens=100)
+
+    async def go():
+        engine.start()
+        await asyncio.to_thread(engine.wait_ready)
+        loop = asyncio.get_running_loop()
+        futures = []
+        for i, ids in enumerate(prompts):
+            f = loop.create_future()
+            engine.register_result_handler(f"r{i}", lambda o, f=f: f.set_result(o) if o.is_finished() else None)
+            engine.add_request(ids, f"r{i}", 12 + i)
+            futures.append(f)
+        out = await asyncio.gather(*futures)
+        engine.stop()
+        return out
+
+    results = asyncio.run(go())
+    for ids, res in zip(prompts, results):
+        assert res.error is None
+        seq = list(ids)
+        with torch.inference_mode():
+            for _ in res.generated_tokens:
+                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+        assert res.generated_tokens == seq[len(ids) :]
