@@ -252,8 +252,9 @@ def test_temp_experiment_shares_the_workspace_store(repo):
     lines = shown.strip().splitlines()
     assert lines[0] == "B3_magicoder" and lines[1].split()[:3] == ["experiment", "budget", "tokens"]
     rows = {line.split()[0]: line.split()[1:] for line in lines[2:]}
-    assert rows["workspace"][0] == str(budget) and len(rows) >= 2 and max(map(len, lines)) <= 120
-    assert any(r[0] == str(budget) for name, r in rows.items() if name != "workspace")  # the experiment's own row
+    shown_budget = f"{budget:,}"  # compare writes thousands with commas
+    assert rows["workspace"][0] == shown_budget and len(rows) >= 2 and max(map(len, lines)) <= 120
+    assert any(r[0] == shown_budget for name, r in rows.items() if name != "workspace")  # the experiment's own row
 
 
 def stage_imports(module: str) -> set[Path]:

@@ -181,6 +181,24 @@ def test_every_turn_is_regenerated_on_the_target_own_ids(conv_project):
     assert m["conversations_ended"] == {"source_exhausted": 4} and m["turns_kept_share"] == 1.0
 
 
+def test_a_turn_another_conversation_answered_in_the_run_is_not_sent_again(conv_project):
+    """Two conversations that share their first turn, one after the other: the second steps over the first's
+    stored answer, as a rerun's plan does, so each prompt is sent once and a rerun writes the same output."""
+    rows = [
+        {"messages": chat("Hi.", "Hello!", "Tell me a joke.", "No.")},
+        {"messages": chat("Topic 1?", "A.", "More?", "B.")},
+        {"messages": chat("Hi.", "Hello!", "Tell me a poem.", "No.")},
+    ]
+    project, start = conv_project
+    (srv,) = start(rows, concurrency=1)
+    project.run("generate", "B3")
+    keys = [c["rid"].rsplit("-", 1)[0] for c in srv.generate_calls]
+    assert len(keys) == 5 == len(set(keys))  # six turns, the shared one sent once
+    first = (project.data("B3") / "responses.jsonl").read_bytes()
+    project.run("generate", "B3")
+    assert (project.data("B3") / "responses.jsonl").read_bytes() == first
+
+
 def test_a_rerun_sends_only_the_turns_the_store_lacks(conv_project, tiny_model):
     project, start = conv_project
     start(three_turn_rows())
