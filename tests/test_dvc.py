@@ -136,23 +136,24 @@ def test_run_time_knob_reruns_nothing(repo):
     assert ran(dvc("repro", cwd=repo)) == {"check_params"}  # checked, nothing recomputed
 
 
+def repro_with(repo: Path, edit, *stages: str) -> subprocess.CompletedProcess:
+    """`dvc repro [stages]` with params.yaml edited by `edit(params)`, put back afterwards whatever happened."""
+    good = (repo / "params.yaml").read_text()
+    params = yaml.safe_load(good)
+    edit(params)
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    try:
+        argv = [sys.executable, "-m", "dvc", "repro", *stages]
+        env = dict(os.environ, DVC_NO_ANALYTICS="1")
+        return subprocess.run(argv, cwd=repo, capture_output=True, text=True, env=env)
+    finally:
+        (repo / "params.yaml").write_text(good)
+
+
 @pytest.mark.slow
 def test_a_typo_in_a_run_time_key_stops_repro_even_when_nothing_reruns(repo):
     dvc("repro", cwd=repo)
-    good = (repo / "params.yaml").read_text()
-    params = yaml.safe_load(good)
-    params["datasets"]["B1_glaive"]["concurency"] = 3
-    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "dvc", "repro"],
-            cwd=repo,
-            capture_output=True,
-            text=True,
-            env=dict(os.environ, DVC_NO_ANALYTICS="1"),
-        )
-    finally:
-        (repo / "params.yaml").write_text(good)
+    proc = repro_with(repo, lambda p: p["datasets"]["B1_glaive"].__setitem__("concurency", 3))
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "datasets.B1_glaive.concurency" in errors[0], proc.stderr
@@ -166,7 +167,6 @@ def test_a_refused_config_leaves_every_output_in_place(repo):
     line naming the key before DVC removes the outputs of the stage it was asked to rerun (it used to remove them,
     then fail)."""
     dvc("repro", cwd=repo)
-    good = (repo / "params.yaml").read_text()
     d = repo / "data" / "B3_magicoder"
     outputs = ["prompts.jsonl", "prompts_metrics.json", "responses.jsonl", "hidden_states_metrics.json"]
     outputs += [str(p.relative_to(d)) for p in (d / "hidden_states").rglob("*") if p.is_file()]
@@ -186,19 +186,7 @@ def test_a_refused_config_leaves_every_output_in_place(repo):
         (rename("max_tokens", "max_tokns"), "summary@B3_magicoder", "datasets.B3_magicoder.max_tokns"),
     ]
     for edit, stage, key in cases:
-        params = yaml.safe_load(good)
-        edit(params)
-        (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-        try:
-            proc = subprocess.run(
-                [sys.executable, "-m", "dvc", "repro", stage],
-                cwd=repo,
-                capture_output=True,
-                text=True,
-                env=dict(os.environ, DVC_NO_ANALYTICS="1"),
-            )
-        finally:
-            (repo / "params.yaml").write_text(good)
+        proc = repro_with(repo, edit, stage)
         assert proc.returncode != 0, stage
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
         assert len(errors) == 1 and errors[0].startswith(f"error: {key}"), proc.stderr[-3000:]
