@@ -1,7 +1,8 @@
 """Budget strategies on a simulated server, with and without noise in the throughput the client measures.
 
     python -m bench.budget [--seeds 1] [--budgets 1000000,10000000] [--noise 0,2] [--models ...] [--families ...]
-                           [--workers N] [--out PATH] [--only scenarios,turn_scenarios,turn_total_scenarios]
+                           [--workers N] [--out PATH]
+                           [--only scenarios,turn_scenarios,turn_total_scenarios,neighbour_scenarios]
 
 An exact event simulation in virtual time (so 10M tokens take seconds, not GPU-hours) of a server with
 `concurrency` slots. Completion lengths come from a family (FAMILIES; lognormal, mean 3.5k, sigma 0.8, is the one
@@ -70,6 +71,11 @@ counts toward the budget, and the controller is told so as the generate stage te
 in flight, each started conversation's next prompt and the PROMPT_TOKENS a turn adds); waste and time ÷ ideal count
 decoded tokens, those past the budget taken off the answers, and overshoot counts prompts and answers.
 
+`neighbour_scenarios`: a server that shares its machine (`<model>+neighbour`): another job halves its rate for 10 to
+60 s at a time, a minute apart on average, at random (NEIGHBOUR_*), on each kind of server, the tuned family and
+the bimodal one, with the readings' noise; the controller sees it only through the readings, as a client does. Time
+÷ ideal is over that server's own ideal (a full batch through the same slow episodes); the goals are the grid's.
+
 Output (bench/results/budget.json): `scenarios`, one row per (model, family, budget, noise) with check_cancel, ours
 and ours_keep_partial and the row's goals (on a compute-bound server with a knee below the full batch: waste at
 most half of check_cancel's, in no more time, whatever the family, the knee and the noise); `models` / `goals` /
@@ -81,6 +87,7 @@ groups of rows (GROUPS) and keeps the others' rows from the file it writes.
 from __future__ import annotations
 
 import argparse
+import bisect
 import heapq
 import itertools
 import json
@@ -142,8 +149,14 @@ TURN_MODELS, TURN_BUDGET, TURN_END_EARLY_PCT = ("per_request_rate", "compute_bou
 # ... and the same under budget_unit total (`turn_total_scenarios`), where every turn's prompt, its history included,
 # counts: on two families, the tuned one and the one of short answers among long ones.
 TURN_TOTAL_FAMILIES = ("lognormal", "bimodal")
-# The groups of rows `--only` picks from: the single-turn grid (with the side-by-side), the multi-turn rows per unit.
-GROUPS = ("scenarios", "turn_scenarios", "turn_total_scenarios")
+# A noisy neighbour (`neighbour_scenarios`): another job on the server's machine halves its rate for 10 to 60 s at a
+# time, a minute apart on average (exponential gaps), at random: on the servers of each kind, the tuned family and the
+# bimodal one, with the readings' noise.
+NEIGHBOUR_FACTOR, NEIGHBOUR_SLOW_S, NEIGHBOUR_GAP_S = 0.5, (10.0, 60.0), 60.0
+NEIGHBOUR_MODELS, NEIGHBOUR_FAMILIES = ("per_request_rate", "compute_bound", "saturating"), ("lognormal", "bimodal")
+# The groups of rows `--only` picks from: the single-turn grid (with the side-by-side), the multi-turn rows per unit,
+# the noisy neighbour's rows.
+GROUPS = ("scenarios", "turn_scenarios", "turn_total_scenarios", "neighbour_scenarios")
 # The side-by-side of every strategy, on the noise-free 10M case and the two classic server models.
 LEGACY_BUDGET, LEGACY_MODELS = 10_000_000, ("per_request_rate", "compute_bound")
 LEGACY_STRATEGIES = ("cap", "check_cancel", "let_finish", "ours", "ours_keep_partial")
@@ -192,6 +205,19 @@ def per_request_rate(model: str, n: int, concurrency: int) -> float:
     raise ValueError(f"unknown server model {model!r}")
 
 
+def slow_episodes(seed: int, horizon: float) -> list[tuple[float, float]]:
+    """A noisy neighbour's episodes up to `horizon` s: (start, end), each NEIGHBOUR_SLOW_S long (uniform), the gaps
+    between them exponential with mean NEIGHBOUR_GAP_S; from their own generator (the lengths and the readings'
+    noise stay as they were)."""
+    rng = random.Random(f"neighbour/{seed}")
+    out, t = [], rng.expovariate(1 / NEIGHBOUR_GAP_S)
+    while t < horizon:
+        end = t + rng.uniform(*NEIGHBOUR_SLOW_S)
+        out.append((t, end))
+        t = end + rng.expovariate(1 / NEIGHBOUR_GAP_S)
+    return out
+
+
 def idle_costs(model: str) -> bool:
     """Servers on which a batch below the full one loses throughput right away (no flat part to drain into)."""
     return model in ("per_request_rate", "compute_bound_k150")
@@ -199,8 +225,13 @@ def idle_costs(model: str) -> bool:
 
 @dataclass
 class Server:
+    """`model` is a server model's name, with `+neighbour` a server that shares its machine: its rate drops to
+    NEIGHBOUR_FACTOR during `slow` episodes (slow_episodes). The rate is constant between events and episode edges,
+    so completions stay exact."""
+
     model: str
     concurrency: int
+    seed: int = 0
     t: float = 0.0
     work: float = 0.0  # shared work clock: tokens each running request has advanced since t=0
     heap: list = field(default_factory=list)  # (work at which it ends, id)
@@ -211,16 +242,46 @@ class Server:
     window_tokens: float = 0.0  # generated since the last reading
     window_n_s: float = 0.0  # integral of n dt since the last reading
     window_start: float = 0.0  # when the current reading interval began
+    slow: list = field(default_factory=list)  # the noisy neighbour's episodes, (start, end), in order
+
+    def __post_init__(self) -> None:
+        self.base, _, neighbour = self.model.partition("+")
+        if neighbour and neighbour != "neighbour":
+            raise ValueError(f"unknown server model {self.model!r}")
+        if neighbour:  # far past any run's end: a run of 10M tokens lasts about 1,400 s at full rate
+            self.slow = slow_episodes(self.seed, horizon=1e6)
 
     @property
     def n(self) -> int:
         return len(self.start)
 
+    def _episode(self, t: float) -> tuple[float, float]:
+        """(the rate's factor at t, when it next changes)."""
+        i = bisect.bisect_right(self.slow, (t, math.inf))  # episodes starting at or before t
+        if i and t < self.slow[i - 1][1]:
+            return NEIGHBOUR_FACTOR, self.slow[i - 1][1]
+        return 1.0, self.slow[i][0] if i < len(self.slow) else math.inf
+
     def rate(self) -> float:
-        return per_request_rate(self.model, self.n, self.concurrency)
+        return per_request_rate(self.base, self.n, self.concurrency) * self._episode(self.t)[0]
+
+    def until_next_change(self) -> float:
+        return self._episode(self.t)[1] - self.t
 
     def full_rate(self) -> float:
         return RATE * self.concurrency
+
+    def ideal_s(self, tokens: float) -> float:
+        """Seconds a full batch would take for `tokens` from t = 0 on this server, the neighbour's episodes included
+        (what no strategy can beat)."""
+        t = 0.0
+        while True:
+            factor, change = self._episode(t)
+            r = self.full_rate() * factor
+            if tokens <= r * (change - t):
+                return t + tokens / r
+            tokens -= r * (change - t)
+            t = change
 
     def admit(self, length: int) -> int:
         rid = next(self.ids)
@@ -241,16 +302,32 @@ class Server:
         return self.n * self.work - self.start_sum
 
     def until_next_end(self) -> float:
-        return (self.heap[0][0] - self.work) / self.rate() if self.heap else math.inf
+        """Seconds to the next completion, across the episodes' edges."""
+        if not self.heap:
+            return math.inf
+        need, t = self.heap[0][0] - self.work, self.t
+        while True:
+            factor, change = self._episode(t)
+            r = per_request_rate(self.base, self.n, self.concurrency) * factor
+            if need <= r * (change - t):
+                return t + need / r - self.t
+            need -= r * (change - t)
+            t = change
 
     def advance(self, dt: float) -> None:
         """Run dt seconds with no completion in between (the caller picks dt no later than the next one)."""
-        if self.n:
-            r = self.rate()
-            self.work += dt * r
-            self.window_tokens += self.n * r * dt
-            self.window_n_s += self.n * dt
-        self.t += dt
+        end = self.t + dt
+        while True:
+            step = min(end - self.t, self.until_next_change())
+            if self.n:
+                r = self.rate()
+                self.work += step * r
+                self.window_tokens += self.n * r * step
+                self.window_n_s += self.n * step
+            if self.t + step >= end:
+                self.t = end
+                return
+            self.t += step
 
     def complete_next(self) -> tuple[int, int]:
         """Run to the next completion and retire it; returns its id (prompt order) and length."""
@@ -323,7 +400,8 @@ class Outcome:
         self.kept_completion = sum(self.responses[keys[i]] for i in chosen)
         self.held = sum(self.responses.values()) - self.kept_completion
 
-    def metrics(self, budget: int, full_rate: float) -> dict:
+    def metrics(self, budget: int, ideal_s) -> dict:
+        """`ideal_s(tokens)`: the server's time for that many tokens at full batch (Server.ideal_s)."""
         generated = self.kept_completion + self.held + self.parked + self.lost
         # Tokens past the budget were not asked for: counted as useful they would reward overshooting, and a run
         # that leaves them out of its output (landing) would look worse than the same run keeping them. Under
@@ -342,7 +420,7 @@ class Outcome:
             "waste_pct": 100.0 * (generated - useful) / generated,
             "lost_pct": 100.0 * (self.lost + self.reprefill) / generated,
             "aborted_pct": 100.0 * self.lost / generated,
-            "time_vs_ideal": self.t / (useful / full_rate),
+            "time_vs_ideal": self.t / ideal_s(useful),
         }
 
 
@@ -535,6 +613,7 @@ def run_controlled(
     next_reading = next(readings) * READING_S  # a multiple of READING_S, so no drift over thousands
     while s.n:
         until_check = next_check(s, ctrl, budget, sum(work.in_flight_prompts())) - s.t if keep_partial else math.inf
+        until_check = min(until_check, s.until_next_change())  # next_check assumes the rate holds until then
         until_reading = next_reading - s.t
         if s.until_next_end() <= min(until_reading, until_check):
             rid, length = s.complete_next()
@@ -593,7 +672,7 @@ def run_scenario(
     readings, never the lengths. `end_early`: conversations of 1 to MAX_TURNS turns (`conversations`), a turn
     ending its conversation with that chance, in the budget's `unit` (completion or total); None: single
     requests."""
-    s = Server(model, concurrency)
+    s = Server(model, concurrency, seed)
     if end_early is None:
         work: Work = Prompts(lengths(seed, family))
     else:
@@ -608,7 +687,7 @@ def run_scenario(
         out = run_simple(strategy, s, work, budget)
     else:
         raise ValueError(f"unknown strategy {strategy!r}")
-    return out.metrics(budget, s.full_rate())
+    return out.metrics(budget, s.ideal_s)
 
 
 def _run(job: tuple) -> dict:
@@ -845,6 +924,11 @@ def run_groups(args) -> dict:
     if "turn_scenarios" in args.only:
         cases = turn_grid(args.models, args.families, args.budgets, args.noise, args.end_early)
         out["turn_scenarios"] = run_rows(cases, args.seeds, args.workers)
+    if "neighbour_scenarios" in args.only:
+        models = [f"{m}+neighbour" for m in NEIGHBOUR_MODELS if m in args.models]
+        families = [f for f in NEIGHBOUR_FAMILIES if f in args.families]
+        noises = [n for n in args.noise if n] or args.noise  # with the readings' noise, as a real server reads
+        out["neighbour_scenarios"] = run_scenarios(models, args.budgets, noises, args.seeds, families, args.workers)
     if "turn_total_scenarios" in args.only:
         families = [f for f in TURN_TOTAL_FAMILIES if f in args.families]
         cases = turn_grid(args.models, families, args.budgets, args.noise, args.end_early, unit="total")

@@ -18,13 +18,20 @@ is trained there, by bench/drafter_train.py in a subprocess. Everything else run
    readers into one `messages` file; one file's ~230 left the drafter so little data that the seeds' spread hid the
    errors' costs) at temperature 0.3, so that the target's answers follow its own likeliest tokens: `all` (every turn
    regenerated, the main set), `mid` and `small` (the same at smaller budgets: where does acceptance flatten?) and
-   `last` (the last turn only, at `small`'s budget). The hidden_states stage keeps every layer, so each convention
-   error below is cut from the same states; `all` is captured a second time in fp8;
+   `last` (the last turn only, at `small`'s budget); and `source` (`source_answers`), which skips regeneration: the
+   same conversations with the source's own answers, at `all`'s budget, through tokenize and hidden_states (the
+   target's states over answers it did not write). The hidden_states stage keeps every layer a variant reads
+   (`captured_layers`), so each convention error below is cut from the same states; `all` is captured a second
+   time in fp8;
 3. the split: by source conversation (its file:line), the same conversations held out of every training set; the
    held-out samples of `all` (bf16) judge every variant;
 4. the drafters: one per variant and seed, the same steps of the same packed tokens each, under speculators' own
-   optimizer and schedule (bench/drafter_train.py). `no_states` (zeros for states, in training and when judged) is
-   the scale: what the states are worth to this drafter, against which the convention errors' costs read.
+   optimizer and schedule (bench/drafter_train.py). A target whose vocabulary is large (over 32k tokens:
+   SmolLM2's 49,152) gets EAGLE-3's draft vocabulary (`--draft-vocab`, 8,192 by default): each training set's most
+   frequent trained tokens (speculators' rule, from its training rows only) as `d2t`/`t2d`, its drafts judged as the
+   target's ids against the target's argmax over its whole vocabulary, and how much of the trained tokens it covers
+   reported, on the training rows and on the held-out ones. `no_states` (zeros for states, in training and when
+   judged) is the scale: what the states are worth to this drafter, against which the convention errors' costs read.
 
 Writes bench/results/drafter.json: per variant, the accepted length (vLLM's convention) and speculators' per-step
 accuracies, mean and spread (max - min) over the seeds, each run's figures, and the goals: the correct export beats
@@ -56,6 +63,7 @@ TRAIN_SCRIPT = Path(__file__).resolve().parent / "drafter_train.py"
 HELD_OUT_EVERY = 5  # every 5th source conversation (by its line in the file) is held out
 SCHEDULE = "speculators' own: AdamW, linear warm-up over 1 % of the steps, linear decay to zero"
 CUDA_SHAPE = {"hidden": 256, "layers": 16}  # --device cuda's target unless --hidden / --layers say otherwise
+DRAFT_VOCAB, LARGE_VOCAB = 8192, 32768  # --draft-vocab's default, for a target vocabulary over LARGE_VOCAB
 
 
 def variants_for(eagle3: list[int]) -> dict:
@@ -71,6 +79,7 @@ def variants_for(eagle3: list[int]) -> dict:
         "mid_budget": ("mid", eagle3, "pre"),
         "small_budget": ("small", eagle3, "pre"),
         "last_turn": ("last", eagle3, "pre"),
+        "source_answers": ("source", eagle3, "pre"),  # no regeneration: the target's states over the source's answers
         "no_states": ("all", eagle3, "no_states"),  # the scale: what the states are worth to this drafter
     }
 
@@ -78,6 +87,13 @@ def variants_for(eagle3: list[int]) -> dict:
 N_LAYERS = 8  # the demo target's depth, the default
 VARIANTS = variants_for(default_layers(N_LAYERS))
 ERRORS = ("aux_off_by_one", "aux_reversed", "post_norm_as_pre", "pre_norm_as_post")
+
+
+def captured_layers(n_layers: int) -> list[int]:
+    """The layers the hidden_states stage keeps: every one a variant reads (EAGLE-3's and the off-by-one's), so that
+    each convention error is cut from the same states; not all of a deep target's (30 layers of SmolLM2's 576 values
+    would be 35 KB a token)."""
+    return sorted({i for _, layers, _ in variants_for(default_layers(n_layers)).values() for i in layers})
 
 
 def conversations(work: Path) -> Path:
@@ -113,7 +129,7 @@ def params(work: Path, target: Path, budgets: dict, max_tokens: int, n_layers: i
     return {
         "model": {"path": str(target)},
         "tokenize": {"max_seq_len": 2048, "on_too_long": "drop", "train_on": "all_turns"},
-        "hidden_states": {"layers": list(range(n_layers)), "dtype": "bfloat16"},
+        "hidden_states": {"layers": captured_layers(n_layers), "dtype": "bfloat16"},
         "backend": {"kind": "embedded"},
         "run": {"store_path": str(work / "store.sqlite"), "log_every_s": 60.0, "progress": False},
         "datasets": {
@@ -121,6 +137,7 @@ def params(work: Path, target: Path, budgets: dict, max_tokens: int, n_layers: i
             "mid": dataset(source, "all", budgets["mid"], max_tokens),
             "small": dataset(source, "all", budgets["small"], max_tokens),
             "last": dataset(source, "last", budgets["small"], max_tokens),  # beside `small`: one budget, both binding
+            "source": dataset(source, "all", budgets["all"], max_tokens),  # written by source_answers, not generated
         },
     }
 
@@ -155,10 +172,53 @@ def make_data(work: Path, needed: set[str]) -> dict:
             for stage in ("prompts", "generate", "tokenize", "hidden_states"):
                 run_stage(work, f"stages.{stage}", name)
             exports[name] = export(work, name, name)
+    if "source" in needed:
+        source_answers(work)
+        for stage in ("tokenize", "hidden_states"):
+            run_stage(work, f"stages.{stage}", "source", "tokenize.max_skip_pct=100")
+        exports["source"] = export(work, "source", "source")
     if "all_fp8" in needed:
         run_stage(work, "stages.hidden_states", "all", "hidden_states.dtype=fp8")
         exports["all_fp8"] = export(work, "all", "all_fp8")
     return exports
+
+
+def source_answers(work: Path) -> None:
+    """The `source` dataset, which skips regeneration: `all`'s conversations in `all`'s order, each assistant turn
+    `all` regenerates answered by the source's own answer instead, written as a server's text-only responses (one
+    line per turn, `conversation` and `turn`, as `turns: all` writes them), turn after turn until their completion
+    tokens reach `all`'s budget, as the generate stage fills it. The tokenize stage then renders each conversation
+    whole with the target's template, and the hidden_states stage runs the target over it: the states a team that
+    trains on the dataset's own answers would have."""
+    import shutil
+
+    from draftdata.config.load import load_config
+    from draftdata.target.tokenizer import load_tokenizer
+
+    cfg = load_config("source", [], params_path=work / "params.yaml")
+    tok = load_tokenizer(cfg.model)
+    src, dst = work / "data" / "all", work / "data" / "source"
+    dst.mkdir(parents=True, exist_ok=True)
+    shutil.copy(src / "prompts.jsonl", dst / "prompts.jsonl")  # the conversations' ids and source lines
+    lines, total = [], 0
+    for rec in map(json.loads, (src / "prompts.jsonl").read_text().splitlines()):
+        conv = rec["conversation"]
+        for turn, slot in enumerate(rec["slots"]):
+            answer = conv[slot]
+            text = answer.get("content") or ""
+            n = len(tok(text, add_special_tokens=False)["input_ids"]) + 1  # and its end of turn
+            line = {"id": f"{rec['id']}-{turn}", "messages": conv[:slot], "tools": rec.get("tools"), "text": text}
+            if answer.get("tool_calls"):
+                line["tool_calls"] = answer["tool_calls"]
+            lines.append(
+                line | {"completion_tokens": n, "finish_reason": "stop", "conversation": rec["id"], "turn": turn}
+            )
+            total += n
+            if total >= cfg.ds.token_budget:
+                break
+        if total >= cfg.ds.token_budget:
+            break
+    (dst / "responses.jsonl").write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines))
 
 
 def export(work: Path, name: str, out: str) -> Path:
@@ -207,12 +267,55 @@ def data_stats(path: Path, rows: list[int]) -> dict:
     return {"samples": len(rows), "tokens": sum(len(m) for m in masks), "trained_tokens": sum(map(sum, masks))}
 
 
+def trained_counts(path: Path, rows: list[int]):
+    """Counter of the trained (loss-masked) token ids of an export's rows."""
+    from collections import Counter
+
+    from datasets import load_from_disk
+
+    ds = load_from_disk(str(path)).with_format(None).select(rows)
+    counts: Counter = Counter()
+    for ids, mask in zip(ds["input_ids"], ds["loss_mask"]):
+        counts.update(t for t, m in zip(ids, mask) if m)
+    return counts
+
+
+def vocab_mappings(work: Path, exports: dict, train_rows: dict, eval_rows: list[int], n: int, vocab: int):
+    """EAGLE-3's draft vocabulary for a large target vocabulary, per training export as its trainer would choose it:
+    the `n` most frequent trained tokens of its training rows (speculators' own rule, `speculators_mapping`), saved
+    for drafter_train. Also how much of the trained tokens each covers: of its own training rows, and of the
+    held-out rows of `all` that judge every drafter (out of sample: a held-out token outside the draft vocabulary is
+    one no drafter trained on it can propose). ({export: path}, {export: coverage})."""
+    import torch
+
+    from draftdata.hidden.vocab import speculators_mapping
+
+    held = trained_counts(exports["all"], eval_rows)
+    paths, coverage = {}, {}
+    (work / "vocab").mkdir(exist_ok=True)
+    for name, path in exports.items():
+        counts = trained_counts(path, train_rows[name])
+        d2t, t2d = speculators_mapping(counts, n, vocab)
+        paths[name] = str(work / "vocab" / f"{name}-{n}.pt")
+        torch.save({"d2t": d2t, "t2d": t2d}, paths[name])
+        inside = set(torch.nonzero(t2d).flatten().tolist())
+        coverage[name] = {
+            "distinct_trained_tokens": len(counts),
+            "train": round(sum(c for t, c in counts.items() if t in inside) / sum(counts.values()), 5),
+            "held_out": round(sum(c for t, c in held.items() if t in inside) / sum(held.values()), 5),
+        }
+    return paths, coverage
+
+
 def shape_from(args, ap) -> None:
     """--hidden and --layers: a given target's own (from its config.json, before any work), else the defaults."""
     if args.target is None:
         big = args.device == "cuda"
         args.hidden = args.hidden or (CUDA_SHAPE["hidden"] if big else 64)
         args.layers = args.layers or (CUDA_SHAPE["layers"] if big else N_LAYERS)
+        if args.draft_vocab:  # the trained target's vocabulary is the demo tokenizer's few thousand tokens
+            ap.error("--draft-vocab: for a given --target with a large vocabulary")
+        args.draft_vocab, args.vocab_size = 0, None
         return
     if args.hidden or args.layers:
         ap.error("--target: its shape comes from its config; leave out --hidden and --layers")
@@ -224,6 +327,17 @@ def shape_from(args, ap) -> None:
     except (OSError, ValueError) as e:
         ap.error(f"--target {args.target}: not a transformers model directory ({str(e).splitlines()[0]})")
     args.hidden, args.layers = cfg.hidden_size, cfg.num_hidden_layers
+    draft_vocab(args, ap, cfg.vocab_size)
+
+
+def draft_vocab(args, ap, vocab: int) -> None:
+    """--draft-vocab: 0 = the target's whole vocabulary; unset = DRAFT_VOCAB for a vocabulary over LARGE_VOCAB (as
+    EAGLE-3 drafts for Llama 3's 128k over 32k tokens), else the whole."""
+    if args.draft_vocab is None:
+        args.draft_vocab = DRAFT_VOCAB if vocab > LARGE_VOCAB else 0
+    if args.draft_vocab < 0 or args.draft_vocab > vocab:
+        ap.error(f"--draft-vocab {args.draft_vocab}: between 1 and the target's vocabulary ({vocab}), or 0 for all")
+    args.vocab_size = vocab
 
 
 def budgets_arg(text: str) -> dict:
@@ -252,7 +366,18 @@ def trainers_python() -> str:
     return py
 
 
-SAME_RUN = ("target", "exports", "train_rows", "eval", "eval_layers", "seeds", "steps", "max_len", "lr")
+SAME_RUN = (
+    "target",
+    "exports",
+    "train_rows",
+    "eval",
+    "eval_layers",
+    "seeds",
+    "steps",
+    "max_len",
+    "lr",
+    "vocab_mappings",
+)
 
 
 def train_drafters(work: Path, spec: dict, jobs: int = 1) -> dict:
@@ -307,12 +432,15 @@ def paired(results: dict) -> dict:
     return out
 
 
-def spec_for(args, target: Path, exports: dict, train_rows: dict, eval_rows: list[int], variants: list[str]) -> dict:
+def spec_for(
+    args, target: Path, exports: dict, train_rows: dict, eval_rows: list[int], variants: list[str], mappings: dict
+) -> dict:
     eagle3, table = default_layers(args.layers), variants_for(default_layers(args.layers))
     return {
         "target": str(target),
+        "vocab_mappings": mappings,
         "hidden_size": args.hidden,
-        "exports": {n: {"path": str(p), "layers": list(range(args.layers))} for n, p in exports.items()},
+        "exports": {n: {"path": str(p), "layers": captured_layers(args.layers)} for n, p in exports.items()},
         "train_rows": train_rows,
         "eval": {"export": "all", "rows": eval_rows},
         "eval_layers": eagle3,
@@ -399,8 +527,12 @@ def run(args) -> dict:
     exports = make_data(work, {VARIANTS[v][0] for v in variants})  # which export: the same at any depth
     data_s = time.perf_counter() - t_data
     train_rows, eval_rows = split(work, exports)
+    mappings, coverage = {}, {}
+    if args.draft_vocab:
+        mappings, coverage = vocab_mappings(work, exports, train_rows, eval_rows, args.draft_vocab, args.vocab_size)
     t_train = time.perf_counter()
-    results = train_drafters(work, spec_for(args, target, exports, train_rows, eval_rows, variants), args.jobs)
+    spec = spec_for(args, target, exports, train_rows, eval_rows, variants, mappings)
+    results = train_drafters(work, spec, args.jobs)
     datasets = {n: data_stats(exports[n], rows) for n, rows in train_rows.items()}
     datasets["held_out"] = data_stats(exports["all"], eval_rows)
     settings = {k: v for k, v in vars(args).items() if k not in ("workdir", "out", "target")}
@@ -413,6 +545,8 @@ def run(args) -> dict:
         },
         "target": target_info,
         "datasets": datasets,
+        "draft_vocab": {"size": args.draft_vocab or "the target's", "target_vocab": target_info["shape"]["vocab_size"]}
+        | ({"coverage": coverage} if coverage else {"coverage": "the whole vocabulary"}),
         "variants": results,
         "goals": goals(results),
         "paired": paired(results),
@@ -458,6 +592,13 @@ def main(argv: list[str] | None = None) -> None:
         help="completion tokens of `all`, `mid` and `small` (and `last`), largest first (default: 120000,40000,13000)",
     )
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        help=f"the drafter's vocabulary: its N most frequent trained tokens (EAGLE-3's d2t/t2d); 0: the target's "
+        f"whole. Default: {DRAFT_VOCAB} for a vocabulary over {LARGE_VOCAB:,} tokens, else the whole",
+    )
     ap.add_argument("--variants", default="all", help=f"comma-separated, of {', '.join(VARIANTS)}")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument(

@@ -81,12 +81,23 @@ def packs(ds, rows: list[int], max_len: int) -> list[list[int]]:
     return out + ([cur] if cur else [])
 
 
-def build_drafter(spec: dict, seed: int):
+def vocab_mapping(spec: dict, export: str) -> tuple:
+    """(t2d, d2t) of the draft vocabulary bench.drafter chose from `export`'s training rows (speculators' own rule),
+    or (None, None): the drafter predicts over the target's whole vocabulary."""
+    path = spec.get("vocab_mappings", {}).get(export)
+    if not path:
+        return None, None
+    m = torch.load(path)
+    return m["t2d"], m["d2t"]
+
+
+def build_drafter(spec: dict, seed: int, export: str = "all"):
     from speculators.models.eagle3 import Eagle3DraftModel
     from speculators.train.cli import create_transformer_layer_config
 
     torch.manual_seed(seed)
     target = spec["target"]
+    t2d, d2t = vocab_mapping(spec, export)
     layer_config = create_transformer_layer_config(
         verifier_name_or_path=target,
         num_layers=1,
@@ -99,7 +110,10 @@ def build_drafter(spec: dict, seed: int):
         Eagle3DraftModel.from_training_args(
             verifier_config=layer_config,
             verifier_name_or_path=target,
-            draft_vocab_size=layer_config.vocab_size,  # the full vocabulary: no d2t/t2d mapping
+            # EAGLE-3's draft vocabulary for a large one (its head and loss over the tokens the data uses), else all
+            draft_vocab_size=int(t2d.sum()) if t2d is not None else layer_config.vocab_size,
+            t2d=t2d,
+            d2t=d2t,
             norm_before_residual=True,
             norm_before_fc=True,
             norm_output=True,
@@ -188,12 +202,15 @@ def evaluate(model, spec: dict, zero: bool = False) -> dict:
         drafts, _, metrics = model(**batch, **call_kwargs())
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + float(v)
-        target = model.verifier_lm_head(model.verifier_norm(batch["verifier_last_hidden_states"])).argmax(-1)[0].cpu()
+        # the verifier's token: its argmax over its whole vocabulary, as it would serve it (a draft vocabulary's
+        # restricted head would accept a draft the target would not have chosen)
+        target = (model.verifier_norm(batch["verifier_last_hidden_states"]) @ full_head(spec).T).argmax(-1)[0].cpu()
         mask = batch["loss_mask"][0].bool().cpu()
         correct = torch.zeros(n, TTT_STEPS, dtype=torch.bool)
         valid = torch.zeros(n, TTT_STEPS, dtype=torch.bool)
         for k, d in enumerate(drafts):  # step k's draft at position t is the token after t + k
-            correct[: n - k, k] = d[0, : n - k].cpu() == target[k:]
+            d = to_target_ids(model, d[0, : n - k]).cpu()
+            correct[: n - k, k] = d == target[k:]
             valid[: n - k, k] = mask[k:]
         a, b = compute_accepted_length_counts(correct, valid)
         accepted, blocks = accepted + float(a), blocks + float(b)
@@ -202,6 +219,34 @@ def evaluate(model, spec: dict, zero: bool = False) -> dict:
         out[f"full_acc_{k}"] = sums[f"full_acc_{k}_sum"] / sums[f"full_acc_{k}_total"]
         out[f"cond_acc_{k}"] = sums[f"cond_acc_{k}_sum"] / max(1.0, sums[f"cond_acc_{k}_total"])
     return out
+
+
+FULL_HEAD: dict = {}
+
+
+def full_head(spec: dict):
+    """The target's LM head over its whole vocabulary ([vocab, hidden], float32; its tied embedding where it has no
+    head of its own), read from its safetensors once."""
+    if "w" not in FULL_HEAD:
+        from safetensors import safe_open
+
+        found = {}
+        for f in sorted(Path(spec["target"]).glob("*.safetensors")):
+            with safe_open(str(f), "pt") as st:
+                for key in ("lm_head.weight", "model.embed_tokens.weight"):
+                    if key in st.keys():
+                        found[key] = st.get_tensor(key)
+        w = found.get("lm_head.weight", found.get("model.embed_tokens.weight"))
+        if w is None:
+            raise SystemExit(f"drafter_train: no lm_head.weight or model.embed_tokens.weight in {spec['target']}")
+        FULL_HEAD["w"] = w.float().to(spec.get("device", "cpu"))
+    return FULL_HEAD["w"]
+
+
+def to_target_ids(model, draft):
+    """Draft-vocabulary ids as the target's (EAGLE-3's d2t holds each draft token's offset); unchanged without one."""
+    d2t = getattr(model, "d2t", None)
+    return draft if d2t is None else draft + d2t[draft]
 
 
 @torch.no_grad()
@@ -242,7 +287,7 @@ def main(spec_path: str, out_path: str) -> None:
             continue
         runs = []
         for seed in spec["seeds"]:
-            model = build_drafter(spec, seed)
+            model = build_drafter(spec, seed, variant["export"])
             train_s = train(model, variant, spec, seed)
             judged = evaluate(model, spec, zero=variant["final"] == "no_states")
             runs.append(dict(judged, seed=seed, train_s=round(train_s, 1)))

@@ -5,7 +5,10 @@
 The target is the demo's real one (SmolLM2-135M-Instruct, bf16; built by the packaged_model stage, or here when it is
 missing), the prompts the demo's own (every demo dataset's last-turn prompts under the target's chat template, taken
 in turn), sampled at temperature 0.8, top_p 0.95, each request allowed 128 to 256 new tokens (drawn once, the same for
-every engine) and ending where the model ends its turn. Each engine keeps `c` requests in flight (c = 1, 8, 32, 64)
+every engine) and generating exactly that many, its end of turn ignored (vLLM's `ignore_eos`), so that every engine
+does the same work: where each stopped at its own end of turn, the engines' answers, sampled apart, would differ in
+length, and a run's longer answers amortize its prefills over more tokens. Each engine keeps `c` requests in flight
+(c = 1, 8, 32, 64)
 over the same requests, 3c of them (8 at least), each measurement in a process of its own (its peak memory is its
 own), the model loaded before the clock starts:
 
@@ -16,7 +19,7 @@ own), the model loaded before the clock starts:
   docs/generation.md on its seeded chunked-prefill crash) through our openai backend with token-id prompts, where a
   Python with vLLM is given (`--vllm-python` or DRAFTDATA_VLLM_PYTHON).
 
-Output tokens per second count the tokens each request produced up to its end of turn or its own cap. Beside them,
+Output tokens per second: the tokens generated (the same count for every engine) over the wall time. Beside them,
 measured in the same run, the CPU's limit for this model: its FLOPs per generated token (the linear layers and the
 LM head, plus attention at the mean context) over the bf16 matmul rate measured at the model's own shapes, and its
 weight bytes per step over the measured memory bandwidth (per token: divided by c); the lower of the two. Also the
@@ -82,7 +85,7 @@ def demo_prompts(model: Path) -> list[list[int]]:
 
 
 def plan(prompts: list[list[int]], n: int, seed: int = 0) -> list[dict]:
-    """n requests: the prompts in turn, each with its own cap on new tokens in NEW_TOKENS and a sampling seed."""
+    """n requests: the prompts in turn, each with its own count of new tokens in NEW_TOKENS and a sampling seed."""
     rng = random.Random(seed)
     return [
         {"ids": prompts[i % len(prompts)], "max_tokens": rng.randint(*NEW_TOKENS), "seed": rng.randrange(1 << 30)}
@@ -127,7 +130,7 @@ def _config(model: Path, c: int, kind: str, **backend):
     )
 
 
-async def _drive(backend, reqs: list[dict], c: int) -> dict:
+async def _drive(backend, reqs: list[dict], c: int, sampling: dict) -> dict:
     """Our backend with c requests in flight, streamed, as the dispatcher drives it."""
     from draftdata.generate.backends import GenRequest
 
@@ -144,7 +147,7 @@ async def _drive(backend, reqs: list[dict], c: int) -> dict:
                 [],
                 None,
                 r["max_tokens"],
-                dict(SAMPLING),
+                dict(sampling),
                 stream=STREAM,
                 partial=timed(),
                 seed=r["seed"],
@@ -170,8 +173,13 @@ def measure_backend(model: Path, c: int, reqs: list[dict], kind: str, **backend)
     async def go():
         b = make_backend(_config(model, c, kind, **backend), load_tokenizer(ModelConfig(path=str(model))))
         await b.start()
+        if kind == "embedded":  # every request generates its count (see the module docstring): no end of turn
+            b.stop_ids.clear()
+            if isinstance(getattr(b.manager, "stop_ids", None), set):  # slot batching's (transformers' keeps its)
+                b.manager.stop_ids.clear()
+        sampling = {**SAMPLING, "extra": {"ignore_eos": True}} if kind == "openai" else dict(SAMPLING)
         try:
-            r = await _drive(b, reqs, c)
+            r = await _drive(b, reqs, c, sampling)
             engine = getattr(b, "manager", None)
             if engine is not None and hasattr(engine, "timers"):
                 r["engine_timers"] = dict(engine.timers)
@@ -184,8 +192,8 @@ def measure_backend(model: Path, c: int, reqs: list[dict], kind: str, **backend)
 
 def measure_static(model: Path, c: int, reqs: list[dict]) -> dict:
     """transformers' generate on static left-padded batches of c requests, the model in its own dtype: each batch
-    runs until its last row ends or reaches the batch's largest cap; a row's tokens count up to its own end of turn
-    or cap. A request's first token arrives when its batch's does (timed from the batch's start)."""
+    runs to its largest count of new tokens (`min_new_tokens`: no end of turn); a row's tokens count up to its own
+    count. A request's first token arrives when its batch's does (timed from the batch's start)."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.generation.streamers import BaseStreamer
@@ -224,6 +232,7 @@ def measure_static(model: Path, c: int, reqs: list[dict]) -> dict:
                 top_p=SAMPLING["top_p"],
                 top_k=0,
                 max_new_tokens=max(r["max_tokens"] for r in batch),
+                min_new_tokens=max(r["max_tokens"] for r in batch),
                 pad_token_id=pad,
                 eos_token_id=sorted(ends),
                 streamer=first,
@@ -231,12 +240,7 @@ def measure_static(model: Path, c: int, reqs: list[dict]) -> dict:
         done = time.perf_counter()
         ttft += [(first.at or done) - sent] * len(batch)
         for r, row in zip(batch, out[:, width:].tolist()):
-            n = 0
-            for token in row[: r["max_tokens"]]:
-                n += 1
-                if token in ends:
-                    break
-            total += n
+            total += len(row[: r["max_tokens"]])
     return {"wall_s": time.perf_counter() - t0, "output_tokens": total, "ttft_s": ttft}
 
 
@@ -372,6 +376,23 @@ def memory_bandwidth() -> float:
     return x.numel() * 4 / _best_time(lambda: x.sum(), repeat=5, inner=1)
 
 
+def attention_seconds(config, rows: int, context: int, causal: bool, dtype: str = "bfloat16") -> float:
+    """One layer's attention as torch's own kernel (scaled_dot_product_attention) runs it here: a decode step of
+    `rows` requests over `context` keys each (the query heads that share a key head as that head's queries, as the
+    engine calls it), or, `causal`, a prompt of `context` tokens over itself."""
+    import torch
+    import torch.nn.functional as F
+
+    dt = getattr(torch, dtype)
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    d = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if causal:
+        q, k = torch.randn(1, heads, context, d, dtype=dt), torch.randn(1, kv, context, d, dtype=dt)
+        return _best_time(lambda: F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True))
+    q, k = torch.randn(rows, kv, heads // kv, d, dtype=dt), torch.randn(rows, kv, context, d, dtype=dt)
+    return _best_time(lambda: F.scaled_dot_product_attention(q, k, k))
+
+
 def limit(model: Path, concurrencies: list[int], prompt_tokens: float, output_tokens: dict[int, float]) -> dict:
     """What this CPU could give for this model, in output tokens per second at each concurrency c, measured now:
 
@@ -381,7 +402,12 @@ def limit(model: Path, concurrencies: list[int], prompt_tokens: float, output_to
       step); the lower of the two;
     - this workload: the same, with each output token's share of its prompt's prefill counted (a prompt token
       costs the layers' FLOPs at the prefill's rate; a request averages `prompt_tokens` of prompt for
-      `output_tokens[c]` of answer). Every engine must compute those, so this is the one the engines meet.
+      `output_tokens[c]` of answer). Every engine must compute those, so this is the one the engines meet;
+    - this workload with torch's attention: the same matmuls, and attention at the time torch's own attention kernel
+      takes here (decode: c rows over the mean context; prefill: a prompt of the mean length over itself), not at
+      the matmul rate. Attention on a CPU runs far below the matmul rate (few queries a key read while decoding,
+      a softmax between two small products while prefilling): this is what an engine built on torch's kernels can
+      at most reach, ours as much as vLLM's CPU build (which prefills with torch's too).
     """
     import torch
     from transformers import AutoConfig
@@ -401,6 +427,9 @@ def limit(model: Path, concurrencies: list[int], prompt_tokens: float, output_to
     bandwidth = memory_bandwidth()
     prefill_rates = {dt: matmul_rate(shapes[:-1], 512, dt) for dt in ("bfloat16", "float32")}
     prefill_rate = max(prefill_rates.values())
+    layers = config.num_hidden_layers
+    context = round(prompt_tokens + statistics.mean(output_tokens.values()) / 2)
+    prompt_attention = attention_seconds(config, 1, round(prompt_tokens), causal=True) * layers / prompt_tokens
     out = {
         "decode_flops_per_token": round(decode_flops),
         "prefill_flops_per_token": round(prefill_flops),
@@ -415,7 +444,14 @@ def limit(model: Path, concurrencies: list[int], prompt_tokens: float, output_to
         rate = max(rates.values())
         memory = bandwidth / weight_bytes * c
         decode_only = min(rate / decode_flops, memory)
-        per_output = 1 / decode_only + prompt_tokens / output_tokens[c] * prefill_flops / prefill_rate
+        prompt_share = prompt_tokens / output_tokens[c]
+        per_output = 1 / decode_only + prompt_share * prefill_flops / prefill_rate
+        decode_attention = attention_seconds(config, c, context, causal=False) * layers / c
+        with_torch_attention = (
+            (decode_flops - attention * context) / rate
+            + decode_attention
+            + prompt_share * (layer_flops / prefill_rate + prompt_attention)
+        )
         out["by_concurrency"][str(c)] = {
             "matmul_gflop_s": {k: round(v / 1e9, 1) for k, v in rates.items()},
             "compute_tok_s": round(rate / decode_flops, 1),
@@ -423,6 +459,10 @@ def limit(model: Path, concurrencies: list[int], prompt_tokens: float, output_to
             "decode_only_tok_s": round(decode_only, 1),
             "output_tokens_per_request": round(output_tokens[c], 1),
             "workload_tok_s": round(1 / per_output, 1),
+            "workload_torch_attention_tok_s": round(1 / with_torch_attention, 1),
+            "attention_share_torch": round(
+                (decode_attention + prompt_share * prompt_attention) / with_torch_attention, 3
+            ),
         }
     return out
 
@@ -543,7 +583,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vllm-python", default=os.environ.get("DRAFTDATA_VLLM_PYTHON"))
     parser.add_argument("--out", type=Path, default=RESULTS / "embedded.json")
     parser.add_argument(
-        "--keep", action="store_true", help="keep the other engines' measurements already in --out (same workload)"
+        "--keep",
+        action="store_true",
+        help="keep the measurements already in --out that this run does not take anew (same workload)",
     )
     parser.add_argument("--one", choices=(*ENGINES, "profile"), help=argparse.SUPPRESS)
     parser.add_argument("--c", type=int, help=argparse.SUPPRESS)
@@ -557,9 +599,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"bench.embedded: {args.model} is not built; run `dvc repro packaged_model` first")
     concurrencies = [int(x) for x in args.concurrency.split(",")]
     engines = [e for e in args.engines.split(",") if e != "vllm" or args.vllm_python]
+    kept = json.loads(args.out.read_text()).get("raw", {}) if args.keep and args.out.exists() else {}
+    reported = sorted({*concurrencies, *(int(c) for rows in kept.values() for c in rows if c.isdigit())})
     prompts = demo_prompts(args.model)
     work = Path(tempfile.mkdtemp(prefix="bench-embedded-"))
-    files = {c: work / f"requests-{c}.json" for c in concurrencies}
+    files = {c: work / f"requests-{c}.json" for c in reported}
     for c, f in files.items():
         f.write_text(json.dumps(plan(prompts, requests_for(c))))
     raw: dict = {e: {} for e in engines}
@@ -575,17 +619,17 @@ def main(argv: list[str] | None = None) -> None:
                 raw[e][str(c)] = child(e, args.model, c, files[c])
         for c in concurrencies:
             print(e, c, {k: v for k, v in summarize(raw[e][str(c)], None).items()}, flush=True)
-    if args.keep and args.out.exists():  # the engines not run now, as the last run measured them
-        for e, rows in json.loads(args.out.read_text()).get("raw", {}).items():
-            raw.setdefault(e, rows)
+    for e, rows in kept.items():  # what this run did not measure, as the last run measured it
+        for c, row in rows.items():
+            raw.setdefault(e, {}).setdefault(c, row)
     prompt_mean = statistics.mean(len(r["ids"]) for f in files.values() for r in json.loads(f.read_text()))
     answered = raw["ours"] if "ours" in raw else next(iter(raw.values()))
-    per_request = {c: answered[str(c)]["output_tokens"] / requests_for(c) for c in concurrencies}
-    lim = limit(args.model, concurrencies, prompt_mean, per_request)
+    per_request = {c: answered[str(c)]["output_tokens"] / requests_for(c) for c in reported}
+    lim = limit(args.model, reported, prompt_mean, per_request)
     if "ours" in engines:
         at = max(c for c in concurrencies if c <= 32)
         raw["ours"]["profile"] = child("profile", args.model, at, files[at])
-    result = report(raw, lim, concurrencies, workload(prompts, files), args)
+    result = report(raw, lim, reported, workload(prompts, files), args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result["goals"], indent=1))
@@ -618,6 +662,7 @@ def report(raw: dict, lim: dict, concurrencies: list[int], load: dict, args) -> 
         goals["ours_of_limit_at_32"] = {
             "workload": round(row["tok_s"] / at["workload_tok_s"], 3),
             "decode_only": round(row["tok_s"] / at["decode_only_tok_s"], 3),
+            "workload_torch_attention": round(row["tok_s"] / at["workload_torch_attention_tok_s"], 3),
         }
         goals["ours_of_limit_met"] = goals["ours_of_limit_at_32"]["workload"] >= GOAL_OF_LIMIT
     return {

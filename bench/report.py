@@ -152,6 +152,18 @@ def budget(r: dict) -> list[str]:
         ],
     )
     out += budget_turns(r)
+    if rows := r.get("neighbour_scenarios"):
+        out += [
+            "",
+            "A noisy neighbour (`python -m bench.budget --only neighbour_scenarios`): another job on the server's "
+            "machine halves its rate for 10 to 60 s at a time (uniform), a minute apart on average (exponential "
+            "gaps), at random; the readings' noise as above. Time ÷ ideal is over the same server's ideal, its slow "
+            "episodes included. Cells as above.",
+            "",
+            *table(
+                ["server", "lengths", "budget", "noise", *labels, "missed goals"], [budget_row(row) for row in rows]
+            ),
+        ]
     missed = [f"`{model}.{k}`" for model, goals in r["goals"].items() for k, ok in goals.items() if not ok]
     out += ["", f"Every goal in the file met: {'yes' if r['all_goals_met'] else 'no'}"]
     out[-1] += f" (missed: {', '.join(missed)})." if missed else "."
@@ -336,6 +348,13 @@ def embedded(r: dict) -> list[str]:
     lim = r["limit"]["by_concurrency"]
     body.append(["limit, this workload (prefill counted)", *(num(lim[c]["workload_tok_s"], 1) for c in cs)])
     body.append(["limit, decode only", *(num(lim[c]["decode_only_tok_s"], 1) for c in cs)])
+    if all("workload_torch_attention_tok_s" in lim[c] for c in cs):
+        body.append(
+            [
+                "limit, this workload, attention at torch's kernel's speed",
+                *(num(lim[c]["workload_torch_attention_tok_s"], 1) for c in cs),
+            ]
+        )
     detail = []
     for e in engines:
         row = r["engines"][e]
@@ -403,7 +422,14 @@ def embedded(r: dict) -> list[str]:
             for k, d in r["ratios"].items()
         )
         + f". Ours ÷ the limit at 32: {goals['ours_of_limit_at_32']['workload']} of this workload's, "
-        f"{goals['ours_of_limit_at_32']['decode_only']} of decode alone. "
+        f"{goals['ours_of_limit_at_32']['decode_only']} of decode alone"
+        + (
+            f", {goals['ours_of_limit_at_32']['workload_torch_attention']} of this workload's with attention at "
+            f"torch's kernel's speed (attention {100 * lim['32']['attention_share_torch']:.0f} % of that limit's "
+            "time). "
+            if "workload_torch_attention" in goals["ours_of_limit_at_32"]
+            else ". "
+        )
         + goals_line(
             {
                 "ours >= vLLM at 8, 32, 64": goals.get("ours_vs_vllm_met", False),

@@ -18,7 +18,7 @@ BUDGET = 300_000
 
 
 @pytest.mark.parametrize("noise_pct", [0.0, 2.0])
-@pytest.mark.parametrize("model", bench.MODELS)
+@pytest.mark.parametrize("model", [*bench.MODELS, "compute_bound+neighbour", "per_request_rate+neighbour"])
 def test_scenario_accounting(model, noise_pct):
     cc, ours, kp = (bench.run_scenario(model, BUDGET, noise_pct, 0, s) for s in bench.SCENARIO_STRATEGIES)
     for m in (cc, ours, kp):
@@ -136,6 +136,30 @@ def test_a_conversations_turns_run_one_at_a_time_and_land_from_its_first(keep_pa
     # the slots the controller knows are an upper bound: some conversations end early
     assert any(len(c.lengths) < c.slots for c in talks.started)
     assert 0 <= out.kept - bench.TURN_BUDGET < bench.MAX_TOKENS
+
+
+def test_a_noisy_neighbour_slows_the_server_in_its_episodes_and_completions_stay_exact():
+    """`+neighbour`: the rate is NEIGHBOUR_FACTOR of the model's inside each episode, its own outside; a request
+    ends when the work it got (the rate integrated across the episodes' edges) reaches its length, and the ideal
+    time counts the episodes too."""
+    s = bench.Server("per_request_rate+neighbour", bench.CONCURRENCY, seed=3)
+    (start, end), after = s.slow[0], s.slow[1][0]
+    assert 10 <= end - start <= 60 and after > end
+    assert bench.Server("per_request_rate", bench.CONCURRENCY, seed=3).slow == []
+    s.advance(start - 1)
+    length = bench.RATE * (1 + (end - start) * bench.NEIGHBOUR_FACTOR + 2)  # 1 s before, the episode, 2 s after
+    s.admit(length)
+    assert s.rate() == bench.RATE
+    s.advance(2)
+    assert s.rate() == bench.RATE * bench.NEIGHBOUR_FACTOR
+    assert s.until_next_end() == pytest.approx(end + 2 - s.t)
+    s.complete_next()
+    assert s.t == pytest.approx(end + 2)
+    full = s.full_rate()
+    assert s.ideal_s(full * start) == pytest.approx(start)
+    assert s.ideal_s(full * (start + 1)) == pytest.approx(start + 1 / bench.NEIGHBOUR_FACTOR)
+    with pytest.raises(ValueError, match="unknown server model"):
+        bench.Server("compute_bound+noisy", bench.CONCURRENCY)
 
 
 def test_server_models_share_the_full_batch_rate():

@@ -68,10 +68,11 @@ def test_a_given_target_brings_its_shape_and_its_figures(tiny_model):
     """--target: the shape comes from the model's config (before any work), the figures from the demo's held-out
     conversations, and nothing is trained."""
     ap = argparse.ArgumentParser()
-    args = argparse.Namespace(target=Path(tiny_model), hidden=None, layers=None, device="cpu")
+    args = argparse.Namespace(target=Path(tiny_model), hidden=None, layers=None, device="cpu", draft_vocab=None)
     drafter.shape_from(args, ap)
     cfg = json.loads((Path(tiny_model) / "config.json").read_text())
     assert (args.hidden, args.layers) == (cfg["hidden_size"], cfg["num_hidden_layers"])
+    assert args.draft_vocab == 0 and args.vocab_size == cfg["vocab_size"]  # a small vocabulary: drafted whole
     info = drafter.given_target(args.target, "cpu")
     assert info["given"] == Path(tiny_model).name and info["train_s"] == 0.0 and "before" not in info
     assert info["shape"]["num_layers"] == cfg["num_hidden_layers"] and info["after"]["tokens"] > 0
@@ -90,6 +91,27 @@ def test_a_bad_target_is_one_error_before_any_work(tiny_model, tmp_path, capsys,
         drafter.main([*argv, "--workdir", str(tmp_path / "w")])
     assert err.value.code == 2 and "--target" in capsys.readouterr().err
     assert not (tmp_path / "w").exists()
+
+
+def test_a_draft_vocabulary_maps_back_to_the_targets_ids_and_says_what_it_covers(tmp_path):
+    """A large vocabulary's drafter predicts over its trained tokens' most frequent (speculators' rule, chosen from
+    the training rows only); its drafts are judged as the target's ids (d2t), and the coverage of the held-out
+    trained tokens is measured, not assumed."""
+    from datasets import Dataset
+
+    from bench.drafter_train import to_target_ids
+
+    rows = [
+        {"input_ids": [5, 9, 9, 7, 3], "loss_mask": [0, 1, 1, 1, 0]},  # trains 9, 9, 7
+        {"input_ids": [2, 9, 8, 4, 4], "loss_mask": [0, 1, 1, 1, 1]},  # trains 9, 8, 4, 4
+        {"input_ids": [6, 6, 1], "loss_mask": [1, 1, 1]},  # held out: 6, 6, 1
+    ]
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "all"))
+    paths, coverage = drafter.vocab_mappings(tmp_path, {"all": tmp_path / "all"}, {"all": [0, 1]}, [2], 2, 12)
+    m = torch.load(paths["all"])
+    assert torch.nonzero(m["t2d"]).flatten().tolist() == [4, 9]  # 9 (3 times), then 4 (twice) over 7 and 8 (once)
+    assert to_target_ids(argparse.Namespace(d2t=m["d2t"]), torch.tensor([0, 1, 1])).tolist() == [4, 9, 9]
+    assert coverage["all"] == {"distinct_trained_tokens": 4, "train": round(5 / 7, 5), "held_out": 0.0}
 
 
 def test_budgets_are_three_largest_first_and_jobs_at_least_one(capsys, tmp_path):

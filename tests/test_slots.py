@@ -111,8 +111,15 @@ def test_rows_grow_through_classes_and_keep_their_keys():
         assert got == want and cls.filled[row] == len(want), rid
 
 
-def model_with(tmp_path, **config):
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+def model_with(tmp_path, kind: str = "llama", **config):
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     torch.manual_seed(0)
     small = dict(
@@ -126,6 +133,8 @@ def model_with(tmp_path, **config):
     )
     if "sliding_window" in config:
         return MistralForCausalLM(MistralConfig(**small, **config)).eval()
+    if kind == "qwen2":  # biases on q, k and v
+        return Qwen2ForCausalLM(Qwen2Config(**small, **config)).eval()
     return LlamaForCausalLM(LlamaConfig(**small, **config)).eval()
 
 
@@ -144,10 +153,17 @@ def test_a_model_it_does_not_compute_the_same_is_refused_at_start(tmp_path):
     ok.stop()
 
 
-def test_greedy_tokens_are_the_models_own_through_joins_and_leaves(tmp_path):
+@pytest.mark.parametrize(
+    "kind, config, lean",
+    [("llama", {}, True), ("qwen2", {}, True), ("llama", {"mlp_bias": True}, False)],
+    ids=["llama-lean", "qwen2-lean", "mlp-bias-transformers-forward"],
+)
+def test_greedy_tokens_are_the_models_own_through_joins_and_leaves(tmp_path, kind, config, lean):
     """Requests of other lengths joining and leaving a running batch (slots 3, 7 requests): each one's greedy
-    tokens are its own, as the model's plain forward gives them token by token (float32: exact)."""
-    model = model_with(tmp_path)
+    tokens are its own, as the model's plain forward gives them token by token (float32: exact); through the lean
+    forward where it describes the model (Llama, Qwen2's q/k/v biases), through transformers' own where it does not
+    (biases in the MLP)."""
+    model = model_with(tmp_path, kind, **config)
     prompts = [[(5 * i + 7 * j) % 60 + 2 for j in range(n)] for i, n in enumerate((3, 70, 9, 130, 5, 40, 66))]
     engine = SlotBatching(lambda: model, Sampling(0.0, 1.0, -1), set(), slots=3, prefill_tokens=100)
 
@@ -166,6 +182,10 @@ def test_greedy_tokens_are_the_models_own_through_joins_and_leaves(tmp_path):
         return out
 
     results = asyncio.run(go())
+    assert (engine.lean is not None) is lean
+    if lean:  # q, k and v are views into the one fused weight: nothing held twice
+        attn = model.model.layers[1].self_attn
+        assert attn.k_proj.weight.data_ptr() == engine.lean.layers[1].qkv.weight[attn.q_proj.out_features :].data_ptr()
     for ids, res in zip(prompts, results):
         assert res.error is None
         seq = list(ids)
@@ -173,3 +193,38 @@ def test_greedy_tokens_are_the_models_own_through_joins_and_leaves(tmp_path):
             for _ in res.generated_tokens:
                 seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
         assert res.generated_tokens == seq[len(ids) :]
+
+
+def test_a_lean_forward_the_probe_refuses_leaves_the_model_to_its_own(tmp_path, monkeypatch):
+    """Should the lean forward ever compute a model differently (a fault injected here: its hidden states scaled),
+    the probe sees it and the engine runs transformers' forward over the same cache instead, which the probe then
+    checks in turn."""
+    from draftdata.generate.backends.slots.lean import LeanDecoder
+
+    real = LeanDecoder.forward
+    monkeypatch.setattr(LeanDecoder, "forward", lambda self, *a: real(self, *a) * 1.5)
+    engine = SlotBatching(lambda: model_with(tmp_path), Sampling(0.0, 1.0, -1), {1}, slots=2)
+    engine.start()
+    engine.wait_ready()
+    engine.stop()
+    assert engine.lean is None
+    assert engine.probe() < 1e-4
+
+
+@pytest.mark.parametrize("rows", [1, 8, 300])
+def test_a_packed_weight_multiplies_as_f_linear_does(rows):
+    """Decode's few rows on oneDNN's packed bf16 copy, a prefill's many on the weight itself: F.linear's product
+    either way, to bf16's rounding (the same float32 accumulation)."""
+    from draftdata.generate.backends.slots.lean import PACKED_ROWS, Packed, _mkldnn
+
+    if _mkldnn() is None:
+        pytest.fail("this torch has no oneDNN: the packed path cannot be checked")
+    torch.manual_seed(0)
+    w, b = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
+    x = torch.randn(1, rows, 64, dtype=torch.bfloat16)
+    lin = Packed(w, b, rows=8)
+    assert lin.packed is not None and (rows > PACKED_ROWS) == (rows == 300)
+    want = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    got = lin(x)
+    assert got.shape == (1, rows, 96) and got.dtype == torch.bfloat16
+    assert (got.float() - want).abs().max() <= 0.02 * want.abs().max()

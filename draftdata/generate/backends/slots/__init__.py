@@ -3,8 +3,13 @@
 transformers' continuous batching is built for a GPU. On a CPU its decode step runs one attention call over the
 whole batch's keys under a block-diagonal mask (every query against every sequence's keys: batch² work), gathers the
 paged cache into a new tensor in every layer, and sorts the whole vocabulary for top-p: on the demo's prompts it ran
-at a fraction of what this CPU can do (docs/benchmarks.md). Here the model is the same transformers model, run by its
-own forward; what is ours:
+at a fraction of what this CPU can do (docs/benchmarks.md). Here the model is the same transformers model, its
+weights and modules as loaded; what is ours:
+
+- for a Llama-family model (Llama, Qwen2), the forward itself (`lean.py`): the same arithmetic on the model's own
+  weights, q/k/v and gate/up each one matmul, without transformers' per-layer Python, and for a 16-bit model on a
+  CPU with oneDNN's bf16 kernels, decode's few rows multiplied on weights packed once; any other model runs its
+  own forward, with the parts below;
 
 - the attention function (registered with transformers' AttentionInterface), over keys and values kept by request
   in rows of capacity classes (`cache.py`): one attention call per class, no copy of the cache;
@@ -19,8 +24,9 @@ own forward; what is ours:
 
 `probe` checks the whole against the model's plain forward before any request: a model whose forward this does not
 compute the same (a sliding window, soft-capped logits, attention sinks) is refused there, and the embedded backend
-then uses transformers' continuous batching. The interface is the part of transformers' manager that the embedded
-backend uses: add_request, register_result_handler, cancel_request, start, stop.
+then uses transformers' continuous batching; a lean forward the probe refuses gives way to the model's own first.
+The interface is the part of transformers' manager that the embedded backend uses: add_request,
+register_result_handler, cancel_request, start, stop.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import time
 from dataclasses import dataclass, field
 
 from draftdata.generate.backends.slots.cache import KVCache
+from draftdata.generate.backends.slots.lean import LeanDecoder
 from draftdata.generate.backends.slots.linear import SMALL_ROWS, hybridize, packing_pays
 from draftdata.generate.backends.slots.sampling import Sampling, sample
 
@@ -129,7 +136,7 @@ class SlotBatching:
         self.stop_ids = set(stop_ids)
         self.slots = slots
         self.prefill_tokens = prefill_tokens
-        self.model = self.cache = self.device = None
+        self.model = self.cache = self.device = self.lean = None
         self.compute_dtype = None
         self.small_rows = 0  # forwards of at most this many rows multiply in bf16 on packed weights (linear.py)
         self._inbox: queue.Queue = queue.Queue()
@@ -168,7 +175,15 @@ class SlotBatching:
             self.small_rows = SMALL_ROWS if hybridize(model) else 0
         self._previous_impl = model.config._attn_implementation
         model.set_attn_implementation(ATTN_NAME)
-        self.probe()
+        if not self.small_rows and LeanDecoder.describes(model) is None:
+            self.lean = LeanDecoder(model, rows=self.slots)
+        try:
+            self.probe()
+        except Unsupported:
+            if self.lean is None:
+                raise
+            self.lean = None  # transformers' own forward over the same cache, checked in turn
+            self.probe()
 
     def probe(self, tolerance: float = 0.02) -> float:
         """Check this engine against the model's plain forward on two sequences, prefilled packed then decoded two
@@ -346,6 +361,8 @@ class SlotBatching:
         self._emit(reqs, logits)
 
     def _forward(self, ids, positions):
+        if self.lean is not None:
+            return self.lean.forward(ids.to(self.device), positions.to(self.device), self.cache)
         out = self.model.base_model(
             input_ids=ids.to(self.device),
             position_ids=positions.to(self.device),
@@ -355,6 +372,8 @@ class SlotBatching:
         return out.last_hidden_state
 
     def _logits(self, hidden):
+        if self.lean is not None:
+            return self.lean.logits(hidden).float()
         return self.model.get_output_embeddings()(hidden).float()
 
     def _emit(self, reqs: list[_Request], logits) -> None:

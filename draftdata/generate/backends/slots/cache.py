@@ -50,6 +50,7 @@ class _Group:
     count: int
     width: int
     positions: object  # [count] where each row's new key goes
+    rows: object  # [count]: 0..count-1, made once a step rather than once a layer
     mask: object  # [count, 1, 1, width] or None when every row spans the width
 
 
@@ -150,7 +151,7 @@ class KVCache:
             if min(positions) + 1 < width:
                 lengths = torch.tensor(positions) + 1
                 mask = (torch.arange(width)[None, :] < lengths[:, None])[:, None, None, :]
-            groups.append(_Group(cls, offset, count, width, torch.tensor(positions), mask))
+            groups.append(_Group(cls, offset, count, width, torch.tensor(positions), torch.arange(count), mask))
             cls.filled = [p + 1 for p in positions]
             order.extend(cls.owners)
             offset += count
@@ -182,11 +183,10 @@ class KVCache:
         per_key_head = heads // self.kv_heads
         outs = []
         for g in groups:
-            rows = torch.arange(g.count)
             batch = slice(g.offset, g.offset + g.count)
             k_all, v_all = g.cls.k[layer], g.cls.v[layer]
-            k_all[rows, :, g.positions] = key[batch, :, 0].to(self.dtype)
-            v_all[rows, :, g.positions] = value[batch, :, 0].to(self.dtype)
+            k_all[g.rows, :, g.positions] = key[batch, :, 0].to(self.dtype)
+            v_all[g.rows, :, g.positions] = value[batch, :, 0].to(self.dtype)
             # the query heads that read one key head as that head's queries: GQA without repeating the keys
             q = query[batch].reshape(g.count, self.kv_heads, per_key_head, dim).to(self.dtype)
             out = F.scaled_dot_product_attention(
