@@ -268,7 +268,7 @@ def profile_decode(model: Path, reqs: list[dict], steps: int = 5) -> dict:
                 engine._decode()
         wall = (time.perf_counter() - t0) / steps
     kinds = {
-        "matmul": ("aten::mm", "aten::addmm", "aten::bmm"),
+        "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise"),
         "attention": ("aten::_scaled_dot_product",),
         "cache_writes": ("aten::_index_put",),
         "sampling": (
