@@ -204,6 +204,8 @@ def source_answers(work: Path) -> None:
     for rec in map(json.loads, (src / "prompts.jsonl").read_text().splitlines()):
         conv = rec["conversation"]
         for turn, slot in enumerate(rec["slots"]):
+            if slot >= len(conv):  # a conversation that ends on the user's turn: the source has no answer to it
+                break
             answer = conv[slot]
             text = answer.get("content") or ""
             n = len(tok(text, add_special_tokens=False)["input_ids"]) + 1  # and its end of turn
