@@ -228,3 +228,19 @@ def test_a_packed_weight_multiplies_as_f_linear_does(rows):
     got = lin(x)
     assert got.shape == (1, rows, 96) and got.dtype == torch.bfloat16
     assert (got.float() - want).abs().max() <= 0.02 * want.abs().max()
+
+
+def test_the_lean_forward_leaves_a_sliding_window_to_the_models_own(tmp_path):
+    """A window wider than the probe's sequences would pass the probe unseen: the lean forward declines it by its
+    config, so the model's own forward (which hands the window to the slot attention, refused there) decides."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from draftdata.generate.backends.slots.lean import LeanDecoder
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    config = Qwen2Config(
+        **small, num_key_value_heads=2, use_sliding_window=True, sliding_window=200, max_window_layers=0
+    )
+    windowed = Qwen2ForCausalLM(config).eval()
+    assert "sliding" in LeanDecoder.describes(windowed)
+    assert LeanDecoder.describes(model_with(tmp_path, "qwen2")) is None

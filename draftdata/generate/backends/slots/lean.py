@@ -159,6 +159,11 @@ class LeanDecoder:
             return f"activation {config.hidden_act}"
         if getattr(config, "mlp_bias", False):
             return "biases in its MLP"
+        # a window the probe's short sequences would not reach (Qwen2's use_sliding_window, per-layer types)
+        if getattr(config, "use_sliding_window", False) or any(
+            t != "full_attention" for t in getattr(config, "layer_types", None) or ()
+        ):
+            return "sliding-window attention"
         if getattr(config, "attention_bias", False) and config.model_type == "llama":
             o_bias = model.base_model.layers[0].self_attn.o_proj.bias
             if o_bias is not None:
