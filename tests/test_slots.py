@@ -244,3 +244,20 @@ def test_the_lean_forward_leaves_a_sliding_window_to_the_models_own(tmp_path):
     windowed = Qwen2ForCausalLM(config).eval()
     assert "sliding" in LeanDecoder.describes(windowed)
     assert LeanDecoder.describes(model_with(tmp_path, "qwen2")) is None
+
+
+def test_rows_past_the_candidates_draw_as_over_the_whole_vocabulary(monkeypatch):
+    """Rows whose top-p cut lies past the first candidates (flatter ones, one of them flat enough to pass the wider
+    ones too) draw the token a whole-row sort draws, seed by seed."""
+    from draftdata.generate.backends.slots import sampling as sm
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 20000) * torch.tensor([[8.0], [3.0], [1.0], [0.5], [0.05], [2.0]])
+    seeds, positions = [11, 12, 13, 14, 15, None], [5, 6, 7, 8, 9, 10]
+    s = Sampling(0.8, 0.95, -1)
+    got = sample(logits, s, seeds, positions)
+    monkeypatch.setattr(sm, "WIDER", 10**9)  # every such row sorted whole
+    want = sample(logits, s, seeds, positions)
+    assert got[:5] == want[:5]
+    vals, _ = sm._candidates(logits / 0.8, sm.TOP_CANDIDATES, s)
+    assert (vals[:5, -1] > float("-inf")).sum() >= 3  # the case is the one claimed: rows past the first cut
