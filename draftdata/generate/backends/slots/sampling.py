@@ -2,7 +2,8 @@
 
 transformers' continuous batching sorts the whole vocabulary of every row for top-p (a 49k-token sort per request
 per step). Here the cut is made on the `TOP_CANDIDATES` most likely tokens, which hold the top-p mass in practice;
-a row whose cut lies beyond them is sorted whole, so the result is exact either way.
+the rows whose cut lies beyond them are cut together on the `WIDER` most likely, and a row whose cut lies beyond
+those too is sorted whole, so the result is exact either way.
 
 A seeded draw's noise is a hash of (seed + position, token id): a token's own, not a rank's among the candidates,
 and computed for the candidates only (a generator's stream over the whole vocabulary per row, as transformers' path
@@ -30,7 +31,7 @@ def sample(logits, sampling: Sampling, seeds: list[int | None], positions: list[
     as transformers applies them, then a Gumbel-max draw among the tokens kept. A row with a seed draws with noise
     keyed by (seed + its sequence position): the token at a position is the same whatever the batch, an eviction
     or a restart. The candidates are the `TOP_CANDIDATES` most likely tokens, which hold the top-p cut
-    in practice; a row whose cut lies beyond them is sorted whole."""
+    in practice; rows whose cut lies beyond them are cut on `WIDER`, and past those sorted whole."""
     import torch
 
     if sampling.temperature == 0:
