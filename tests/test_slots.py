@@ -215,9 +215,9 @@ def test_a_lean_forward_the_probe_refuses_leaves_the_model_to_its_own(tmp_path, 
 def test_a_packed_weight_multiplies_as_f_linear_does(rows):
     """Decode's few rows on oneDNN's packed bf16 copy, a prefill's many on the weight itself: F.linear's product
     either way, to bf16's rounding (the same float32 accumulation)."""
-    from draftdata.generate.backends.slots.lean import PACKED_ROWS, Packed, _mkldnn
+    from draftdata.generate.backends.slots.lean import PACKED_ROWS, Packed, _ops
 
-    if _mkldnn() is None:
+    if _ops() is None:
         pytest.fail("this torch has no oneDNN: the packed path cannot be checked")
     torch.manual_seed(0)
     w, b = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)

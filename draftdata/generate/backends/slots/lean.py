@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from draftdata.generate.backends.slots.linear import _best, _ops
+
 SUPPORTED = ("llama", "qwen2")
 
 
@@ -32,8 +34,9 @@ class Packed:
     def __init__(self, weight, bias=None, rows: int = 0):
         self.weight, self.bias, self.packed = weight, bias, None
         self.out_features, self.in_features = weight.shape
-        if rows and (ops := _mkldnn()) is not None:
-            self.packed = ops[0](weight.detach(), rows)
+        if rows and (ops := _ops()) is not None:
+            reorder, self.pointwise = ops  # looked up once: __call__ is on every decode step's path
+            self.packed = reorder(weight.detach(), rows)
 
     def __call__(self, x):
         import torch.nn.functional as F
@@ -41,45 +44,23 @@ class Packed:
         rows = x.numel() // self.in_features
         if self.packed is None or rows > PACKED_ROWS:
             return F.linear(x, self.weight, self.bias)
-        y = _mkldnn()[1](x.reshape(rows, self.in_features), self.packed, self.bias, "none", [], "")
+        y = self.pointwise(x.reshape(rows, self.in_features), self.packed, self.bias, "none", [], "")
         return y.reshape(*x.shape[:-1], self.out_features)
-
-
-def _mkldnn():
-    """oneDNN's weight packing and packed matmul, where this torch has them (None: a build without oneDNN)."""
-    import torch
-
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight, torch.ops.mkldnn._linear_pointwise
-    except (AttributeError, RuntimeError):
-        return None
 
 
 def packing_pays(weights, rows: int) -> bool:
     """Whether `rows` rows through `weights` (a layer's, one after the other as a forward takes them) multiply
     faster on packed copies than by F.linear here: bf16 weights on a CPU with oneDNN's bf16 kernels."""
-    import time
-
     import torch
     import torch.nn.functional as F
 
-    if _mkldnn() is None or weights[0].dtype != torch.bfloat16 or weights[0].device.type != "cpu":
+    if _ops() is None or weights[0].dtype != torch.bfloat16 or weights[0].device.type != "cpu":
         return False
     try:
         packed = [Packed(w, rows=rows) for w in weights]
         xs = [torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights]
-
-        def best(fn) -> float:
-            fn()
-            times = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            return min(times)
-
-        plain = best(lambda: [F.linear(x, w) for x, w in zip(xs, weights)])
-        fast = best(lambda: [p(x) for x, p in zip(xs, packed)])
+        plain = _best(lambda: [F.linear(x, w) for x, w in zip(xs, weights)])
+        fast = _best(lambda: [p(x) for x, p in zip(xs, packed)])
     except RuntimeError:  # this build's oneDNN refuses the dtype: F.linear it is
         return False
     return fast < 0.9 * plain
