@@ -66,10 +66,11 @@ everything at the budget; ours sends a started conversation's next turn as the c
 (`turn_count`) and admits new conversations against the budget less what the started ones will still ask
 (`Pending`, as the generate stage's work queue tells it); the output lands on the budget in prompt order, a
 conversation's turns in order, a later turn never without the turns before it. On the two classic servers at 1M.
-`turn_total_scenarios`: the same under budget_unit total, on TURN_TOTAL_FAMILIES: every turn's prompt (its history)
-counts toward the budget, and the controller is told so as the generate stage tells it (`prompt_mean`, the prompts
-in flight, each started conversation's next prompt and the PROMPT_TOKENS a turn adds); waste and time ÷ ideal count
-decoded tokens, those past the budget taken off the answers, and overshoot counts prompts and answers.
+`turn_total_scenarios`: the same under budget_unit total, on TURN_TOTAL_FAMILIES: what each turn's prompt adds to its
+conversation's sample (its PROMPT_TOKENS of source turns; the answers before it count once, as theirs) counts toward
+the budget, and the controller is told so as the generate stage tells it (`prompt_mean`, the prompts in flight, what
+each turn to come adds); waste and time ÷ ideal count decoded tokens, those past the budget taken off the answers,
+and overshoot counts prompts and answers.
 
 `neighbour_scenarios`: a server that shares its machine (`<model>+neighbour`): another job halves its rate for 10 to
 60 s at a time, a minute apart on average, at random (NEIGHBOUR_*), on each kind of server, the tuned family and
@@ -146,8 +147,8 @@ SCENARIO_STRATEGIES = ("check_cancel", "ours", "ours_keep_partial")
 # Multi-turn rows (`turns: all`): conversations of 1 to MAX_TURNS turns on the two classic servers at 1M tokens, with
 # no early ends and with a quarter of the turns that have a source turn after them ending their conversation.
 TURN_MODELS, TURN_BUDGET, TURN_END_EARLY_PCT = ("per_request_rate", "compute_bound"), 1_000_000, (0.0, 25.0)
-# ... and the same under budget_unit total (`turn_total_scenarios`), where every turn's prompt, its history included,
-# counts: on two families, the tuned one and the one of short answers among long ones.
+# ... and the same under budget_unit total (`turn_total_scenarios`), where a conversation's sample counts, each token
+# once: on two families, the tuned one and the one of short answers among long ones.
 TURN_TOTAL_FAMILIES = ("lognormal", "bimodal")
 # A noisy neighbour (`neighbour_scenarios`): another job on the server's machine halves its rate for 10 to 60 s at a
 # time, a minute apart on average (exponential gaps), at random: on the servers of each kind, the tuned family and the
@@ -479,8 +480,9 @@ class Talks:
     """Conversations (`turns: all`) as the generate stage sends them: a started conversation's next turn once its
     previous one completes, ahead of new conversations, as the controller lets the batch hold (`turn_count`); new
     ones as it admits them, told what the started ones will still ask (`Pending`). A response is keyed
-    (conversation, turn). `prompts_count` (budget_unit total): every turn's prompt, its history included, counts
-    toward the budget, and the controller is told so as the generate stage tells it."""
+    (conversation, turn). `prompts_count` (budget_unit total): what every turn's prompt adds to its conversation's
+    sample (PROMPT_TOKENS of source turns: the answers before it are counted already) counts toward the budget, and
+    the controller is told so as the generate stage tells it."""
 
     def __init__(self, convs: Iterator[Conversation], prompts_count: bool = False):
         self.convs = convs
@@ -515,13 +517,12 @@ class Talks:
 
     def pending(self, room: int) -> Pending:
         """What the work queue tells the controller: each conversation's source turns left and, where prompts count,
-        the prompt of its next turn and what each turn's prompt adds (PROMPT_TOKENS of source turns)."""
-        price = self._prompt if self.prompts_count else lambda i, t: 0
-        started = [(1, self.started[i].slots - t - 1, price(i, t)) for i, t in self.flying.values()]
-        started += [(0, self.started[i].slots - t, price(i, t)) for i, t in self.ready]
+        what each turn's prompt adds to the sample (PROMPT_TOKENS of source turns, its first turn's included)."""
+        step = PROMPT_TOKENS if self.prompts_count else 0
+        started = [(1, self.started[i].slots - t - 1, step) for i, t in self.flying.values()]
+        started += [(0, self.started[i].slots - t, step) for i, t in self.ready]
         while len(self.upcoming) < room:
             self.upcoming.append(next(self.convs))
-        step = PROMPT_TOKENS if self.prompts_count else 0  # a first turn's prompt, and what each next one adds
         upcoming = [(0, c.slots, step) for c in itertools.islice(self.upcoming, room)]
         return Pending(started, upcoming, growth=step, prompts=self.prompts_count)
 
@@ -544,10 +545,12 @@ class Talks:
         return PROMPT_TOKENS * (t + 1) + sum(self.started[i].lengths[:t])
 
     def counted_prompt(self, rid: int) -> int:
-        return self.prompt(rid) if self.prompts_count else 0
+        """What the turn's prompt adds to its conversation's sample: its source turns (the answers before it count
+        as theirs), as the generate stage counts budget_unit total."""
+        return PROMPT_TOKENS if self.prompts_count else 0
 
     def in_flight_prompts(self) -> list[int]:
-        return [self.prompt(rid) for rid in self.flying] if self.prompts_count else []
+        return [self.counted_prompt(rid) for rid in self.flying]
 
 
 Work = Prompts | Talks

@@ -64,6 +64,10 @@ HELD_OUT_EVERY = 5  # every 5th source conversation (by its line in the file) is
 SCHEDULE = "speculators' own: AdamW, linear warm-up over 1 % of the steps, linear decay to zero"
 CUDA_SHAPE = {"hidden": 256, "layers": 16}  # --device cuda's target unless --hidden / --layers say otherwise
 DRAFT_VOCAB, LARGE_VOCAB = 8192, 32768  # --draft-vocab's default, for a target vocabulary over LARGE_VOCAB
+# --steps and --budgets by default: a trained toy target's, and a given --target's on a CPU, where a drafter step at
+# SmolLM2's width (576, 8,192-token draft head, 512 tokens, 3 TTT steps) takes about 2.2 s on one thread: 11 variants x
+# 3 seeds of 120 steps with `--jobs 2` and the data fit in about 2 hours; the budgets keep `all` at about one epoch
+DEFAULTS = {"toy": (1000, "120000,40000,13000"), "given_cpu": (120, "40000,13000,4500")}
 
 
 def variants_for(eagle3: list[int]) -> dict:
@@ -505,7 +509,7 @@ def run(args) -> dict:
     from bench.drafter_target import TargetSpec, train_target
 
     trainers_python()  # fail before any work
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.jobs * args.threads)  # the data's stages: every core the drafters will use
     t0 = time.perf_counter()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="draftdata-drafter-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -513,21 +517,24 @@ def run(args) -> dict:
     spec = TargetSpec(hidden_size=args.hidden, num_layers=args.layers, steps=args.target_steps, device=args.device)
     info = target / "bench_target.json"  # a rerun in the same --workdir keeps the trained target
     if args.target:
-        target = args.target
-        target_info = given_target(target, args.device)
+        target, target_info = args.target, None  # its figures after the data: see below
     elif info.exists() and same_target(json.loads(info.read_text()), spec):
         target_info = json.loads(info.read_text())
     else:
         target_info = train_target(target, spec, log=lambda m: print(m, flush=True))
         info.write_text(json.dumps(target_info, indent=1))
-    if "final_norm_weight" not in target_info:  # a trained target: small, loaded again to read it
-        target_info["final_norm_weight"] = final_norm_weight(load_target(target))
     p = params(work, target, args.budgets, args.max_tokens, args.layers)
     (work / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
     variants = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
     t_data = time.perf_counter()
     exports = make_data(work, {VARIANTS[v][0] for v in variants})  # which export: the same at any depth
     data_s = time.perf_counter() - t_data
+    if target_info is None:
+        # a given target's figures once the stages have run: torch work in this main thread before the embedded
+        # engine's own thread starts would halve that thread's speed (draftdata/generate/backends/slots)
+        target_info = given_target(target, args.device)
+    if "final_norm_weight" not in target_info:  # a trained target: small, loaded again to read it
+        target_info["final_norm_weight"] = final_norm_weight(load_target(target))
     train_rows, eval_rows = split(work, exports)
     mappings, coverage = {}, {}
     if args.draft_vocab:
@@ -567,7 +574,11 @@ def run(args) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.drafter", description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=1000, help="drafter steps (packs of --max-len tokens) per run")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        help="drafter steps (packs of --max-len tokens) per run (default 1000; 120 for a given --target on a CPU)",
+    )
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--lr", type=float, default=3e-3, help="speculators' default is 1e-3, for runs of many epochs")
     ap.add_argument("--target-steps", type=int, default=1500)
@@ -590,8 +601,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--budgets",
         type=budgets_arg,
-        default=budgets_arg("120000,40000,13000"),
-        help="completion tokens of `all`, `mid` and `small` (and `last`), largest first (default: 120000,40000,13000)",
+        help="completion tokens of `all`, `mid` and `small` (and `last`), largest first (default: 120000,40000,13000; "
+        "40000,13000,4500 for a given --target on a CPU)",
     )
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument(
@@ -616,6 +627,9 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--jobs {args.jobs}: at least 1")
     check_device(args.device)
     shape_from(args, ap)
+    steps, budgets = DEFAULTS["given_cpu" if args.target and args.device == "cpu" else "toy"]
+    args.steps = args.steps or steps
+    args.budgets = args.budgets or budgets_arg(budgets)
     chosen = VARIANTS if args.variants == "all" else args.variants.split(",")
     unknown = [v for v in chosen if v not in VARIANTS]
     if unknown or "correct" not in chosen:  # before any work: the others are judged against `correct`

@@ -15,7 +15,7 @@ from draftdata.config.schema import Config, template_kwargs_of
 from draftdata.errors import UserError
 from draftdata.generate.dispatcher import RunStats
 from draftdata.generate.run import generate_missing, output_record, run_metrics, write_plots
-from draftdata.generate.selection import select_responses, tokens_of, unusable_reason
+from draftdata.generate.selection import select_responses, stored_tokens, unusable_reason
 from draftdata.generate.store import ResponseStore
 from draftdata.generate.work import RunPlan
 from draftdata.target.tokenizer import load_target_tokenizer
@@ -37,7 +37,7 @@ def main(cfg: Config) -> None:
     try:
         run = RunPlan.make(cfg, prompts, tok, store, limits.context)
         usable = {k: r for k, r in run.stored.items() if unusable_reason(r, ds) is None}
-        committed = sum(tokens_of(r.prompt_tokens, r.completion_tokens, ds.budget_unit) for r in usable.values())
+        committed = stored_tokens(run.plan, run.stored, ds)[0]
         stats = RunStats()
         if committed >= ds.token_budget:
             log(

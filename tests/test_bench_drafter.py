@@ -173,6 +173,33 @@ def test_the_report_names_only_the_missed_errors_with_their_lead_and_shift():
     assert report.shift_line({"correct": {}}) == ""
 
 
+def test_the_datas_choices_are_reported_seed_by_seed_with_the_larger_spread():
+    def v(*runs):
+        xs = [r for _, r in runs]
+        al = {"mean": sum(xs) / len(xs), "spread": max(xs) - min(xs)}
+        return {"accepted_length": al, "runs": [{"seed": s, "accepted_length": r} for s, r in runs]}
+
+    variants = {"correct": v((0, 2.0), (1, 2.1)), "source_answers": v((1, 1.9), (0, 1.6))}  # seeds in any order
+    lines = report.choice_lines(variants)
+    (row,) = [line for line in lines if line.startswith("| regenerated")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1:] == ["2.050 − 1.750", "+0.300", "0.300", "+1.0", "+0.400, +0.200"]
+    assert report.choice_lines({"correct": variants["correct"]}) == []  # nothing to compare with
+
+
+def test_the_draft_vocabulary_line_says_what_it_covers_of_each_set():
+    r = {
+        "draft_vocab": {
+            "size": 8192,
+            "target_vocab": 49152,
+            "coverage": {"all": {"distinct_trained_tokens": 5000, "train": 0.99871, "held_out": 0.98512}},
+        }
+    }
+    text = " ".join(report.vocab_lines(r))
+    assert "8,192 most frequent" in text and "49,152" in text and "`all` 99.87 %" in text and "98.51 %" in text
+    assert report.vocab_lines({"draft_vocab": {"size": "the target's", "coverage": "the whole vocabulary"}}) == []
+
+
 def test_readme_quality_block_is_the_reports_output():
     text = README.read_text()
     assert text.count(report.QUALITY_START) == 1 and text.count(report.QUALITY_END) == 1

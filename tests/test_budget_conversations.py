@@ -30,12 +30,13 @@ def test_started_conversations_turns_to_come_count_before_new_conversations_are_
     assert c.admit_count(progress) == 40  # as single requests: as many as there is room for
 
 
-def test_under_budget_unit_total_each_turn_to_come_counts_its_grown_prompt():
-    # in flight, prompt 500: the next turn's prompt holds it, an answer (1,000) and the source's next turn (100)
-    in_flight = Pending(started=[(1, 2, 500)], growth=100, prompts=True)
-    assert in_flight.tokens(1000) == (1000 + 500 + 1100) + (1000 + 500 + 2200)
-    waiting = Pending(started=[(0, 2, 500)], growth=100, prompts=True)  # its next turn, prompt 500, waits a slot
-    assert waiting.tokens(1000) == (1000 + 500) + (1000 + 500 + 1100)
+def test_under_budget_unit_total_each_turn_to_come_counts_what_its_prompt_adds_to_the_sample():
+    """A conversation's sample holds each token once: a turn to come adds its answer (1,000) and the source's next
+    turn (100); the turns and answers before it, which its prompt holds too, are counted already."""
+    in_flight = Pending(started=[(1, 2, 500)], growth=100, prompts=True)  # the turn adding 500 is in flight
+    assert in_flight.tokens(1000) == (1000 + 100) + (1000 + 100)
+    waiting = Pending(started=[(0, 2, 500)], growth=100, prompts=True)  # it waits for a slot: it adds 500 itself
+    assert waiting.tokens(1000) == (1000 + 500) + (1000 + 100)
     assert Pending(started=[(1, 2, 500)], growth=100).tokens(1000) == 2000  # completions only: the answers
 
 

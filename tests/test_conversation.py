@@ -22,8 +22,8 @@ from draftdata.generate.conversation import (
     SOURCE_EXHAUSTED,
     TOOL_CALL_DIVERGED,
     TRUNCATED,
+    TurnRendering,
     TurnRenders,
-    TurnTarget,
     prefix_stable,
     replay,
 )
@@ -38,11 +38,11 @@ SAMPLING = {"temperature": 0.8, "top_p": 0.95}
 WEATHER = make_golden.TOOLS[:1]
 
 
-def target(tok, **kwargs) -> TurnTarget:
-    return TurnTarget(tok, kwargs, "model-fp", SAMPLING, 48)
+def target(tok, **kwargs) -> TurnRendering:
+    return TurnRendering(tok, kwargs, "model-fp", SAMPLING, 48)
 
 
-def golden(template: str) -> TurnTarget:
+def golden(template: str) -> TurnRendering:
     return target(make_golden.load_tokenizer(template))
 
 
@@ -73,7 +73,7 @@ def tool_conv() -> dict:
     return {"id": "conv-2", "conversation": conversation, "slots": [2, 4, 6], "tools": copy.deepcopy(WEATHER)}
 
 
-def stored(p, t: TurnTarget, text: str, *, finish: str = "stop", **parsed) -> StoredResponse:
+def stored(p, t: TurnRendering, text: str, *, finish: str = "stop", **parsed) -> StoredResponse:
     """The target's answer to planned turn `p`: ids as a model may write them (words and spaces apart: not what
     encoding the whole text gives, so re-tokenisation would show; markers as their special tokens), its end-of-turn
     id last."""
@@ -101,7 +101,7 @@ def stored(p, t: TurnTarget, text: str, *, finish: str = "stop", **parsed) -> St
     )
 
 
-def drive(conv: dict, t: TurnTarget, answers: list, store: dict | None = None, **options):
+def drive(conv: dict, t: TurnRendering, answers: list, store: dict | None = None, **options):
     """Answer each next turn with answers[turn] (a text, or a dict of `stored` keywords) until the conversation
     ends; returns the last replay and the store."""
     store = {} if store is None else store
@@ -120,7 +120,7 @@ def turn_ids(r) -> list[tuple[list[int], list[int]]]:
 
 
 @pytest.fixture(params=["tiny", "chatml", "hermes_tools", "llama3"])
-def stable_target(request) -> TurnTarget:
+def stable_target(request) -> TurnRendering:
     if request.param == "tiny":
         from transformers import AutoTokenizer
 
@@ -353,7 +353,7 @@ def test_on_tool_divergence_is_checked():
 # Renders held from an earlier run
 
 
-def thinking_target() -> TurnTarget:
+def thinking_target() -> TurnRendering:
     tok = make_golden.load_tokenizer("qwen3_thinking")
     tok.chat_template = (ROOT / "conf" / "templates" / "qwen3_thinking.jinja").read_text()
     return target(tok)

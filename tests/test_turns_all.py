@@ -540,3 +540,27 @@ def test_an_unreadable_render_cache_costs_renders_only(conv_project, monkeypatch
     project.run("generate", "B3")
     assert srv.generate_calls == [] and sum(renders.values()) >= 12
     assert (project.data("B3") / "responses.jsonl").read_bytes() == before
+
+
+def test_budget_unit_total_counts_each_token_a_conversations_sample_holds_once(conv_project):
+    """budget_unit total: a conversation counts its sample's tokens (its last turn's prompt and answer), not each
+    turn's whole history again; the tokenize stage's samples hold exactly what the budget counted."""
+    project, start = conv_project
+    start(three_turn_rows(), budget_unit="total")
+    project.run("generate", "B3")
+    lines = responses(project)
+    last = {line["conversation"]: line for line in lines}  # in turn order: each conversation's last turn
+    sample_tokens = sum(line["prompt_tokens"] + line["completion_tokens"] for line in last.values())
+    every_history = sum(line["prompt_tokens"] + line["completion_tokens"] for line in lines)
+    m = metrics(project)
+    assert m["budget_tokens"] == sample_tokens < every_history
+    project.run("tokenize", "B3")
+    tm = json.loads((project.data("B3") / "tokenize_metrics.json").read_text())
+    assert tm["samples"] == len(last) and tm["tokens"] == sample_tokens
+    # a budget met mid-way (the stored turns, selected again) lands on it by the same counts, which the samples hold
+    start(three_turn_rows(), budget_unit="total", token_budget=sample_tokens // 2)
+    project.run("generate", "B3")
+    half = metrics(project)["budget_tokens"]
+    assert sample_tokens // 2 <= half < sample_tokens
+    project.run("tokenize", "B3")
+    assert json.loads((project.data("B3") / "tokenize_metrics.json").read_text())["tokens"] == half

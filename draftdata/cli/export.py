@@ -16,8 +16,8 @@ from draftdata.hidden.export import (
     MARKER,
     WRITERS,
     ExportTally,
+    check_export_dir,
     check_source,
-    check_target,
     export_dir,
     marker,
     publish,
@@ -43,7 +43,7 @@ def main(cfg: Config) -> None:
     else:
         check_samples(src, cfg.dataset, fmt)
     out = export_dir(cfg)
-    check_target(out)
+    check_export_dir(out)
     staging, tally = staging_dir(out), ExportTally()
     try:
         meta = write(fmt, src, staging, tally, cfg)

@@ -40,7 +40,7 @@ from draftdata.config.schema import (
 from draftdata.errors import ConfigError
 from draftdata.generate.budget import MIN_OBSERVED as MIN_LENGTHS
 from draftdata.generate.budget import LengthModel
-from draftdata.generate.selection import Planned, needs_request, plan_requests, tokens_of, unusable_reason
+from draftdata.generate.selection import Planned, needs_request, plan_requests, stored_tokens, unusable_reason
 from draftdata.generate.store import ResponseStore, StoredResponse
 from draftdata.generate.work import conversation_plan, plan_conversations
 from draftdata.hidden.shards import bytes_per_token, disk_per_token
@@ -279,7 +279,7 @@ def plan_dataset(
     else:
         prompts, prompts_from = None, "not counted (hub source; prompts stage not run)"
 
-    reusable, reusable_n, parked, lengths = _stored_tokens(stored, ds)
+    reusable, reusable_n, parked, lengths = _stored_tokens(planned, stored, ds)
     todo = [p for p in planned if needs_request(stored.get(p.key))]
     if left_to_send is None:
         left_to_send = len(todo)
@@ -287,7 +287,7 @@ def plan_dataset(
     mean_c, mean_c_from = mean_completion(lengths, ds.max_tokens)
     per_request = mean_c
     if ds.budget_unit == BudgetUnit.total:  # as generate: the prompts of the requests still to send
-        per_request += _mean([p.prompt_tokens for p in todo]) or mean_prompt or 0.0
+        per_request += _mean([p.added_prompt() for p in todo]) or mean_prompt or 0.0
     left = to_generate(ds.token_budget, reusable)
 
     gm = _read_json(out / "generate_metrics.json")
@@ -354,19 +354,15 @@ def _conversation_turns(
     return planned, stored, sum(len(r["slots"]) for r in records), left
 
 
-def _stored_tokens(stored: dict[str, StoredResponse], ds: DatasetConfig) -> tuple[int, int, int, list[int]]:
-    """Tokens counting toward the budget (what generate counts before it decides to send anything), how many
-    responses hold them, parked partial tokens, and the completion lengths of the complete ones."""
-    reusable = n = parked = 0
-    lengths = []
-    for r in stored.values():
-        if unusable_reason(r, ds) is None:
-            reusable += tokens_of(r.prompt_tokens, r.completion_tokens, ds.budget_unit)
-            n += 1
-            if not r.partial:
-                lengths.append(r.completion_tokens)
-        elif r.partial:
-            parked += r.completion_tokens
+def _stored_tokens(
+    planned: list[Planned], stored: dict[str, StoredResponse], ds: DatasetConfig
+) -> tuple[int, int, int, list[int]]:
+    """Tokens counting toward the budget (what generate counts before it decides to send anything: each planned
+    request's stored answer, as the output counts it), how many responses hold them, parked partial tokens, and the
+    completion lengths of the complete ones."""
+    reusable, n = stored_tokens(planned, stored, ds)
+    lengths = [r.completion_tokens for r in stored.values() if not r.partial and unusable_reason(r, ds) is None]
+    parked = sum(r.completion_tokens for r in stored.values() if r.partial and unusable_reason(r, ds) is not None)
     return reusable, n, parked, lengths
 
 

@@ -71,8 +71,9 @@ MEANINGS = {
     "datasets.<name>.on_bad_record": "A source row that cannot become a prompt: `fail` stops with its file:line, "
     "`skip` counts it by reason in prompts_metrics.json.",
     "datasets.<name>.token_budget": "Tokens of this dataset's output, counted as `budget_unit` says.",
-    "datasets.<name>.budget_unit": "`completion`: the budget counts generated tokens; `total`: prompt + "
-    "completion tokens (what the hidden states' size follows).",
+    "datasets.<name>.budget_unit": "`completion`: the budget counts generated tokens; `total`: the tokens the "
+    "samples hold, prompt + completion, each once (what the hidden states' size follows; a conversation regenerated "
+    "turn by turn counts its sample once, not each turn's history again).",
     "datasets.<name>.max_tokens": "Most tokens generated for one response.",
     "datasets.<name>.on_budget": "At the budget, `cancel` keeps complete responses only and parks the cut ones "
     "in the store; `keep_partial` keeps the server full and puts the cut responses in the output.",

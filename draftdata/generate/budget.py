@@ -25,9 +25,9 @@ hold, and whether the budget is reached (then the caller stops what is in flight
   everything and keep each partial response, cut at the budget: nothing generated is thrown away.
 - Conversations (`turns: all`): a started conversation's next turns are not admitted against the budget, so what
   they will add is counted in before new conversations are admitted (`Pending`: each started conversation's source
-  turns not yet requested, priced at the mean completion length, plus their prompts, history included, under
-  budget_unit total), a new conversation costs its source turns, not one response, and near the end the batch the
-  turns make is kept as a batch of requests is (`turn_count`).
+  turns not yet requested, priced at the mean completion length, plus what their prompts add to the conversation's
+  sample under budget_unit total), a new conversation costs its source turns, not one response, and near the end the
+  batch the turns make is kept as a batch of requests is (`turn_count`).
 
 bench/budget.py measures all of this on servers with knees from 8 requests to the full batch and saturating ones,
 on four length families (the constants were tuned on one, lognormal), with and without noise, at 1M and 10M tokens.
@@ -309,8 +309,9 @@ class Pending:
     (the controller prices them with the lengths it has seen, `tokens`).
 
     `started`: per started, unfinished conversation, (first, turns, prompt): `turns` source turns not yet requested,
-    the first of them `first` turns after the one whose prompt is `prompt` tokens (1: that one is in flight; 0: it
-    is that turn, waiting for a slot). `upcoming`: the same of the conversations next in line to start (first 0).
+    the first of them `first` turns after the one whose prompt adds `prompt` tokens to its sample (1: that one is in
+    flight; 0: it is that turn, waiting for a slot). `upcoming`: the same of the conversations next in line to start
+    (first 0).
     `growth`: the tokens a turn's prompt adds to the previous prompt and answer (the source's user and tool turns,
     the template's markers), on average; `prompts`: whether prompts count toward the budget (budget_unit total).
 
@@ -333,13 +334,12 @@ class Pending:
         return sum(self._turns(c, completion) for c in self.upcoming) / len(self.upcoming)
 
     def _turns(self, conv: tuple[int, int, int], completion: float) -> float:
-        """Turn k after the one of `prompt` (k = first, first + 1, ...) adds a completion and, when prompts count,
-        that prompt grown by k answers and k source steps."""
+        """Turn k after the one that adds `prompt` (k = first, first + 1, ...) adds a completion and, when prompts
+        count, what its prompt adds to the sample: `prompt` for that turn itself (k = 0), a source step after."""
         first, turns, prompt = conv
-        if not self.prompts:
+        if not self.prompts or turns <= 0:
             return turns * completion
-        step = completion + self.growth
-        return sum(completion + prompt + k * step for k in range(first, first + turns))
+        return turns * (completion + self.growth) + (prompt - self.growth if first == 0 else 0)
 
 
 @dataclass

@@ -80,7 +80,7 @@ def _readable(held: str) -> bool:
 
 
 @dataclass(frozen=True)
-class TurnTarget:
+class TurnRendering:
     """What a turn's prompt ids and store key are made with: the target's tokenizer and template kwargs, what a
     request key holds besides the ids, and the turns rendered before (None: every turn is rendered)."""
 
@@ -114,22 +114,22 @@ class _Sent:
     output_ids: list[int] | None
     text: str | None = None
 
-    def rendered(self, target: TurnTarget, tools: list[dict] | None) -> str:
+    def rendered(self, rendering: TurnRendering, tools: list[dict] | None) -> str:
         if self.text is None:
-            self.text = _render(target, self.messages, tools)
+            self.text = _render(rendering, self.messages, tools)
         return self.text
 
 
 def replay(
     conv: dict,
     lookup: Callable[[str], StoredResponse | None],
-    target: TurnTarget,
+    rendering: TurnRendering,
     on_tool_divergence: str = STOP,
     commands: bool = False,
 ) -> Replay:
     """Walk the prompt record `conv` ({"id", "conversation", "slots", "tools"?, "where"?}) through the stored answers.
     `commands`: the source acts by shell commands in its text (swe_agent), compared as actions."""
-    walk = turns(conv, target, on_tool_divergence, commands)
+    walk = turns(conv, rendering, on_tool_divergence, commands)
     try:
         planned = next(walk)
         while True:
@@ -139,7 +139,7 @@ def replay(
 
 
 def turns(
-    conv: dict, target: TurnTarget, on_tool_divergence: str = STOP, commands: bool = False
+    conv: dict, rendering: TurnRendering, on_tool_divergence: str = STOP, commands: bool = False
 ) -> Generator[Planned, StoredResponse | None, Replay]:
     """`replay` one turn at a time: yields each turn's request and is sent its stored answer (None: not stored),
     so a caller can look up many conversations' turns in one query, or send a turn and step on once it is
@@ -154,14 +154,14 @@ def turns(
     turn_key = ""  # no answer before turn 0
     for t, slot in enumerate(slots):
         messages = history + source[consumed:slot]
-        planned, text = _plan_turn(conv, t, messages, [p.key for p, _ in done], target, sent, turn_key)
+        planned, text = _plan_turn(conv, t, messages, [p.key for p, _ in done], rendering, sent, turn_key)
         stored = yield planned
         if needs_request(stored):
             return Replay(done, planned, None)
         done.append((planned, stored))
         if stored.finish_reason == "length":
             return Replay(done, None, TRUNCATED)
-        answer = answer_message(stored, target.tok)
+        answer = answer_message(stored, rendering.tok)
         follow = _follow(source, slot, answer, t + 1 == len(slots), on_tool_divergence == STOP, commands)
         if isinstance(follow, str):
             return Replay(done, None, follow)
@@ -216,25 +216,25 @@ def _plan_turn(
     t: int,
     messages: list[dict],
     keys: list[str],
-    target: TurnTarget,
+    rendering: TurnRendering,
     sent: _Sent | None,
     turn_key: str,
 ) -> tuple[Planned, str | None]:
     """Turn t's request, and its rendered text where it was rendered (None: its ids were held)."""
     tools = conv.get("tools")
-    held = target.renders.get(conv["id"], turn_key) if target.renders is not None else None
+    held = rendering.renders.get(conv["id"], turn_key) if rendering.renders is not None else None
     ids: list[int] | str | None = _held_ids(held, sent) if held is not None else None
     text = None
     if ids is None:
-        text, ids, row = _prompt_ids(target, messages, tools, sent)
-        if target.renders is not None:
-            target.renders.put(conv["id"], turn_key, row)
+        text, ids, row = _prompt_ids(rendering, messages, tools, sent)
+        if rendering.renders is not None:
+            rendering.renders.put(conv["id"], turn_key, row)
     # the turn's id names its place: the conversation, the turn, and the answers (by key) it was built on
     record = {"id": content_hash({"prompt": conv["id"], "turn": t, "keys": keys}), "conversation": conv["id"]}
     record.update(turn=t, messages=messages, **({"tools": tools} if tools else {}))
     if "where" in conv:
         record["where"] = conv["where"]
-    return Planned(record, target.key_of(ids if isinstance(ids, str) else ids_json(ids)), ids), text
+    return Planned(record, rendering.key_of(ids if isinstance(ids, str) else ids_json(ids)), ids), text
 
 
 def _next_turn_key(turn_key: str, r: StoredResponse) -> str:
@@ -257,23 +257,27 @@ def _ids_text(p: Planned) -> str:
     return p.rendered if isinstance(p.rendered, str) else ids_json(p.rendered)
 
 
-def _prompt_ids(target: TurnTarget, messages: list[dict], tools: list[dict] | None, sent: _Sent | None):
+def _prompt_ids(rendering: TurnRendering, messages: list[dict], tools: list[dict] | None, sent: _Sent | None):
     """(rendered prompt, its ids, the render to hold): the previous turn's ids and answer ids + the rest encoded
     where the rendered prompt continues them verbatim, else the prompt rendered whole."""
-    tok = target.tok
-    text = _render(target, messages, tools)
+    tok = rendering.tok
+    text = _render(rendering, messages, tools)
     if sent is not None and sent.output_ids:
-        head = sent.rendered(target, tools) + _decode(tok, sent.output_ids)
+        head = sent.rendered(rendering, tools) + _decode(tok, sent.output_ids)
         if text.startswith(head):
             rest = tok.backend_tokenizer.encode(text[len(head) :], add_special_tokens=False).ids
             return text, sent.planned.prompt_ids + sent.output_ids + rest, "+" + ids_json(rest)
-    ids = render_prompt_ids(tok, messages, tools, target.template_kwargs)
+    ids = render_prompt_ids(tok, messages, tools, rendering.template_kwargs)
     return text, ids, ids_json(ids)
 
 
-def _render(target: TurnTarget, messages: list[dict], tools: list[dict] | None) -> str:
-    return target.tok.apply_chat_template(
-        template_messages(messages), tools=tools, add_generation_prompt=True, tokenize=False, **target.template_kwargs
+def _render(rendering: TurnRendering, messages: list[dict], tools: list[dict] | None) -> str:
+    return rendering.tok.apply_chat_template(
+        template_messages(messages),
+        tools=tools,
+        add_generation_prompt=True,
+        tokenize=False,
+        **rendering.template_kwargs,
     )
 
 

@@ -89,7 +89,7 @@ class Dispatcher:
         """The prompt tokens each request in flight counts toward the budget (budget_unit total; else none)."""
         if self.ds.budget_unit != BudgetUnit.total:
             return []
-        return [len(f.p.prompt_ids) for f in self.flights.values()]
+        return [f.p.added_prompt() for f in self.flights.values()]
 
     async def run(self, todo: list[Planned] | WorkQueue) -> RunStats:
         self.work = todo if isinstance(todo, WorkQueue) else WorkQueue(todo)

@@ -120,7 +120,7 @@ class Ledger:
             new = r.completion_tokens - f.prefix
             s.generated += new
             s.new_by_key[r.key] = new
-            tokens = tokens_of(r.prompt_tokens, r.completion_tokens, unit)
+            tokens = tokens_of(f.p, r, unit)
             if r.partial:
                 s.parked += 1
                 s.parked_tokens += new

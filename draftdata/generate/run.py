@@ -14,7 +14,7 @@ from draftdata.generate.backends import make_backend, takes_token_ids
 from draftdata.generate.budget import BudgetController
 from draftdata.generate.dispatcher import Dispatcher, Interrupted, RunStats
 from draftdata.generate.progress import Progress
-from draftdata.generate.selection import Planned, needs_request, tokens_of, unusable_reason
+from draftdata.generate.selection import Planned, needs_request, stored_tokens, unusable_reason
 from draftdata.generate.store import CUT, ResponseStore, StoredResponse
 from draftdata.generate.work import ConversationQueue, WorkQueue
 from draftdata.util.log import log
@@ -71,14 +71,14 @@ def generate_missing(
     complete responses, and keep_partial's cut ones only once no more generation is wanted. `conversations`
     (`turns: all`): `plan` holds their answered turns and the next one of each, and the queue steps them on."""
     ds = cfg.ds
-    complete = [r for r in stored.values() if not r.partial and unusable_reason(r, ds) is None]
     ctrl = BudgetController(
         ds.token_budget,
         ds.max_tokens,
         ds.concurrency,
         keep_partial=ds.on_budget == OnBudget.keep_partial,
-        committed=sum(tokens_of(r.prompt_tokens, r.completion_tokens, ds.budget_unit) for r in complete),
+        committed=stored_tokens(plan, stored, ds, partial=False)[0],
     )
+    complete = [r for r in stored.values() if not r.partial and unusable_reason(r, ds) is None]
     for r in complete:
         ctrl.lengths.add(r.completion_tokens)  # completion lengths only: bounded by max_tokens, whatever the unit
     todo = [p for p in plan if needs_request(stored.get(p.key))]
@@ -88,7 +88,7 @@ def generate_missing(
 
         check_chat_rendering(cfg, tok, [p.prompt for p in todo])
     if ds.budget_unit == BudgetUnit.total and todo:
-        ctrl.prompt_mean = sum(p.prompt_tokens for p in todo) / len(todo)
+        ctrl.prompt_mean = sum(p.added_prompt() for p in todo) / len(todo)
     parked = {k: r for k, r in stored.items() if r.partial}
     if conversations is not None:
         conversations.parked = parked  # partials met while stepping over stored turns are continued too

@@ -27,6 +27,9 @@ class Planned:
     # the prompt's ids rendered with the chat template (exactly what the target is sent), or their JSON text as the
     # store's cache of renders holds it: decoded only for the prompts a run sends
     rendered: list[int] | str
+    # a conversation's later turn (`turns: all`): the tokens of its sample before this turn (the turn before's prompt
+    # and answer), which this turn's prompt holds; 0 for a first turn or a single prompt
+    before: int = 0
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -39,6 +42,16 @@ class Planned:
         if isinstance(self.rendered, str):
             return self.rendered.count(",") + (self.rendered != "[]")
         return len(self.rendered)
+
+    def added_prompt(self, prompt_tokens: int | None = None) -> int:
+        """The prompt tokens this request adds to its sample (of `prompt_tokens`, a stored answer's count; default
+        the plan's): all of a first turn's or a single prompt's; of a conversation's later turn, what its prompt
+        adds to the turn before and its answer (the source's next user or tool turns, the template's markers), as
+        tokenize makes one sample of the whole conversation. A template that rewrites earlier turns (drops their
+        reasoning) renders a prompt shorter than that; tokenize then gives each turn a sample of its own, so all of
+        it counts."""
+        n = self.prompt_tokens if prompt_tokens is None else prompt_tokens
+        return n - self.before if n >= self.before else n
 
 
 def request_key(model_fp: str, prompt_ids: list[int], sampling: dict, max_tokens: int) -> str:
@@ -61,8 +74,22 @@ def request_keys(model_fp: str, sampling: dict, max_tokens: int) -> Callable[[st
     return lambda ids_text: hashlib.sha256(start + ids_text.encode() + end).hexdigest()[:32]
 
 
-def tokens_of(prompt_tokens: int, completion_tokens: int, unit: BudgetUnit) -> int:
-    return completion_tokens + (prompt_tokens if unit == BudgetUnit.total else 0)
+def tokens_of(p: Planned, r: StoredResponse, unit: BudgetUnit) -> int:
+    """What a response counts toward its dataset's budget: its completion tokens; under budget_unit total also the
+    prompt tokens it adds to its sample, so that a conversation counts each token its sample holds once (the
+    states' size), not each turn's whole history again."""
+    return r.completion_tokens + (p.added_prompt(r.prompt_tokens) if unit == BudgetUnit.total else 0)
+
+
+def stored_tokens(
+    plan: list[Planned], stored: dict[str, StoredResponse], ds: DatasetConfig, partial: bool = True
+) -> tuple[int, int]:
+    """What the plan's usable stored answers count toward the budget, each as the output counts it (two
+    conversations that share a turn each hold it), and how many answers hold them; `partial=False`: complete ones
+    only (keep_partial's cut ones count once no more generation is wanted)."""
+    pairs = [(p, r) for p in plan if (r := stored.get(p.key)) is not None and unusable_reason(r, ds) is None]
+    pairs = [(p, r) for p, r in pairs if partial or not r.partial]
+    return sum(tokens_of(p, r, ds.budget_unit) for p, r in pairs), len(pairs)
 
 
 def unusable_reason(r: StoredResponse, ds: DatasetConfig) -> str | None:
@@ -102,7 +129,7 @@ def select_responses(plan: list[Planned], stored: dict[str, StoredResponse], ds:
             skipped[reason] += 1
         else:
             usable.append((p, r))
-    sizes = [tokens_of(r.prompt_tokens, r.completion_tokens, ds.budget_unit) for _, r in usable]
+    sizes = [tokens_of(p, r, ds.budget_unit) for p, r in usable]
     heads = [p.prompt.get("turn", 0) == 0 for p, _ in usable]  # a turn of a conversation (`turns: all`) names it
     chosen = landing(sizes, ds.token_budget, heads)
     return [usable[i] for i in chosen], sum(sizes[i] for i in chosen), skipped

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, Turns, template_kwargs_of
 from draftdata.generate.backends import GenResult
 from draftdata.generate.budget import Pending
-from draftdata.generate.conversation import TurnRenders, TurnTarget, turns
+from draftdata.generate.conversation import TurnRendering, TurnRenders, turns
 from draftdata.generate.selection import (
     Planned,
     check_context,
@@ -82,7 +82,7 @@ class Conversation:
     ended: str | None = None
     server: str | None = None  # the server that answered its last turn in this run
     first: Planned | None = None  # turn 0
-    held = BUDGET  # why `next` was not answered: the run stopped first, or its request failed
+    held: str = BUDGET  # why `next` was not answered: the run stopped first, or its request failed
 
     def start(self, room: int | None) -> None:
         self._moved(lambda: next(self.walk), room)
@@ -107,6 +107,9 @@ class Conversation:
         except StopIteration as stop:
             self.next, self.ended = None, stop.value.ended
             return
+        if self.done:  # its prompt holds the turn before and its answer: the sample so far (budget_unit total)
+            before, answer = self.done[-1]
+            self.next.before = before.prompt_tokens + answer.completion_tokens
         # a later turn the target cannot answer ends the conversation: a shorter sample (turn 0's are checked
         # before any work, as every prompt is)
         if self.done and room is not None and self.next.prompt_tokens > room:
@@ -160,9 +163,9 @@ def plan_conversations(
     fp = model_fingerprint(cfg.model.path, cfg.model.revision, hash_cache_path(cfg.run.store_path))
     renders = Renders.load(render_fingerprint(cfg, fp, tok), store, prompts)
     kwargs = template_kwargs_of(cfg, cfg.dataset)
-    target = TurnTarget(tok, kwargs, fp, ds.sampling.as_dict(), ds.max_tokens, renders.turns)
+    rendering = TurnRendering(tok, kwargs, fp, ds.sampling.as_dict(), ds.max_tokens, renders.turns)
     commands = ds.source.shape == "swe_agent"  # its actions are fenced shell commands in the text
-    convs = [Conversation(rec, turns(rec, target, ds.on_tool_divergence.value, commands)) for rec in prompts]
+    convs = [Conversation(rec, turns(rec, rendering, ds.on_tool_divergence.value, commands)) for rec in prompts]
     for c in convs:
         c.start(None)
     room = None if context is None else context - ds.max_tokens
@@ -230,9 +233,9 @@ class ConversationQueue(WorkQueue):
         return None
 
     def pending(self, upcoming: int) -> Pending:
-        started = [(1, c.left() - 1, c.next.prompt_tokens) for waiting in self._waiting.values() for c in waiting]
-        started += [(0, c.left(), c.next.prompt_tokens) for c in self._ready]
-        nxt = [(0, c.left(), c.next.prompt_tokens) for c in itertools.islice(self._fresh, upcoming)]
+        started = [(1, c.left() - 1, c.next.added_prompt()) for waiting in self._waiting.values() for c in waiting]
+        started += [(0, c.left(), c.next.added_prompt()) for c in self._ready]
+        nxt = [(0, c.left(), c.next.added_prompt()) for c in itertools.islice(self._fresh, upcoming)]
         growth = self.growth_sum / self.growth_n if self.growth_n else 0.0
         return Pending(started, nxt, growth, self.prompts_count)
 

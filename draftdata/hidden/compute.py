@@ -27,7 +27,7 @@ from draftdata.config.schema import Config
 from draftdata.errors import UserError
 from draftdata.hidden.engines.base import Engine
 from draftdata.hidden.shards import FORMAT_VERSION, SampleStates, ShardBuffer, check, encode, write
-from draftdata.hidden.state_store import StateStore, Target, state_key
+from draftdata.hidden.state_store import NormAndSizes, StateStore, state_key
 from draftdata.target.fingerprint import model_fingerprint
 from draftdata.target.model import check_tokenizer_fits, model_dir, model_limits
 from draftdata.target.tokenizer import load_tokenizer
@@ -93,7 +93,7 @@ class LazyEngine:
         if self.engine is None:
             self.engine = make_engine(self.cfg, self.layers)
             e = self.engine
-            self.store.save_target(self.settings_hash, Target(e.final_norm, e.n_layers, e.hidden_size))
+            self.store.save_target(self.settings_hash, NormAndSizes(e.final_norm, e.n_layers, e.hidden_size))
         return self.engine
 
     @property
@@ -112,7 +112,7 @@ class LazyEngine:
     def pad_tokens(self) -> int:
         return self.engine.pad_tokens if self.engine is not None else 0
 
-    def target(self) -> Target:
+    def target(self) -> NormAndSizes:
         found = self.store.target(self.settings_hash)
         if found is None:  # never recorded (the states came from elsewhere): the engine reads it from the model
             self.get()
@@ -336,7 +336,7 @@ def _compute_windows(
 
 
 def materialise(
-    cfg: Config, src: Path, out: Path, store: StateStore, settings: dict, target: Target, tally: HiddenTally
+    cfg: Config, src: Path, out: Path, store: StateStore, settings: dict, target: NormAndSizes, tally: HiddenTally
 ) -> dict:
     """Pass 2 (rank 0): the output directory, rebuilt from the store: shard links, the sample list, the index."""
     import pyarrow as pa

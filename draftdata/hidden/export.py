@@ -122,7 +122,7 @@ def check_source(src: Path, dataset: str) -> None:
             )
 
 
-def check_target(out: Path) -> None:
+def check_export_dir(out: Path) -> None:
     """Refuse a path that is not ours to replace: a file, or a non-empty directory without the end marker."""
     if out.exists() and not out.is_dir():
         raise ConfigError("export.dir", f"{out} is a file, not a directory; choose another export.dir")

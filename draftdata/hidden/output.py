@@ -9,10 +9,10 @@ from draftdata.config.schema import Config
 from draftdata.hidden.compute import HiddenTally, LazyEngine
 from draftdata.hidden.layers import layer_numberings
 from draftdata.hidden.shards import FORMAT_VERSION, disk_per_token
-from draftdata.hidden.state_store import Target
+from draftdata.hidden.state_store import NormAndSizes
 
 
-def index_doc(cfg: Config, target: Target, settings: dict, layers: list[int], view: dict) -> dict:
+def index_doc(cfg: Config, target: NormAndSizes, settings: dict, layers: list[int], view: dict) -> dict:
     return {
         "format": "draftdata-hidden-states",
         "version": FORMAT_VERSION,
@@ -39,7 +39,7 @@ def index_doc(cfg: Config, target: Target, settings: dict, layers: list[int], vi
 
 
 def output_metrics(
-    out: Path, engine: LazyEngine, target: Target, hs, layers: list[int], view: dict, tally: HiddenTally
+    out: Path, engine: LazyEngine, target: NormAndSizes, hs, layers: list[int], view: dict, tally: HiddenTally
 ) -> dict:
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     # over the shards' own bytes and tokens: a linked shard may also hold other datasets' samples

@@ -46,7 +46,7 @@ ENGINE_COLUMN = "ALTER TABLE shards ADD COLUMN engine TEXT"
 
 
 @dataclass
-class Target:
+class NormAndSizes:
     norm: object  # draftdata.hidden.engines.hf.FinalNorm
     n_layers: int
     hidden_size: int
@@ -141,7 +141,7 @@ class StateStore:
             out.update(self.db.execute(query, chunk).fetchall())
         return out
 
-    def save_target(self, settings_hash: str, target: Target) -> None:
+    def save_target(self, settings_hash: str, target: NormAndSizes) -> None:
         """What the output needs of the target besides its states (its final norm, sizes), kept with the states so
         that a run that computes nothing never loads the model."""
         from safetensors.torch import save_file
@@ -162,7 +162,7 @@ class StateStore:
                 )
             )
 
-    def target(self, settings_hash: str) -> Target | None:
+    def target(self, settings_hash: str) -> NormAndSizes | None:
         from safetensors.torch import load_file
 
         from draftdata.hidden.norm import FinalNorm
@@ -175,7 +175,7 @@ class StateStore:
             return None
         spec = doc["norm"]
         norm = FinalNorm(spec["kind"], spec["eps"], params["weight"], params.get("bias"), spec["weight_offset"])
-        return Target(norm, doc["n_layers"], doc["hidden_size"])
+        return NormAndSizes(norm, doc["n_layers"], doc["hidden_size"])
 
     def drop_torn(self, shards: Iterable[str]) -> list[str]:
         """Forget shards whose file is missing or cut short (their samples are then computed again)."""

@@ -18,6 +18,8 @@ from draftdata.hidden.engines.base import find_decoder
 from draftdata.hidden.norm import FinalNorm
 from draftdata.util.timing import Timers
 
+PROBE_ROWS = 256  # the rows faster_dtype times the two dtypes at: a batch's many tokens, not a decode step's few
+
 
 def final_norm_of(norm) -> FinalNorm:
     """Read a final-norm module's parameters, and check that `FinalNorm.apply` reproduces it on random input: a norm
@@ -50,9 +52,12 @@ class HFEngine:
     The pad positions' own states are computed and dropped; `pad_tokens` counts them."""
 
     def __init__(self, model_cfg: ModelConfig, layers: list[int], device_map: str | None = None):
-        from draftdata.target.model import load_model
+        from draftdata.target.model import faster_dtype, load_model
 
-        self.model = load_model(model_cfg, device_map=device_map)
+        model = load_model(model_cfg, device_map=device_map)
+        # a 16-bit model on a CPU that multiplies it slower than float32 runs in float32: the same states, more
+        # precise, stored in hidden_states.dtype all the same
+        self.model = model.to(faster_dtype(model, rows=PROBE_ROWS))
         self.decoder = find_decoder(self.model)
         self.n_layers = len(self.decoder.layers)
         self.hidden_size = self.model.config.get_text_config().hidden_size

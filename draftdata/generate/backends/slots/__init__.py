@@ -42,6 +42,7 @@ from draftdata.generate.backends.slots.cache import KVCache
 from draftdata.generate.backends.slots.lean import LeanDecoder
 from draftdata.generate.backends.slots.linear import SMALL_ROWS, hybridize, packing_pays
 from draftdata.generate.backends.slots.sampling import Sampling, sample
+from draftdata.target.model import faster_dtype
 
 __all__ = ["Sampling", "SlotBatching", "SlotOutput", "Unsupported", "faster_dtype"]
 
@@ -99,31 +100,6 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
     if dropout:
         raise Unsupported("attention dropout")
     return cache.attend(module.layer_idx, query, key, value, scaling), None
-
-
-def faster_dtype(model, rows: int):
-    """float32 where this CPU multiplies the model's largest layer faster in it than in the model's own 16-bit dtype
-    (a CPU without AMX runs bf16 matmuls no faster than float32), else the model's dtype. Computing a bf16 model in
-    float32 computes the same model, more precisely."""
-    import torch
-
-    dtype = next(model.parameters()).dtype
-    if dtype not in (torch.bfloat16, torch.float16) or next(model.parameters()).device.type != "cpu":
-        return dtype
-    config = model.config.get_text_config()
-    shape = (config.intermediate_size, config.hidden_size)
-
-    def best(dt) -> float:
-        x, w = torch.randn(rows, shape[1], dtype=dt), torch.randn(shape, dtype=dt)
-        times = []
-        for _ in range(7):
-            t0 = time.perf_counter()
-            for _ in range(4):
-                torch.nn.functional.linear(x, w)
-            times.append(time.perf_counter() - t0)
-        return min(times[2:])
-
-    return torch.float32 if best(torch.float32) < best(dtype) else dtype
 
 
 class SlotBatching:
