@@ -215,7 +215,7 @@ def test_a_lean_forward_the_probe_refuses_leaves_the_model_to_its_own(tmp_path, 
 def test_a_packed_weight_multiplies_as_f_linear_does(rows):
     """Decode's few rows on oneDNN's packed bf16 copy, a prefill's many on the weight itself: F.linear's product
     either way, to bf16's rounding (the same float32 accumulation)."""
-    from draftdata.generate.backends.slots.lean import PACKED_ROWS, Packed, _ops
+    from draftdata.generate.backends.slots.lean import PACKED_ROWS, Packed, _ops, packing_pays
 
     if _ops() is None:
         pytest.fail("this torch has no oneDNN: the packed path cannot be checked")
@@ -223,7 +223,11 @@ def test_a_packed_weight_multiplies_as_f_linear_does(rows):
     w, b = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
     x = torch.randn(1, rows, 64, dtype=torch.bfloat16)
     lin = Packed(w, b, rows=8)
-    assert lin.packed is not None and (rows > PACKED_ROWS) == (rows == 300)
+    assert (rows > PACKED_ROWS) == (rows == 300)
+    if lin.packed is None:  # a CPU whose oneDNN has no bf16 path: F.linear all along, and packing never chosen
+        with pytest.raises(RuntimeError, match="bf16 path needs"):
+            _ops()[0](w, 8)
+        assert not packing_pays([w], 8)
     want = torch.nn.functional.linear(x.float(), w.float(), b.float())
     got = lin(x)
     assert got.shape == (1, rows, 96) and got.dtype == torch.bfloat16

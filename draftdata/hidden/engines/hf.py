@@ -56,8 +56,10 @@ class HFEngine:
 
         model = load_model(model_cfg, device_map=device_map)
         # a 16-bit model on a CPU that multiplies it slower than float32 runs in float32: the same states, more
-        # precise, stored in hidden_states.dtype all the same
-        self.model = model.to(faster_dtype(model, rows=PROBE_ROWS))
+        # precise, stored in hidden_states.dtype all the same (a model on GPUs, dispatched by device_map, is left
+        # as it is)
+        dtype = faster_dtype(model, rows=PROBE_ROWS)
+        self.model = model if dtype == next(model.parameters()).dtype else model.to(dtype)
         self.decoder = find_decoder(self.model)
         self.n_layers = len(self.decoder.layers)
         self.hidden_size = self.model.config.get_text_config().hidden_size

@@ -36,7 +36,10 @@ class Packed:
         self.out_features, self.in_features = weight.shape
         if rows and (ops := _ops()) is not None:
             reorder, self.pointwise = ops  # looked up once: __call__ is on every decode step's path
-            self.packed = reorder(weight.detach(), rows)
+            try:
+                self.packed = reorder(weight.detach(), rows)
+            except RuntimeError:  # a CPU whose oneDNN has no bf16 path (no AVX-512BW nor AVX-NE-CONVERT): F.linear
+                self.packed = None
 
     def __call__(self, x):
         import torch.nn.functional as F
@@ -58,6 +61,8 @@ def packing_pays(weights, rows: int) -> bool:
         return False
     try:
         packed = [Packed(w, rows=rows) for w in weights]
+        if any(p.packed is None for p in packed):
+            return False
         xs = [torch.randn(rows, w.shape[1], dtype=w.dtype) for w in weights]
         plain = _best(lambda: [F.linear(x, w) for x, w in zip(xs, weights)])
         fast = _best(lambda: [p(x) for x, p in zip(xs, packed)])
