@@ -64,9 +64,10 @@ HELD_OUT_EVERY = 5  # every 5th source conversation (by its line in the file) is
 SCHEDULE = "speculators' own: AdamW, linear warm-up over 1 % of the steps, linear decay to zero"
 CUDA_SHAPE = {"hidden": 256, "layers": 16}  # --device cuda's target unless --hidden / --layers say otherwise
 DRAFT_VOCAB, LARGE_VOCAB = 8192, 32768  # --draft-vocab's default, for a target vocabulary over LARGE_VOCAB
-# --steps and --budgets by default: a trained toy target's, and a given --target's on a CPU, where a drafter step at
-# SmolLM2's width (576, 8,192-token draft head, 512 tokens, 3 TTT steps) takes about 2.2 s on one thread: 11 variants x
-# 3 seeds of 120 steps with `--jobs 2` and the data fit in about 2 hours; the budgets keep `all` at about one epoch
+# --steps and --budgets by default: a trained toy target's (and a GPU's), and a given --target's on a CPU, sized from a
+# drafter step's time at SmolLM2's width (576, 8,192-token draft head, 512 tokens, 3 TTT steps; 2.0-2.3 s on one
+# thread of a 2-core machine) so that 11 variants x 3 seeds with `--jobs 2` and the data stay within 2.5 hours, `all`
+# at about one epoch. Too few steps for a drafter that wide to learn the target: on a CPU this only checks the path
 DEFAULTS = {"toy": (1000, "120000,40000,13000"), "given_cpu": (120, "40000,13000,4500")}
 
 
