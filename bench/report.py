@@ -1072,7 +1072,8 @@ def step_time(r: dict) -> str:
     train = sum(run["train_s"] for run in runs) / len(runs)
     per_run = r["wall_s"]["drafters"] * r["settings"].get("jobs", 1) / len(runs)  # a process's share of the wall
     return (
-        f" A run took {per_run:.0f} s of its process's time: {train:.0f} s training "
+        f" A run took about {per_run:.0f} s of its process's time (the drafters' wall time × processes ÷ runs, so a "
+        f"process that finished first adds its idle end): {train:.0f} s training "
         f"({train / r['settings']['steps']:.2f} s a step), the rest building the drafter and judging the held-out "
         "samples."
     )

@@ -87,8 +87,11 @@ def stored_tokens(
     """What the plan's usable stored answers count toward the budget, each as the output counts it (two
     conversations that share a turn each hold it), and how many answers hold them; `partial=False`: complete ones
     only (keep_partial's cut ones count once no more generation is wanted)."""
-    pairs = [(p, r) for p in plan if (r := stored.get(p.key)) is not None and unusable_reason(r, ds) is None]
-    pairs = [(p, r) for p, r in pairs if partial or not r.partial]
+    pairs = [
+        (p, r)
+        for p in plan
+        if (r := stored.get(p.key)) is not None and (partial or not r.partial) and unusable_reason(r, ds) is None
+    ]
     return sum(tokens_of(p, r, ds.budget_unit) for p, r in pairs), len(pairs)
 
 
