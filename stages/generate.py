@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from draftdata.config.load import cli
-from draftdata.config.schema import Config, template_kwargs_of
+from draftdata.config.schema import Config
 from draftdata.errors import UserError
 from draftdata.generate.dispatcher import RunStats
 from draftdata.generate.run import generate_missing, output_record, run_metrics, write_plots
@@ -31,7 +31,7 @@ def main(cfg: Config) -> None:
     if not prompts_path.exists():
         raise UserError(f"{prompts_path}: not found; run the prompts stage first (dvc repro prompts@{cfg.dataset})")
     # its ids fit the model, its template ends the turn where it stops
-    tok, limits = load_target_tokenizer(cfg.model, template_kwargs_of(cfg, cfg.dataset))
+    tok, limits = load_target_tokenizer(cfg.model, cfg.template_kwargs)
     prompts = list(read_jsonl(prompts_path))
     store = ResponseStore(resolve_store_path(cfg.run.store_path))
     try:

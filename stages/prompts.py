@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from draftdata.config.load import cli
-from draftdata.config.schema import Config, template_kwargs_of
+from draftdata.config.schema import Config
 from draftdata.sources.files import iter_rows
 from draftdata.sources.select import adapt_rows, dedup, select_prompts
 from draftdata.util.files import data_dir, write_json, write_jsonl
@@ -47,7 +47,7 @@ def _token_counter(cfg: Config) -> Callable[[dict], int]:
     from draftdata.target.tokenizer import load_tokenizer, render_prompt_ids
 
     tok = load_tokenizer(cfg.model)
-    kwargs = template_kwargs_of(cfg, cfg.dataset)
+    kwargs = cfg.template_kwargs
     return lambda rec: len(render_prompt_ids(tok, rec["messages"], rec.get("tools"), kwargs))
 
 

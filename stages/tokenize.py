@@ -6,7 +6,7 @@ reason.
 from __future__ import annotations
 
 from draftdata.config.load import cli
-from draftdata.config.schema import Config, template_kwargs_of
+from draftdata.config.schema import Config
 from draftdata.errors import UserError
 from draftdata.target.tokenizer import load_tokenizer, tokenizer_fingerprint
 from draftdata.tokenize.parquet import SCHEMA_VERSION, samples_table, write_parquet
@@ -29,7 +29,7 @@ def main(cfg: Config) -> None:
     meta = {
         "schema_version": SCHEMA_VERSION,
         "dataset": cfg.dataset,
-        "tokenizer": tokenizer_fingerprint(tok, cfg.model, template_kwargs_of(cfg, cfg.dataset)),
+        "tokenizer": tokenizer_fingerprint(tok, cfg.model, cfg.template_kwargs),
         "max_seq_len": cfg.tokenize.max_seq_len,
         "train_on": cfg.tokenize.train_on.value,
         "loss_mask": "int8 list: 0 prompt and history, 1 tokens the target generated (end-of-turn included)",

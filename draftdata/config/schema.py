@@ -568,6 +568,12 @@ class Config:
     def ds(self) -> DatasetConfig:
         return self.datasets[self.dataset]
 
+    @property
+    def template_kwargs(self) -> dict:
+        """The chat template's kwargs of the dataset the stage runs on (template_kwargs_of), named once here for
+        every step of a run that renders its conversations."""
+        return template_kwargs_of(self, self.dataset)
+
 
 def template_kwargs_of(cfg: Config, dataset: str | None) -> dict:
     """The chat template's kwargs for one dataset: `model.template_kwargs` with `datasets.<D>.template_kwargs` over

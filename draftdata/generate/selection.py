@@ -10,7 +10,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, OnBudget, OnTruncation, template_kwargs_of
+from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, OnBudget, OnTruncation
 from draftdata.errors import ConfigError, UserError
 from draftdata.generate.budget import landing
 from draftdata.generate.store import CUT, ResponseStore, StoredResponse, ids_json
@@ -168,22 +168,22 @@ def plan_requests(cfg: Config, prompts: Iterable[dict], tok, store: ResponseStor
     toward the budget once per prompt. The number dropped is the number of prompts less the plan's length
     (generate_metrics' duplicate_after_template). With a store, rendered prompts are cached there."""
     ds, prompts = cfg.ds, list(prompts)
-    fp = model_fingerprint(cfg.model.path, cfg.model.revision, hash_cache_path(cfg.run.store_path))
-    key_of = request_keys(fp, ds.sampling.as_dict(), ds.max_tokens)
+    model_fp, render_fp = fingerprints(cfg, tok)
+    key_of = request_keys(model_fp, ds.sampling.as_dict(), ds.max_tokens)
     plan: dict[str, Planned] = {}
-    for rec, ids in zip(prompts, rendered_prompts(cfg, fp, prompts, tok, store)):
+    for rec, ids in zip(prompts, rendered_prompts(cfg, render_fp, prompts, tok, store)):
         key = key_of(ids)
         if key not in plan:
             plan[key] = Planned(rec, key, ids)
     return list(plan.values())
 
 
-def rendered_prompts(cfg: Config, model_fp: str, prompts: list[dict], tok, store: ResponseStore | None) -> list[str]:
+def rendered_prompts(cfg: Config, fp: str, prompts: list[dict], tok, store: ResponseStore | None) -> list[str]:
     """Each prompt's ids under the chat template, as `ids_json` text; those rendered by an earlier run under the same
-    model, tokenizer files, template, template kwargs and tokenizer libraries come from the store (a 100k-prompt
-    rerun would otherwise render them all again, also when the budget is already met)."""
-    kwargs = template_kwargs_of(cfg, cfg.dataset)
-    fp = render_fingerprint(cfg, model_fp, tok)
+    model, tokenizer files, template, template kwargs and tokenizer libraries (`fp`, the render fingerprint) come
+    from the store (a 100k-prompt rerun would otherwise render them all again, also when the budget is already
+    met)."""
+    kwargs = cfg.template_kwargs
     cached = store.get_rendered(fp, (rec["id"] for rec in prompts)) if store is not None else {}
     new: dict[str, str] = {}
     out = []
@@ -197,10 +197,14 @@ def rendered_prompts(cfg: Config, model_fp: str, prompts: list[dict], tok, store
     return out
 
 
-def render_fingerprint(cfg: Config, model_fp: str, tok) -> str:
+def fingerprints(cfg: Config, tok) -> tuple[str, str]:
+    """A run's two fingerprints, derived once where it is planned: the model's (its files: part of every request
+    key) and the render cache's (the model's, the tokenizer's files, template and the dataset's template kwargs, and
+    the tokenizer libraries' versions)."""
     import tokenizers
     import transformers
 
+    model_fp = model_fingerprint(cfg.model.path, cfg.model.revision, hash_cache_path(cfg.run.store_path))
     libraries = {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
-    tokenizer = tokenizer_fingerprint(tok, cfg.model, template_kwargs_of(cfg, cfg.dataset))  # the dataset's kwargs
-    return content_hash({"model": model_fp, "tokenizer": tokenizer, **libraries}, n=32)
+    tokenizer = tokenizer_fingerprint(tok, cfg.model, cfg.template_kwargs)
+    return model_fp, content_hash({"model": model_fp, "tokenizer": tokenizer, **libraries}, n=32)

@@ -23,22 +23,20 @@ from collections import Counter, deque
 from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, Turns, template_kwargs_of
+from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, Turns
 from draftdata.generate.backends import GenResult
 from draftdata.generate.budget import Pending
 from draftdata.generate.conversation import TurnRendering, TurnRenders, turns
 from draftdata.generate.selection import (
     Planned,
     check_context,
+    fingerprints,
     is_empty,
     needs_request,
     plan_requests,
-    render_fingerprint,
     unusable_reason,
 )
 from draftdata.generate.store import ResponseStore, StoredResponse
-from draftdata.target.fingerprint import model_fingerprint
-from draftdata.util.sqlite import hash_cache_path
 
 # Why a conversation ended, besides conversation.py's: its turn's prompt and max_tokens exceed the target's context,
 # its turn's answer was empty, its turn's request failed, or the run stopped at the budget with turns left.
@@ -160,9 +158,9 @@ def plan_conversations(
     made on the way are kept). `context`: the target's (None: unknown); a later turn that does not fit it with
     max_tokens ends its conversation."""
     ds = cfg.ds
-    fp = model_fingerprint(cfg.model.path, cfg.model.revision, hash_cache_path(cfg.run.store_path))
-    renders = Renders.load(render_fingerprint(cfg, fp, tok), store, prompts)
-    kwargs = template_kwargs_of(cfg, cfg.dataset)
+    fp, render_fp = fingerprints(cfg, tok)
+    renders = Renders.load(render_fp, store, prompts)
+    kwargs = cfg.template_kwargs
     rendering = TurnRendering(tok, kwargs, fp, ds.sampling.as_dict(), ds.max_tokens, renders.turns)
     commands = ds.source.shape == "swe_agent"  # its actions are fenced shell commands in the text
     convs = [Conversation(rec, turns(rec, rendering, ds.on_tool_divergence.value, commands)) for rec in prompts]

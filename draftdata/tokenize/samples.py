@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 from jinja2.exceptions import TemplateError
 
-from draftdata.config.schema import Config, OnTooLong, TokenizeConfig, TrainOn, template_kwargs_of
+from draftdata.config.schema import Config, OnTooLong, TokenizeConfig, TrainOn
 from draftdata.errors import UserError
 from draftdata.target.tokenizer import (
     assistant_message,
@@ -217,7 +217,7 @@ def _worker_render(args) -> list:
 def text_samples_parallel(tok, recs: list[dict], cfg: Config) -> list:
     """Large inputs render (Python-bound Jinja) in worker processes, which send back only the rendered strings;
     encoding stays one batch here, where the Rust tokenizer already uses every core."""
-    kwargs = template_kwargs_of(cfg, cfg.dataset)
+    kwargs = cfg.template_kwargs
     ends = end_of_turn_ids(tok, cfg.model, kwargs)
     workers = min(os.cpu_count() or 1, 16)
     # With few cores the Rust encode already fills them and rendering is ~10 % of the work: a pool's start-up and
@@ -311,7 +311,7 @@ def build_samples(recs: list[dict], tok, cfg: Config) -> tuple[list[Tokenized], 
             usable.append(rec)
     by_ids = [r for r in usable if r.get("prompt_ids") is not None and r.get("output_ids") is not None]
     by_text = [r for r in usable if r.get("prompt_ids") is None or r.get("output_ids") is None]
-    ends = end_of_turn_ids(tok, cfg.model, template_kwargs_of(cfg, cfg.dataset)) if by_ids else set()
+    ends = end_of_turn_ids(tok, cfg.model, cfg.template_kwargs) if by_ids else set()
     built: dict[str, object] = {r["id"]: ids_sample(r, ends) for r in by_ids}
     for rec, result in zip(by_text, text_samples_parallel(tok, by_text, cfg)):
         built[rec["id"]] = result

@@ -16,7 +16,7 @@ import asyncio
 import itertools
 import time
 
-from draftdata.config.schema import Config, template_kwargs_of
+from draftdata.config.schema import Config
 from draftdata.errors import ConfigError
 from draftdata.generate.backends import GenRequest, GenResult, cancel_as_stop, stopped_result, varlen_attention
 from draftdata.generate.backends.slots import Sampling, SlotBatching, Unsupported
@@ -48,7 +48,7 @@ class EmbeddedBackend:
         # the turn ends where a server's would: on the tokenizer's eos and every id of the generation config's
         # eos_token_id (gpt-oss: <|return|>, <|call|>; never <|end|>, which closes its reasoning); checked before the
         # weights are loaded
-        self.stop_ids = end_of_turn_ids(self.tokenizer, self.cfg.model, template_kwargs_of(self.cfg, self.cfg.dataset))
+        self.stop_ids = end_of_turn_ids(self.tokenizer, self.cfg.model, self.cfg.template_kwargs)
         self.manager = await self._slots()  # started: its thread loaded the model and checked it
         if self.manager is None:
             self.manager = self._transformers(load_model(self.cfg.model))

@@ -30,7 +30,7 @@ have (checked neutral at validation), and `backend.extra_body` may name none of 
 
 from __future__ import annotations
 
-from draftdata.config.schema import Config, sent, template_kwargs_of
+from draftdata.config.schema import Config, sent
 from draftdata.errors import UserError
 from draftdata.generate.backends import GenRequest, GenResult, Partial, takes_token_ids
 from draftdata.generate.backends.http import (
@@ -82,7 +82,7 @@ class OpenAIBackend(HttpBackend):
         self.takes_token_ids = takes_token_ids(cfg)
         # what the chat template drops from an answer; with token ids back the ids are the sample, not a rendering
         ids_back = self.bcfg.return_token_ids or tokenizer is None
-        self.template_kwargs = template_kwargs_of(cfg, cfg.dataset)
+        self.template_kwargs = cfg.template_kwargs
         self.unrendered = set() if ids_back else set(unrendered_parts(tokenizer, self.template_kwargs))
 
     async def _served_models(self, url: str) -> list[str]:
@@ -295,7 +295,7 @@ def check_chat_rendering(cfg: Config, tok, prompts: list[dict]) -> None:
     assistant turn would store answers that tokenize cannot render as the model wrote them."""
     if cfg.backend.prompt_format != "chat" or cfg.backend.return_token_ids:
         return
-    kwargs = template_kwargs_of(cfg, cfg.dataset)
+    kwargs = cfg.template_kwargs
     if any(p.get("tools") for p in prompts) and "tool_calls" in unrendered_parts(tok, kwargs):
         raise UserError(
             f"backend.prompt_format chat: dataset {cfg.dataset} has tools, and a server's tool-call parser moves a "

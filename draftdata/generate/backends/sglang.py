@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import aiohttp
 
-from draftdata.config.schema import sent, template_kwargs_of
+from draftdata.config.schema import sent
 from draftdata.generate.backends import GenRequest, GenResult
 from draftdata.generate.backends.http import (
     ABORT_TIMEOUT_S,
@@ -81,7 +81,7 @@ class SGLangBackend(HttpBackend):
 
     def _body(self, req: GenRequest, rid: str) -> dict:
         if req.prompt_ids is None:
-            kwargs = template_kwargs_of(self.cfg, self.cfg.dataset)
+            kwargs = self.cfg.template_kwargs
             req.prompt_ids = render_prompt_ids(self.tokenizer, req.messages, req.tools, kwargs)
         done = req.partial.completion_tokens
         s = req.sampling
