@@ -2,7 +2,7 @@
 throughput is flat above a knee, beside check-then-cancel as a user writes it.
 
     python -m bench.budget_live [--repeats 3] [--budget 200000] [--concurrency 150] [--knee 16] [--max-tokens 2048]
-                                [--family lognormal] [--out PATH]
+                                [--family lognormal] [--neighbour] [--hog N] [--out PATH]
 
 The server is bench/fake_server.py in a process of its own (so it does not share the client's interpreter),
 speaking SGLang's native protocol: streamed `/generate` with `--incremental-streaming-output`, a chunk every
@@ -28,6 +28,12 @@ budget's tokens take at the server's full throughput; and the batch: requests in
 estimate (`floor`, the batch its controller held the drain at). The server sends a chunk every `stream_interval`
 tokens (8) and keeps its delays on a schedule, so that a busy machine does not bend its throughput curve.
 Writes bench/results/budget_live.json. Goal (issue 15): ours' waste at most half of check_cancel's, in no more time.
+
+On a shared machine (bench/results/budget_live_neighbour.json): `--neighbour` slows the server to half its rate for
+10 to 60 s at a time, a minute apart on average, at random (bench/budget.py's `slow_episodes`, drawn per prompt set
+and the same for both strategies); the ideal time goes through the same episodes. `--hog N` runs N processes that
+keep a core busy each all through, so the server and the client are slowed as another job on their machine slows
+them, at no schedule.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ MODEL = "bench-model"
 PROMPT_LEN = 64
 STRATEGIES = ("check_cancel", "ours")
 IDLE_POLL_S = 0.2
+NEIGHBOUR_HORIZON_S = 3600.0  # past any run's end
 
 
 # ---- the server (a process of its own) ---------------------------------------------------------------------- #
@@ -70,7 +77,11 @@ def serve(conn, settings: dict) -> None:
     ).start()
     conn.send(srv.url)
     while (cmd := conn.recv()) != "stop":
-        if cmd == "running":
+        if isinstance(cmd, tuple):  # ("slow", episodes): a noisy neighbour's episodes, in seconds from now
+            t0 = time.monotonic()
+            srv.slow, srv.slow_factor = [(t0 + a, t0 + b) for a, b in cmd[1]], settings["neighbour_factor"]
+            conn.send(t0)
+        elif cmd == "running":
             conn.send(sum(not a.t_end for a in srv.log))
         elif cmd == "log":
             attempts, srv.log[:] = list(srv.log), []  # asked when idle: no handler appends meanwhile
@@ -229,13 +240,20 @@ def prompts_for(repeat: int, n: int) -> list[list[int]]:
     return [[rng.randrange(3, 1000) for _ in range(PROMPT_LEN)] for _ in range(n)]
 
 
-def measure(attempts: list[dict], out: dict, args) -> dict:
+def measure(attempts: list[dict], out: dict, args, slow: tuple[float, list] | None = None) -> dict:
     """One strategy's run: what the server generated and when, against what the client kept. As in
-    bench/budget.py, tokens past the budget were not asked for: waste and time count the budget's at most."""
+    bench/budget.py, tokens past the budget were not asked for: waste and time count the budget's at most. `slow`:
+    (when on the server's clock, the neighbour's episodes from then), which the ideal time goes through too."""
     generated = sum(a["produced"] for a in attempts)
     kept = out["kept_tokens"]
     useful = min(kept, args.budget)
-    span = max(a["t_end"] for a in attempts) - min(a["t_start"] for a in attempts)
+    start = min(a["t_start"] for a in attempts)
+    span = max(a["t_end"] for a in attempts) - start
+    if slow is None:
+        ideal = useful / full_rate(args)
+    else:  # from the first request on, through the episodes still to come
+        t0, episodes = slow
+        ideal = ideal_s(useful, full_rate(args), args.neighbour_factor, episodes, start - t0)
     stopped = [a for a in attempts if a["outcome"] != "complete"]
     m = {
         "kept_tokens": kept,
@@ -250,7 +268,7 @@ def measure(attempts: list[dict], out: dict, args) -> dict:
         # generated and in no store: the in-flight requests check_cancel drops, the tokens an abort leaves unsent
         "lost_pct": 100.0 * (generated - out["stored_tokens"]) / generated,
         "time_s": span,
-        "time_vs_ideal": span / (useful / full_rate(args)),
+        "time_vs_ideal": span / ideal,
         "server_tok_s": generated / span,
     }
     if out.get("floor") is not None:
@@ -258,28 +276,68 @@ def measure(attempts: list[dict], out: dict, args) -> dict:
     return m
 
 
+def ideal_s(tokens: float, rate: float, factor: float, episodes: list, t: float) -> float:
+    """Seconds a full batch at `rate` takes for `tokens` from time `t` on, at `factor` of it during the episodes."""
+    start = t
+    for a, b in [*episodes, (math.inf, math.inf)]:
+        if b <= t:
+            continue
+        fast = max(0.0, a - t)  # at the full rate until the episode
+        if tokens <= rate * fast:
+            return t + tokens / rate - start
+        tokens -= rate * fast
+        t = max(t, a)
+        if tokens <= rate * factor * (b - t):
+            return t + tokens / (rate * factor) - start
+        tokens -= rate * factor * (b - t)
+        t = b
+    raise AssertionError("unreachable: the last episode never ends")
+
+
 def full_rate(args) -> float:
     """The server's aggregate throughput from its knee to the full batch, tokens/s."""
     return args.knee / args.token_delay_s
 
 
+SETTINGS = ("max_tokens", "family", "token_delay_s", "knee", "noise", "stream_interval", "neighbour_factor")
+
+
 def run(args) -> dict:
-    server = ServerProcess(
-        {k: getattr(args, k) for k in ("max_tokens", "family", "token_delay_s", "knee", "noise", "stream_interval")}
-    )
+    server = ServerProcess({k: getattr(args, k) for k in SETTINGS})
+    hogs = [busy_process() for _ in range(args.hog)]
     runs: dict[str, list[dict]] = {name: [] for name in STRATEGIES}
     try:
         for repeat in range(args.repeats):
             prompts = prompts_for(repeat, args.prompts)
             order = STRATEGIES if repeat % 2 == 0 else STRATEGIES[::-1]  # drift in the machine's speed hits both
             for name in order:
+                slow = None
+                if args.neighbour:  # the same episodes for both strategies of a prompt set: paired
+                    from bench.budget import slow_episodes
+
+                    episodes = slow_episodes(repeat, horizon=NEIGHBOUR_HORIZON_S)
+                    slow = (server.ask(("slow", episodes)), episodes)
                 out = CLIENTS[name](server.url, prompts, args)
-                m = measure(server.drained_log(), out, args)
+                m = measure(server.drained_log(), out, args, slow)
                 runs[name].append(m)
                 print(f"repeat {repeat} {name}: {json.dumps({k: round(v, 4) for k, v in m.items()})}", flush=True)
     finally:
         server.close()
+        for hog in hogs:
+            hog.terminate()
     return runs
+
+
+def spin() -> None:
+    while True:
+        pass
+
+
+def busy_process():
+    """Another job on the machine: a process that keeps one core busy (`--hog`)."""
+    proc = multiprocessing.get_context("spawn").Process(target=spin, daemon=True)
+    proc.start()
+    return proc
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict:
@@ -311,8 +369,18 @@ def parse_args(argv=None):
     ap.add_argument("--max-tokens", type=int, default=2048)
     ap.add_argument("--family", default="lognormal", help="bench/budget.py's length family, scaled to max_tokens")
     ap.add_argument("--prompts", type=int, default=None, help="prompts per repeat (default: 3 budgets' worth)")
-    ap.add_argument("--out", type=Path, default=RESULTS / "budget_live.json")
+    ap.add_argument(
+        "--neighbour",
+        action="store_true",
+        help="a noisy neighbour: the server's rate at --neighbour-factor for 10-60 s at a time, a minute apart on "
+        "average (bench/budget.py's episodes, the same for both strategies of a prompt set)",
+    )
+    ap.add_argument("--neighbour-factor", type=float, default=0.5)
+    ap.add_argument("--hog", type=int, default=0, help="processes that keep a core busy each, all through the runs")
+    ap.add_argument("--out", type=Path, default=None, help="default: budget_live.json, budget_live_neighbour.json")
     args = ap.parse_args(argv)
+    shared = args.neighbour or args.hog
+    args.out = args.out or RESULTS / ("budget_live_neighbour.json" if shared else "budget_live.json")
     from bench.budget import MAX_TOKENS, MEAN_LEN
 
     # the family's lengths are scaled to max_tokens; three budgets' worth at the tuned family's mean, and a batch

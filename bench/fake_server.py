@@ -45,7 +45,9 @@ is logged as an `Attempt`: what it asked for, which fault it met, which tokens l
 from __future__ import annotations
 
 import asyncio
+import bisect
 import json
+import math
 import random
 import re
 import socket
@@ -311,6 +313,10 @@ class FakeServer:
     incremental: bool = False  # like --incremental-streaming-output
     knee: int | None = None  # compute-bound: the token delay scales with running / knee above the knee
     noise: float = 0.0  # relative standard deviation of every token delay
+    # A noisy neighbour: (start, end) episodes in time.monotonic() seconds, in order, during which the server runs at
+    # `slow_factor` of its rate (another job on its machine or GPU)
+    slow: list[tuple[float, float]] = field(default_factory=list)
+    slow_factor: float = 1.0
     stream_interval: int = 1  # like --stream-interval: a stream chunk every this many tokens (and at the end)
     starting_s: float = 0.0  # /health answers 503 for this long after start
     has_model_info: bool = True  # False: an older server with /get_model_info only
@@ -591,6 +597,11 @@ class FakeServer:
             delay *= max(1.0, len(self._running) / self.knee)
         if self.noise:
             delay *= max(0.0, 1.0 + self._rng.gauss(0.0, self.noise))
+        if self.slow:
+            now = time.monotonic()
+            i = bisect.bisect_right(self.slow, (now, math.inf))  # episodes starting at or before now
+            if i and now < self.slow[i - 1][1]:
+                delay /= self.slow_factor
         return delay
 
     async def _fail_at_once(self, request: web.Request, a: Attempt, wire, fault: Fault) -> web.Response:

@@ -223,15 +223,32 @@ def budget_turns(r: dict) -> list[str]:
 
 def budget_live(r: dict) -> list[str]:
     s, runs, summary = r["settings"], r["runs"], r["summary"]
+    shared, flags = "", ""
+    if s.get("neighbour") or s.get("hog"):
+        flags = (
+            f" --family {s['family']}"
+            + " --neighbour" * bool(s.get("neighbour"))
+            + f" --hog {s['hog']}" * bool(s.get("hog"))
+        )
+        shared = " On a shared machine:" + (
+            f" a noisy neighbour slows the server to {s['neighbour_factor']:g} of its rate for 10 to 60 s at a time, "
+            "a minute apart on average, at random (the same episodes for both strategies of a prompt set; the "
+            "ideal time goes through them too)" * bool(s.get("neighbour"))
+        )
+        if s.get("hog"):
+            shared += (" and" if s.get("neighbour") else "") + (
+                f" {s['hog']} processes keep a core busy each all through, slowing the server and the client alike"
+            )
+        shared += "."
     out = [
-        "### Budget controller live: `python -m bench.budget_live`",
+        f"### Budget controller live{' on a shared machine' if flags else ''}: `python -m bench.budget_live{flags}`",
         "",
         f"The generate path against a streaming SGLang-protocol server in its own process: {s['concurrency']} "
         f"requests in flight, aggregate throughput flat above {s['knee']} running requests "
         f"({num(s['full_rate_tok_s'])} tokens/s from there to the full batch), a chunk every {s['stream_interval']} "
         f"tokens, {s['family']} lengths scaled to max_tokens {num(s['max_tokens'])}, a budget of "
         f"{num(s['budget'])} completion tokens, {s['repeats']} prompt sets each run by both. Generated tokens are "
-        "counted by the server, kept ones by the client; time is the server's busy span.",
+        f"counted by the server, kept ones by the client; time is the server's busy span.{shared}",
         "",
     ]
     body = []
@@ -1212,6 +1229,7 @@ DRAFTER_ERRORS = ("aux_off_by_one", "aux_reversed", "post_norm_as_pre", "pre_nor
 SECTIONS = (
     ("budget.json", "python -m bench.budget", budget),
     ("budget_live.json", "python -m bench.budget_live", budget_live),
+    ("budget_live_neighbour.json", "python -m bench.budget_live --family bimodal --neighbour --hog 2", budget_live),
     ("client.json", "python -m bench.client", client),
     ("embedded.json", "python -m bench.embedded --vllm-python <venv>/bin/python", embedded),
     ("tokenize.json", "python -m bench.tokenize", tokenize),

@@ -297,3 +297,24 @@ def test_the_live_bench_measures_generation_on_the_server_side(tmp_path):
     assert cc["stopped_in_flight"] > 0 and cc["lost_pct"] > 0 and cc["parked_tokens"] == 0
     assert ours["parked_tokens"] == ours["stopped_tokens"]
     assert set(r["goals"]) == {"ours_waste_le_half_check_cancel", "ours_time_le_check_cancel"}
+
+
+def test_the_live_benchs_neighbour_slows_the_server_in_its_episodes_only():
+    import time
+
+    srv = FakeServer(token_delay_s=0.01)  # not started: its token delay alone
+    now = time.monotonic()
+    srv.slow, srv.slow_factor = [(now - 100, now - 50), (now - 1, now + 100)], 0.5
+    assert srv._delay() == pytest.approx(0.02)  # in an episode: half the rate
+    srv.slow = [(now - 100, now - 50), (now + 50, now + 100)]
+    assert srv._delay() == pytest.approx(0.01)  # between two
+
+
+def test_the_live_benchs_ideal_time_goes_through_the_neighbours_episodes():
+    # 1,000 tokens/s; halved from 2 s to 4 s: 2,000 tokens by 2 s, 1,000 more by 4 s, the rest at the full rate
+    episodes = [(2.0, 4.0)]
+    assert budget_live.ideal_s(1_500, 1_000, 0.5, episodes, 0.0) == pytest.approx(1.5)
+    assert budget_live.ideal_s(2_500, 1_000, 0.5, episodes, 0.0) == pytest.approx(3.0)
+    assert budget_live.ideal_s(4_000, 1_000, 0.5, episodes, 0.0) == pytest.approx(5.0)
+    assert budget_live.ideal_s(1_000, 1_000, 0.5, episodes, 3.0) == pytest.approx(1.5)  # started inside it
+    assert budget_live.ideal_s(1_000, 1_000, 0.5, episodes, 5.0) == pytest.approx(1.0)  # after it
