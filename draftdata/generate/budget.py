@@ -243,16 +243,24 @@ class Levels:
         return out
 
     def noise(self) -> float:
-        """The readings' relative noise: the median absolute deviation of the full batch's readings from their
-        segment's median, 0 while unknown."""
-        dev = [
-            abs(r / m - 1) for f in self._full if len(f) >= MIN_FULL_READINGS for m in [statistics.median(f)] for r in f
-        ]
+        """The readings' relative noise: the median absolute deviation of the recent full-batch readings (FULL_WINDOW
+        of them, from the latest segments back) from their segment's median, 0 while unknown."""
+        dev = self._deviations()
         return statistics.median(dev) * 1.4826 if dev else 0.0
 
     def noise_readings(self) -> int:
         """How many full-batch readings `noise` is read from."""
-        return sum(len(f) for f in self._full if len(f) >= MIN_FULL_READINGS)
+        return len(self._deviations())
+
+    def _deviations(self) -> list[float]:
+        out: list[float] = []
+        for f in reversed(self._full):  # a long run's many segments: the recent ones, as many as one window holds
+            if len(out) >= FULL_WINDOW:
+                break
+            if len(f) >= MIN_FULL_READINGS:
+                m = statistics.median(f)
+                out += (abs(r / m - 1) for r in f)
+        return out
 
 
 @dataclass

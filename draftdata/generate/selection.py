@@ -14,10 +14,9 @@ from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, OnBudget,
 from draftdata.errors import ConfigError, UserError
 from draftdata.generate.budget import landing
 from draftdata.generate.store import CUT, ResponseStore, StoredResponse, ids_json
-from draftdata.target.fingerprint import model_fingerprint
+from draftdata.target.fingerprint import run_model_fingerprint
 from draftdata.target.tokenizer import render_prompt_ids, tokenizer_fingerprint
 from draftdata.util.hashing import canonical_json, content_hash
-from draftdata.util.sqlite import hash_cache_path
 
 
 @dataclass
@@ -204,7 +203,7 @@ def fingerprints(cfg: Config, tok) -> tuple[str, str]:
     import tokenizers
     import transformers
 
-    model_fp = model_fingerprint(cfg.model.path, cfg.model.revision, hash_cache_path(cfg.run.store_path))
+    model_fp = run_model_fingerprint(cfg)
     libraries = {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
     tokenizer = tokenizer_fingerprint(tok, cfg.model, cfg.template_kwargs)
     return model_fp, content_hash({"model": model_fp, "tokenizer": tokenizer, **libraries}, n=32)

@@ -28,13 +28,12 @@ from draftdata.errors import UserError
 from draftdata.hidden.engines.base import Engine
 from draftdata.hidden.shards import FORMAT_VERSION, SampleStates, ShardBuffer, check, encode, write
 from draftdata.hidden.state_store import NormAndSizes, StateStore, state_key
-from draftdata.target.fingerprint import model_fingerprint
+from draftdata.target.fingerprint import run_model_fingerprint
 from draftdata.target.model import check_tokenizer_fits, model_dir, model_limits
 from draftdata.target.tokenizer import load_tokenizer
 from draftdata.util.files import atomic_path
 from draftdata.util.hashing import content_hash
 from draftdata.util.log import log
-from draftdata.util.sqlite import hash_cache_path
 from draftdata.util.timing import Timers
 
 # ---- layers: which, in every numbering ------------------------------------------------------------------------- #
@@ -447,7 +446,7 @@ def state_settings(cfg: Config, layers: list[int]) -> dict:
         "version": FORMAT_VERSION,
         "layers": layers,
         "dtype": cfg.hidden_states.dtype,
-        "model": model_fingerprint(cfg.model.path, cfg.model.revision, hash_cache_path(cfg.run.store_path)),
+        "model": run_model_fingerprint(cfg),
     }
 
 

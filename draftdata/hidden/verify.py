@@ -32,9 +32,8 @@ from draftdata.errors import UserError
 from draftdata.hidden.compute import make_engine
 from draftdata.hidden.reader import SKIPPED, HiddenStates, Sample
 from draftdata.hidden.shards import torn
-from draftdata.target.fingerprint import model_fingerprint
+from draftdata.target.fingerprint import run_model_fingerprint
 from draftdata.target.model import model_dir
-from draftdata.util.sqlite import hash_cache_path
 
 # The largest relative error of one token's state, per dtype: rounding to it (bf16 keeps 8 significant bits, an
 # error of at most 2^-9 per value; fp8 e4m3 3 bits, 2^-4) with a margin for kernels that add in another order.
@@ -188,7 +187,7 @@ def check_shards(path: Path, shards: list[str], dataset: str) -> None:
 def check_model(cfg: Config, index: dict, path: Path) -> None:
     """The states were computed by the target configured now: a recomputation by another model would only
     measure the difference between the two."""
-    now = model_fingerprint(cfg.model.path, cfg.model.revision, hash_cache_path(cfg.run.store_path))
+    now = run_model_fingerprint(cfg)
     if index["model"]["fingerprint"] != now:
         raise UserError(
             f"{path}: computed by another model than model.path={cfg.model.path} now is (fingerprint "

@@ -12,13 +12,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from draftdata.target.model import check_model_path, hub_snapshot
 from draftdata.target.tokenizer import _SHA256_HEX
 from draftdata.util.files import atomic_path
 from draftdata.util.hashing import content_hash
 from draftdata.util.log import log
+from draftdata.util.sqlite import hash_cache_path
+
+if TYPE_CHECKING:
+    from draftdata.config.schema import Config
 
 _CHUNK_BYTES = 8 << 20  # hashlib releases the GIL on updates this big, so threads read and hash in parallel
 
@@ -40,6 +44,13 @@ _RACY_NS = 2_000_000_000
 
 
 _HASH_CACHE_VERSION = 1
+
+
+def run_model_fingerprint(cfg: Config) -> str:
+    """The fingerprint of a run's target (`model.path` at `model.revision`), its file hashes cached beside the store
+    (run.store_path): what the response store's keys, the render cache's and the state store's name, derived here
+    for every stage."""
+    return model_fingerprint(cfg.model.path, cfg.model.revision, hash_cache_path(cfg.run.store_path))
 
 
 @lru_cache(maxsize=8)
