@@ -221,25 +221,29 @@ def budget_turns(r: dict) -> list[str]:
     return out
 
 
+def shared_machine(s: dict) -> tuple[str, str]:
+    """A live run's shared-machine options (`--neighbour`, `--hog N`): the command's flags and the sentence that says
+    what they did; empty for a run on a quiet machine."""
+    neighbour, hog = s.get("neighbour"), s.get("hog")
+    if not (neighbour or hog):
+        return "", ""
+    flags, parts = [f"--family {s['family']}"], []
+    if neighbour:
+        flags.append("--neighbour")
+        parts.append(
+            f"a noisy neighbour slows the server to {s['neighbour_factor']:g} of its rate for 10 to 60 s at a time, a "
+            "minute apart on average, at random (the same episodes for both strategies of a prompt set; the ideal "
+            "time goes through them too)"
+        )
+    if hog:
+        flags.append(f"--hog {hog}")
+        parts.append(f"{hog} processes keep a core busy each all through, slowing the server and the client alike")
+    return " " + " ".join(flags), " On a shared machine: " + " and ".join(parts) + "."
+
+
 def budget_live(r: dict) -> list[str]:
     s, runs, summary = r["settings"], r["runs"], r["summary"]
-    shared, flags = "", ""
-    if s.get("neighbour") or s.get("hog"):
-        flags = (
-            f" --family {s['family']}"
-            + " --neighbour" * bool(s.get("neighbour"))
-            + f" --hog {s['hog']}" * bool(s.get("hog"))
-        )
-        shared = " On a shared machine:" + (
-            f" a noisy neighbour slows the server to {s['neighbour_factor']:g} of its rate for 10 to 60 s at a time, "
-            "a minute apart on average, at random (the same episodes for both strategies of a prompt set; the "
-            "ideal time goes through them too)" * bool(s.get("neighbour"))
-        )
-        if s.get("hog"):
-            shared += (" and" if s.get("neighbour") else "") + (
-                f" {s['hog']} processes keep a core busy each all through, slowing the server and the client alike"
-            )
-        shared += "."
+    flags, shared = shared_machine(s)
     out = [
         f"### Budget controller live{' on a shared machine' if flags else ''}: `python -m bench.budget_live{flags}`",
         "",
