@@ -219,6 +219,28 @@ def slow_episodes(seed: int, horizon: float) -> list[tuple[float, float]]:
     return out
 
 
+def episode_at(slow: list[tuple[float, float]], factor: float, t: float) -> tuple[float, float]:
+    """A noisy neighbour's effect at time t: (the rate's factor then, 1 or `factor`; when that next changes), for
+    `slow` episodes (start, end) in order."""
+    i = bisect.bisect_right(slow, (t, math.inf))  # episodes starting at or before t
+    if i and t < slow[i - 1][1]:
+        return factor, slow[i - 1][1]
+    return 1.0, slow[i][0] if i < len(slow) else math.inf
+
+
+def ideal_through(tokens: float, rate: float, factor: float, slow: list[tuple[float, float]], t: float = 0.0) -> float:
+    """Seconds a full batch at `rate` takes for `tokens` from time t on, at `factor` of it during the `slow`
+    episodes (what no strategy can beat)."""
+    start = t
+    while True:
+        f, change = episode_at(slow, factor, t)
+        r = rate * f
+        if tokens <= r * (change - t):
+            return t + tokens / r - start
+        tokens -= r * (change - t)
+        t = change
+
+
 def idle_costs(model: str) -> bool:
     """Servers on which a batch below the full one loses throughput right away (no flat part to drain into)."""
     return model in ("per_request_rate", "compute_bound_k150")
@@ -258,10 +280,7 @@ class Server:
 
     def _episode(self, t: float) -> tuple[float, float]:
         """(the rate's factor at t, when it next changes)."""
-        i = bisect.bisect_right(self.slow, (t, math.inf))  # episodes starting at or before t
-        if i and t < self.slow[i - 1][1]:
-            return NEIGHBOUR_FACTOR, self.slow[i - 1][1]
-        return 1.0, self.slow[i][0] if i < len(self.slow) else math.inf
+        return episode_at(self.slow, NEIGHBOUR_FACTOR, t)
 
     def rate(self) -> float:
         return per_request_rate(self.base, self.n, self.concurrency) * self._episode(self.t)[0]
@@ -275,14 +294,7 @@ class Server:
     def ideal_s(self, tokens: float) -> float:
         """Seconds a full batch would take for `tokens` from t = 0 on this server, the neighbour's episodes included
         (what no strategy can beat)."""
-        t = 0.0
-        while True:
-            factor, change = self._episode(t)
-            r = self.full_rate() * factor
-            if tokens <= r * (change - t):
-                return t + tokens / r
-            tokens -= r * (change - t)
-            t = change
+        return ideal_through(tokens, self.full_rate(), NEIGHBOUR_FACTOR, self.slow)
 
     def admit(self, length: int) -> int:
         rid = next(self.ids)

@@ -49,6 +49,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.budget import ideal_through, slow_episodes
+
 RESULTS = Path(__file__).parent / "results"
 MODEL = "bench-model"
 PROMPT_LEN = 64
@@ -253,7 +255,7 @@ def measure(attempts: list[dict], out: dict, args, slow: tuple[float, list] | No
         ideal = useful / full_rate(args)
     else:  # from the first request on, through the episodes still to come
         t0, episodes = slow
-        ideal = ideal_s(useful, full_rate(args), args.neighbour_factor, episodes, start - t0)
+        ideal = ideal_through(useful, full_rate(args), args.neighbour_factor, episodes, start - t0)
     stopped = [a for a in attempts if a["outcome"] != "complete"]
     m = {
         "kept_tokens": kept,
@@ -276,24 +278,6 @@ def measure(attempts: list[dict], out: dict, args, slow: tuple[float, list] | No
     return m
 
 
-def ideal_s(tokens: float, rate: float, factor: float, episodes: list, t: float) -> float:
-    """Seconds a full batch at `rate` takes for `tokens` from time `t` on, at `factor` of it during the episodes."""
-    start = t
-    for a, b in [*episodes, (math.inf, math.inf)]:
-        if b <= t:
-            continue
-        fast = max(0.0, a - t)  # at the full rate until the episode
-        if tokens <= rate * fast:
-            return t + tokens / rate - start
-        tokens -= rate * fast
-        t = max(t, a)
-        if tokens <= rate * factor * (b - t):
-            return t + tokens / (rate * factor) - start
-        tokens -= rate * factor * (b - t)
-        t = b
-    raise AssertionError("unreachable: the last episode never ends")
-
-
 def full_rate(args) -> float:
     """The server's aggregate throughput from its knee to the full batch, tokens/s."""
     return args.knee / args.token_delay_s
@@ -313,8 +297,6 @@ def run(args) -> dict:
             for name in order:
                 slow = None
                 if args.neighbour:  # the same episodes for both strategies of a prompt set: paired
-                    from bench.budget import slow_episodes
-
                     episodes = slow_episodes(repeat, horizon=NEIGHBOUR_HORIZON_S)
                     slow = (server.ask(("slow", episodes)), episodes)
                 out = CLIENTS[name](server.url, prompts, args)

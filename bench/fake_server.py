@@ -45,9 +45,7 @@ is logged as an `Attempt`: what it asked for, which fault it met, which tokens l
 from __future__ import annotations
 
 import asyncio
-import bisect
 import json
-import math
 import random
 import re
 import socket
@@ -58,6 +56,8 @@ from collections.abc import Callable
 from dataclasses import InitVar, dataclass, field
 
 from aiohttp import web
+
+from bench.budget import episode_at
 
 # SGLang's SamplingParams fields (python/sglang/srt/sampling/sampling_params.py)
 SAMPLING_PARAMS = set(
@@ -598,10 +598,7 @@ class FakeServer:
         if self.noise:
             delay *= max(0.0, 1.0 + self._rng.gauss(0.0, self.noise))
         if self.slow:
-            now = time.monotonic()
-            i = bisect.bisect_right(self.slow, (now, math.inf))  # episodes starting at or before now
-            if i and now < self.slow[i - 1][1]:
-                delay /= self.slow_factor
+            delay /= episode_at(self.slow, self.slow_factor, time.monotonic())[0]
         return delay
 
     async def _fail_at_once(self, request: web.Request, a: Attempt, wire, fault: Fault) -> web.Response:

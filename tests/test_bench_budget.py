@@ -310,11 +310,11 @@ def test_the_live_benchs_neighbour_slows_the_server_in_its_episodes_only():
     assert srv._delay() == pytest.approx(0.01)  # between two
 
 
-def test_the_live_benchs_ideal_time_goes_through_the_neighbours_episodes():
+def test_the_ideal_time_goes_through_the_neighbours_episodes():
     # 1,000 tokens/s; halved from 2 s to 4 s: 2,000 tokens by 2 s, 1,000 more by 4 s, the rest at the full rate
     episodes = [(2.0, 4.0)]
-    assert budget_live.ideal_s(1_500, 1_000, 0.5, episodes, 0.0) == pytest.approx(1.5)
-    assert budget_live.ideal_s(2_500, 1_000, 0.5, episodes, 0.0) == pytest.approx(3.0)
-    assert budget_live.ideal_s(4_000, 1_000, 0.5, episodes, 0.0) == pytest.approx(5.0)
-    assert budget_live.ideal_s(1_000, 1_000, 0.5, episodes, 3.0) == pytest.approx(1.5)  # started inside it
-    assert budget_live.ideal_s(1_000, 1_000, 0.5, episodes, 5.0) == pytest.approx(1.0)  # after it
+    assert bench.ideal_through(1_500, 1_000, 0.5, episodes, 0.0) == pytest.approx(1.5)
+    assert bench.ideal_through(2_500, 1_000, 0.5, episodes, 0.0) == pytest.approx(3.0)
+    assert bench.ideal_through(4_000, 1_000, 0.5, episodes, 0.0) == pytest.approx(5.0)
+    assert bench.ideal_through(1_000, 1_000, 0.5, episodes, 3.0) == pytest.approx(1.5)  # started inside it
+    assert bench.ideal_through(1_000, 1_000, 0.5, episodes, 5.0) == pytest.approx(1.0)  # after it

@@ -180,11 +180,8 @@ class Levels:
 
     @property
     def segment(self) -> int:
+        """The current segment's index: the level shifts so far."""
         return len(self._jumps) - 1
-
-    @property
-    def shifts(self) -> int:
-        return self.segment
 
     @property
     def full_readings(self) -> int:
@@ -348,7 +345,7 @@ class ThroughputModel:
             "full_batch_tok_s": round(self.full_rate, 1),
             "noise_pct": round(100 * self._levels.noise(), 2),
             "full_readings": self._levels.full_readings,
-            "level_shifts": self._levels.shifts,
+            "level_shifts": self._levels.segment,
             "drain_readings": len(self._drain_n),
             "floor": self.floor(),
         }
