@@ -560,6 +560,35 @@ def test_embedded_streams_the_partial_and_keeps_it_on_cancel(endless_model):
     assert cut.partial.text == tok.decode(cut.partial.output_ids, skip_special_tokens=True)
 
 
+def test_embedded_partial_ends_as_the_response_when_its_last_token_splits_a_character(endless_model):
+    """The stream holds back a character until its last byte comes; an answer whose last token ends inside one must
+    still leave the partial equal to the response (it once kept the text without the held-back character). Seeded
+    sampling draws each position alike whatever max_tokens is, so a long answer shows where to cut."""
+    cfg = Config(model=ModelConfig(path=str(endless_model)), datasets={"d": DatasetConfig()}, dataset="d")
+    tok = load_tokenizer(cfg.model)
+    ids = render_prompt_ids(tok, MESSAGES, None, {})
+
+    def splits(prefix: list[int]) -> bool:  # a stream decoding these ids ends holding part of a character back
+        return tok.decode(prefix, skip_special_tokens=True).endswith("\ufffd")
+
+    async def answer(max_tokens: int, seed: int):
+        req = request(ids=ids, max_tokens=max_tokens, stream=True)
+        req.seed = seed
+        async with started(cfg, tok) as backend:
+            return req, await backend.generate(req)
+
+    cut_at = None
+    for seed in range(20):
+        _, long = run(answer(256, seed), timeout=60)
+        cut_at = next((k for k in range(1, len(long.output_ids) + 1) if splits(long.output_ids[:k])), None)
+        if cut_at is not None:
+            break
+    assert cut_at is not None, "no answer of 20 seeds ends a token inside a character"
+    req, res = run(answer(cut_at, seed), timeout=60)
+    assert res.output_ids == long.output_ids[:cut_at] and res.text.endswith("\ufffd")
+    assert (req.partial.output_ids, req.partial.text) == (res.output_ids, res.text)
+
+
 def test_embedded_stops_on_every_end_of_turn_of_the_generation_config(endless_model, tmp_path):
     """A target whose generation config lists several end-of-turn ids (Llama 3.1: <|eot_id|> and <|eom_id|>) must
     stop on each, and call it a stop: the same request, with the token it first produced made an end of turn."""

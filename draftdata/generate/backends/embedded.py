@@ -148,9 +148,9 @@ class EmbeddedBackend:
             if not done.done():  # stopped (or its caller is gone): free its KV cache, take no more of its output
                 self.manager.cancel_request(rid)
                 done.cancel()
+        if follow is not None:  # decoded whole, as a response is: the stream holds back a character cut mid-way
+            follow.settle()
         if done.cancelled():  # what it streamed is in the partial; one that finished meanwhile is a response
-            if follow is not None:  # decoded whole, as a response is: the stream holds back a character cut mid-way
-                req.partial.text = self.tokenizer.decode(req.partial.output_ids, skip_special_tokens=True)
             return stopped_result(req, self.name, time.perf_counter() - t0)
         out = done.result()
         if out.error is not None:
@@ -198,6 +198,7 @@ class _PartialFollower:
 
         self.partial = partial
         self.base = base
+        self.tokenizer = tokenizer
         self.backend = tokenizer._tokenizer  # the Rust tokenizer behind the fast one
         self.decoder = DecodeStream(skip_special_tokens=True)  # as the final text: decode(skip_special_tokens=True)
         if base:  # the decoder needs the tokens before the first new one to place spaces and split characters
@@ -212,6 +213,11 @@ class _PartialFollower:
             if piece is not None:  # None: the token ends inside a multi-byte character
                 p.text += piece
         p.completion_tokens = len(p.output_ids)
+
+    def settle(self) -> None:
+        """The attempt is over (finished or stopped): the text decoded whole, as the response's is, so that a last token
+        ending inside a multi-byte character shows as the response shows it (the stream held it back)."""
+        self.partial.text = self.tokenizer.decode(self.partial.output_ids, skip_special_tokens=True)
 
 
 def install_seeded_sampling(manager) -> bool:
