@@ -716,6 +716,62 @@ def test_temp_files_of_killed_writers_are_swept_where_they_are_written(tmp_path)
     assert not killed.exists() and writing.exists() and foreign.exists() and not old.exists()
 
 
+class InterruptedAfterBegin:
+    """A store's connection that takes a Ctrl-C as its next transaction begins: BEGIN runs, then KeyboardInterrupt,
+    as when SIGINT lands between the statement and the next line (once seen killing a stage: exit 1, a traceback)."""
+
+    def __init__(self, db: sqlite3.Connection):
+        self.db, self.armed = db, True
+
+    def execute(self, sql: str, *args):
+        out = self.db.execute(sql, *args)
+        if self.armed and sql.startswith("BEGIN"):
+            self.armed = False
+            raise KeyboardInterrupt
+        return out
+
+    def __getattr__(self, name: str):
+        return getattr(self.db, name)
+
+
+def test_a_ctrl_c_as_a_transaction_begins_leaves_both_stores_writable(tmp_path):
+    from draftdata.generate.store import ResponseStore, StoredResponse
+    from draftdata.hidden.state_store import StateStore
+
+    states = StateStore(tmp_path / "states")
+    real, states.db = states.db, InterruptedAfterBegin(states.db)
+    with pytest.raises(KeyboardInterrupt):
+        states.add_shard("h/a.safetensors", "h", ["k1"], [3], 10, "hf")
+    assert not real.in_transaction
+    states.add_shard("h/a.safetensors", "h", ["k1"], [3], 10, "hf")  # on the way out: what was written is indexed
+    assert set(states.lookup(["k1"])) == {"k1"}
+
+    responses = ResponseStore(tmp_path / "store.sqlite")
+    real, responses.db = responses.db, InterruptedAfterBegin(responses.db)
+    with pytest.raises(KeyboardInterrupt):
+        responses.put_many([StoredResponse("r1", "D", "p1", "hi", 2, 2, "stop", "s", 0.1, [1, 2], [3, 4])])
+    assert not real.in_transaction
+    responses.put_many([StoredResponse("r1", "D", "p1", "hi", 2, 2, "stop", "s", 0.1, [1, 2], [3, 4])])
+    assert set(responses.get_many(["r1"])) == {"r1"}
+
+
+def test_a_ctrl_c_while_a_shard_is_indexed_keeps_it_for_the_way_out(tmp_path):
+    """The writer's shard in flight stays pending when Ctrl-C lands as it is indexed: `close` indexes it."""
+    from draftdata.hidden.compute import ShardWriter
+    from draftdata.hidden.state_store import StateStore
+
+    store = StateStore(tmp_path / "states")
+    store.db = InterruptedAfterBegin(store.db)
+    writer = ShardWriter(store, {"x": 1}, "bfloat16", background=True)
+    samples = shard_samples([4, 7])
+    writer.submit(samples, "hf")
+    with pytest.raises(KeyboardInterrupt):
+        writer.wait()
+    writer.close()
+    found = store.lookup([s.key for s in samples])
+    assert set(found) == {"k0", "k1"} and store.path(found["k0"].shard).exists()
+
+
 def test_writers_of_one_file_never_delete_each_others_temp_files(tmp_path):
     """torchrun's ranks all write <hash>/final_norm.safetensors and target.json: a writer that starts while another
     holds its temp file must leave it, or the other dies renaming a file that is gone."""

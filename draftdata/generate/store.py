@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from draftdata.util.log import log
-from draftdata.util.sqlite import open_db
+from draftdata.util.sqlite import open_db, transaction
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -200,13 +200,8 @@ class ResponseStore:
         return out
 
     def _commit_many(self, sql: str, rows: list) -> None:
-        self.db.execute("BEGIN")
-        try:
+        with transaction(self.db):
             self.db.executemany(sql, rows)
-        except BaseException:
-            self.db.execute("ROLLBACK")
-            raise
-        self.db.execute("COMMIT")
 
     def count(self) -> int:
         return self.db.execute("SELECT COUNT(*) FROM responses").fetchone()[0]

@@ -151,15 +151,22 @@ class ShardWriter:
         self._pending = (job, name, [s.key for s in samples], [len(s.input_ids) for s in samples], engine)
 
     def wait(self) -> None:
-        """The shard in flight, written and indexed (a write's error is raised here)."""
+        """The shard in flight, written and indexed (a write's error is raised here). A Ctrl-C while it waits keeps
+        the shard pending: `close`, on the way out, indexes it (its file is written, or being written)."""
         if self._pending is None:
             return
         job, name, keys, lengths, engine = self._pending
+        try:
+            with self.timers("waiting for the writer"):
+                size = job.result()
+            with self.timers("state store"):
+                self.store.add_shard(name, self.settings_hash, keys, lengths, size, engine)
+        except KeyboardInterrupt:
+            raise
+        except BaseException:
+            self._pending = None  # a failed write is not indexed, nor raised again by `close`
+            raise
         self._pending = None
-        with self.timers("waiting for the writer"):
-            size = job.result()
-        with self.timers("state store"):
-            self.store.add_shard(name, self.settings_hash, keys, lengths, size, engine)
 
     def close(self) -> None:
         try:

@@ -20,7 +20,7 @@ from pathlib import Path
 from draftdata.hidden.shards import torn
 from draftdata.util.files import sweep_abandoned
 from draftdata.util.hashing import content_hash
-from draftdata.util.sqlite import open_db
+from draftdata.util.sqlite import open_db, transaction
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS states (
@@ -102,8 +102,7 @@ class StateStore:
     ) -> None:
         """Record a shard already renamed into place: a kill before this commit leaves an unreferenced file,
         never a reference to a missing one."""
-        self.db.execute("BEGIN IMMEDIATE")
-        try:
+        with transaction(self.db, immediate=True):
             self.db.execute(
                 "INSERT OR REPLACE INTO shards (name, settings, n_samples, n_tokens, bytes, created_at, engine) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -113,10 +112,6 @@ class StateStore:
                 "INSERT OR REPLACE INTO states VALUES (?, ?, ?, ?)",
                 [(k, name, row, n) for row, (k, n) in enumerate(zip(keys, lengths))],
             )
-        except BaseException:
-            self.db.execute("ROLLBACK")
-            raise
-        self.db.execute("COMMIT")
 
     def sizes(self, shards: Iterable[str]) -> tuple[int, int]:
         """(bytes, tokens) of these shards, as recorded when they were written."""

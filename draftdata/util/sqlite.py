@@ -8,6 +8,8 @@ import os
 import random
 import sqlite3
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 # File systems where SQLite's WAL is unsafe: its index lives in shared memory that only processes on one host share,
@@ -52,6 +54,22 @@ def fs_type(path: Path) -> str:
         if inside and len(point) >= len(best):
             best, kind = point, fields_[2]
     return kind
+
+
+@contextmanager
+def transaction(db: sqlite3.Connection, immediate: bool = False) -> Iterator[None]:
+    """One transaction on a connection opened by `open_db` (no implicit ones): committed when the block ends, rolled
+    back when anything is raised in it. BEGIN is inside the guard: a Ctrl-C (or the SIGTERM the stages turn into one)
+    lands between statements, also right after BEGIN, and a transaction left open there would refuse the commit that
+    keeps what was finished on the way out ("cannot start a transaction within a transaction")."""
+    try:
+        db.execute("BEGIN IMMEDIATE" if immediate else "BEGIN")
+        yield
+        db.execute("COMMIT")
+    except BaseException:
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+        raise
 
 
 def open_db(path: Path, what: str, schema: str) -> sqlite3.Connection:
