@@ -199,6 +199,33 @@ def test_a_turn_another_conversation_answered_in_the_run_is_not_sent_again(conv_
     assert (project.data("B3") / "responses.jsonl").read_bytes() == first
 
 
+@pytest.mark.parametrize("budget", [40, 60, 80, 100])
+def test_a_turn_stepped_over_in_the_run_counts_toward_the_budget(conv_project, budget):
+    """Conversations that share their first turn each hold its answer in the output, so each counts it. One at a
+    time, the run goes turn 0 (sent), turn 1, then each next conversation's turn 0 (stepped over) and turn 1 (sent):
+    it must stop sending once what the output holds reaches the budget (a turn stepped over went uncounted, and the
+    run asked for answers past it)."""
+    rows = [{"messages": chat("Hi.", "Hello!", f"Tell me about topic {i}.", "No.")} for i in range(6)]
+    project, start = conv_project
+    (srv,) = start(rows, concurrency=1, token_budget=budget)
+    project.run("generate", "B3")
+    m = metrics(project)
+    sent = [c["rid"].rsplit("-", 1)[0] for c in srv.generate_calls]
+    with sqlite3.connect(project.path / "store.sqlite") as db:
+        length = dict(db.execute("SELECT key, completion_tokens FROM responses"))
+    in_output = {line["key"] for line in responses(project)}  # the shared turn's answer is generated once
+    assert m["budget_met"] and m["new_in_output_tokens"] == sum(length[k] for k in in_output)
+    assert m["wasted_tokens"] == sum(length[k] for k in set(sent) - in_output)
+    first, seconds = length[sent[0]], [length[k] for k in sent[1:]]
+    held, needed = first, 1
+    for i, n in enumerate(seconds):
+        held += first if i else 0  # conversation i's turn 0, stepped over
+        if held >= budget:
+            break
+        held, needed = held + n, needed + 1
+    assert len(sent) == needed
+
+
 def test_a_rerun_sends_only_the_turns_the_store_lacks(conv_project, tiny_model):
     project, start = conv_project
     start(three_turn_rows())

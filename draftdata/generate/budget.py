@@ -599,6 +599,10 @@ class BudgetController:
         if counted:
             self.committed += tokens
 
+    def held(self, tokens: int) -> None:
+        """An answer the run reached without generating it (a conversation stepped over a turn the store holds)."""
+        self.committed += tokens
+
     def cut(self, tokens: int) -> None:
         """A partial response kept at the budget (keep_partial)."""
         self.committed += tokens

@@ -134,7 +134,7 @@ class Dispatcher:
         ask)."""
         admitted = False
         for _ in range(self.ctrl.turn_count(progress, prompts)):
-            if (p := self.work.next_ready()) is None:
+            if (p := self._next(self.work.next_ready)) is None:
                 break
             self._admit(p)
             admitted = True
@@ -143,9 +143,15 @@ class Dispatcher:
         room = self.ds.concurrency - len(self.flights)
         pending = self.work.pending(room) if room > 0 else None
         for _ in range(self.ctrl.admit_count(progress, prompts, pending)):
-            if (p := self.work.next_new()) is None:
+            if (p := self._next(self.work.next_new)) is None:
                 break
             self._admit(p)
+
+    def _next(self, take) -> Planned | None:
+        """The next request from the queue, unless the answers it stepped over to find it met the budget."""
+        p = take()
+        self.ledger.held(self.work.take_held())
+        return None if p is None or self.ctrl.reached() else p
 
     async def _tick(self) -> None:
         while True:
@@ -209,6 +215,7 @@ class Dispatcher:
             self.store.put_many([r for r, _ in settled.rows])
         self.ledger.commit(settled.rows)
         self.work.settled([*done, *stopped], settled.rows)
+        self.ledger.held(self.work.take_held())
         for res, _ in done:
             self.failfast.record(res.error)
         self._check_failing(done)

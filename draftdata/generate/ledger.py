@@ -134,6 +134,12 @@ class Ledger:
             s.completed_len += r.completion_tokens
             self.ctrl.finished(tokens, counted=unusable_reason(r, self.ds) is None, length=r.completion_tokens)
 
+    def held(self, pairs: list[tuple[Planned, StoredResponse]]) -> None:
+        """Answers that now count toward the budget without a request of this run (`WorkQueue.take_held`)."""
+        for p, r in pairs:
+            if unusable_reason(r, self.ds) is None:
+                self.ctrl.held(tokens_of(p, r, self.ds.budget_unit))
+
     # ---- the rules ------------------------------------------------------------------------------------------- #
 
     def _ended(self, res: GenResult, f: Flight, out: Settlement) -> None:

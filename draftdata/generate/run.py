@@ -125,7 +125,8 @@ def run_metrics(
     duplicates: int,
     wall: float,
 ) -> dict:
-    in_output = sum(stats.new_by_key.get(r.key, 0) for _, r in selected)
+    # each answer once: conversations that share a turn each hold it in the output, but it was generated once
+    in_output = sum(stats.new_by_key.get(key, 0) for key in {r.key for _, r in selected})
     return {
         "responses": len(selected),
         "completion_tokens": sum(r.completion_tokens for _, r in selected),

@@ -4,7 +4,8 @@
 keeps every started conversation going: when a turn's answer is committed, the conversation is stepped
 (`conversation.turns`) to its next turn, which goes to the front of the queue, ahead of new conversations (its
 history is warm in the server's prefix cache, and a finished conversation is a sample); a turn whose answer the
-store already holds (another dataset or experiment reached the same state) is stepped over without a request.
+store already holds (another dataset or experiment reached the same state) is stepped over without a request;
+the controller is told what it adds to the output (`take_held`), as it is told of the answers it requested.
 New conversations are taken as the budget controller admits them; the turns of started ones only need a free slot
 and a budget not yet met, so the controller is told what they will still ask (`pending`: the source turns each
 started conversation has not requested yet, and those of the conversations next in line) before it admits more.
@@ -67,6 +68,12 @@ class WorkQueue:
 
     def settled(self, ended: list[tuple[GenResult, object]], rows: list[tuple[StoredResponse, object]]) -> None:
         """Requests that ended (`Flight`s with their results) and the rows the store took for them."""
+
+    def take_held(self) -> list[tuple[Planned, StoredResponse]]:
+        """Answers that count toward the budget since the last call without a request of their own: a turn
+        stepped over (the store holds its answer), or a shared turn's answer for each further conversation that
+        holds it (the output holds it once per conversation; its request was counted once)."""
+        return []
 
 
 @dataclass
@@ -174,10 +181,11 @@ def plan_conversations(
 
 def step_over_stored(
     convs: list[Conversation], store: ResponseStore, parked: dict[str, StoredResponse], room: int | None
-) -> None:
+) -> list[tuple[Planned, StoredResponse]]:
     """Step each conversation over the turns the store holds answers for: one query per round for all of them.
-    Parked partials met on the way are added to `parked` (the dispatcher continues them)."""
-    waiting = [c for c in convs if c.next is not None]
+    Parked partials met on the way are added to `parked` (the dispatcher continues them). Returns the turns stepped
+    over, with their answers."""
+    waiting, stepped = [c for c in convs if c.next is not None], []
     while waiting:
         stored = store.get_many({c.next.key for c in waiting})
         moved = []
@@ -187,10 +195,12 @@ def step_over_stored(
                 if r is not None and r.partial:
                     parked[r.key] = r
                 continue
+            stepped.append((c.next, r))
             c.answer(r, room)
             if c.next is not None:
                 moved.append(c)
         waiting = moved
+    return stepped
 
 
 class ConversationQueue(WorkQueue):
@@ -215,6 +225,7 @@ class ConversationQueue(WorkQueue):
         self.growth_sum, self.growth_n = sum(steps), len(steps)
         self._waiting: dict[str, list[Conversation]] = {}  # key in flight -> the conversations waiting on it
         self._answered: set[str] = set()  # keys answered in this run
+        self._held: list[tuple[Planned, StoredResponse]] = []  # see take_held
         self.next_turns = 0  # turns after the first answered in this run with their predecessor's server known
         self.same_server = 0  # ... answered by that server
 
@@ -247,7 +258,7 @@ class ConversationQueue(WorkQueue):
         turn another conversation had answered since (stepped over, as a rerun steps over it: asked again, it
         would get an answer the store does not take, and the output would hold one a rerun's does not)."""
         if c.next.key in self._answered:
-            step_over_stored([c], self.store, self.parked, self.room)
+            self._held += step_over_stored([c], self.store, self.parked, self.room)
             if c.next is None:
                 return None
         key = c.next.key
@@ -261,17 +272,19 @@ class ConversationQueue(WorkQueue):
         stepped, since = [], []
         for res, f in ended:
             key = f.p.key
-            for c in self._waiting.pop(key, []):
+            for i, c in enumerate(self._waiting.pop(key, [])):
                 r = answers.get(key)
                 if r is None:  # stopped (at the budget, or interrupted) or failed: the turn waits for a rerun
                     c.held = FAILED if res.error else BUDGET
                     continue
+                if i:  # the request was sent for the first conversation waiting on it
+                    self._held.append((c.next, r))
                 self._count_server(f.req.prefer, res.server)
                 c.server = res.server
                 since.append(len(c.done))
                 c.answer(r, self.room)
                 stepped.append(c)
-        step_over_stored(stepped, self.store, self.parked, self.room)
+        self._held += step_over_stored(stepped, self.store, self.parked, self.room)
         if self.renders is not None:
             self.renders.keep(self.store, KEEP_RENDERS)
         for c, answered in zip(stepped, since):
@@ -280,6 +293,10 @@ class ConversationQueue(WorkQueue):
             self.growth_n += len(steps)
         # started conversations first: their history is in the server's prefix cache
         self._ready.extendleft(reversed([c for c in stepped if c.next is not None]))
+
+    def take_held(self) -> list[tuple[Planned, StoredResponse]]:
+        held, self._held = self._held, []
+        return held
 
     def _count_server(self, prefer: str | None, server: str) -> None:
         if prefer:
