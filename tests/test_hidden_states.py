@@ -772,6 +772,30 @@ def test_a_ctrl_c_while_a_shard_is_indexed_keeps_it_for_the_way_out(tmp_path):
     assert set(found) == {"k0", "k1"} and store.path(found["k0"].shard).exists()
 
 
+def test_a_ctrl_c_as_the_shard_buffer_is_closed_leaves_it_usable_on_the_way_out():
+    """Growing the shard buffer closes the old map; a Ctrl-C as that close returns must not leave the closed map
+    held, or the way out (which writes the shard buffered so far) fails on it (once seen: exit 1, a traceback)."""
+    from draftdata.hidden.shards import ShardBuffer
+
+    class InterruptedClose:  # the old map, closed, then the interrupt
+        def __init__(self, m):
+            self.m = m
+
+        def __len__(self):
+            return len(self.m)  # ValueError once closed, as the map's own
+
+        def close(self):
+            self.m.close()
+            raise KeyboardInterrupt
+
+    buffer = ShardBuffer()
+    buffer._map = InterruptedClose(buffer.get(1))
+    with pytest.raises(KeyboardInterrupt):
+        buffer.get(1 << 20)
+    assert len(buffer.get(1 << 16)) >= 1 << 16
+    buffer.close()
+
+
 def test_writers_of_one_file_never_delete_each_others_temp_files(tmp_path):
     """torchrun's ranks all write <hash>/final_norm.safetensors and target.json: a writer that starts while another
     holds its temp file must leave it, or the other dies renaming a file that is gone."""

@@ -180,9 +180,11 @@ class ShardBuffer:
         return self._map
 
     def close(self) -> None:
-        if self._map is not None:
-            self._map.close()
-            self._map = None
+        # forgotten before it is closed: a Ctrl-C between the two must not leave a closed map to be reused on the way
+        # out (ValueError: mmap closed, in place of the interrupt's one line)
+        held, self._map = self._map, None
+        if held is not None:
+            held.close()
 
 
 class ShardImage:
