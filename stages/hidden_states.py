@@ -53,16 +53,17 @@ def main(cfg: Config) -> None:
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         compute(cfg, src, engine, store, settings, rank, tally)
+        total = rank.add_up(tally)  # the whole job's, for the metrics; `tally` stays this rank's share
         rank.barrier()
         if rank.rank == 0:
             target = engine.target()
             # the writing of the outputs begins: linking every shard and listing every sample takes a while
             log("hidden_states", dataset=cfg.dataset, rank=rank.rank, writing=out_dir / "hidden_states")
-            view = materialise(cfg, src, out_dir / "hidden_states", store, settings, target, tally)
+            view = materialise(cfg, src, out_dir / "hidden_states", store, settings, target, total)
             write_json(out_dir / "hidden_states" / "index.json", index_doc(cfg, target, settings, layers, view))
             write_json(
                 out_dir / "hidden_states_metrics.json",
-                output_metrics(out_dir / "hidden_states", engine, target, hs, layers, view, tally),
+                output_metrics(out_dir / "hidden_states", engine, target, hs, layers, view, total),
             )
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -72,9 +73,9 @@ def main(cfg: Config) -> None:
         "hidden_states",
         dataset=cfg.dataset,
         rank=rank.rank,
-        samples=tally.samples,
+        samples=tally.owned,  # this rank's share: all of them in one process
         computed=tally.computed,
-        reused=tally.samples - tally.computed,
+        reused=tally.owned - tally.computed,
         layers=layers,
         dtype=hs.dtype,
     )

@@ -3,6 +3,8 @@ imports without the pipeline's machinery."""
 
 from __future__ import annotations
 
+import os
+import re
 import subprocess
 import sys
 
@@ -120,3 +122,22 @@ def test_compare_shows_every_summary_figure_in_120_columns():
     assert row[header.index("trained")] == "95" and row[header.index("trained_share")] == "0.25"
     assert row[header.index("over_pct")] == old[header.index("over_pct")] == "2.5"
     assert max(map(len, lines)) <= 120
+
+
+def test_log_lines_of_processes_sharing_a_pipe_stay_whole():
+    """torchrun's ranks write to one pipe, unbuffered where PYTHONUNBUFFERED is set (as CI runners often do): a
+    line written as text then newline can take the other process's line between the two."""
+    writer = (
+        "import sys; from draftdata.util.log import log\n"
+        "for i in range(3000): log('hidden_states', rank=sys.argv[1], i=i, writing='data/B3/hidden_states')\n"
+    )
+    env = {"PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    read, write = os.pipe()
+    procs = [subprocess.Popen([sys.executable, "-c", writer, r], stdout=write, env=env) for r in "01"]
+    os.close(write)
+    with open(read) as out:
+        lines = out.read().splitlines()
+    assert [p.wait() for p in procs] == [0, 0]
+    pattern = re.compile(r"hidden_states rank=[01] i=[\d,]+ writing=data/B3/hidden_states")
+    torn = [line for line in lines if not pattern.fullmatch(line)]
+    assert len(lines) == 6000 and not torn, torn[:3]

@@ -421,13 +421,19 @@ def test_two_torchrun_ranks_equal_one_process(hs_project, samples_dir, tmp_path)
     ]
     proc = subprocess.run(cmd, cwd=hs_project.path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # each rank's closing line; searched for, not matched from a line's start: both ranks write to one pipe, and a
-    # busy machine may put one rank's line right after the other's unfinished output
-    closing = dict(re.findall(r"hidden_states dataset=B3 rank=(\d)\b[^\n]*?\bcomputed=(\d+)", proc.stdout))
-    assert set(closing) == {"0", "1"}, proc.stdout[-3000:]
-    computed = [int(n) for n in closing.values()]
+    # each rank's closing line, whole: both ranks write to one pipe, each line in one write
+    closing = re.findall(
+        r"^hidden_states dataset=B3 rank=(\d) samples=(\d+) computed=(\d+) reused=(-?\d+) ", proc.stdout, re.M
+    )
+    assert sorted(r for r, *_ in closing) == ["0", "1"], proc.stdout[-3000:]
     total = pq.read_metadata(hs_project.data("B3") / "samples.parquet").num_rows
-    assert sum(computed) == total and all(c > 0 for c in computed)  # disjoint halves, all covered
+    shares = [tuple(map(int, counts)) for _, *counts in closing]
+    # disjoint halves, all covered; each rank computed its own share (an empty store) and reused none
+    assert sum(s for s, _, _ in shares) == total and all(s == c > 0 and r == 0 for s, c, r in shares), closing
+    # the metrics rank 0 writes count the whole job, not rank 0's half
+    m = json.loads((hs_project.data("B3") / "hidden_states_metrics.json").read_text())
+    assert m["samples"] == m["computed_samples"] == total and m["reused_samples"] == 0
+    assert m["computed_tokens"] == m["tokens"]
     two = read_all(hs_project.data("B3") / "hidden_states")
     # one process, another store
     hs_project.params["run"]["store_path"] = str(tmp_path / "one" / "store.sqlite")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from draftdata.config.schema import Config
@@ -65,14 +65,33 @@ class Rank:
 
             dist.barrier()
 
+    def add_up(self, tally: HiddenTally) -> HiddenTally:
+        """Every rank's compute tally summed, its time the longest rank's: what rank 0's metrics report for the
+        whole job (each rank's own tally counts its share alone)."""
+        if self.world == 1:
+            return tally
+        import torch
+        import torch.distributed as dist
+
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL reduces GPU tensors only
+        fields = ("owned", "computed", "computed_tokens", "pad_tokens", "fp8_err_num", "fp8_err_den")
+        sums = torch.tensor([float(getattr(tally, f)) for f in fields], dtype=torch.float64, device=device)
+        longest = torch.tensor([tally.seconds], dtype=torch.float64, device=device)
+        dist.all_reduce(sums)
+        dist.all_reduce(longest, op=dist.ReduceOp.MAX)
+        summed = {f: type(getattr(tally, f))(v) for f, v in zip(fields, sums.tolist())}
+        return replace(tally, **summed, seconds=longest.item())
+
 
 @dataclass
 class HiddenTally:
-    samples: int = 0
+    samples: int = 0  # in the output (rank 0's, as it writes the output)
     tokens: int = 0
     trained_tokens: int = 0  # under the loss mask
+    owned: int = 0  # samples this rank answers for, found in the store or computed
     computed: int = 0
     computed_tokens: int = 0
+    pad_tokens: int = 0  # padded positions the engine computed and dropped
     torn: int = 0
     seconds: float = 0.0
     fp8_err_num: float = 0.0
@@ -320,6 +339,7 @@ def compute(
         _compute_windows(src, hs.window_samples, computer, store, rank, tally)
     finally:
         computer.close()
+    tally.pad_tokens = engine.pad_tokens
 
 
 def _compute_windows(
@@ -336,7 +356,9 @@ def _compute_windows(
         checked |= unchecked - set(dropped)
         if dropped:
             found = store.lookup(keys)
-        missing = {k: x for k, x in zip(keys, input_ids) if k not in found and rank.owns(k)}
+        owned = [(k, x) for k, x in zip(keys, input_ids) if rank.owns(k)]
+        tally.owned += len(owned)
+        missing = {k: x for k, x in owned if k not in found}
         computer.names = dict(zip(keys, ids))  # this window's: memory stays bounded
         computer.run(list(missing.items()))
 

@@ -56,7 +56,7 @@ def output_metrics(
         "bytes": size,
         "bytes_per_token": round(shard_bytes / shard_tokens, 2) if shard_tokens else 0.0,
         "limit_bytes_per_token": 2 * (len(layers) + 1) * target.hidden_size,  # bf16, k aux layers + final
-        "padded_compute_share": round(engine.pad_tokens / (computed + engine.pad_tokens), 4) if computed else 0.0,
+        "padded_compute_share": round(tally.pad_tokens / (computed + tally.pad_tokens), 4) if computed else 0.0,
         "tok_s": round(computed / tally.seconds, 1) if tally.seconds else 0.0,
     }
     m["engines"] = dict(sorted(tally.engines.items()))  # which computed the output's samples (samples.parquet: each)

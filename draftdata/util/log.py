@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 
 def log(stage: str, **fields: Any) -> None:
     """One `key=value` line per event, greppable in CI logs and `dvc repro` output."""
     parts = " ".join(f"{k}={_fmt(v)}" for k, v in fields.items())
-    print(f"{stage} {parts}", flush=True)
+    # one write of the whole line: processes sharing a pipe (torchrun's ranks) cannot split a line between them
+    # the way print's separate writes of text and newline can when output is unbuffered
+    sys.stdout.write(f"{stage} {parts}\n")
+    sys.stdout.flush()
 
 
 def _fmt(v: Any) -> str:
