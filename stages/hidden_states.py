@@ -53,8 +53,8 @@ def main(cfg: Config) -> None:
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         compute(cfg, src, engine, store, settings, rank, tally)
-        total = rank.add_up(tally)  # the whole job's, for the metrics; `tally` stays this rank's share
-        rank.barrier()
+        # the whole job's, for the metrics (`tally` stays this rank's share); every rank has finished once it returns
+        total = rank.add_up(tally)
         if rank.rank == 0:
             target = engine.target()
             # the writing of the outputs begins: linking every shard and listing every sample takes a while

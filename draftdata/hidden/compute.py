@@ -59,15 +59,10 @@ class Rank:
     def owns(self, key: str) -> bool:
         return int(key[:8], 16) % self.world == self.rank
 
-    def barrier(self) -> None:
-        if self.world > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
-
     def add_up(self, tally: HiddenTally) -> HiddenTally:
         """Every rank's compute tally summed, its time the longest rank's: what rank 0's metrics report for the
-        whole job (each rank's own tally counts its share alone)."""
+        whole job (each rank's own tally counts its share alone). A collective: it returns once every rank has
+        finished computing, so it is also the barrier before rank 0 writes the output."""
         if self.world == 1:
             return tally
         import torch
