@@ -198,7 +198,7 @@ def source_answers(work: Path) -> None:
     import shutil
 
     from draftdata.config.load import load_config
-    from draftdata.target.tokenizer import load_tokenizer
+    from draftdata.model.tokenizer import load_tokenizer
 
     cfg = load_config("source", [], params_path=work / "params.yaml")
     tok = load_tokenizer(cfg.model)
@@ -532,7 +532,7 @@ def run(args) -> dict:
     data_s = time.perf_counter() - t_data
     if target_info is None:
         # a given target's figures once the stages have run: torch work in this main thread before the embedded
-        # engine's own thread starts would halve that thread's speed (draftdata/generate/backends/slots)
+        # engine's own thread starts would halve that thread's speed (draftdata/generate/embedded)
         target_info = given_target(target, args.device)
     if "final_norm_weight" not in target_info:  # a trained target: small, loaded again to read it
         target_info["final_norm_weight"] = final_norm_weight(load_target(target))

@@ -1,7 +1,7 @@
 """The target of `python -m bench.drafter`: the demo target trained on the demo corpus, so that it has structure a
 drafter can learn.
 
-The demo target (`draftdata.target.tiny`) has random weights: its samples are noise that no drafter predicts, and
+The demo target (`draftdata.model.tiny`) has random weights: its samples are noise that no drafter predicts, and
 even its argmax hangs on tiny logit differences. Here the same model (same tokenizer, shape and seed) is trained
 with plain next-token cross-entropy on the demo corpus's conversations, each rendered whole with the target's own
 chat template (answers and all, so it learns the chat format and ends its turns by itself). A few thousand token
@@ -22,10 +22,10 @@ from pathlib import Path
 import yaml
 
 from draftdata.config.schema import TinyModelConfig
+from draftdata.model.tiny import build_target
+from draftdata.model.tokenizer import template_messages
 from draftdata.sources.files import iter_local
 from draftdata.sources.shapes import BadRecord, to_prompt
-from draftdata.target.tiny import build_target
-from draftdata.target.tokenizer import template_messages
 
 ROOT = Path(__file__).resolve().parents[1]
 HELD_OUT_EVERY = 20  # every 20th conversation of each demo file is kept out of the target's training

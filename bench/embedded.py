@@ -63,9 +63,9 @@ def demo_prompts(model: Path) -> list[list[int]]:
 
     from draftdata.config.load import load_config
     from draftdata.config.schema import ModelConfig, Turns, template_kwargs_of
+    from draftdata.model.tokenizer import load_tokenizer, render_prompt_ids
     from draftdata.sources.files import iter_rows
     from draftdata.sources.select import adapt_rows, dedup
-    from draftdata.target.tokenizer import load_tokenizer, render_prompt_ids
 
     cfg = load_config(dataset=None, overrides=[f"model.path={model}"], need_dataset=False)
     tok = load_tokenizer(ModelConfig(path=str(model)))
@@ -104,7 +104,7 @@ class _TimedPartial:
     """A Partial that notes when its first token arrives (the backends fill it as the stream comes in)."""
 
     def __init__(self):
-        from draftdata.generate.backends import Partial
+        from draftdata.generate.backends.protocol import Partial
 
         class Timed(Partial):
             def __setattr__(self, name, value):
@@ -132,7 +132,7 @@ def _config(model: Path, c: int, kind: str, **backend):
 
 async def _drive(backend, reqs: list[dict], c: int, sampling: dict) -> dict:
     """Our backend with c requests in flight, streamed, as the dispatcher drives it."""
-    from draftdata.generate.backends import GenRequest
+    from draftdata.generate.backends.protocol import GenRequest
 
     timed = _TimedPartial().cls
     gate = asyncio.Semaphore(c)
@@ -167,8 +167,8 @@ async def _drive(backend, reqs: list[dict], c: int, sampling: dict) -> dict:
 
 def measure_backend(model: Path, c: int, reqs: list[dict], kind: str, **backend) -> dict:
     from draftdata.config.schema import ModelConfig
-    from draftdata.generate.backends import make_backend
-    from draftdata.target.tokenizer import load_tokenizer
+    from draftdata.generate.connect import make_backend
+    from draftdata.model.tokenizer import load_tokenizer
 
     async def go():
         b = make_backend(_config(model, c, kind, **backend), load_tokenizer(ModelConfig(path=str(model))))
@@ -251,7 +251,7 @@ def profile_decode(model: Path, reqs: list[dict], steps: int = 5) -> dict:
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoModelForCausalLM
 
-    from draftdata.generate.backends.slots import Sampling, SlotBatching, _Request
+    from draftdata.generate.embedded.slots import Sampling, SlotBatching, _Request
 
     load = lambda: AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).eval()  # noqa: E731
     engine = SlotBatching(load, Sampling(**{k: v for k, v in SAMPLING.items()}), set(), slots=len(reqs))

@@ -4,7 +4,7 @@ rendered prompt ids, without it, and the floor under both.
     python -m bench.noop [--prompts 100000] [--runs 3]
     python -m bench.noop --turns 3 --prompts 20000      # `turns: all` over conversations of 3 user turns
 
-Setup, in a temp directory: the demo target (draftdata/target/tiny.py), a magicoder_oss source of that many
+Setup, in a temp directory: the demo target (draftdata/model/tiny.py), a magicoder_oss source of that many
 distinct prompts (with `--turns N`, a `messages` source of that many distinct conversations of N user turns, every
 turn regenerated), the prompts stage, and one short stored response for every planned key, every turn of every
 conversation (the budget is met, so generate sends nothing). Each figure is the wall and the CPU time (user +
@@ -43,14 +43,14 @@ RESULTS = ROOT / "bench" / "results"
 FLOOR = (
     "import stages.generate; from draftdata.config.load import load_config; "
     "from draftdata.config.schema import template_kwargs_of; "
-    "from draftdata.target.tokenizer import load_target_tokenizer; cfg = load_config('S', []); "
+    "from draftdata.model.tokenizer import load_target_tokenizer; cfg = load_config('S', []); "
     "load_target_tokenizer(cfg.model, template_kwargs_of(cfg, 'S'))"
 )
 
 
 def setup(work: Path, prompts: int, turns: int = 1) -> None:
     from draftdata.config.schema import TinyModelConfig
-    from draftdata.target.tiny import build_target
+    from draftdata.model.tiny import build_target
 
     build_target(TinyModelConfig(path=str(work / "tiny"), corpus_dir=str(ROOT / "sources" / "demo")))
     with gzip.open(work / "src.jsonl.gz", "wt", compresslevel=1) as f:
@@ -88,7 +88,7 @@ def fill() -> None:
     from draftdata.config.load import load_config
     from draftdata.generate.selection import plan_requests
     from draftdata.generate.store import ResponseStore, StoredResponse
-    from draftdata.target.tokenizer import load_tokenizer
+    from draftdata.model.tokenizer import load_tokenizer
     from draftdata.util.files import read_jsonl
 
     cfg = load_config("S", [])
@@ -106,7 +106,7 @@ def fill_turns() -> None:
     from draftdata.config.load import load_config
     from draftdata.generate.store import ResponseStore, StoredResponse
     from draftdata.generate.work import plan_conversations
-    from draftdata.target.tokenizer import load_tokenizer
+    from draftdata.model.tokenizer import load_tokenizer
     from draftdata.util.files import read_jsonl
 
     cfg = load_config("S", [])

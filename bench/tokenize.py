@@ -4,7 +4,7 @@ two chat templates, and the drift the text path brings where token ids came from
     python -m bench.tokenize [--samples 1000] [--generated 64] [--bigram 1000]
 
 Synthetic conversations with lengths like the real data: prompts of 50-2,000 tokens, completions lognormal with
-mean ≈ 3.5k tokens capped at 10k, rendered by the demo tokenizer (draftdata/target/tiny.py) under
+mean ≈ 3.5k tokens capped at 10k, rendered by the demo tokenizer (draftdata/model/tiny.py) under
 
 - `chatml`: the demo's 20-line ChatML template; system, user, an earlier assistant turn, user;
 - `qwen3_tools`: Qwen3's chat template (bench/templates/qwen3.jinja, as Qwen/Qwen3-0.6B ships it): half the
@@ -54,7 +54,7 @@ MAX_NEW_TOKENS = 256
 
 
 def build_tokenizer_dir(out: Path):
-    from draftdata.target.tiny import build_tokenizer, iter_demo_texts
+    from draftdata.model.tiny import build_tokenizer, iter_demo_texts
 
     tok = build_tokenizer(iter_demo_texts(DEMO), 2048)
     tok.save_pretrained(out)
@@ -64,7 +64,7 @@ def build_tokenizer_dir(out: Path):
 def word_pool(tok) -> tuple[list[str], float]:
     """Words from the demo texts and the tokens one word costs on average. Words holding a think tag are left out:
     inside a generated turn, Qwen3's template would read them as the turn's reasoning markers."""
-    from draftdata.target.tiny import iter_demo_texts
+    from draftdata.model.tiny import iter_demo_texts
 
     words = [w for text in iter_demo_texts(DEMO) for w in text.split() if "think>" not in w][:200_000]
     sample = " ".join(words[:20_000])
@@ -202,7 +202,7 @@ def time_paths(tok, cfg, recs: list[dict], rounds: int = 4) -> dict:
     """Text path, raw encode and id path on the same responses; the id path must give the text path's samples.
     Text path and raw take turns on each of `rounds` slices (which goes first alternates), so a shared machine's
     changing speed hits both alike; the per-round ratios show how much it moved."""
-    from draftdata.target.tokenizer import render_prompt_ids
+    from draftdata.model.tokenizer import render_prompt_ids
     from draftdata.tokenize.samples import build_samples, render_texts
 
     fulls = [render_texts(tok, r, {})[1] for r in recs]
@@ -248,7 +248,7 @@ def time_paths(tok, cfg, recs: list[dict], rounds: int = 4) -> dict:
 
 
 def short_prompts(tok, n: int, seed: int) -> list[dict]:
-    from draftdata.target.tokenizer import render_prompt_ids
+    from draftdata.model.tokenizer import render_prompt_ids
 
     t = Texts(tok, seed)
     recs = []
@@ -260,13 +260,13 @@ def short_prompts(tok, n: int, seed: int) -> list[dict]:
 
 
 def sample_tiny_model(tok, prompts: list[list[int]], ends: set[int], seed: int, batch: int = 64) -> list[list[int]]:
-    """The demo target's own draws (draftdata/target/tiny.py's model, seed 0), temperature 1, until an end-of-turn
+    """The demo target's own draws (draftdata/model/tiny.py's model, seed 0), temperature 1, until an end-of-turn
     token or MAX_NEW_TOKENS. A plain KV-cached loop: for a model this small, `generate`'s own work per step costs
     far more than the forward on a CPU."""
     import torch
 
     from draftdata.config.schema import TinyModelConfig
-    from draftdata.target.tiny import build_model
+    from draftdata.model.tiny import build_model
 
     model = build_model(TinyModelConfig(), len(tok), tok.eos_token_id, tok.pad_token_id)
     gen = torch.Generator().manual_seed(seed)
@@ -306,7 +306,7 @@ def sample_bigram(tok, n: int, ends: set[int], seed: int) -> list[list[int]]:
     turn), from the end-of-turn token on, until an end-of-turn token or MAX_NEW_TOKENS."""
     import numpy as np
 
-    from draftdata.target.tiny import iter_demo_texts
+    from draftdata.model.tiny import iter_demo_texts
 
     texts = [x for x in iter_demo_texts(DEMO) if len(x) >= 200]
     eos = tok.eos_token_id
@@ -329,7 +329,7 @@ def sample_bigram(tok, n: int, ends: set[int], seed: int) -> list[list[int]]:
 def drift(tok, cfg, recs: list[dict], generated: list[list[int]]) -> dict:
     """`recs` carry their prompt ids; `generated[i]` is what the model produced for recs[i], its end-of-turn token
     included where it ended. Stored as text (as a backend stores it), then through both paths."""
-    from draftdata.target.tokenizer import end_of_turn_ids
+    from draftdata.model.tokenizer import end_of_turn_ids
     from draftdata.tokenize.samples import build_samples
 
     ends = end_of_turn_ids(tok, None, {})
@@ -391,7 +391,7 @@ def print_timing(name: str, r: dict) -> None:
 
 def main() -> None:
     from draftdata.config.schema import Config, ModelConfig, TokenizeConfig
-    from draftdata.target.tokenizer import end_of_turn_ids
+    from draftdata.model.tokenizer import end_of_turn_ids
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=1000, help="conversations timed under each template")

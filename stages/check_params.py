@@ -18,8 +18,8 @@ from pathlib import Path
 
 from draftdata.config.load import cli
 from draftdata.config.schema import Config, check_all, length_warnings, template_kwargs_of
-from draftdata.target.model import local_context
-from draftdata.target.tokenizer import check_local_target
+from draftdata.model.load import local_context
+from draftdata.model.tokenizer import check_local_target
 from draftdata.util.files import write_json
 from draftdata.util.log import log
 

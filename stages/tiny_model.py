@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from draftdata.config.load import cli
 from draftdata.config.schema import TinyModelConfig
-from draftdata.target.tiny import build_target
+from draftdata.model.tiny import build_target
 
 
 def main(cfg) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from draftdata.config.load import cli
 from draftdata.config.schema import Config
 from draftdata.errors import UserError
-from draftdata.target.tokenizer import load_tokenizer, tokenizer_fingerprint
+from draftdata.model.tokenizer import load_tokenizer, tokenizer_fingerprint
 from draftdata.tokenize.parquet import SCHEMA_VERSION, samples_table, write_parquet
 from draftdata.tokenize.samples import SKIP_REASONS, build_samples, check_skips
 from draftdata.util.files import data_dir, read_jsonl, write_json

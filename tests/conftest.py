@@ -67,7 +67,7 @@ def smollm2() -> Path:
     from importlib.metadata import version
 
     from draftdata.config.schema import PackagedModelConfig
-    from draftdata.target.packaged import build_packaged_model
+    from draftdata.model.packaged import build_packaged_model
     from draftdata.util.hashing import content_hash
 
     pm = PackagedModelConfig()
@@ -83,7 +83,7 @@ def smollm2() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     from draftdata.config.schema import TinyModelConfig
-    from draftdata.target.tiny import build_target
+    from draftdata.model.tiny import build_target
 
     out = tmp_path_factory.mktemp("model") / "tiny"
     build_target(TinyModelConfig(path=str(out), corpus_dir=str(DEMO), mean_response_tokens=24))
@@ -113,7 +113,7 @@ def dataset_params(name: str, shape: str, **over) -> dict:
 def expected_tokens(tok, rec: dict, answer: dict) -> list[int]:
     """A text-path sample of a ChatML target: the prompt of response record `rec`, then the assistant turn `answer`
     as the template writes it, to its end-of-turn token."""
-    from draftdata.target.tokenizer import template_messages
+    from draftdata.model.tokenizer import template_messages
 
     tools = rec.get("tools")
     prompt = tok.apply_chat_template(
@@ -211,7 +211,7 @@ def endless_model(tiny_model, tmp_path_factory) -> Path:
     from transformers import AutoTokenizer
 
     from draftdata.config.schema import TinyModelConfig
-    from draftdata.target.tiny import build_model
+    from draftdata.model.tiny import build_model
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     out = tmp_path_factory.mktemp("endless") / Path(tiny_model).name
@@ -247,7 +247,7 @@ def harmony_model(tmp_path_factory) -> Path:
     from transformers import PreTrainedTokenizerFast
 
     from draftdata.config.schema import TinyModelConfig
-    from draftdata.target.tiny import _plant_eos_rate, build_model, iter_demo_texts, train_bpe
+    from draftdata.model.tiny import _plant_eos_rate, build_model, iter_demo_texts, train_bpe
 
     out = tmp_path_factory.mktemp("harmony") / "harmony"
     tok = PreTrainedTokenizerFast(

@@ -31,9 +31,10 @@ from draftdata.config.schema import (
     SamplingConfig,
 )
 from draftdata.errors import ConfigError, UserError
-from draftdata.generate.backends import GenRequest, Partial, make_backend
+from draftdata.generate.backends.protocol import GenRequest, Partial
+from draftdata.generate.connect import make_backend
 from draftdata.generate.selection import request_key
-from draftdata.target.tokenizer import load_tokenizer, render_prompt_ids
+from draftdata.model.tokenizer import load_tokenizer, render_prompt_ids
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -7,7 +7,7 @@ import pytest
 
 from bench import tokenize as bench
 from draftdata.config.schema import Config, ModelConfig, TokenizeConfig
-from draftdata.target.tokenizer import end_of_turn_ids, load_tokenizer
+from draftdata.model.tokenizer import end_of_turn_ids, load_tokenizer
 
 
 @pytest.fixture

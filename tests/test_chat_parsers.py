@@ -16,7 +16,7 @@ from bench.fake_server import FakeModel, FakeServer
 from draftdata.errors import UserError
 from draftdata.generate.dispatcher import RunFailed
 from draftdata.generate.store import ResponseStore, StoredResponse
-from draftdata.target.tiny import CHAT_TEMPLATE
+from draftdata.model.tiny import CHAT_TEMPLATE
 from draftdata.util.files import read_jsonl
 
 CALL = {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}

@@ -123,8 +123,8 @@ def test_backend_kind_in_params_brings_its_preset(project):
 
 def test_missing_model_names_the_key(monkeypatch):
     from draftdata.config.schema import ModelConfig
-    from draftdata.target.model import load_model
-    from draftdata.target.tokenizer import load_tokenizer
+    from draftdata.model.load import load_model
+    from draftdata.model.tokenizer import load_tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     for load in (load_model, load_tokenizer):
@@ -224,9 +224,9 @@ def test_cli_refuses_unknown_backend_before_any_work(project):
 def test_a_mistyped_local_model_path_fails_at_once(tmp_path, monkeypatch, path):
     """Not after the hub's retries with an error about connecting: the path is named as a missing directory."""
     from draftdata.config.schema import ModelConfig
-    from draftdata.target.fingerprint import model_fingerprint
-    from draftdata.target.model import load_model
-    from draftdata.target.tokenizer import load_tokenizer
+    from draftdata.model.fingerprint import model_fingerprint
+    from draftdata.model.load import load_model
+    from draftdata.model.tokenizer import load_tokenizer
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "models").mkdir()  # `models/x` then names a local directory, not a hub org
@@ -241,7 +241,7 @@ def test_a_mistyped_local_model_path_fails_at_once(tmp_path, monkeypatch, path):
 
 
 def test_hub_ids_still_look_like_hub_ids(tmp_path, monkeypatch):
-    from draftdata.target.model import looks_local
+    from draftdata.model.load import looks_local
 
     monkeypatch.chdir(tmp_path)
     assert not looks_local("Qwen/Qwen3-8B") and not looks_local("gpt2")
@@ -322,7 +322,7 @@ def test_out_of_disk_is_one_line_naming_the_file(tmp_path, capsys):
 
 
 def test_the_context_follows_rope_scaling_as_servers_do():
-    from draftdata.target.model import _context
+    from draftdata.model.load import _context
 
     assert _context({"max_position_embeddings": 32768}) == 32768
     yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
@@ -501,7 +501,7 @@ def test_a_mapping_replaces_a_free_form_mapping_from_the_command_line(project):
 
 def test_a_preset_template_is_taken_by_its_name(tiny_model):
     from draftdata.config.schema import ModelConfig
-    from draftdata.target.tokenizer import load_tokenizer
+    from draftdata.model.tokenizer import load_tokenizer
 
     by_name = load_tokenizer(ModelConfig(path=str(tiny_model), chat_template="chatml"))
     by_file = load_tokenizer(ModelConfig(path=str(tiny_model), chat_template=str(ROOT / "conf/templates/chatml.jinja")))
@@ -523,7 +523,7 @@ def test_check_params_says_which_token_ends_a_turn(project, capsys, tiny_model):
 def test_a_template_for_another_model_is_refused_naming_its_marker(project, tiny_model):
     """Llama 3's template on a ChatML model: `<|eot_id|>` is not one of its tokens, so nothing would stop on it."""
     from draftdata.config.schema import ModelConfig
-    from draftdata.target.tokenizer import check_local_target
+    from draftdata.model.tokenizer import check_local_target
 
     model = ModelConfig(path=str(tiny_model), chat_template="llama3")
     with pytest.raises(

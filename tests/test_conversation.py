@@ -28,7 +28,7 @@ from draftdata.generate.conversation import (
     replay,
 )
 from draftdata.generate.store import StoredResponse
-from draftdata.target.tokenizer import render_prompt_ids
+from draftdata.model.tokenizer import render_prompt_ids
 
 _spec = importlib.util.spec_from_file_location("make_golden", ROOT / "tests" / "golden" / "make_golden.py")
 make_golden = importlib.util.module_from_spec(_spec)

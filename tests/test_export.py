@@ -241,7 +241,7 @@ def skipped_by_text(project) -> list[str]:
     """The added tokens a response's text leaves out: those the tokenizer's decoding with skip_special_tokens drops,
     longest first (so that one holding another is removed whole)."""
     from draftdata.config.schema import ModelConfig
-    from draftdata.target.tokenizer import load_tokenizer
+    from draftdata.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer(ModelConfig(path=project.params["model"]["path"]))
     added = tok.added_tokens_decoder

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from draftdata.errors import ConfigError
-from draftdata.target import fingerprint as target
-from draftdata.target.fingerprint import model_fingerprint
+from draftdata.model import fingerprint as target
+from draftdata.model.fingerprint import model_fingerprint
 from draftdata.util.hashing import content_hash
 
 # The size above which the fingerprint once looked at names and sizes only; weights built larger than this show
@@ -52,7 +52,7 @@ def fingerprint(path: Path, revision: str | None = None, cache_path: Path | None
 def test_other_seed_same_sizes_other_fingerprint(tmp_path):
     """Two fine-tunes of one base have the same file names and sizes: only the bytes tell them apart."""
     from draftdata.config.schema import TinyModelConfig
-    from draftdata.target.tiny import build_model
+    from draftdata.model.tiny import build_model
 
     dirs = []
     for seed in (0, 1):
@@ -288,8 +288,8 @@ def test_a_hub_id_is_loaded_from_the_snapshot_its_fingerprint_names(hub_cache, t
     """The tokenizer, the model's limits and its weights load from the cached snapshot at the commit the revision
     resolves to, the one the stores record, not by the revision (which, with a network, fetches the hub's newest)."""
     from draftdata.config.schema import ModelConfig
-    from draftdata.target.model import load_model, model_dir, model_limits
-    from draftdata.target.tokenizer import load_tokenizer
+    from draftdata.model.load import load_model, model_dir, model_limits
+    from draftdata.model.tokenizer import load_tokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing here may need the hub
     files = {p.name: p.read_bytes() for p in tiny_model.iterdir() if p.is_file()}

@@ -177,7 +177,7 @@ def test_embedded_sampling_is_reproducible(project, monkeypatch):
     """Each request samples from its own seed, so two fresh stores get the same response for every prompt both
     answered (which prompts a run reaches before its budget depends on timing); without the seeded sampler
     (transformers' shared generator) they differ, which is what this guards against."""
-    import draftdata.generate.backends.embedded as embedded
+    import draftdata.generate.embedded.backend as embedded
 
     project.run("prompts", "B3")
 
@@ -208,8 +208,9 @@ def test_an_embedded_continuation_draws_what_the_uninterrupted_answer_drew(tiny_
     import asyncio
 
     from draftdata.config.schema import BackendConfig, Config, DatasetConfig, ModelConfig, SamplingConfig
-    from draftdata.generate.backends import GenRequest, Partial, make_backend
-    from draftdata.target.tokenizer import load_tokenizer, render_prompt_ids
+    from draftdata.generate.backends.protocol import GenRequest, Partial
+    from draftdata.generate.connect import make_backend
+    from draftdata.model.tokenizer import load_tokenizer, render_prompt_ids
 
     cfg = Config(
         model=ModelConfig(path=str(tiny_model)),
@@ -323,8 +324,8 @@ def test_prompts_the_template_renders_alike_are_one_sample(project, tmp_path, mo
     """The prompts stage dedups by message JSON; a template that trims the content renders "Hello" and "Hello\\n" to
     the same ids, hence one store key. Generate asks it once and outputs it once, the first prompt's, with its
     tokens counted once toward the budget, and says how many it dropped."""
-    import draftdata.generate.backends.embedded as embedded
-    from draftdata.target.tiny import CHAT_TEMPLATE
+    import draftdata.generate.embedded.backend as embedded
+    from draftdata.model.tiny import CHAT_TEMPLATE
 
     # the tiny target may end an answer at its first token, an empty answer the output skips (and a later run asks
     # again): without a stop token every answer runs to max_tokens, so each of the three keys has one in the output
@@ -392,7 +393,7 @@ def test_a_changed_template_kwargs_or_tokenizer_file_renders_again(project, tiny
     from draftdata.config.load import load_config
     from draftdata.generate.selection import plan_requests
     from draftdata.generate.store import ResponseStore
-    from draftdata.target.tokenizer import load_tokenizer
+    from draftdata.model.tokenizer import load_tokenizer
 
     project.run("prompts", "B3")
     prompts = list(read_jsonl(project.data("B3") / "prompts.jsonl"))
@@ -436,7 +437,7 @@ def test_a_plan_from_the_cache_neither_decodes_nor_encodes_prompt_ids(project, t
     from draftdata.config.load import load_config
     from draftdata.generate.selection import plan_requests
     from draftdata.generate.store import ResponseStore
-    from draftdata.target.tokenizer import load_tokenizer
+    from draftdata.model.tokenizer import load_tokenizer
 
     project.run("prompts", "B3")
     prompts = list(read_jsonl(project.data("B3") / "prompts.jsonl"))

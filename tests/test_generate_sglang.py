@@ -18,7 +18,7 @@ import pytest
 from conftest import ROOT
 
 from bench.fake_server import FakeServer, Faults, fake_output_ids
-from draftdata.generate.backends import seed_of
+from draftdata.generate.backends.protocol import seed_of
 from draftdata.generate.dispatcher import RunFailed
 from draftdata.util.files import read_jsonl
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from draftdata.config.schema import BudgetUnit, DatasetConfig, OnBudget
-from draftdata.generate.backends import GenRequest, GenResult, Partial, stopped_result
+from draftdata.generate.backends.protocol import GenRequest, GenResult, Partial, stopped_result
 from draftdata.generate.budget import BudgetController
 from draftdata.generate.ledger import Flight, Ledger
 from draftdata.generate.selection import Planned

@@ -166,7 +166,7 @@ def test_a_datasets_template_kwargs_reach_generate_and_tokenize_alike(project):
     from conftest import ROOT
 
     from draftdata.config.load import load_config
-    from draftdata.target.tokenizer import load_tokenizer
+    from draftdata.model.tokenizer import load_tokenizer
     from draftdata.util.files import write_jsonl
 
     project.set("model.chat_template", str(ROOT / "conf" / "templates" / "qwen3_thinking.jinja"))

@@ -207,13 +207,13 @@ def test_the_plan_warns_of_samples_longer_than_max_seq_len(project, capsys):
 def test_nothing_is_sent_and_no_weights_are_loaded(project, monkeypatch):
     import transformers
 
-    import draftdata.generate.backends.embedded
-    import draftdata.target.model
+    import draftdata.generate.embedded.backend
+    import draftdata.model.load
 
     def no_weights(*args, **kwargs):
         raise AssertionError("the plan loaded the model's weights")
 
-    for owner in (draftdata.target.model, draftdata.generate.backends.embedded):
+    for owner in (draftdata.model.load, draftdata.generate.embedded.backend):
         monkeypatch.setattr(owner, "load_model", no_weights)
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_weights)
     server = ConnectionCounter()

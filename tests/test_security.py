@@ -69,7 +69,7 @@ def test_chat_templates_render_in_a_sandbox(tiny_model, tmp_path):
     """A template (a file from a model repository or params) cannot reach Python internals."""
     from jinja2.exceptions import SecurityError
 
-    from draftdata.target.tokenizer import load_tokenizer, render_prompt_ids
+    from draftdata.model.tokenizer import load_tokenizer, render_prompt_ids
 
     evil = tmp_path / "evil.jinja"
     evil.write_text("{{ messages.__class__.__mro__[1].__subclasses__() }}")
@@ -80,7 +80,7 @@ def test_chat_templates_render_in_a_sandbox(tiny_model, tmp_path):
 
 def test_a_model_s_own_code_runs_only_when_trusted(tiny_model, tmp_path):
     """A checkpoint that ships Python (auto_map) is refused with the key to set; with it set, its code runs."""
-    from draftdata.target.model import load_model
+    from draftdata.model.load import load_model
 
     model = tmp_path / "custom"
     shutil.copytree(tiny_model, model)

@@ -1,4 +1,4 @@
-"""Slot batching, the embedded backend's engine on a CPU (draftdata/generate/backends/slots/): its sampling against
+"""Slot batching, the embedded backend's engine on a CPU (draftdata/generate/embedded/): its sampling against
 transformers' own warpers, its cache's rows as requests come, grow and go, its tokens against the model's own, and
 its refusal of a model it does not compute the same."""
 
@@ -9,9 +9,9 @@ import asyncio
 import pytest
 import torch
 
-from draftdata.generate.backends.slots import SlotBatching
-from draftdata.generate.backends.slots.cache import KVCache, capacity_for
-from draftdata.generate.backends.slots.sampling import Sampling, _candidates, sample
+from draftdata.generate.embedded.cache import KVCache, capacity_for
+from draftdata.generate.embedded.sampling import Sampling, _candidates, sample
+from draftdata.generate.embedded.slots import SlotBatching
 
 
 def hf_kept(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -140,7 +140,7 @@ def model_with(tmp_path, kind: str = "llama", **config):
 
 def test_a_model_it_does_not_compute_the_same_is_refused_at_start(tmp_path):
     """A sliding window (Mistral's): the probe against the model's own forward refuses it before any request."""
-    from draftdata.generate.backends.slots import Unsupported
+    from draftdata.generate.embedded.slots import Unsupported
 
     engine = SlotBatching(lambda: model_with(tmp_path, sliding_window=4), Sampling(0.0, 1.0, -1), {1}, slots=2)
     engine.start()
@@ -199,7 +199,7 @@ def test_a_lean_forward_the_probe_refuses_leaves_the_model_to_its_own(tmp_path, 
     """Should the lean forward ever compute a model differently (a fault injected here: its hidden states scaled),
     the probe sees it and the engine runs transformers' forward over the same cache instead, which the probe then
     checks in turn."""
-    from draftdata.generate.backends.slots.lean import LeanDecoder
+    from draftdata.generate.embedded.lean import LeanDecoder
 
     real = LeanDecoder.forward
     monkeypatch.setattr(LeanDecoder, "forward", lambda self, *a: real(self, *a) * 1.5)
@@ -215,7 +215,7 @@ def test_a_lean_forward_the_probe_refuses_leaves_the_model_to_its_own(tmp_path, 
 def test_a_packed_weight_multiplies_as_f_linear_does(rows):
     """Decode's few rows on oneDNN's packed bf16 copy, a prefill's many on the weight itself: F.linear's product
     either way, to bf16's rounding (the same float32 accumulation)."""
-    from draftdata.generate.backends.slots.lean import PACKED_ROWS, Packed, _ops, packing_pays
+    from draftdata.generate.embedded.lean import PACKED_ROWS, Packed, _ops, packing_pays
 
     if _ops() is None:
         pytest.fail("this torch has no oneDNN: the packed path cannot be checked")
@@ -239,7 +239,7 @@ def test_the_lean_forward_leaves_a_sliding_window_to_the_models_own(tmp_path):
     config, so the model's own forward (which hands the window to the slot attention, refused there) decides."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from draftdata.generate.backends.slots.lean import LeanDecoder
+    from draftdata.generate.embedded.lean import LeanDecoder
 
     small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
     config = Qwen2Config(
@@ -253,7 +253,7 @@ def test_the_lean_forward_leaves_a_sliding_window_to_the_models_own(tmp_path):
 def test_rows_past_the_candidates_draw_as_over_the_whole_vocabulary(monkeypatch):
     """Rows whose top-p cut lies past the first candidates (flatter ones, one of them flat enough to pass the wider
     ones too) draw the token a whole-row sort draws, seed by seed."""
-    from draftdata.generate.backends.slots import sampling as sm
+    from draftdata.generate.embedded import sampling as sm
 
     torch.manual_seed(0)
     logits = torch.randn(6, 20000) * torch.tensor([[8.0], [3.0], [1.0], [0.5], [0.05], [2.0]])

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from conftest import DEMO_SHAPES
 
+from draftdata.model.tokenizer import template_messages
 from draftdata.sources.shapes import BadRecord, to_prompt
-from draftdata.target.tokenizer import template_messages
 from draftdata.tokenize.samples import Skip, from_ids, from_text
 
 ROOT = Path(__file__).resolve().parents[1]

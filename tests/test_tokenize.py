@@ -11,7 +11,7 @@ from conftest import HARMONY_TEMPLATE
 
 from draftdata.config.schema import ModelConfig
 from draftdata.errors import ConfigError, UserError
-from draftdata.target.tokenizer import load_tokenizer, render_prompt_ids, tokenizer_fingerprint
+from draftdata.model.tokenizer import load_tokenizer, render_prompt_ids, tokenizer_fingerprint
 from draftdata.tokenize.parquet import read_metadata
 from draftdata.tokenize.samples import from_ids, from_text
 from draftdata.util.files import write_jsonl
@@ -237,7 +237,7 @@ def test_end_of_turn_ids_are_the_eos_and_the_generation_config_only(tiny_model, 
     <|return|> and <|call|>, and its <|end|> (which closes the reasoning channel) is not an end of turn."""
     import shutil
 
-    from draftdata.target.tokenizer import end_of_turn_ids
+    from draftdata.model.tokenizer import end_of_turn_ids
 
     tok = load_tokenizer(ModelConfig(path=str(tiny_model)))
     im_end, endoftext = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
@@ -258,7 +258,7 @@ def test_llama_3_ends_its_turn_by_the_generation_config(tmp_path):
     there: refused in one line. The golden tokenizer's <|endoftext|> stands for <|end_of_text|>."""
     import importlib.util
 
-    from draftdata.target.tokenizer import end_of_turn_ids
+    from draftdata.model.tokenizer import end_of_turn_ids
 
     golden = importlib.util.spec_from_file_location("make_golden", Path(__file__).parent / "golden" / "make_golden.py")
     make_golden = importlib.util.module_from_spec(golden)
@@ -330,13 +330,13 @@ def test_a_plain_fast_tokenizer_loads_as_autotokenizer_loads_it_without_torch(ti
 
     from transformers import AutoTokenizer
 
-    from draftdata.target.tokenizer import plain_fast_tokenizer
+    from draftdata.model.tokenizer import plain_fast_tokenizer
 
     assert plain_fast_tokenizer(str(tiny_model))
     _same_tokenizer(load_tokenizer(ModelConfig(path=str(tiny_model))), AutoTokenizer.from_pretrained(tiny_model))
     code = (
         "import sys; from draftdata.config.schema import ModelConfig; "
-        "from draftdata.target.tokenizer import load_tokenizer, end_of_turn_ids;"
+        "from draftdata.model.tokenizer import load_tokenizer, end_of_turn_ids;"
         f"t = load_tokenizer(ModelConfig(path={str(tiny_model)!r})); end_of_turn_ids(t, ModelConfig(path="
         f"{str(tiny_model)!r})); print('torch' in sys.modules)"
     )
@@ -383,7 +383,7 @@ def test_a_stop_answer_whose_ids_do_not_end_its_turn_is_skipped_on_the_id_path_t
 def test_a_template_that_fails_on_a_plain_turn_is_refused_not_skipped_over(tiny_model, tmp_path):
     """The end-of-turn check renders a plain user and assistant turn: a template that raises there is refused in
     one line naming the key (the check used to pass it silently)."""
-    from draftdata.target.tokenizer import end_of_turn_ids
+    from draftdata.model.tokenizer import end_of_turn_ids
 
     broken = tmp_path / "broken.jinja"
     broken.write_text("{{ raise_exception('this template takes tool turns only') }}")

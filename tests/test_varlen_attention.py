@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from draftdata.config.schema import BackendConfig, BackendKind, Config, DatasetConfig, ModelConfig, SamplingConfig
-from draftdata.generate.backends import varlen_attention
-from draftdata.generate.backends.varlen_attention import varlen_sdpa
+from draftdata.generate.embedded import varlen_attention
+from draftdata.generate.embedded.varlen_attention import varlen_sdpa
 
 # (queries, keys) per sequence: a decode, a whole prompt, a later chunk of a prompt, a short decode, another prompt
 SEQS = [(1, 37), (50, 50), (20, 70), (1, 5), (33, 33)]
@@ -123,10 +123,10 @@ def test_greedy_answers_from_packed_chunked_prefills_equal_one_prompt_generation
     equals `generate` on that prompt alone. transformers' continuous batching (a GPU's engine, run here on the CPU)
     prefills in chunks of 48 tokens, and the per-sequence path did its packed steps; slot batching (the CPU's) packs
     whole prompts up to 48 tokens a forward, through its own attention."""
-    from draftdata.generate.backends import make_backend
-    from draftdata.generate.backends.slots import SlotBatching
-    from draftdata.target.model import load_model
-    from draftdata.target.tokenizer import end_of_turn_ids, load_tokenizer, render_prompt_ids
+    from draftdata.generate.connect import make_backend
+    from draftdata.generate.embedded.slots import SlotBatching
+    from draftdata.model.load import load_model
+    from draftdata.model.tokenizer import end_of_turn_ids, load_tokenizer, render_prompt_ids
 
     calls = []
     handles = varlen_attention._handles
@@ -146,7 +146,7 @@ def test_greedy_answers_from_packed_chunked_prefills_equal_one_prompt_generation
     ]
 
     async def go():
-        from draftdata.generate.backends import GenRequest
+        from draftdata.generate.backends.protocol import GenRequest
 
         backend = make_backend(cfg, tok)
         await backend.start()

@@ -21,8 +21,9 @@ import pytest
 from conftest import DEMO, dataset_params, expected_tokens, server_process, trained_text
 
 from draftdata.config.schema import BackendConfig, BackendKind, Config, DatasetConfig, ModelConfig, TinyModelConfig
-from draftdata.generate.backends import GenRequest, Partial, make_backend
-from draftdata.target.tokenizer import load_tokenizer, render_prompt_ids
+from draftdata.generate.backends.protocol import GenRequest, Partial
+from draftdata.generate.connect import make_backend
+from draftdata.model.tokenizer import load_tokenizer, render_prompt_ids
 
 VLLM_PYTHON = os.environ.get("DRAFTDATA_VLLM_PYTHON")
 pytestmark = [
@@ -35,7 +36,7 @@ SAMPLING = {"temperature": 0.8, "top_p": 0.95, "top_k": -1}
 
 def build(out: Path, mean_response_tokens: int) -> Path:
     """The tiny target with vLLM-friendly heads (head_dim 64, which vLLM's CPU attention supports)."""
-    from draftdata.target.tiny import build_model, build_tokenizer, iter_demo_texts
+    from draftdata.model.tiny import build_model, build_tokenizer, iter_demo_texts
 
     tok = build_tokenizer(iter_demo_texts(DEMO), 2048)
     cfg = TinyModelConfig(hidden_size=128, num_heads=2, mean_response_tokens=mean_response_tokens)
@@ -396,7 +397,7 @@ def test_vllm_engine_matches_transformers(vllm_engine, capture_target):
     import torch
 
     from draftdata.hidden.engines.hf import HFEngine
-    from draftdata.target.model import load_model
+    from draftdata.model.load import load_model
 
     cfg = ModelConfig(path=str(capture_target))
     model = load_model(cfg)
@@ -428,7 +429,7 @@ def test_vllm_engine_matches_transformers(vllm_engine, capture_target):
 def test_vllm_engine_final_norm_is_the_models(vllm_engine, capture_target):
     import torch
 
-    from draftdata.target.model import load_model
+    from draftdata.model.load import load_model
 
     norm = load_model(ModelConfig(path=str(capture_target))).model.norm
     spec = vllm_engine.final_norm

@@ -54,7 +54,7 @@ def code_of(a: Attempt) -> str | None:
 def build_target(path: Path) -> Path:
     """The target's tokenizer and chat template (all `generate` reads of a model): the demo's byte-level BPE, built
     from the demo prompts as the tiny_model stage builds it."""
-    from draftdata.target.tiny import build_tokenizer, iter_demo_texts
+    from draftdata.model.tiny import build_tokenizer, iter_demo_texts
 
     build_tokenizer(iter_demo_texts(DEMO), 2048).save_pretrained(path)
     return path

@@ -92,7 +92,7 @@ class Assets:
         from transformers.utils import logging
 
         from draftdata.config.schema import TinyModelConfig
-        from draftdata.target.tiny import build_model, build_tokenizer, iter_demo_texts
+        from draftdata.model.tiny import build_model, build_tokenizer, iter_demo_texts
 
         logging.disable_progress_bar()  # the suite prints its own table
         out = self.root / "models" / MODEL_DIR
@@ -125,7 +125,7 @@ class Assets:
     @cached_property
     def model_with_bigger_vocab(self) -> Path:
         """The target's weights (vocab 2054) beside a tokenizer trained to 4096 tokens: ids past the embedding."""
-        from draftdata.target.tiny import build_tokenizer, iter_demo_texts
+        from draftdata.model.tiny import build_tokenizer, iter_demo_texts
 
         out = self._variant("big_vocab")
         build_tokenizer(iter_demo_texts(DEMO), 4096).save_pretrained(out)

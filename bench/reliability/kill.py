@@ -362,7 +362,7 @@ def project_params(model: Path, backend: dict | None = None, dataset: dict | Non
 def build_model(out: Path) -> Path:
     """The demo target as the tests build it (shorter responses than the demo's, so a run takes seconds)."""
     from draftdata.config.schema import TinyModelConfig
-    from draftdata.target.tiny import build_target
+    from draftdata.model.tiny import build_target
 
     build_target(TinyModelConfig(path=str(out), corpus_dir=str(DEMO), mean_response_tokens=24))
     return out
@@ -586,9 +586,9 @@ def read_clean(base: Project) -> Clean:
 def seeds_to_keys(base: Project) -> dict[int, str]:
     """Every request's sampling seed -> its store key: the seed a request carries on the wire names its response."""
     from draftdata.config.load import load_config
-    from draftdata.generate.backends import seed_of
+    from draftdata.generate.backends.protocol import seed_of
     from draftdata.generate.selection import plan_requests
-    from draftdata.target.tokenizer import load_tokenizer
+    from draftdata.model.tokenizer import load_tokenizer
 
     # an absolute store path: the model's file hashes are cached beside it, not in this process's directory
     cfg = load_config(DATASET, [f"run.store_path={base.store}"], params_path=base.path / "params.yaml")

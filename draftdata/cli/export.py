@@ -27,7 +27,7 @@ from draftdata.hidden.export import (
 )
 from draftdata.hidden.online import ONLINE_WRITERS, check_samples
 from draftdata.hidden.reader import HiddenStates
-from draftdata.target.model import model_limits
+from draftdata.model.load import model_limits
 from draftdata.util.files import data_dir, write_json
 from draftdata.util.log import log
 

@@ -44,8 +44,8 @@ from draftdata.generate.selection import Planned, needs_request, plan_requests, 
 from draftdata.generate.store import ResponseStore, StoredResponse
 from draftdata.generate.work import conversation_plan, plan_conversations
 from draftdata.hidden.shards import bytes_per_token, disk_per_token
-from draftdata.target.model import ModelNotBuilt, model_dir, model_limits
-from draftdata.target.tokenizer import end_of_turn_line, has_tokenizer_files, load_tokenizer
+from draftdata.model.load import ModelNotBuilt, model_dir, model_limits
+from draftdata.model.tokenizer import end_of_turn_line, has_tokenizer_files, load_tokenizer
 from draftdata.util.files import data_dir, read_jsonl, write_json
 from draftdata.util.sqlite import resolve_store_path
 
@@ -236,7 +236,7 @@ def model_shape(cfg: Config) -> ModelShape:
     from transformers import AutoConfig
 
     from draftdata.hidden.layers import resolve_layers
-    from draftdata.target.model import check_model_path, load_error
+    from draftdata.model.load import check_model_path, load_error
 
     check_model_path(cfg.model.path)
     try:

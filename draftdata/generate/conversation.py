@@ -36,8 +36,8 @@ from typing import Any
 from draftdata.generate.actions import diverged, written_calls
 from draftdata.generate.selection import Planned, needs_request, request_keys
 from draftdata.generate.store import StoredResponse, ids_json
-from draftdata.target.tokenizer import assistant_message, render_prompt_ids, template_messages
-from draftdata.target.tokenizer import prefix_stable as prefix_stable  # tokenize decides with it too
+from draftdata.model.tokenizer import assistant_message, render_prompt_ids, template_messages
+from draftdata.model.tokenizer import prefix_stable as prefix_stable  # tokenize decides with it too
 from draftdata.util.hashing import canonical_json, content_hash
 
 # Why a conversation ended: its source has no turn left, a turn acted otherwise than the source's (or its calls

@@ -24,7 +24,7 @@ import time
 
 from draftdata.config.schema import BudgetUnit, Config
 from draftdata.errors import UserError
-from draftdata.generate.backends import Backend, GenRequest, GenResult, seed_of, stopped_result
+from draftdata.generate.backends.protocol import Backend, GenRequest, GenResult, seed_of, stopped_result
 from draftdata.generate.budget import BudgetController
 from draftdata.generate.failfast import FailFastWindow
 from draftdata.generate.ledger import Flight, Ledger, RunStats

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from draftdata.config.schema import DatasetConfig
-from draftdata.generate.backends import GenRequest, GenResult, Partial
+from draftdata.generate.backends.protocol import GenRequest, GenResult, Partial
 from draftdata.generate.budget import BudgetController
 from draftdata.generate.selection import Planned, tokens_of, unusable_reason
 from draftdata.generate.store import CUT, INTERRUPTED, StoredResponse

@@ -10,8 +10,8 @@ from collections import Counter
 from pathlib import Path
 
 from draftdata.config.schema import BackendKind, BudgetUnit, Config, DatasetConfig, OnBudget
-from draftdata.generate.backends import make_backend, takes_token_ids
 from draftdata.generate.budget import BudgetController
+from draftdata.generate.connect import make_backend, takes_token_ids
 from draftdata.generate.dispatcher import Dispatcher, Interrupted, RunStats
 from draftdata.generate.progress import Progress
 from draftdata.generate.selection import Planned, needs_request, stored_tokens, unusable_reason

@@ -14,8 +14,8 @@ from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, OnBudget,
 from draftdata.errors import ConfigError, UserError
 from draftdata.generate.budget import landing
 from draftdata.generate.store import CUT, ResponseStore, StoredResponse, ids_json
-from draftdata.target.fingerprint import run_model_fingerprint
-from draftdata.target.tokenizer import render_prompt_ids, tokenizer_fingerprint
+from draftdata.model.fingerprint import run_model_fingerprint
+from draftdata.model.tokenizer import render_prompt_ids, tokenizer_fingerprint
 from draftdata.util.hashing import canonical_json, content_hash
 
 

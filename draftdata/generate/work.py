@@ -25,7 +25,7 @@ from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, Turns
-from draftdata.generate.backends import GenResult
+from draftdata.generate.backends.protocol import GenResult
 from draftdata.generate.budget import Pending
 from draftdata.generate.conversation import TurnRendering, TurnRenders, turns
 from draftdata.generate.selection import (

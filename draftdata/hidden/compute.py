@@ -28,9 +28,9 @@ from draftdata.errors import UserError
 from draftdata.hidden.engines.base import Engine
 from draftdata.hidden.shards import FORMAT_VERSION, SampleStates, ShardBuffer, check, encode, write
 from draftdata.hidden.state_store import NormAndSizes, StateStore, state_key
-from draftdata.target.fingerprint import run_model_fingerprint
-from draftdata.target.model import check_tokenizer_fits, model_dir, model_limits
-from draftdata.target.tokenizer import load_tokenizer
+from draftdata.model.fingerprint import run_model_fingerprint
+from draftdata.model.load import check_tokenizer_fits, model_dir, model_limits
+from draftdata.model.tokenizer import load_tokenizer
 from draftdata.util.files import atomic_path
 from draftdata.util.hashing import content_hash
 from draftdata.util.log import log

@@ -103,7 +103,7 @@ def specforge_message(m: dict) -> dict:
 
 def conversation_record(rec: dict) -> dict:
     """A response record as SpecForge's raw online input: its prompt's messages, then the regenerated answer."""
-    from draftdata.target.tokenizer import assistant_message
+    from draftdata.model.tokenizer import assistant_message
 
     out = {"id": rec["id"], "conversations": [specforge_message(m) for m in rec["messages"] + [assistant_message(rec)]]}
     if rec.get("tools"):

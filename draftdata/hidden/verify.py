@@ -32,8 +32,8 @@ from draftdata.errors import UserError
 from draftdata.hidden.compute import make_engine
 from draftdata.hidden.reader import SKIPPED, HiddenStates, Sample
 from draftdata.hidden.shards import torn
-from draftdata.target.fingerprint import run_model_fingerprint
-from draftdata.target.model import model_dir
+from draftdata.model.fingerprint import run_model_fingerprint
+from draftdata.model.load import model_dir
 
 # The largest relative error of one token's state, per dtype: rounding to it (bf16 keeps 8 significant bits, an
 # error of at most 2^-9 per value; fp8 e4m3 3 bits, 2^-4) with a margin for kernels that add in another order.

@@ -29,7 +29,7 @@ from jinja2.exceptions import TemplateError
 
 from draftdata.config.schema import Config, OnTooLong, TokenizeConfig, TrainOn
 from draftdata.errors import UserError
-from draftdata.target.tokenizer import (
+from draftdata.model.tokenizer import (
     assistant_message,
     end_of_turn_ids,
     load_tokenizer,

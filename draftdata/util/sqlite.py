@@ -121,7 +121,7 @@ def _setup(db: sqlite3.Connection, network: bool, schema: str, attempts: int = 5
 
 
 def hash_cache_path(store_path: str) -> Path:
-    """Where file hashes of the model are cached between runs (draftdata.target.fingerprint.model_fingerprint):
+    """Where file hashes of the model are cached between runs (draftdata.model.fingerprint.model_fingerprint):
     beside the store, so experiments that share the store share the cache."""
     return resolve_store_path(store_path).parent / "file_hashes.json"
 

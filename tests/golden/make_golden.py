@@ -187,7 +187,7 @@ CASES["qwen3_thinking"] = {
 
 
 def train_tokenizer(path: Path = TOKENIZER) -> None:
-    from draftdata.target.tiny import iter_demo_texts, train_bpe
+    from draftdata.model.tiny import iter_demo_texts, train_bpe
 
     tok = train_bpe(iter_demo_texts(ROOT / "sources" / "demo"), VOCAB_SIZE, SPECIAL_TOKENS)
     tok.save(str(path), pretty=True)
@@ -209,7 +209,7 @@ def golden_path(template: str, case: str) -> Path:
 
 
 def build(template: str, case: str, spec: dict, tok) -> dict:
-    from draftdata.target.tokenizer import template_messages
+    from draftdata.model.tokenizer import template_messages
     from draftdata.tokenize.samples import from_text
 
     messages, tools, kwargs = copy.deepcopy(spec["messages"]), copy.deepcopy(spec["tools"]), spec["template_kwargs"]

@@ -9,7 +9,7 @@
   `backend.max_retries` times, after a capped exponential backoff with full jitter or the server's `Retry-After`,
   whichever is longer. Other 4xx, malformed answers and engine errors fail at once: repeating them only costs time.
 - One `aiohttp.ClientSession` whose connector is sized to the dataset's concurrency.
-- Stopping (`req.stop`, see draftdata/generate/backends/__init__.py): every attempt runs as a task of its own, beside
+- Stopping (`req.stop`, see draftdata/generate/backends/protocol.py): every attempt runs as a task of its own, beside
   the request's stop signal and its server's death. On a stop the server is told once (`_abort`), the answer is read
   on for `grace_s` and what came is returned: the complete answer, or the partial as a stopped result. A server's
   death ends the reading at once and the attempt fails over.
@@ -35,7 +35,7 @@ import aiohttp
 
 from draftdata.config.schema import Config, DatasetConfig
 from draftdata.errors import UserError
-from draftdata.generate.backends import GenRequest, GenResult, cancel_as_stop, stopped_result
+from draftdata.generate.backends.protocol import GenRequest, GenResult, cancel_as_stop, stopped_result
 from draftdata.util.log import log
 
 RETRY_STATUSES = frozenset({408, 409, 429})

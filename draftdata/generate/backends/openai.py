@@ -32,7 +32,6 @@ from __future__ import annotations
 
 from draftdata.config.schema import Config, sent
 from draftdata.errors import UserError
-from draftdata.generate.backends import GenRequest, GenResult, Partial, takes_token_ids
 from draftdata.generate.backends.http import (
     Body,
     EventStream,
@@ -45,7 +44,9 @@ from draftdata.generate.backends.http import (
     response_shape,
     stream_cut,
 )
-from draftdata.target.tokenizer import unrendered_parts
+from draftdata.generate.backends.protocol import GenRequest, GenResult, Partial
+from draftdata.generate.connect import takes_token_ids
+from draftdata.model.tokenizer import unrendered_parts
 
 OPENAI_ABSENT = ("top_k", "min_p", "repetition_penalty")  # not OpenAI fields: `backend.openai_fields_only` omits them
 ENDED_TURN = ("stop", "tool_calls", "function_call")  # OpenAI's finish reasons of a model that ended its turn

@@ -24,7 +24,6 @@ from __future__ import annotations
 import aiohttp
 
 from draftdata.config.schema import sent
-from draftdata.generate.backends import GenRequest, GenResult
 from draftdata.generate.backends.http import (
     ABORT_TIMEOUT_S,
     Body,
@@ -37,7 +36,8 @@ from draftdata.generate.backends.http import (
     response_shape,
     stream_cut,
 )
-from draftdata.target.tokenizer import render_prompt_ids
+from draftdata.generate.backends.protocol import GenRequest, GenResult
+from draftdata.model.tokenizer import render_prompt_ids
 
 SGLANG_ENDS = ("stop", "length", "abort")  # FINISH_MATCHED_TOKEN/_STR/_REGEX, FINISH_LENGTH, FINISH_ABORT
 

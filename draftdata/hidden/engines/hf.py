@@ -52,7 +52,7 @@ class HFEngine:
     The pad positions' own states are computed and dropped; `pad_tokens` counts them."""
 
     def __init__(self, model_cfg: ModelConfig, layers: list[int], device_map: str | None = None):
-        from draftdata.target.model import faster_dtype, load_model
+        from draftdata.model.load import faster_dtype, load_model
 
         model = load_model(model_cfg, device_map=device_map)
         # a 16-bit model on a CPU that multiplies it slower than float32 runs in float32: the same states, more

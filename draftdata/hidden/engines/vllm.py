@@ -31,7 +31,7 @@ from pathlib import Path
 from draftdata.config.schema import ModelConfig
 from draftdata.errors import UserError
 from draftdata.hidden.norm import FinalNorm
-from draftdata.target.model import model_dir
+from draftdata.model.load import model_dir
 
 ROOT = Path(__file__).resolve().parents[3]
 STARTUP_TIMEOUT_S = 3600.0  # loading a ~1T-parameter target over 8 GPUs takes many minutes

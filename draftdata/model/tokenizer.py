@@ -10,7 +10,7 @@ from pathlib import Path
 
 from draftdata.config.schema import ModelConfig, chat_template_file
 from draftdata.errors import ConfigError
-from draftdata.target.model import (
+from draftdata.model.load import (
     ModelLimits,
     check_model_path,
     check_tokenizer_fits,

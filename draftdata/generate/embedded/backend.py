@@ -18,10 +18,11 @@ import time
 
 from draftdata.config.schema import Config
 from draftdata.errors import ConfigError
-from draftdata.generate.backends import GenRequest, GenResult, cancel_as_stop, stopped_result, varlen_attention
-from draftdata.generate.backends.slots import Sampling, SlotBatching, Unsupported
-from draftdata.target.model import load_model
-from draftdata.target.tokenizer import end_of_turn_ids
+from draftdata.generate.backends.protocol import GenRequest, GenResult, cancel_as_stop, stopped_result
+from draftdata.generate.embedded import varlen_attention
+from draftdata.generate.embedded.slots import Sampling, SlotBatching, Unsupported
+from draftdata.model.load import load_model
+from draftdata.model.tokenizer import end_of_turn_ids
 from draftdata.util.log import log
 
 

@@ -14,8 +14,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from draftdata.target.model import check_model_path, hub_snapshot
-from draftdata.target.tokenizer import _SHA256_HEX
+from draftdata.model.load import check_model_path, hub_snapshot
+from draftdata.model.tokenizer import _SHA256_HEX
 from draftdata.util.files import atomic_path
 from draftdata.util.hashing import content_hash
 from draftdata.util.log import log

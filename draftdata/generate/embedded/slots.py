@@ -38,11 +38,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from draftdata.generate.backends.slots.cache import KVCache
-from draftdata.generate.backends.slots.lean import LeanDecoder
-from draftdata.generate.backends.slots.linear import SMALL_ROWS, hybridize, packing_pays
-from draftdata.generate.backends.slots.sampling import Sampling, sample
-from draftdata.target.model import faster_dtype
+from draftdata.generate.embedded.cache import KVCache
+from draftdata.generate.embedded.lean import LeanDecoder
+from draftdata.generate.embedded.linear import SMALL_ROWS, hybridize, packing_pays
+from draftdata.generate.embedded.sampling import Sampling, sample
+from draftdata.model.load import faster_dtype
 
 __all__ = ["Sampling", "SlotBatching", "SlotOutput", "Unsupported", "faster_dtype"]
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from draftdata.generate.backends.slots.linear import _best, _ops
+from draftdata.generate.embedded.linear import _best, _ops
 
 SUPPORTED = ("llama", "qwen2")
 

@@ -1,0 +1,31 @@
+"""The backend a run is configured with: the in-process engine (generate/embedded/) or a server's client
+(generate/backends/). The protocol they all speak is generate/backends/protocol.py."""
+
+from __future__ import annotations
+
+from draftdata.config.schema import BackendKind, Config, check_sampling_sent
+from draftdata.generate.backends.protocol import Backend
+
+
+def takes_token_ids(cfg: Config) -> bool:
+    """Whether the configured backend sends token-id prompts, so a partial response can be continued exactly (a text
+    prompt would be re-tokenized, and a chat one rendered by the server)."""
+    return cfg.backend.kind != BackendKind.openai or cfg.backend.prompt_format == "ids"
+
+
+def make_backend(cfg: Config, tokenizer) -> Backend:
+    cfg.backend.check("backend")  # before any connection is opened
+    if cfg.dataset is not None:
+        check_sampling_sent(cfg)  # no sampling setting is dropped silently
+    kind = cfg.backend.kind
+    if kind == BackendKind.embedded:
+        from draftdata.generate.embedded.backend import EmbeddedBackend
+
+        return EmbeddedBackend(cfg, tokenizer)
+    if kind == BackendKind.sglang:
+        from draftdata.generate.backends.sglang import SGLangBackend
+
+        return SGLangBackend(cfg, tokenizer)
+    from draftdata.generate.backends.openai import OpenAIBackend
+
+    return OpenAIBackend(cfg, tokenizer)
