@@ -234,10 +234,19 @@ class ModelConfig:
     # Run the Python code a model repository ships (its own config, tokenizer or model classes). Off: code from a
     # checkpoint runs only when asked for, as transformers itself decides.
     trust_remote_code: bool = False
+    # The dtype the in-process engines (backend.kind embedded; hidden_states.backend hf) compute the target in: auto
+    # (its weights' own dtype on a GPU or on a CPU that multiplies it in hardware, else float32), float32, bfloat16
+    # or float16. A dtype other than the weights' is part of the target's fingerprint: answers and states computed
+    # in it are keyed apart (draftdata/model/compute.py). Servers compute in their own.
+    compute_dtype: str = "auto"
 
     def check(self, key: str) -> None:
         if self.chat_template is not None:
             chat_template_file(self.chat_template)
+        if self.compute_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(
+                f"{key}.compute_dtype", f"must be auto, float32, bfloat16 or float16, got {self.compute_dtype!r}"
+            )
 
 
 def chat_template_file(name: str) -> Path:

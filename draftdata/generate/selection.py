@@ -10,7 +10,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, OnBudget, OnTruncation
+from draftdata.config.schema import BackendKind, BudgetUnit, Config, DatasetConfig, OnBudget, OnTruncation
 from draftdata.errors import ConfigError, UserError
 from draftdata.generate.budget import landing
 from draftdata.generate.store import CUT, ResponseStore, StoredResponse, ids_json
@@ -203,7 +203,7 @@ def fingerprints(cfg: Config, tok) -> tuple[str, str]:
     import tokenizers
     import transformers
 
-    model_fp = run_model_fingerprint(cfg)
+    model_fp = run_model_fingerprint(cfg, in_process=cfg.backend.kind == BackendKind.embedded)
     libraries = {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
     tokenizer = tokenizer_fingerprint(tok, cfg.model, cfg.template_kwargs)
     return model_fp, content_hash({"model": model_fp, "tokenizer": tokenizer, **libraries}, n=32)

@@ -14,6 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from draftdata.model.compute import compute_dtype, computed_fingerprint, weights_dtype
 from draftdata.model.load import check_model_path, hub_snapshot
 from draftdata.model.tokenizer import _SHA256_HEX
 from draftdata.util.files import atomic_path
@@ -46,11 +47,16 @@ _RACY_NS = 2_000_000_000
 _HASH_CACHE_VERSION = 1
 
 
-def run_model_fingerprint(cfg: Config) -> str:
+def run_model_fingerprint(cfg: Config, in_process: bool = False) -> str:
     """The fingerprint of a run's target (`model.path` at `model.revision`), its file hashes cached beside the store
     (run.store_path): what the response store's keys, the render cache's and the state store's name, derived here
-    for every stage."""
-    return model_fingerprint(cfg.model.path, cfg.model.revision, hash_cache_path(cfg.run.store_path))
+    for every stage. `in_process`: the step runs the target itself (the embedded backend, the hf hidden-states
+    engine), so the dtype it computes in (`model.compute_dtype`, resolved) is part of it where it is not the
+    weights' own (model/compute.py)."""
+    fp = model_fingerprint(cfg.model.path, cfg.model.revision, hash_cache_path(cfg.run.store_path))
+    if not in_process:
+        return fp
+    return computed_fingerprint(fp, compute_dtype(cfg.model), weights_dtype(cfg.model))
 
 
 @lru_cache(maxsize=8)

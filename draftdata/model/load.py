@@ -189,34 +189,6 @@ def load_model(model: ModelConfig, device_map: str | None = None):
     return net.eval()
 
 
-def faster_dtype(model, rows: int):
-    """float32 where this CPU multiplies the model's largest layer (`rows` rows at a time) faster in it than in the
-    model's own 16-bit dtype, else the model's dtype: a CPU without AMX runs bf16 matmuls no faster than float32, and
-    some (measured: an AMD EPYC, 8x) far slower. Computing a bf16 model in float32 computes the same model, more
-    precisely. A model on a GPU keeps its dtype."""
-    import time
-
-    import torch
-
-    dtype = next(model.parameters()).dtype
-    if dtype not in (torch.bfloat16, torch.float16) or next(model.parameters()).device.type != "cpu":
-        return dtype
-    config = model.config.get_text_config()
-    shape = (config.intermediate_size, config.hidden_size)
-
-    def best(dt) -> float:
-        x, w = torch.randn(rows, shape[1], dtype=dt), torch.randn(shape, dtype=dt)
-        times = []
-        for _ in range(7):
-            t0 = time.perf_counter()
-            for _ in range(4):
-                torch.nn.functional.linear(x, w)
-            times.append(time.perf_counter() - t0)
-        return min(times[2:])
-
-    return torch.float32 if best(torch.float32) < best(dtype) else dtype
-
-
 def local_context(model: ModelConfig) -> int | None:
     """The target's context from a local config.json only (None otherwise): no hub, no network, no error for a
     model directory not built yet."""

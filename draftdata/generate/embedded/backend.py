@@ -21,6 +21,7 @@ from draftdata.errors import ConfigError
 from draftdata.generate.backends.protocol import GenRequest, GenResult, cancel_as_stop, stopped_result
 from draftdata.generate.embedded import varlen_attention
 from draftdata.generate.embedded.slots import Sampling, SlotBatching, Unsupported
+from draftdata.model.compute import compute_dtype, torch_dtype
 from draftdata.model.load import load_model
 from draftdata.model.tokenizer import end_of_turn_ids
 from draftdata.util.log import log
@@ -52,7 +53,9 @@ class EmbeddedBackend:
         self.stop_ids = end_of_turn_ids(self.tokenizer, self.cfg.model, self.cfg.template_kwargs)
         self.manager = await self._slots()  # started: its thread loaded the model and checked it
         if self.manager is None:
-            self.manager = self._transformers(load_model(self.cfg.model))
+            # computed in the dtype the run's keys name (model/compute.py), as slot batching would
+            dtype = torch_dtype(compute_dtype(self.cfg.model))
+            self.manager = self._transformers(load_model(self.cfg.model).to(dtype))
             self.manager.start()
 
     async def _slots(self) -> SlotBatching | None:
@@ -70,6 +73,7 @@ class EmbeddedBackend:
             self.stop_ids,
             slots=self.cfg.ds.concurrency,
             prefill_tokens=self.cfg.backend.max_batch_tokens,
+            compute_dtype=compute_dtype(self.cfg.model, on_gpu=False),
         )
         engine.start()
         try:

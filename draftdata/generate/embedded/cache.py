@@ -9,7 +9,7 @@ width is its longest row's, and a row at least half its class's capacity long wa
 One padded call over every request would attend as far as the longest prompt in flight for every one of them.
 
 Keys and values are stored in the cache's dtype (the model's own, 16-bit: half the bytes a decode step reads) even
-where the model computes in float32 (see `faster_dtype`); the attention runs in the cache's dtype.
+where the model computes in float32 (`model.compute_dtype`, model/compute.py); the attention runs in the cache's dtype.
 """
 
 from __future__ import annotations

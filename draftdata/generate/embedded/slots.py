@@ -42,9 +42,8 @@ from draftdata.generate.embedded.cache import KVCache
 from draftdata.generate.embedded.lean import LeanDecoder
 from draftdata.generate.embedded.linear import SMALL_ROWS, hybridize, packing_pays
 from draftdata.generate.embedded.sampling import Sampling, sample
-from draftdata.model.load import faster_dtype
 
-__all__ = ["Sampling", "SlotBatching", "SlotOutput", "Unsupported", "faster_dtype"]
+__all__ = ["Sampling", "SlotBatching", "SlotOutput", "Unsupported"]
 
 ATTN_NAME = "draftdata_slots"
 _UNSUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux", "sinks")
@@ -105,9 +104,19 @@ def _attention(module, query, key, value, attention_mask, dropout: float = 0.0, 
 class SlotBatching:
     """The engine: a thread that runs forwards while requests are in flight. See the module docstring."""
 
-    def __init__(self, load, sampling: Sampling, stop_ids: set[int], slots: int = 64, prefill_tokens: int = 2048):
-        """`load()` gives the model; it is called in the engine's thread (see `_prepare`)."""
+    def __init__(
+        self,
+        load,
+        sampling: Sampling,
+        stop_ids: set[int],
+        slots: int = 64,
+        prefill_tokens: int = 2048,
+        compute_dtype: str = "float32",
+    ):
+        """`load()` gives the model; it is called in the engine's thread (see `_prepare`). `compute_dtype`: the
+        arithmetic's (model/compute.py)."""
         self._load = load
+        self._dtype_name = compute_dtype
         self.sampling = sampling
         self.stop_ids = set(stop_ids)
         self.slots = slots
@@ -138,7 +147,7 @@ class SlotBatching:
         _register()
         model = self._load()
         own = next(model.parameters()).dtype
-        self.compute_dtype = faster_dtype(model, self.slots)
+        self.compute_dtype = getattr(torch, self._dtype_name)
         self.model = model.to(self.compute_dtype)
         config = model.config.get_text_config()
         heads = config.num_attention_heads

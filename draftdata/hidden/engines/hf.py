@@ -18,8 +18,6 @@ from draftdata.hidden.engines.base import find_decoder
 from draftdata.hidden.norm import FinalNorm
 from draftdata.util.timing import Timers
 
-PROBE_ROWS = 256  # the rows faster_dtype times the two dtypes at: a batch's many tokens, not a decode step's few
-
 
 def final_norm_of(norm) -> FinalNorm:
     """Read a final-norm module's parameters, and check that `FinalNorm.apply` reproduces it on random input: a norm
@@ -52,14 +50,18 @@ class HFEngine:
     The pad positions' own states are computed and dropped; `pad_tokens` counts them."""
 
     def __init__(self, model_cfg: ModelConfig, layers: list[int], device_map: str | None = None):
-        from draftdata.model.load import faster_dtype, load_model
+        import torch
+
+        from draftdata.model.compute import compute_dtype, torch_dtype
+        from draftdata.model.load import load_model
 
         model = load_model(model_cfg, device_map=device_map)
-        # a 16-bit model on a CPU that multiplies it slower than float32 runs in float32: the same states, more
-        # precise, stored in hidden_states.dtype all the same (a model on GPUs, dispatched by device_map, is left
-        # as it is)
-        dtype = faster_dtype(model, rows=PROBE_ROWS)
-        self.model = model if dtype == next(model.parameters()).dtype else model.to(dtype)
+        # `model.compute_dtype`: a 16-bit model on a CPU that does not multiply it in hardware runs in float32 under
+        # auto (the same states, more precise, stored in hidden_states.dtype all the same); a model on GPUs,
+        # dispatched by device_map, is left as it is
+        on_gpu = bool(device_map) or torch.cuda.is_available()
+        dtype = torch_dtype(compute_dtype(model_cfg, on_gpu=on_gpu))
+        self.model = model if device_map or dtype == next(model.parameters()).dtype else model.to(dtype)
         self.decoder = find_decoder(self.model)
         self.n_layers = len(self.decoder.layers)
         self.hidden_size = self.model.config.get_text_config().hidden_size

@@ -1,0 +1,83 @@
+"""The dtype an in-process engine computes the target in (`model.compute_dtype`): the embedded generation engine and
+the hf hidden-states engine.
+
+A 16-bit model runs in its own dtype where the hardware multiplies it natively (a GPU; a CPU with AMX or AVX-512
+BF16 for bf16, AMX-FP16 for fp16), and in float32 elsewhere: a CPU without those units runs bf16 matmuls no faster
+than float32, some far slower (an AVX2-only AMD EPYC, about 8x). Computing a 16-bit model in float32 computes the same
+model, more precisely, but not the same tokens: the dtype is part of what a stored answer or state was computed by.
+
+So the choice is made from the setting, the weights' dtype and the device alone, never from a timing (a timing can
+flip on a busy machine), and a dtype other than the weights' own is part of the target's fingerprint
+(`computed_fingerprint`): one key never holds results of two kinds of arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from draftdata.config.schema import ModelConfig
+from draftdata.model.load import model_dir
+from draftdata.util.hashing import content_hash
+
+AUTO = "auto"
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def weights_dtype(model: ModelConfig) -> str:
+    """The dtype of the target's weights as its config.json states it (float32 when it says nothing, as transformers
+    loads such a model)."""
+    local = Path(model_dir(model)).expanduser() / "config.json"
+    if not local.is_file():
+        return "float32"
+    conf = json.loads(local.read_text())
+    text = conf.get("text_config") or {}
+    name = conf.get("dtype") or conf.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+    return name if name in DTYPES else "float32"
+
+
+def native_16bit(dtype: str) -> bool:
+    """Whether this CPU multiplies `dtype` in hardware (bf16: AMX or AVX-512 BF16; fp16: AMX-FP16)."""
+    import torch
+
+    cpu = torch.cpu
+    if dtype == "bfloat16":
+        return bool(cpu._is_amx_tile_supported() or cpu._is_avx512_bf16_supported())
+    if dtype == "float16":
+        return bool(cpu._is_amx_fp16_supported())
+    return True
+
+
+def resolve(setting: str, weights: str, on_gpu: bool) -> str:
+    """The dtype to compute in: `setting` unless it is auto; auto is the weights' own dtype on a GPU or where this
+    CPU multiplies it natively, else float32."""
+    if setting != AUTO:
+        return setting
+    if on_gpu or weights == "float32" or native_16bit(weights):
+        return weights
+    return "float32"
+
+
+def compute_dtype(model: ModelConfig, on_gpu: bool | None = None) -> str:
+    """`model.compute_dtype` resolved for this machine (`on_gpu`: where the engine runs; default: a GPU if there
+    is one, as the engines place the model)."""
+    if on_gpu is None:
+        import torch
+
+        on_gpu = torch.cuda.is_available()
+    return resolve(model.compute_dtype, weights_dtype(model), on_gpu)
+
+
+def computed_fingerprint(model_fp: str, computed_in: str | None, weights: str) -> str:
+    """The fingerprint of a target as an engine computed it: the weights' own where it computed in their dtype (or
+    where the engine is a server's, `computed_in` None: its arithmetic is the server's), else a new one naming the
+    dtype."""
+    if computed_in is None or computed_in == weights:
+        return model_fp
+    return content_hash({"model": model_fp, "compute_dtype": computed_in})
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
