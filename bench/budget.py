@@ -103,7 +103,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draftdata.generate.budget import BudgetController, Pending, landing
+from draftdata.generate.budget.controller import BudgetController, Pending
+from draftdata.generate.selection import landing
 
 RESULTS = Path(__file__).parent / "results"
 RATE = 50.0  # tokens/s of one request at full batch (virtual time; the ratios do not depend on it)

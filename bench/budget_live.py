@@ -141,8 +141,9 @@ def run_ours(url: str, prompts: list[list[int]], args) -> dict:
         RunConfig,
         SourceConfig,
     )
+    from draftdata.generate.request import Planned
     from draftdata.generate.run import generate_missing
-    from draftdata.generate.selection import Planned, select_responses
+    from draftdata.generate.selection import select_responses
     from draftdata.generate.store import ResponseStore
     from draftdata.util.hashing import content_hash
 

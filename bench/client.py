@@ -130,10 +130,10 @@ def run_ours(url: str, n: int, concurrency: int, tokens: int, stream: bool = Tru
         RunConfig,
         SourceConfig,
     )
-    from draftdata.generate.budget import BudgetController
+    from draftdata.generate.budget.controller import BudgetController
     from draftdata.generate.connect import make_backend
     from draftdata.generate.dispatcher import Dispatcher
-    from draftdata.generate.selection import Planned
+    from draftdata.generate.request import Planned
     from draftdata.generate.store import ResponseStore
 
     ds = DatasetConfig(

@@ -13,9 +13,10 @@ import time
 from draftdata.config.load import cli
 from draftdata.config.schema import Config
 from draftdata.errors import UserError
+from draftdata.generate.accounting import stored_total, unusable_reason
 from draftdata.generate.dispatcher import RunStats
 from draftdata.generate.run import generate_missing, output_record, run_metrics, write_plots
-from draftdata.generate.selection import select_responses, stored_tokens, unusable_reason
+from draftdata.generate.selection import select_responses
 from draftdata.generate.store import ResponseStore
 from draftdata.generate.work import RunPlan
 from draftdata.model.tokenizer import load_target_tokenizer
@@ -37,7 +38,7 @@ def main(cfg: Config) -> None:
     try:
         run = RunPlan.make(cfg, prompts, tok, store, limits.context)
         usable = {k: r for k, r in run.stored.items() if unusable_reason(r, ds) is None}
-        committed = stored_tokens(run.plan, run.stored, ds)[0]
+        committed = stored_total(run.plan, run.stored, ds)[0]
         stats = RunStats()
         if committed >= ds.token_budget:
             log(

@@ -33,7 +33,7 @@ from draftdata.config.schema import (
 from draftdata.errors import ConfigError, UserError
 from draftdata.generate.backends.protocol import GenRequest, Partial
 from draftdata.generate.connect import make_backend
-from draftdata.generate.selection import request_key
+from draftdata.generate.request import request_key
 from draftdata.model.tokenizer import load_tokenizer, render_prompt_ids
 
 pytestmark = pytest.mark.timeout(90)

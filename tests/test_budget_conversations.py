@@ -7,8 +7,9 @@ from __future__ import annotations
 import random
 
 from draftdata.config.schema import DatasetConfig
-from draftdata.generate.budget import BudgetController, Pending, landing
-from draftdata.generate.selection import Planned, select_responses
+from draftdata.generate.budget.controller import BudgetController, Pending
+from draftdata.generate.request import Planned
+from draftdata.generate.selection import landing, select_responses
 from draftdata.generate.store import StoredResponse
 
 

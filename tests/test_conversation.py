@@ -417,7 +417,7 @@ def test_held_renders_replay_stored_turns_without_the_template(case, monkeypatch
     # such a turn holds only what it adds to the previous turn and its answer
     assert [ids.startswith("+") for ids in renders.take_new().values()] == grown
     calls = renders_counted(monkeypatch, t.tok)
-    again = replay(conv, store.get, dataclasses.replace(t, renders=TurnRenders(dict(renders.held))))
+    again = replay(conv, store.get, dataclasses.replace(t, renders=TurnRenders(dict(renders.cached))))
     assert calls == []
     assert planned(again) == planned(cold)
 
@@ -426,7 +426,7 @@ def test_a_changed_answer_or_an_unreadable_render_is_rendered_again(monkeypatch)
     t, conv = golden("chatml"), chat_conv("Hi.", "Hello.", "And you?", "Fine.", "Bye.", "Bye!")
     renders = TurnRenders()
     drive(conv, dataclasses.replace(t, renders=renders), ["Hello there.", "Very well.", "Goodbye."])
-    held = dict(renders.held)
+    held = dict(renders.cached)
     # the store answered anew (another run after the store was emptied): turn 0 is held, turns 1 and 2 grow from
     # another answer
     cold, store = drive(conv, t, ["Hi!", "Very well.", "Goodbye."])

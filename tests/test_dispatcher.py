@@ -13,9 +13,9 @@ import pytest
 from draftdata.config.schema import Config, DatasetConfig, OnBudget, RunConfig
 from draftdata.generate import dispatcher as dispatcher_module
 from draftdata.generate.backends.protocol import GenRequest, GenResult, stopped_result
-from draftdata.generate.budget import BudgetController
+from draftdata.generate.budget.controller import BudgetController
 from draftdata.generate.dispatcher import Dispatcher, Interrupted
-from draftdata.generate.selection import Planned
+from draftdata.generate.request import Planned
 from draftdata.generate.store import CUT, INTERRUPTED, ResponseStore
 
 pytestmark = pytest.mark.timeout(60)

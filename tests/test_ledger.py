@@ -7,9 +7,9 @@ import pytest
 
 from draftdata.config.schema import BudgetUnit, DatasetConfig, OnBudget
 from draftdata.generate.backends.protocol import GenRequest, GenResult, Partial, stopped_result
-from draftdata.generate.budget import BudgetController
+from draftdata.generate.budget.controller import BudgetController
 from draftdata.generate.ledger import Flight, Ledger
-from draftdata.generate.selection import Planned
+from draftdata.generate.request import Planned
 from draftdata.generate.store import CUT, INTERRUPTED, StoredResponse
 
 PROMPT_IDS = [1, 2, 3]

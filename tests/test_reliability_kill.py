@@ -486,7 +486,7 @@ def test_the_expected_selection_lands_as_the_stage_does():
     """In prompt order while the responses fit, then the shortest of the rest that reaches the budget: 6 fits in
     10, 8 would pass it by 4, 4 reaches it. The check's own code agrees with the stage's `landing` on random
     lengths."""
-    from draftdata.generate.budget import landing
+    from draftdata.generate.selection import landing
 
     def store_of(lengths):
         return {

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 
 from draftdata.config.schema import DatasetConfig
-from draftdata.generate.budget import BudgetController, LengthModel, landing
-from draftdata.generate.selection import Planned, request_key, request_keys, select_responses
+from draftdata.generate.budget.controller import BudgetController
+from draftdata.generate.budget.lengths import LengthModel
+from draftdata.generate.request import Planned, request_key, request_keys
+from draftdata.generate.selection import landing, select_responses
 from draftdata.generate.store import CUT, ResponseStore, StoredResponse, ids_json
 from draftdata.util.hashing import canonical_json
 

@@ -38,9 +38,11 @@ from draftdata.config.schema import (
     template_kwargs_of,
 )
 from draftdata.errors import ConfigError
-from draftdata.generate.budget import MIN_OBSERVED as MIN_LENGTHS
-from draftdata.generate.budget import LengthModel
-from draftdata.generate.selection import Planned, needs_request, plan_requests, stored_tokens, unusable_reason
+from draftdata.generate.accounting import needs_request, prompt_count, stored_total, unusable_reason
+from draftdata.generate.budget.lengths import MIN_OBSERVED as MIN_LENGTHS
+from draftdata.generate.budget.lengths import LengthModel
+from draftdata.generate.request import Planned
+from draftdata.generate.selection import plan_requests
 from draftdata.generate.store import ResponseStore, StoredResponse
 from draftdata.generate.work import conversation_plan, plan_conversations
 from draftdata.hidden.shards import bytes_per_token, disk_per_token
@@ -287,7 +289,7 @@ def plan_dataset(
     mean_c, mean_c_from = mean_completion(lengths, ds.max_tokens)
     per_request = mean_c
     if ds.budget_unit == BudgetUnit.total:  # as generate: the prompts of the requests still to send
-        per_request += _mean([p.added_prompt() for p in todo]) or mean_prompt or 0.0
+        per_request += _mean([prompt_count(p) for p in todo]) or mean_prompt or 0.0
     left = to_generate(ds.token_budget, reusable)
 
     gm = _read_json(out / "generate_metrics.json")
@@ -360,7 +362,7 @@ def _stored_tokens(
     """Tokens counting toward the budget (what generate counts before it decides to send anything: each planned
     request's stored answer, as the output counts it), how many responses hold them, parked partial tokens, and the
     completion lengths of the complete ones."""
-    reusable, n = stored_tokens(planned, stored, ds)
+    reusable, n = stored_total(planned, stored, ds)
     lengths = [r.completion_tokens for r in stored.values() if not r.partial and unusable_reason(r, ds) is None]
     parked = sum(r.completion_tokens for r in stored.values() if r.partial and unusable_reason(r, ds) is not None)
     return reusable, n, parked, lengths

@@ -21,7 +21,7 @@ Renders. A rerun walks every conversation over its stored turns, and rendering e
 costs milliseconds. `TurnRenders` holds the ids of turns rendered before, by turn key: a hash of the conversation's
 id (a hash of its whole source and tools: all the template reads of it but the answers) and of every answer before
 the turn (text, reasoning, tool calls, ids). The template, tokenizer and kwargs are the caller's fingerprint (one
-`TurnRenders` per fingerprint). A changed source, answer, template or kwargs is a new key; a turn not held, or held
+`TurnRenders` per fingerprint). A changed source, answer, template or kwargs is a new key; a turn not cached, or cached
 in a form that cannot be read, is rendered.
 """
 
@@ -33,8 +33,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from draftdata.generate.accounting import needs_request
 from draftdata.generate.actions import diverged, written_calls
-from draftdata.generate.selection import Planned, needs_request, request_keys
+from draftdata.generate.request import Planned, request_keys
 from draftdata.generate.store import StoredResponse, ids_json
 from draftdata.model.tokenizer import assistant_message, render_prompt_ids, template_messages
 from draftdata.model.tokenizer import prefix_stable as prefix_stable  # tokenize decides with it too
@@ -46,35 +47,35 @@ SOURCE_EXHAUSTED = "source_exhausted"
 TOOL_CALL_DIVERGED = "tool_call_diverged"
 TRUNCATED = "truncated"
 STOP, KEEP_SOURCE = "stop", "keep_source"  # on_tool_divergence
-# A held render: a turn's ids as `ids_json` text, or "+" and the ids that follow the previous turn's ids and its
+# A cached render: a turn's ids as `ids_json` text, or "+" and the ids that follow the previous turn's ids and its
 # answer's (the template wrote the history as it was): each row holds what its turn adds, not the whole history.
 
 
 @dataclass
 class TurnRenders:
-    """The turns' ids rendered under one template, tokenizer and kwargs: (conversation id, turn key) -> a held
+    """The turns' ids rendered under one template, tokenizer and kwargs: (conversation id, turn key) -> a cached
     render. `new`: those rendered since the caller last took them (to keep them for the next run)."""
 
-    held: dict[tuple[str, str], str] = field(default_factory=dict)
+    cached: dict[tuple[str, str], str] = field(default_factory=dict)
     new: dict[tuple[str, str], str] = field(default_factory=dict)
 
     def get(self, conv: str, turn: str) -> str | None:
-        ids = self.held.get((conv, turn))
+        ids = self.cached.get((conv, turn))
         return ids if ids is not None and _readable(ids) else None  # unreadable: rendered again
 
     def put(self, conv: str, turn: str, ids: str) -> None:
-        self.held[conv, turn] = self.new[conv, turn] = ids
+        self.cached[conv, turn] = self.new[conv, turn] = ids
 
     def take_new(self) -> dict[tuple[str, str], str]:
         new, self.new = self.new, {}
         return new
 
 
-def _readable(held: str) -> bool:
-    """Whether a held render reads as `ids_json` text (a cut or mangled row is rendered again). Checked byte-wise:
+def _readable(cached: str) -> bool:
+    """Whether a cached render reads as `ids_json` text (a cut or mangled row is rendered again). Checked byte-wise:
     a regular expression or JSON over a long conversation's ids would cost as much as rendering it."""
-    body = held[2:-1] if held.startswith("+[") else held[1:-1] if held.startswith("[") else None
-    if body is None or not held.endswith("]") or body.startswith(",") or body.endswith(","):
+    body = cached[2:-1] if cached.startswith("+[") else cached[1:-1] if cached.startswith("[") else None
+    if body is None or not cached.endswith("]") or body.startswith(",") or body.endswith(","):
         return False
     return not body.encode().translate(None, b"0123456789,")
 
@@ -107,7 +108,7 @@ class Replay:
 @dataclass
 class _Sent:
     """A turn as sent and the ids of its answer: what the next turn's ids grow from. Its rendered text is wanted
-    only when the next turn is rendered: a turn whose ids were held renders it then."""
+    only when the next turn is rendered: a turn whose ids were cached renders it then."""
 
     messages: list[dict]
     planned: Planned
@@ -220,10 +221,10 @@ def _plan_turn(
     sent: _Sent | None,
     turn_key: str,
 ) -> tuple[Planned, str | None]:
-    """Turn t's request, and its rendered text where it was rendered (None: its ids were held)."""
+    """Turn t's request, and its rendered text where it was rendered (None: its ids were cached)."""
     tools = conv.get("tools")
-    held = rendering.renders.get(conv["id"], turn_key) if rendering.renders is not None else None
-    ids: list[int] | str | None = _held_ids(held, sent) if held is not None else None
+    cached = rendering.renders.get(conv["id"], turn_key) if rendering.renders is not None else None
+    ids: list[int] | str | None = _cached_ids(cached, sent) if cached is not None else None
     text = None
     if ids is None:
         text, ids, row = _prompt_ids(rendering, messages, tools, sent)
@@ -243,13 +244,13 @@ def _next_turn_key(turn_key: str, r: StoredResponse) -> str:
     return hashlib.sha256(f"{turn_key}\n{answer}".encode()).hexdigest()[:32]
 
 
-def _held_ids(held: str, sent: _Sent | None) -> str | None:
-    """A held render as the turn's ids (`ids_json` text); None where it goes on from an answer with no ids."""
-    if not held.startswith("+"):
-        return held
+def _cached_ids(cached: str, sent: _Sent | None) -> str | None:
+    """A cached render as the turn's ids (`ids_json` text); None where it goes on from an answer with no ids."""
+    if not cached.startswith("+"):
+        return cached
     if sent is None or not sent.output_ids:
         return None
-    parts = (_ids_text(sent.planned), ids_json(sent.output_ids), held[1:])
+    parts = (_ids_text(sent.planned), ids_json(sent.output_ids), cached[1:])
     return "[" + ",".join(p[1:-1] for p in parts if p != "[]") + "]"
 
 

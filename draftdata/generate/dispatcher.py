@@ -24,12 +24,13 @@ import time
 
 from draftdata.config.schema import BudgetUnit, Config
 from draftdata.errors import UserError
+from draftdata.generate.accounting import prompt_count
 from draftdata.generate.backends.protocol import Backend, GenRequest, GenResult, seed_of, stopped_result
-from draftdata.generate.budget import BudgetController
+from draftdata.generate.budget.controller import BudgetController
 from draftdata.generate.failfast import FailFastWindow
 from draftdata.generate.ledger import Flight, Ledger, RunStats
 from draftdata.generate.meter import ThroughputMeter
-from draftdata.generate.selection import Planned
+from draftdata.generate.request import Planned
 from draftdata.generate.store import CUT, INTERRUPTED, ResponseStore, StoredResponse
 from draftdata.generate.work import WorkQueue
 
@@ -89,7 +90,7 @@ class Dispatcher:
         """The prompt tokens each request in flight counts toward the budget (budget_unit total; else none)."""
         if self.ds.budget_unit != BudgetUnit.total:
             return []
-        return [f.p.added_prompt() for f in self.flights.values()]
+        return [prompt_count(f.p) for f in self.flights.values()]
 
     async def run(self, todo: list[Planned] | WorkQueue) -> RunStats:
         self.work = todo if isinstance(todo, WorkQueue) else WorkQueue(todo)
@@ -150,7 +151,7 @@ class Dispatcher:
     def _next(self, take) -> Planned | None:
         """The next request from the queue, unless the answers it stepped over to find it met the budget."""
         p = take()
-        self.ledger.held(self.work.take_held())
+        self.ledger.reused(self.work.take_reused())
         return None if p is None or self.ctrl.reached() else p
 
     async def _tick(self) -> None:
@@ -215,7 +216,7 @@ class Dispatcher:
             self.store.put_many([r for r, _ in settled.rows])
         self.ledger.commit(settled.rows)
         self.work.settled([*done, *stopped], settled.rows)
-        self.ledger.held(self.work.take_held())
+        self.ledger.reused(self.work.take_reused())
         for res, _ in done:
             self.failfast.record(res.error)
         self._check_failing(done)

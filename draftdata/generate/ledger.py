@@ -24,9 +24,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from draftdata.config.schema import DatasetConfig
+from draftdata.generate.accounting import counted, unusable_reason
 from draftdata.generate.backends.protocol import GenRequest, GenResult, Partial
-from draftdata.generate.budget import BudgetController
-from draftdata.generate.selection import Planned, tokens_of, unusable_reason
+from draftdata.generate.budget.controller import BudgetController
+from draftdata.generate.request import Planned
 from draftdata.generate.store import CUT, INTERRUPTED, StoredResponse
 
 
@@ -120,7 +121,7 @@ class Ledger:
             new = r.completion_tokens - f.prefix
             s.generated += new
             s.new_by_key[r.key] = new
-            tokens = tokens_of(f.p, r, unit)
+            tokens = counted(f.p, r, unit)
             if r.partial:
                 s.parked += 1
                 s.parked_tokens += new
@@ -134,11 +135,11 @@ class Ledger:
             s.completed_len += r.completion_tokens
             self.ctrl.finished(tokens, counted=unusable_reason(r, self.ds) is None, length=r.completion_tokens)
 
-    def held(self, pairs: list[tuple[Planned, StoredResponse]]) -> None:
-        """Answers that now count toward the budget without a request of this run (`WorkQueue.take_held`)."""
+    def reused(self, pairs: list[tuple[Planned, StoredResponse]]) -> None:
+        """Answers that now count toward the budget without a request of this run (`WorkQueue.take_reused`)."""
         for p, r in pairs:
             if unusable_reason(r, self.ds) is None:
-                self.ctrl.held(tokens_of(p, r, self.ds.budget_unit))
+                self.ctrl.reused(counted(p, r, self.ds.budget_unit))
 
     # ---- the rules ------------------------------------------------------------------------------------------- #
 

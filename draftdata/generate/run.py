@@ -10,11 +10,12 @@ from collections import Counter
 from pathlib import Path
 
 from draftdata.config.schema import BackendKind, BudgetUnit, Config, DatasetConfig, OnBudget
-from draftdata.generate.budget import BudgetController
+from draftdata.generate.accounting import needs_request, prompt_count, stored_total, unusable_reason
+from draftdata.generate.budget.controller import BudgetController
 from draftdata.generate.connect import make_backend, takes_token_ids
 from draftdata.generate.dispatcher import Dispatcher, Interrupted, RunStats
 from draftdata.generate.progress import Progress
-from draftdata.generate.selection import Planned, needs_request, stored_tokens, unusable_reason
+from draftdata.generate.request import Planned
 from draftdata.generate.store import CUT, ResponseStore, StoredResponse
 from draftdata.generate.work import ConversationQueue, WorkQueue
 from draftdata.util.log import log
@@ -76,7 +77,7 @@ def generate_missing(
         ds.max_tokens,
         ds.concurrency,
         keep_partial=ds.on_budget == OnBudget.keep_partial,
-        committed=stored_tokens(plan, stored, ds, partial=False)[0],
+        committed=stored_total(plan, stored, ds, partial=False)[0],
     )
     complete = [r for r in stored.values() if not r.partial and unusable_reason(r, ds) is None]
     for r in complete:
@@ -88,7 +89,7 @@ def generate_missing(
 
         check_chat_rendering(cfg, tok, [p.prompt for p in todo])
     if ds.budget_unit == BudgetUnit.total and todo:
-        ctrl.prompt_mean = sum(p.added_prompt() for p in todo) / len(todo)
+        ctrl.prompt_mean = sum(prompt_count(p) for p in todo) / len(todo)
     parked = {k: r for k, r in stored.items() if r.partial}
     if conversations is not None:
         conversations.parked = parked  # partials met while stepping over stored turns are continued too

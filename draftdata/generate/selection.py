@@ -1,119 +1,20 @@
-"""What to send and what to keep: the store key of a prompt, which stored responses are usable, and the output
-selected in prompt order up to the budget.
+"""What to send and what to keep: a run's requests (each prompt rendered once and keyed), and the output selected in
+prompt order up to the budget, by what each response counts (accounting.py).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections import Counter
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 
-from draftdata.config.schema import BackendKind, BudgetUnit, Config, DatasetConfig, OnBudget, OnTruncation
+from draftdata.config.schema import BackendKind, Config, DatasetConfig
 from draftdata.errors import ConfigError, UserError
-from draftdata.generate.budget import landing
-from draftdata.generate.store import CUT, ResponseStore, StoredResponse, ids_json
+from draftdata.generate.accounting import counted, unusable_reason
+from draftdata.generate.request import Planned, request_keys
+from draftdata.generate.store import ResponseStore, StoredResponse, ids_json
 from draftdata.model.fingerprint import run_model_fingerprint
 from draftdata.model.tokenizer import render_prompt_ids, tokenizer_fingerprint
-from draftdata.util.hashing import canonical_json, content_hash
-
-
-@dataclass
-class Planned:
-    prompt: dict
-    key: str
-    # the prompt's ids rendered with the chat template (exactly what the target is sent), or their JSON text as the
-    # store's cache of renders holds it: decoded only for the prompts a run sends
-    rendered: list[int] | str
-    # a conversation's later turn (`turns: all`): the tokens of its sample before this turn (the turn before's prompt
-    # and answer), which this turn's prompt holds; 0 for a first turn or a single prompt
-    before: int = 0
-
-    @property
-    def prompt_ids(self) -> list[int]:
-        if isinstance(self.rendered, str):
-            self.rendered = json.loads(self.rendered)
-        return self.rendered
-
-    @property
-    def prompt_tokens(self) -> int:
-        if isinstance(self.rendered, str):
-            return self.rendered.count(",") + (self.rendered != "[]")
-        return len(self.rendered)
-
-    def added_prompt(self, prompt_tokens: int | None = None) -> int:
-        """The prompt tokens this request adds to its sample (of `prompt_tokens`, a stored answer's count; default
-        the plan's): all of a first turn's or a single prompt's; of a conversation's later turn, what its prompt
-        adds to the turn before and its answer (the source's next user or tool turns, the template's markers), as
-        tokenize makes one sample of the whole conversation. A template that rewrites earlier turns (drops their
-        reasoning) renders a prompt shorter than that; tokenize then gives each turn a sample of its own, so all of
-        it counts."""
-        n = self.prompt_tokens if prompt_tokens is None else prompt_tokens
-        return n - self.before if n >= self.before else n
-
-
-def request_key(model_fp: str, prompt_ids: list[int], sampling: dict, max_tokens: int) -> str:
-    """Same model + same exact prompt tokens (template and its kwargs included) + same sampling = same key,
-    whichever run or dataset asks."""
-    return content_hash(
-        {"model": model_fp, "prompt_ids": prompt_ids, "sampling": sampling, "max_tokens": max_tokens}, n=32
-    )
-
-
-def request_keys(model_fp: str, sampling: dict, max_tokens: int) -> Callable[[str], str]:
-    """`request_key` of one run's prompts, from each prompt's ids as `ids_json` text: the canonical JSON of the rest
-    is the same for every prompt, so only the ids' text is hashed anew (encoding 100k prompts' ids as JSON again
-    would cost more than all the rest of a run whose budget is met)."""
-    text = canonical_json({"model": model_fp, "prompt_ids": [], "sampling": sampling, "max_tokens": max_tokens})
-    # The first match is the top-level field: keys are sorted ("max_tokens", "model" come before it) and inside a
-    # JSON string a quote is always escaped, so no string value can hold it
-    head, tail = text.split('"prompt_ids":[]', 1)
-    start, end = (head + '"prompt_ids":').encode(), tail.encode()
-    return lambda ids_text: hashlib.sha256(start + ids_text.encode() + end).hexdigest()[:32]
-
-
-def tokens_of(p: Planned, r: StoredResponse, unit: BudgetUnit) -> int:
-    """What a response counts toward its dataset's budget: its completion tokens; under budget_unit total also the
-    prompt tokens it adds to its sample, so that a conversation counts each token its sample holds once (the
-    states' size), not each turn's whole history again."""
-    return r.completion_tokens + (p.added_prompt(r.prompt_tokens) if unit == BudgetUnit.total else 0)
-
-
-def stored_tokens(
-    plan: list[Planned], stored: dict[str, StoredResponse], ds: DatasetConfig, partial: bool = True
-) -> tuple[int, int]:
-    """What the plan's usable stored answers count toward the budget, each as the output counts it (two
-    conversations that share a turn each hold it), and how many answers hold them; `partial=False`: complete ones
-    only (keep_partial's cut ones count once no more generation is wanted)."""
-    pairs = [
-        (p, r)
-        for p in plan
-        if (r := stored.get(p.key)) is not None and (partial or not r.partial) and unusable_reason(r, ds) is None
-    ]
-    return sum(tokens_of(p, r, ds.budget_unit) for p, r in pairs), len(pairs)
-
-
-def unusable_reason(r: StoredResponse, ds: DatasetConfig) -> str | None:
-    """Why a stored response does not enter the output (None: it does)."""
-    if r.partial and not (r.finish_reason == CUT and ds.on_budget == OnBudget.keep_partial):
-        return "cut_by_budget" if r.finish_reason == CUT else "interrupted"  # parked: continued when needed
-    if is_empty(r):
-        return "empty"
-    if r.finish_reason == "length" and ds.on_truncation == OnTruncation.drop:
-        return "truncated_dropped"
-    return None
-
-
-def is_empty(r: StoredResponse) -> bool:
-    # text is decoded without special tokens; a chat answer may be all thinking or tool calls, which are not in it
-    return r.completion_tokens == 0 or not (r.text.strip() or r.reasoning or r.tool_calls)
-
-
-def needs_request(r: StoredResponse | None) -> bool:
-    """Whether a run that generates sends this prompt: missing, parked (to continue), or an empty answer stored by an
-    earlier version."""
-    return r is None or r.partial or r.completion_tokens == 0
+from draftdata.util.hashing import content_hash
 
 
 def select_responses(plan: list[Planned], stored: dict[str, StoredResponse], ds: DatasetConfig):
@@ -131,10 +32,35 @@ def select_responses(plan: list[Planned], stored: dict[str, StoredResponse], ds:
             skipped[reason] += 1
         else:
             usable.append((p, r))
-    sizes = [tokens_of(p, r, ds.budget_unit) for p, r in usable]
+    sizes = [counted(p, r, ds.budget_unit) for p, r in usable]
     heads = [p.prompt.get("turn", 0) == 0 for p, _ in usable]  # a turn of a conversation (`turns: all`) names it
     chosen = landing(sizes, ds.token_budget, heads)
     return [usable[i] for i in chosen], sum(sizes[i] for i in chosen), skipped
+
+
+def landing(tokens: Sequence[int], budget: int, heads: Sequence[bool] | None = None) -> list[int]:
+    """Which responses make the output, as indices into `tokens` (each one's count toward the budget, in prompt
+    order): in prompt order while they fit within the budget; then, in place of the next one, which would pass it,
+    the shortest of the rest that reaches it. So the output passes the budget by as little as one response can,
+    not by whichever comes next (up to max_tokens: a long reasoning answer among short ones), and a lower budget's
+    output is still the start of a higher one's, all but its last response. The responses left out stay in the
+    store for a larger budget.
+
+    `heads` (`turns: all`, where `tokens` lists each conversation's turns in order): which responses may stand in
+    the output without the turns before them, a conversation's first turns. The one that reaches the budget is the
+    next in line or a head, never a later turn alone: its prompt holds the turns before it, answers included, as
+    context the drafter would pay for and train nothing on, and a conversation's output stays its turns from the
+    first."""
+    total, end = 0, 0
+    while end < len(tokens) and total + tokens[end] <= budget:
+        total += tokens[end]
+        end += 1
+    if total == budget or end == len(tokens):
+        return list(range(end))  # exactly on the budget, or short of it with everything there is
+    gap = budget - total  # tokens[end] passes it: some response reaches it
+    rest = range(end, len(tokens)) if heads is None else [end, *(j for j in range(end + 1, len(tokens)) if heads[j])]
+    crossing = min((j for j in rest if tokens[j] >= gap), key=tokens.__getitem__)
+    return [*range(end), crossing]
 
 
 def check_context(plan: list[Planned], cfg: Config, context: int | None) -> None:

@@ -5,7 +5,7 @@ keeps every started conversation going: when a turn's answer is committed, the c
 (`conversation.turns`) to its next turn, which goes to the front of the queue, ahead of new conversations (its
 history is warm in the server's prefix cache, and a finished conversation is a sample); a turn whose answer the
 store already holds (another dataset or experiment reached the same state) is stepped over without a request;
-the controller is told what it adds to the output (`take_held`), as it is told of the answers it requested.
+the controller is told what it adds to the output (`take_reused`), as it is told of the answers it requested.
 New conversations are taken as the budget controller admits them; the turns of started ones only need a free slot
 and a budget not yet met, so the controller is told what they will still ask (`pending`: the source turns each
 started conversation has not requested yet, and those of the conversations next in line) before it admits more.
@@ -25,18 +25,12 @@ from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, Turns
+from draftdata.generate.accounting import is_empty, link, needs_request, prompt_count, unusable_reason
 from draftdata.generate.backends.protocol import GenResult
-from draftdata.generate.budget import Pending
+from draftdata.generate.budget.controller import Pending
 from draftdata.generate.conversation import TurnRendering, TurnRenders, turns
-from draftdata.generate.selection import (
-    Planned,
-    check_context,
-    fingerprints,
-    is_empty,
-    needs_request,
-    plan_requests,
-    unusable_reason,
-)
+from draftdata.generate.request import Planned
+from draftdata.generate.selection import check_context, fingerprints, plan_requests
 from draftdata.generate.store import ResponseStore, StoredResponse
 
 # Why a conversation ended, besides conversation.py's: its turn's prompt and max_tokens exceed the target's context,
@@ -69,7 +63,7 @@ class WorkQueue:
     def settled(self, ended: list[tuple[GenResult, object]], rows: list[tuple[StoredResponse, object]]) -> None:
         """Requests that ended (`Flight`s with their results) and the rows the store took for them."""
 
-    def take_held(self) -> list[tuple[Planned, StoredResponse]]:
+    def take_reused(self) -> list[tuple[Planned, StoredResponse]]:
         """Answers that count toward the budget since the last call without a request of their own: a turn
         stepped over (the store holds its answer), or a shared turn's answer for each further conversation that
         holds it (the output holds it once per conversation; its request was counted once)."""
@@ -87,7 +81,7 @@ class Conversation:
     ended: str | None = None
     server: str | None = None  # the server that answered its last turn in this run
     first: Planned | None = None  # turn 0
-    held: str = BUDGET  # why `next` was not answered: the run stopped first, or its request failed
+    unanswered: str = BUDGET  # why `next` was not answered: the run stopped first, or its request failed
 
     def start(self, room: int | None) -> None:
         self._moved(lambda: next(self.walk), room)
@@ -112,9 +106,8 @@ class Conversation:
         except StopIteration as stop:
             self.next, self.ended = None, stop.value.ended
             return
-        if self.done:  # its prompt holds the turn before and its answer: the sample so far (budget_unit total)
-            before, answer = self.done[-1]
-            self.next.before = before.prompt_tokens + answer.completion_tokens
+        if self.done:  # how its prompt holds the turns before it: what its samples hold (accounting.py)
+            self.next.link = link(self.next, self.done)
         # a later turn the target cannot answer ends the conversation: a shorter sample (turn 0's are checked
         # before any work, as every prompt is)
         if self.done and room is not None and self.next.prompt_tokens > room:
@@ -147,10 +140,10 @@ class Renders:
 
     @classmethod
     def load(cls, fingerprint: str, store: ResponseStore, prompts: list[dict]) -> Renders:
-        held = store.get_turn_renders(
+        cached = store.get_turn_renders(
             fingerprint, (rec["id"] for rec in prompts), sum(len(r["slots"]) for r in prompts)
         )
-        return cls(fingerprint, TurnRenders(held))
+        return cls(fingerprint, TurnRenders(cached))
 
     def keep(self, store: ResponseStore, at_least: int = 1) -> None:
         """Write the turns rendered since the last call, once there are `at_least`."""
@@ -225,7 +218,7 @@ class ConversationQueue(WorkQueue):
         self.growth_sum, self.growth_n = sum(steps), len(steps)
         self._waiting: dict[str, list[Conversation]] = {}  # key in flight -> the conversations waiting on it
         self._answered: set[str] = set()  # keys answered in this run
-        self._held: list[tuple[Planned, StoredResponse]] = []  # see take_held
+        self._reused: list[tuple[Planned, StoredResponse]] = []  # see take_reused
         self.next_turns = 0  # turns after the first answered in this run with their predecessor's server known
         self.same_server = 0  # ... answered by that server
 
@@ -242,9 +235,9 @@ class ConversationQueue(WorkQueue):
         return None
 
     def pending(self, upcoming: int) -> Pending:
-        started = [(1, c.left() - 1, c.next.added_prompt()) for waiting in self._waiting.values() for c in waiting]
-        started += [(0, c.left(), c.next.added_prompt()) for c in self._ready]
-        nxt = [(0, c.left(), c.next.added_prompt()) for c in itertools.islice(self._fresh, upcoming)]
+        started = [(1, c.left() - 1, prompt_count(c.next)) for waiting in self._waiting.values() for c in waiting]
+        started += [(0, c.left(), prompt_count(c.next)) for c in self._ready]
+        nxt = [(0, c.left(), prompt_count(c.next)) for c in itertools.islice(self._fresh, upcoming)]
         growth = self.growth_sum / self.growth_n if self.growth_n else 0.0
         return Pending(started, nxt, growth, self.prompts_count)
 
@@ -258,7 +251,7 @@ class ConversationQueue(WorkQueue):
         turn another conversation had answered since (stepped over, as a rerun steps over it: asked again, it
         would get an answer the store does not take, and the output would hold one a rerun's does not)."""
         if c.next.key in self._answered:
-            self._held += step_over_stored([c], self.store, self.parked, self.room)
+            self._reused += step_over_stored([c], self.store, self.parked, self.room)
             if c.next is None:
                 return None
         key = c.next.key
@@ -275,16 +268,16 @@ class ConversationQueue(WorkQueue):
             for i, c in enumerate(self._waiting.pop(key, [])):
                 r = answers.get(key)
                 if r is None:  # stopped (at the budget, or interrupted) or failed: the turn waits for a rerun
-                    c.held = FAILED if res.error else BUDGET
+                    c.unanswered = FAILED if res.error else BUDGET
                     continue
                 if i:  # the request was sent for the first conversation waiting on it
-                    self._held.append((c.next, r))
+                    self._reused.append((c.next, r))
                 self._count_server(f.req.prefer, res.server)
                 c.server = res.server
                 since.append(len(c.done))
                 c.answer(r, self.room)
                 stepped.append(c)
-        self._held += step_over_stored(stepped, self.store, self.parked, self.room)
+        self._reused += step_over_stored(stepped, self.store, self.parked, self.room)
         if self.renders is not None:
             self.renders.keep(self.store, KEEP_RENDERS)
         for c, answered in zip(stepped, since):
@@ -294,9 +287,9 @@ class ConversationQueue(WorkQueue):
         # started conversations first: their history is in the server's prefix cache
         self._ready.extendleft(reversed([c for c in stepped if c.next is not None]))
 
-    def take_held(self) -> list[tuple[Planned, StoredResponse]]:
-        held, self._held = self._held, []
-        return held
+    def take_reused(self) -> list[tuple[Planned, StoredResponse]]:
+        reused, self._reused = self._reused, []
+        return reused
 
     def _count_server(self, prefer: str | None, server: str) -> None:
         if prefer:
@@ -326,7 +319,7 @@ def end_reasons(
     for c in convs:
         if (p := last.get(c.rec["id"])) is None:
             continue
-        out[p.prompt["id"]] = c.held  # its next turn is to come (or, under keep_partial, this is its cut one)
+        out[p.prompt["id"]] = c.unanswered  # its next turn is to come (or, under keep_partial, this is its cut one)
         if c.next is None:
             at = next(i for i, (q, _) in enumerate(c.done) if q is p)
             if all(unusable_reason(r, ds) for _, r in c.done[at + 1 :]):
@@ -374,12 +367,12 @@ def turns_kept(
     those that ended before a usable turn (`ended_unsampled`: none of their turns kept), the share of their
     source's assistant turns the output holds: what a diverging call (`on_tool_divergence`), a cut or empty answer
     or the context took from them."""
-    held = Counter(p.prompt["conversation"] for p, _ in selected)
+    turns_out = Counter(p.prompt["conversation"] for p, _ in selected)
     ended = {p.prompt["conversation"]: reasons[p.prompt["id"]] for p, _ in selected if p.prompt["id"] in reasons}
-    own = [c.rec for c in convs if c.rec["id"] in held and ended.get(c.rec["id"]) not in (BUDGET, FAILED)]
+    own = [c.rec for c in convs if c.rec["id"] in turns_out and ended.get(c.rec["id"]) not in (BUDGET, FAILED)]
     own += [c.rec for c in unsampled]
     source = sum(len(rec["slots"]) for rec in own)
-    return {"turns_kept_share": round(sum(held[rec["id"]] for rec in own) / source, 3) if source else None}
+    return {"turns_kept_share": round(sum(turns_out[rec["id"]] for rec in own) / source, 3) if source else None}
 
 
 @dataclass

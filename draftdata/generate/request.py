@@ -1,0 +1,67 @@
+"""A request a run plans: its prompt record, its store key, the prompt's ids, and (a conversation's later turn) how its
+prompt holds the turns before it. What it counts toward the budget is accounting.py's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from draftdata.util.hashing import canonical_json, content_hash
+
+
+@dataclass(frozen=True)
+class Link:
+    """A conversation's later turn (`turns: all`) against the turns before it, as tokenize makes samples of them: one
+    sample for the whole conversation where every turn's prompt ids start with the turn before's prompt and answer
+    ids, else one sample per turn, each its own prompt whole (draftdata/generate/accounting.py `link`)."""
+
+    before: int  # the turn before's prompt and answer, in tokens
+    one_sample: bool  # this turn's prompt holds every turn before it, exactly: the conversation is one sample so far
+    # The first turn that breaks the chain: the prompt tokens the turns before it were not counted for, which their
+    # own samples now hold (0 on every other turn).
+    restated: int = 0
+
+
+@dataclass
+class Planned:
+    prompt: dict
+    key: str
+    # the prompt's ids rendered with the chat template (exactly what the target is sent), or their JSON text as the
+    # store's cache of renders holds it: decoded only for the prompts a run sends
+    rendered: list[int] | str
+    link: Link | None = None  # a conversation's later turn; None for a first turn or a single prompt
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        if isinstance(self.rendered, str):
+            self.rendered = json.loads(self.rendered)
+        return self.rendered
+
+    @property
+    def prompt_tokens(self) -> int:
+        if isinstance(self.rendered, str):
+            return self.rendered.count(",") + (self.rendered != "[]")
+        return len(self.rendered)
+
+
+def request_key(model_fp: str, prompt_ids: list[int], sampling: dict, max_tokens: int) -> str:
+    """Same model + same exact prompt tokens (template and its kwargs included) + same sampling = same key,
+    whichever run or dataset asks."""
+    return content_hash(
+        {"model": model_fp, "prompt_ids": prompt_ids, "sampling": sampling, "max_tokens": max_tokens}, n=32
+    )
+
+
+def request_keys(model_fp: str, sampling: dict, max_tokens: int) -> Callable[[str], str]:
+    """`request_key` of one run's prompts, from each prompt's ids as `ids_json` text: the canonical JSON of the rest
+    is the same for every prompt, so only the ids' text is hashed anew (encoding 100k prompts' ids as JSON again
+    would cost more than all the rest of a run whose budget is met)."""
+    text = canonical_json({"model": model_fp, "prompt_ids": [], "sampling": sampling, "max_tokens": max_tokens})
+    # The first match is the top-level field: keys are sorted ("max_tokens", "model" come before it) and inside a
+    # JSON string a quote is always escaped, so no string value can hold it
+    head, tail = text.split('"prompt_ids":[]', 1)
+    start, end = (head + '"prompt_ids":').encode(), tail.encode()
+    return lambda ids_text: hashlib.sha256(start + ids_text.encode() + end).hexdigest()[:32]
