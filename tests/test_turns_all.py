@@ -591,3 +591,30 @@ def test_budget_unit_total_counts_each_token_a_conversations_sample_holds_once(c
     assert sample_tokens // 2 <= half < sample_tokens
     project.run("tokenize", "B3")
     assert json.loads((project.data("B3") / "tokenize_metrics.json").read_text())["tokens"] == half
+
+
+@pytest.mark.parametrize("train_on", ["all_turns", "last_turn"])
+def test_budget_unit_total_counts_per_turn_samples_where_the_template_rewrites_history(conv_project, train_on):
+    """Qwen3's template with thinking off writes an empty think block into the turn it opens and drops it from the
+    turns before: a later turn's prompt does not start with the turn before's prompt and answer, so tokenize makes
+    each turn a sample of its own, its whole prompt (`all_turns`), or keeps the last turn's alone (`last_turn`).
+    Generate counts what those samples hold, token for token, at a budget met in full and at one met mid-way."""
+    project, start = conv_project
+    project.params["model"].update(chat_template="qwen3_thinking", template_kwargs={"enable_thinking": False})
+    project.params["tokenize"]["train_on"] = train_on
+    start(three_turn_rows(), budget_unit="total")
+    project.run("generate", "B3")
+    lines = responses(project)
+    assert len(lines) == 12  # four conversations of three turns, each answered
+    project.run("tokenize", "B3")
+    tm = json.loads((project.data("B3") / "tokenize_metrics.json").read_text())
+    assert tm["conversations_per_turn_samples"] == 4  # the ids decided it: no conversation is one sample
+    every = train_on == "all_turns"
+    kept = lines if every else [line for line in lines if line["turn"] == 2]
+    assert tm["samples"] == len(kept) and tm["tokens"] == sum(r["prompt_tokens"] + r["completion_tokens"] for r in kept)
+    assert metrics(project)["budget_tokens"] == tm["tokens"]
+    start(three_turn_rows(), budget_unit="total", token_budget=tm["tokens"] // 2)
+    project.run("generate", "B3")
+    project.run("tokenize", "B3")
+    half = json.loads((project.data("B3") / "tokenize_metrics.json").read_text())["tokens"]
+    assert metrics(project)["budget_tokens"] == half < tm["tokens"]

@@ -62,7 +62,7 @@ def prompt_count(p: Planned, prompt_tokens: int | None = None) -> int:
     n = p.prompt_tokens if prompt_tokens is None else prompt_tokens
     if p.link is None:
         return n
-    return (n - p.link.before if p.link.one_sample else n) + p.link.restated
+    return (n - p.link.before if p.link.grows else n) + p.link.restated
 
 
 def counted(p: Planned, r: StoredResponse, unit: BudgetUnit) -> int:
@@ -92,14 +92,17 @@ def stored_total(
 # ---- a conversation's turns --------------------------------------------------------------------------------- #
 
 
-def link(nxt: Planned, done: Sequence[tuple[Planned, StoredResponse]]) -> Link:
-    """How a conversation's next turn `nxt` holds its answered turns `done` (tokenize's rule, decided from the ids)."""
+def link(nxt: Planned, done: Sequence[tuple[Planned, StoredResponse]], every_turn: bool = True) -> Link:
+    """How a conversation's next turn `nxt` holds its answered turns `done` (tokenize's rule, decided from the ids).
+    `every_turn`: tokenize trains every turn (`tokenize.train_on: all_turns`); else it trains the last alone, whose
+    sample is its prompt and answer whatever the template did to the history, so each turn counts what its prompt
+    and answer add to the turn before's and the conversation counts its last turn's."""
     before, answer = done[-1]
     size = before.prompt_tokens + answer.completion_tokens
-    chained = before.link is None or before.link.one_sample
+    chained = before.link is None or before.link.grows
     if not chained:
         return Link(size, False)
-    if continues(nxt, before, answer):
+    if not every_turn or continues(nxt, before, answer):
         return Link(size, True)
     # the first break: every turn becomes its own sample, its whole prompt
     restated = sum(r.prompt_tokens - prompt_count(p, r.prompt_tokens) for p, r in done)

@@ -14,14 +14,15 @@ from draftdata.util.hashing import canonical_json, content_hash
 
 @dataclass(frozen=True)
 class Link:
-    """A conversation's later turn (`turns: all`) against the turns before it, as tokenize makes samples of them: one
-    sample for the whole conversation where every turn's prompt ids start with the turn before's prompt and answer
-    ids, else one sample per turn, each its own prompt whole (draftdata/generate/accounting.py `link`)."""
+    """A conversation's later turn (`turns: all`) against the turns before it, for what its samples hold
+    (accounting.py `link`): while the conversation is one sample (every turn's prompt ids start with the turn
+    before's prompt and answer ids), or only its last turn is trained, a turn counts what its prompt adds to the turn
+    before and its answer; where each turn is a sample of its own, its whole prompt."""
 
     before: int  # the turn before's prompt and answer, in tokens
-    one_sample: bool  # this turn's prompt holds every turn before it, exactly: the conversation is one sample so far
-    # The first turn that breaks the chain: the prompt tokens the turns before it were not counted for, which their
-    # own samples now hold (0 on every other turn).
+    grows: bool  # it counts what its prompt adds to `before` (else its whole prompt)
+    # The first turn that splits the conversation into a sample per turn: the prompt tokens the turns before it were
+    # not counted for, which their own samples now hold (0 on every other turn).
     restated: int = 0
 
 

@@ -24,7 +24,7 @@ from collections import Counter, deque
 from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, Turns
+from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, TrainOn, Turns
 from draftdata.generate.accounting import is_empty, link, needs_request, prompt_count, unusable_reason
 from draftdata.generate.backends.protocol import GenResult
 from draftdata.generate.budget.controller import Pending
@@ -81,6 +81,7 @@ class Conversation:
     ended: str | None = None
     server: str | None = None  # the server that answered its last turn in this run
     first: Planned | None = None  # turn 0
+    every_turn: bool = True  # tokenize trains every turn (`tokenize.train_on`): what its samples hold
     unanswered: str = BUDGET  # why `next` was not answered: the run stopped first, or its request failed
 
     def start(self, room: int | None) -> None:
@@ -107,7 +108,7 @@ class Conversation:
             self.next, self.ended = None, stop.value.ended
             return
         if self.done:  # how its prompt holds the turns before it: what its samples hold (accounting.py)
-            self.next.link = link(self.next, self.done)
+            self.next.link = link(self.next, self.done, self.every_turn)
         # a later turn the target cannot answer ends the conversation: a shorter sample (turn 0's are checked
         # before any work, as every prompt is)
         if self.done and room is not None and self.next.prompt_tokens > room:
@@ -163,7 +164,9 @@ def plan_conversations(
     kwargs = cfg.template_kwargs
     rendering = TurnRendering(tok, kwargs, fp, ds.sampling.as_dict(), ds.max_tokens, renders.turns)
     commands = ds.source.shape == "swe_agent"  # its actions are fenced shell commands in the text
-    convs = [Conversation(rec, turns(rec, rendering, ds.on_tool_divergence.value, commands)) for rec in prompts]
+    every_turn = cfg.tokenize.train_on == TrainOn.all_turns
+    walks = [(rec, turns(rec, rendering, ds.on_tool_divergence.value, commands)) for rec in prompts]
+    convs = [Conversation(rec, walk, every_turn=every_turn) for rec, walk in walks]
     for c in convs:
         c.start(None)
     room = None if context is None else context - ds.max_tokens
