@@ -10,7 +10,8 @@ Protocols (the ones the `sglang` and `openai` backends speak):
   a misspelt field must fail the test); a duplicate running `rid` is a 400. The answer is `{text, output_ids,
   meta_info: {id, finish_reason: {type, ...}, prompt_tokens, completion_tokens, cached_tokens}}`; a stream is
   `data: {json}` lines ending with `data: [DONE]`, a chunk every `stream_interval` tokens (`--stream-interval`),
-  `output_ids`/`text` cumulative or, with `incremental` (`--incremental-streaming-output`), only the new ones.
+  `output_ids`/`text` cumulative or, with `incremental` (`--incremental-streaming-output`), only the new ones; with
+  `skip_tokenizer_init` (`--skip-tokenizer-init`) answers and chunks carry no `text`.
   `POST /abort_request` `{rid, abort_all}` stops the running request, which finishes with `finish_reason.type ==
   "abort"` (a stream sends that as its last chunk, then [DONE]). Errors are `{"object": "error", message, type, code}`.
 - The OpenAI-compatible API, as SGLang (python/sglang/srt/entrypoints/openai/) or vLLM serves it (`openai_flavour`):
@@ -311,6 +312,8 @@ class FakeServer:
     token_delay_s: float = 0.002
     stop_after: InitVar[int | None] = None
     incremental: bool = False  # like --incremental-streaming-output
+    # like --skip-tokenizer-init: /generate answers and chunks carry `output_ids` and no `text` (no detokenizer runs)
+    skip_tokenizer_init: bool = False
     knee: int | None = None  # compute-bound: the token delay scales with running / knee above the knee
     noise: float = 0.0  # relative standard deviation of every token delay
     # A noisy neighbour: (start, end) episodes in time.monotonic() seconds, in order, during which the server runs at
@@ -691,6 +694,7 @@ class SGLang:
     def __init__(self, server: FakeServer, rid: str, context: list[int]):
         self.model, self.incremental = server.model, server.incremental
         self.rid, self.context = rid, context
+        self.texts = not server.skip_tokenizer_init
 
     def error(self, status: int, message: str, headers: dict | None = None) -> web.Response:
         return _sglang_error(status, message, headers)
@@ -714,7 +718,7 @@ class SGLang:
         }
 
     def answer(self, out: list[int], finish: str | None, usage: bool = True) -> dict:
-        return {"text": self.model.text(out), "output_ids": list(out), "meta_info": self._meta(out, finish)}
+        return self._body(out, finish)
 
     def stream_start(self) -> list[dict]:
         return []
@@ -724,8 +728,12 @@ class SGLang:
 
     def chunk(self, out: list[int], sent: int, finish: str | None) -> dict:
         """Cumulative `text` and `output_ids`, or only those since the last chunk (`incremental`)."""
-        ids = out[sent:] if self.incremental else out
-        return {"text": self.model.text(ids), "output_ids": list(ids), "meta_info": self._meta(out, finish)}
+        return self._body(out, finish, out[sent:] if self.incremental else out)
+
+    def _body(self, out: list[int], finish: str | None, ids: list[int] | None = None) -> dict:
+        ids = out if ids is None else ids
+        text = {"text": self.model.text(ids)} if self.texts else {}
+        return {**text, "output_ids": list(ids), "meta_info": self._meta(out, finish)}
 
     def wants_usage(self) -> bool:
         return False

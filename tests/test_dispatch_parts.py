@@ -70,6 +70,16 @@ def test_one_cause_filling_the_window_is_the_cause():
     assert w.cause() == "http_400"
 
 
+def test_a_run_whose_first_requests_all_fail_stops_whatever_their_causes():
+    """No usable answer yet: a full window of mixed causes (empty answers, truncated ones dropped, a timeout) stops
+    the run, naming the commonest; once one answer was usable, only one cause filling the window does."""
+    w = FailFastWindow(3)
+    for outcome in ("empty", "truncated_dropped", "empty"):
+        w.record(outcome)
+    assert w.cause() == "empty"
+    assert "no request of this run gave a usable answer" in w.message("empty", "", 0)
+
+
 def test_a_response_or_a_second_cause_in_the_window_clears_it():
     w = FailFastWindow(3)
     for error in ("http_400", "http_400", None):

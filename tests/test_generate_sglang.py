@@ -239,3 +239,37 @@ def test_the_controller_reads_the_servers_throughput(sglang_project):
     server = metrics(project)["server"]
     assert server["full_readings"] >= 4
     assert 0.5 * 1600 <= server["full_batch_tok_s"] <= 1.1 * 1600
+
+
+def test_answers_with_ids_and_no_text_are_judged_by_their_ids(sglang_project, tiny_model):
+    """SGLang started with --skip-tokenizer-init streams `output_ids` and no `text`: each answer's text is decoded
+    from its ids, and the answers enter the output (they went in as `empty`, every prompt of the source sent)."""
+    from transformers import AutoTokenizer
+
+    from bench.fake_server import GreedyModel
+
+    project, start = sglang_project
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    start(model=GreedyModel(tok), skip_tokenizer_init=True)
+    project.set("datasets.B3.token_budget", 200)
+    project.run("generate", "B3")
+    m = metrics(project)
+    assert m["budget_met"] and "empty" not in m["skipped"]
+    out = list(read_jsonl(project.data("B3") / "responses.jsonl"))
+    assert out and all(r["text"].strip() for r in out)
+    assert all(r["text"] == tok.decode(r["output_ids"], skip_special_tokens=True) for r in out)
+
+
+def test_a_run_whose_answers_are_all_unusable_stops_early_and_fails(sglang_project):
+    """Every answer cut at max_tokens under on_truncation: drop: none can enter the output. The run stops after
+    fail_fast_after answers with one line naming the reason and fails, rather than send the whole source and exit
+    as a success with an empty output."""
+    project, start = sglang_project
+    srv = start()  # the fake never stops early: every answer is cut at max_tokens
+    project.set("datasets.B3.on_truncation", "drop")
+    project.set("datasets.B3.token_budget", 2000)
+    with pytest.raises(RunFailed) as err:
+        project.run("generate", "B3")
+    message = str(err.value)
+    assert "truncated_dropped" in message and "max_tokens" in message and "\n" not in message
+    assert 16 <= len(srv.generate_calls) <= 16 + 8  # at most a batch past the window, not the 150 prompts

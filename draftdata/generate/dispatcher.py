@@ -24,7 +24,7 @@ import time
 
 from draftdata.config.schema import BudgetUnit, Config
 from draftdata.errors import UserError
-from draftdata.generate.accounting import prompt_count
+from draftdata.generate.accounting import prompt_count, unusable_reason
 from draftdata.generate.backends.protocol import Backend, GenRequest, GenResult, seed_of, stopped_result
 from draftdata.generate.budget.controller import BudgetController
 from draftdata.generate.failfast import FailFastWindow
@@ -40,6 +40,13 @@ TICK_S = 0.05  # how often the loop looks at streamed progress between completio
 # How long stopped requests have to return. A backend that honours the stop takes at most its aborts' timeouts (5 s
 # each: a timed-out attempt's, then the stop's) and its grace (1 s); one that has not returned by then is cancelled.
 STOP_WAIT_S = 15.0
+
+
+# What an unusable answer's reason says in the line a failing run stops with (a failure's detail is the server's)
+UNUSABLE = {
+    "empty": "answers with nothing in them (no text, thinking nor tool call)",
+    "truncated_dropped": "answers cut at max_tokens, which on_truncation: drop leaves out",
+}
 
 
 class Interrupted(Exception):
@@ -217,8 +224,10 @@ class Dispatcher:
         self.ledger.commit(settled.rows)
         self.work.settled([*done, *stopped], settled.rows)
         self.ledger.reused(self.work.take_reused())
-        for res, _ in done:
-            self.failfast.record(res.error)
+        # an answer the output cannot use (empty, truncated and dropped) is a failure to the fail-fast window too
+        unusable = {f.p.key: unusable_reason(r, self.ds) for r, f in settled.rows if not r.partial}
+        for res, f in done:
+            self.failfast.record(res.error or unusable.get(f.p.key))
         self._check_failing(done)
 
     def _check_failing(self, done: list[tuple[GenResult, Flight]]) -> None:
@@ -226,7 +235,7 @@ class Dispatcher:
         stop's own batch may hold no failure)."""
         if self.failing or (cause := self.failfast.cause()) is None:
             return
-        detail = next((res.detail for res, _ in reversed(done) if res.error == cause), "")
+        detail = next((res.detail for res, _ in reversed(done) if res.error == cause), "") or UNUSABLE.get(cause, "")
         self.failing = self.failfast.message(cause, detail, self.stats.new)
         self.interrupt()
 

@@ -169,7 +169,10 @@ class Ledger:
 
     def _complete(self, res: GenResult, f: Flight) -> StoredResponse:
         text = res.text
-        if res.continued_from and res.output_ids is not None:  # decoded whole: no seam at the continuation point
+        # decoded whole where it was continued (no seam at the continuation point), and from the ids where the server
+        # sent ids and no text (SGLang's --skip-tokenizer-init): an answer with ids is judged by its ids
+        no_text = not (res.text or res.reasoning or res.tool_calls)
+        if res.output_ids and (res.continued_from or no_text):
             text = self.tok.decode(res.output_ids, skip_special_tokens=True)
         prompt_ids = f.p.prompt_ids if res.continued_from else res.prompt_ids
         if res.latency_s > 0:
