@@ -35,7 +35,7 @@ class FailFastWindow:
     def message(self, cause: str, detail: str, committed: int) -> str:
         """The one line the run stops with: the cause, an example of it, and that nothing committed is lost."""
         causes = Counter(self._recent)
-        if len(causes) == 1:
+        if len(causes) <= 1:
             what = f"the last {self.after} requests all failed with {cause}"
         else:
             mix = ", ".join(f"{c} {n}" for c, n in causes.most_common())
