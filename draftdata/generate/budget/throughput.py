@@ -34,6 +34,9 @@ PROBE_READINGS = 3
 JUMP_SIGMAS = 5.0
 JUMP_MIN = 0.1
 JUMP_REFERENCE = 3
+# ... once this many readings in a row agree on the new level: a stall, two stalls, or a stall and its catch-up
+# (the readings either side of a hiccup) move nothing.
+JUMP_CONFIRM = 3
 
 
 @dataclass
@@ -44,9 +47,10 @@ class Levels:
     batch, which no knee explains: the fit clips both, and a real loss in between goes unseen.
 
     A jump from the last readings beyond what the batch's change explains (any knee scales the rate by between 1 and
-    the ratio of the batches) and the noise starts a segment: that reading is held out (the edge may fall inside its
-    interval) and the next one, against the last readings kept, says by how much the level moved; a lone outlier (a
-    stall) comes back and moves nothing. A segment's level is the median of its full-batch readings where it has
+    the ratio of the batches) and the noise is held out; JUMP_CONFIRM such readings in a row that agree with each
+    other start a segment, the ones after the first (whose interval may hold the edge) saying by how much the level
+    moved against the last readings kept. Outliers (a stall, two stalls, a stall and its catch-up) come back and
+    move nothing. A segment's level is the median of its full-batch readings where it has
     enough (then no error carries from one segment to the next), else the level it was entered from times its jump."""
 
     _full: list[deque] = field(default_factory=lambda: [deque(maxlen=FULL_WINDOW)])  # per segment
@@ -54,7 +58,7 @@ class Levels:
     # (tokens/s, in flight) of the last readings kept in the segment: a jump is measured against each and the median
     # taken, so a reading whose interval held the edge of the last jump does not set the next level
     _recent: deque = field(default_factory=lambda: deque(maxlen=JUMP_REFERENCE))
-    _held: bool = False  # the last reading jumped: held out, the next one says whether the level moved
+    _held: list = field(default_factory=list)  # readings off the level, in a row, held out until they agree
 
     @property
     def segment(self) -> int:
@@ -69,22 +73,35 @@ class Levels:
     def add(self, tokens_per_s: float, in_flight: float, full: bool, knee: float = 0.0) -> int | None:
         """The segment of a reading, None for one held out. `knee`: the model's knee now (0: flat), by which the
         size of a jump is told from the batch's change."""
-        if self._recent:
-            unexplained = [self._unexplained(tokens_per_s, in_flight, r, n) for r, n in self._recent]
-            if abs(statistics.median(unexplained)) > max(JUMP_SIGMAS * math.sqrt(2) * self.noise(), JUMP_MIN):
-                if not self._held:
-                    self._held = True
-                    return None
-                self._jumps.append(
-                    statistics.median(self._jump(tokens_per_s, in_flight, *rn, knee) for rn in self._recent)
-                )
-                self._full.append(deque(maxlen=FULL_WINDOW))
-                self._recent.clear()
-        self._held = False
-        self._recent.append((tokens_per_s, in_flight))
+        reading = (tokens_per_s, in_flight)
+        limit = max(JUMP_SIGMAS * math.sqrt(2) * self.noise(), JUMP_MIN)
+        if self._recent and abs(self._off(reading, self._recent)) > limit:
+            # off the level: held out until JUMP_CONFIRM readings in a row agree on a new one. One that disagrees
+            # with the reading before it (a stall, then its catch-up) starts the count again.
+            if self._held and abs(self._off(reading, self._held[-1:])) > limit:
+                self._held.clear()
+            self._held.append(reading)
+            if len(self._held) < JUMP_CONFIRM:
+                return None
+            self._shift(knee)
+        self._held.clear()
+        self._recent.append(reading)
         if full:
             self._full[-1].append(tokens_per_s)
         return self.segment
+
+    def _shift(self, knee: float) -> None:
+        """A new segment at the level the held readings agree on. The first of them may hold the edge inside its
+        interval: the jump is measured from the others, against each of the last readings kept (the median)."""
+        settled = self._held[1:]
+        self._jumps.append(statistics.median(self._jump(*r, *rn, knee) for r in settled for rn in self._recent))
+        self._full.append(deque(maxlen=FULL_WINDOW))
+        self._recent.clear()
+        self._recent.extend(settled[:-1])  # the reading being added goes in after
+
+    def _off(self, reading: tuple[float, float], refs) -> float:
+        """How far `reading` is from `refs`' level, beyond what the batch's change explains (the median over them)."""
+        return statistics.median(self._unexplained(*reading, r, n) for r, n in refs)
 
     @staticmethod
     def _unexplained(rate: float, n: float, before: float, n_before: float) -> float:
