@@ -1,10 +1,10 @@
 """Stage `prompts@D`: a source dataset → the prompts to send, in the source's shape adapted to chat messages,
-deduplicated, selected (shuffle, max_prompts, max_prompt_tokens) and counted by drop reason.
+deduplicated, selected (shuffle, max_prompts, max_prompt_tokens); every row not kept is counted by reason and listed
+in `prompts_rejected.jsonl`.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 
 from draftdata.config.load import cli
@@ -13,25 +13,26 @@ from draftdata.sources.files import iter_rows
 from draftdata.sources.select import adapt_rows, dedup, select_prompts
 from draftdata.util.files import data_dir, write_json, write_jsonl
 from draftdata.util.log import log
+from draftdata.util.rejected import Rejections
 
 
 def main(cfg: Config) -> None:
     ds = cfg.ds
     # the work begins (a source of millions of rows takes a while before the closing line)
     log("prompts", dataset=cfg.dataset, reading=ds.source.path or ds.source.hf_name)
-    drops: Counter = Counter()
-    records = dedup(adapt_rows(iter_rows(ds.source), ds, drops), drops)  # a stream: the source is never held whole
-    count_tokens = _token_counter(cfg) if ds.max_prompt_tokens is not None else None
-    kept = select_prompts(records, ds.shuffle_seed, ds.max_prompts, ds.max_prompt_tokens, count_tokens, drops)
-    n_read = len(kept) + sum(drops.values())  # every row read is kept or counted under one drop reason
     out = data_dir(cfg.dataset)
+    with Rejections(out / "prompts_rejected.jsonl", "prompts") as drops:  # every row not kept, with its reason
+        records = dedup(adapt_rows(iter_rows(ds.source), ds, drops), drops)  # a stream: never held whole
+        count_tokens = _token_counter(cfg) if ds.max_prompt_tokens is not None else None
+        kept = select_prompts(records, ds.shuffle_seed, ds.max_prompts, ds.max_prompt_tokens, count_tokens, drops)
+    n_read = len(kept) + drops.rows  # every row read is kept or rejected for one reason
     log("prompts", dataset=cfg.dataset, writing=out / "prompts.jsonl")  # the writing of the outputs begins
     write_jsonl(out / "prompts.jsonl", kept)
     metrics = {
         "rows_read": n_read,
         "kept": len(kept),
-        "dropped": dict(sorted(drops.items())),
-        "dropped_total": sum(drops.values()),
+        "dropped": dict(sorted(drops.counts.items())),
+        "dropped_total": drops.rows,
     }
     write_json(out / "prompts_metrics.json", metrics)
     log(
@@ -39,7 +40,7 @@ def main(cfg: Config) -> None:
         dataset=cfg.dataset,
         rows=n_read,
         kept=len(kept),
-        **{f"dropped_{k}": v for k, v in sorted(drops.items())},
+        **{f"dropped_{k}": v for k, v in sorted(drops.counts.items())},
     )
 
 

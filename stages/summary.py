@@ -4,7 +4,9 @@ as a share of the samples' tokens), new against reused tokens. The stages' detai
 stay beside it, outside DVC's metrics list so they do not crowd its tables (`dvc metrics show` lists these
 summaries only; read a detailed file with `cat`).
 
-It reads JSON only (no model, no config composition): a stage that costs DVC's overhead and little else.
+It also joins the stages' rejection ledgers into `rejected.jsonl` (every source row not kept, with the stage and the
+reason), checking that the rows kept and rejected add up to the rows read. It reads JSON only (no model, no config
+composition): a stage that costs DVC's overhead and little else.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import json
 import sys
 from pathlib import Path
 
-from draftdata.util.files import data_dir, write_json
+from draftdata.util.files import atomic_path, data_dir, write_json
+from draftdata.util.rejected import ROW
 
 
 def summarise(generate: dict, tokenize: dict) -> dict:
@@ -42,10 +45,34 @@ def summarise(generate: dict, tokenize: dict) -> dict:
     }
 
 
+LEDGERS = ("prompts", "generate", "tokenize")  # the stages' rejection ledgers, in chain order
+
+
+def join_rejected(out: Path, rows_read: int, rows_kept: int) -> dict[str, int]:
+    """The stages' rejection ledgers joined into `rejected.jsonl`, one file for the dataset; the rows each stage
+    rejected. Every source row is kept (a sample holds what came of it) or rejected by exactly one stage: a sum that
+    does not come out is a bug, said in one line."""
+    rejected = dict.fromkeys(LEDGERS, 0)
+    with atomic_path(out / "rejected.jsonl") as tmp, open(tmp, "w", encoding="utf-8") as joined:
+        for stage in LEDGERS:
+            with open(out / f"{stage}_rejected.jsonl", encoding="utf-8") as f:
+                for line in f:
+                    joined.write(line)
+                    rejected[stage] += json.loads(line)["unit"] == ROW
+    if rows_kept + sum(rejected.values()) != rows_read:
+        sys.exit(
+            f"error: {out}: {rows_read} source rows read, {rows_kept} kept and {rejected} rejected: the ledgers "
+            "do not add up (a bug: please report it)"
+        )
+    return rejected
+
+
 def main(dataset: str) -> None:
     out = data_dir(dataset)
+    stages = ("prompts", "generate", "tokenize")
     try:
-        read = {stage: json.loads((out / f"{stage}_metrics.json").read_text()) for stage in ("generate", "tokenize")}
+        read = {stage: json.loads((out / f"{stage}_metrics.json").read_text()) for stage in stages}
+        join_rejected(out, read["prompts"]["rows_read"], read["tokenize"]["rows_kept"])
     except FileNotFoundError as e:
         sys.exit(f"error: {e.filename}: not found; run the chain first (dvc repro tokenize@{dataset})")
     write_json(out / "summary.json", summarise(read["generate"], read["tokenize"]))

@@ -10,10 +10,11 @@ from draftdata.config.schema import Config
 from draftdata.errors import UserError
 from draftdata.model.tokenizer import load_tokenizer, tokenizer_fingerprint
 from draftdata.tokenize.parquet import SCHEMA_VERSION, samples_table, write_parquet
-from draftdata.tokenize.samples import SKIP_REASONS, build_samples, check_skips
+from draftdata.tokenize.samples import SKIP_REASONS, build_samples, check_skips, reject_rows, response_groups
 from draftdata.util.files import data_dir, read_jsonl, write_json
 from draftdata.util.log import log
 from draftdata.util.plots import write_csv
+from draftdata.util.rejected import Rejections
 
 
 def main(cfg: Config) -> None:
@@ -26,6 +27,8 @@ def main(cfg: Config) -> None:
     log("tokenize", dataset=cfg.dataset, responses=len(recs))  # the work begins: tokenizing them
     samples, tally = build_samples(recs, tok, cfg)
     check_skips(tally.skipped, len(recs), cfg.tokenize.max_skip_pct)
+    with Rejections(out / "tokenize_rejected.jsonl", "tokenize") as rejected:  # every row no sample holds, and why
+        rows_kept = reject_rows(rejected, recs, samples, tally)
     meta = {
         "schema_version": SCHEMA_VERSION,
         "dataset": cfg.dataset,
@@ -48,6 +51,9 @@ def main(cfg: Config) -> None:
         "tokens": sum(len(s.input_ids) for s in samples),
         "trained_tokens": sum(sum(s.loss_mask) for s in samples),
         "skipped": dict(sorted(tally.skipped.items())),
+        "rows": len(response_groups(recs)),  # responses, or conversations (`turns: all`)
+        "rows_kept": rows_kept,
+        "rejected": dict(sorted(rejected.counts.items())),
         "truncated_to_max_seq_len": tally.truncated,
         "conversations": tally.conversations,
         "conversations_per_turn_samples": tally.per_turn,

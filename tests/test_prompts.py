@@ -154,6 +154,24 @@ def test_dedup_order_and_filters(project):
     assert dropped["over_max_prompts"] + dropped.get("over_max_prompt_tokens", 0) == 21
 
 
+class Listed:
+    """A rejection tally that keeps each line's reason and id."""
+
+    def __init__(self):
+        from draftdata.util.rejected import Tally
+
+        self.tally, self.lines = Tally(), []
+        self.counts = self.tally.counts
+
+    def add(self, reason: str, **row) -> None:
+        self.tally.add(reason)
+        self.lines.append((reason, row.get("id")))
+
+    @property
+    def rows(self) -> int:
+        return self.tally.rows
+
+
 def _sorted_selection(records, seed, max_prompts, max_prompt_tokens, count_tokens, drops):
     """The selection as a full sort of the source and a walk in its order: what the bounded one must equal."""
     from draftdata.util.hashing import content_hash
@@ -161,12 +179,12 @@ def _sorted_selection(records, seed, max_prompts, max_prompt_tokens, count_token
     kept = []
     for rec in sorted(records, key=lambda r: content_hash([seed, r["id"]])):
         if max_prompts is not None and len(kept) >= max_prompts:
-            drops["over_max_prompts"] += 1
+            drops.add("over_max_prompts", id=rec["id"])
             continue
         if max_prompt_tokens is not None:
             n = count_tokens(rec)
             if n > max_prompt_tokens:
-                drops["over_max_prompt_tokens"] += 1
+                drops.add("over_max_prompt_tokens", id=rec["id"])
                 continue
             rec["prompt_tokens"] = n
         kept.append(rec)
@@ -193,26 +211,26 @@ def _length(rec: dict) -> int:
 )
 @pytest.mark.parametrize("seed", [0, 1, 12345])
 def test_bounded_selection_equals_the_full_sort(seed, n, max_prompts, max_prompt_tokens):
-    from collections import Counter
-
+    """The same prompts kept, and the same rows rejected for the same reasons (the rejection ledger's lines)."""
     from draftdata.sources.select import dedup, select_prompts
 
-    want_drops, got_drops = Counter(), Counter()
+    want_drops, got_drops = Listed(), Listed()
     want = _sorted_selection(
         list(dedup(_records(n), want_drops)), seed, max_prompts, max_prompt_tokens, _length, want_drops
     )
     got = select_prompts(dedup(_records(n), got_drops), seed, max_prompts, max_prompt_tokens, _length, got_drops)
-    assert got == want and dict(got_drops) == dict(want_drops)
-    assert len(got) + sum(got_drops.values()) == n
+    assert got == want and dict(got_drops.counts) == dict(want_drops.counts)
+    assert sorted(got_drops.lines) == sorted(want_drops.lines)
+    assert len(got) + got_drops.rows == n
 
 
 def test_selection_holds_at_most_max_prompts_records():
     """The source streams through the selection: records it did not keep are freed as it goes (5M rows to keep
     100k must not all be held and sorted)."""
     import weakref
-    from collections import Counter
 
     from draftdata.sources.select import dedup, select_prompts
+    from draftdata.util.rejected import Tally
 
     class Rec(dict):  # a dict that can be watched for being freed
         pass
@@ -228,6 +246,6 @@ def test_selection_holds_at_most_max_prompts_records():
             alive[id(r)] = r
             yield r
 
-    kept = select_prompts(dedup(source(), Counter()), 3, 40, 200, _length, Counter())
+    kept = select_prompts(dedup(source(), Tally()), 3, 40, 200, _length, Tally())
     assert len(kept) == 40
     assert most <= 40 + 2  # the kept ones, plus the one in hand and the one before it (iterators may hold them)

@@ -45,6 +45,7 @@ class Flight:
 class RunStats:
     """What this run did. Tokens are the ones this run generated, unless said otherwise."""
 
+    reused: int = 0  # usable answers the store held for the run's prompts before it
     new: int = 0  # complete responses committed
     parked: int = 0  # partial responses parked (cut by the budget or interrupted)
     cut: int = 0  # ... of which cut by the budget

@@ -9,7 +9,6 @@ counted by reason in `data/<D>/prompts_metrics.json`.
 from __future__ import annotations
 
 import heapq
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 
 from draftdata.config.schema import DatasetConfig, OnBadRecord, Turns
@@ -17,6 +16,7 @@ from draftdata.errors import UserError
 from draftdata.sources.files import Row
 from draftdata.sources.shapes import BadRecord, Prompt, SourceOptions, to_prompt, turn_slots
 from draftdata.util.hashing import content_hash
+from draftdata.util.rejected import Tally
 
 
 class BadInput(UserError):
@@ -27,8 +27,9 @@ def prompt_id(messages: list[dict], tools: list[dict] | None) -> str:
     return content_hash({"messages": messages, "tools": tools})
 
 
-def adapt_rows(rows: Iterable[Row], ds: DatasetConfig, drops: Counter) -> Iterator[dict]:
-    """Rows → prompt records; bad rows fail with their file:line, or are counted when the user chose `skip`."""
+def adapt_rows(rows: Iterable[Row], ds: DatasetConfig, drops: Tally) -> Iterator[dict]:
+    """Rows → prompt records; bad rows fail with their file:line, or are counted (and listed) when the user chose
+    `skip`."""
     options = SourceOptions(keep_system=ds.source.keep_system, user_template=ds.source.user_template)
     for row in rows:
         try:
@@ -40,7 +41,7 @@ def adapt_rows(rows: Iterable[Row], ds: DatasetConfig, drops: Counter) -> Iterat
                 raise BadInput(
                     f"{row.where}: {e} (reason={e.reason}; set on_bad_record: skip to count and skip)"
                 ) from e
-            drops[e.reason] += 1
+            drops.add(e.reason, where=row.where)
             continue
         yield _record(p, row.where, ds.turns == Turns.all)
 
@@ -60,12 +61,12 @@ def _record(p: Prompt, where: str, all_turns: bool) -> dict:
     return rec
 
 
-def dedup(records: Iterable[dict], drops: Counter) -> Iterator[dict]:
+def dedup(records: Iterable[dict], drops: Tally) -> Iterator[dict]:
     """The first record of each id, as a stream: only the ids seen are held."""
     seen: set[str] = set()
     for rec in records:
         if rec["id"] in seen:
-            drops["duplicate"] += 1
+            drops.add("duplicate", where=rec.get("where"), id=rec["id"])
             continue
         seen.add(rec["id"])
         yield rec
@@ -77,7 +78,7 @@ def select_prompts(
     max_prompts: int | None,
     max_prompt_tokens: int | None,
     count_tokens: Callable[[dict], int],
-    drops: Counter,
+    drops: Tally,
 ) -> list[dict]:
     """Seeded shuffle, then keep prompts within the token limit until `max_prompts` are kept.
 
@@ -93,7 +94,7 @@ def select_prompts(
             if fits(rec):
                 kept.append(rec)
             else:
-                drops["over_max_prompt_tokens"] += 1
+                _drop(drops, "over_max_prompt_tokens", rec)
         return kept
     return _first_in_order(records, seed, max_prompts, fits, drops)
 
@@ -118,31 +119,38 @@ def _fits(max_prompt_tokens: int | None, count_tokens: Callable[[dict], int]) ->
 
 
 def _first_in_order(
-    records: Iterable[dict], seed: int, limit: int, fits: Callable[[dict], bool], drops: Counter
+    records: Iterable[dict], seed: int, limit: int, fits: Callable[[dict], bool], drops: Tally
 ) -> list[dict]:
     """The `limit` records first in the seeded order that fit, and the drops counted as if every record had been
     sorted and walked in that order: too long if before the last one kept, else over max_prompts.
 
     `kept` is a max-heap (entries negated) of the records that fit; a record after its last one once it is full can
     never be kept, so its tokens are not counted. `too_long` holds the order of the records that did not fit while
-    they were ahead of the last one kept (only the order keys: no records)."""
+    they were ahead of the last one kept (their order keys and where they are: no records)."""
     kept: list[tuple[tuple[int, int], dict]] = []  # (negated (order, arrival), record): the last one kept on top
-    too_long: list[tuple[int, int]] = []  # negated (order, arrival)
+    too_long: list[tuple[tuple[int, int], dict]] = []  # (negated (order, arrival), where and id)
     for seq, rec in enumerate(records):
         at = (-int(_order(seed, rec), 16), -seq)  # ties in the order (none for distinct ids) go by arrival, as sorted
         if len(kept) == limit and at < kept[0][0]:
-            drops["over_max_prompts"] += 1
+            _drop(drops, "over_max_prompts", rec)
             continue
         if not fits(rec):
-            heapq.heappush(too_long, at)
+            heapq.heappush(too_long, (at, _place(rec)))
             continue
         heapq.heappush(kept, (at, rec))
         if len(kept) > limit:
-            heapq.heappop(kept)
-            drops["over_max_prompts"] += 1
-        while too_long and len(kept) == limit and too_long[0] < kept[0][0]:
-            heapq.heappop(too_long)
-            drops["over_max_prompts"] += 1
-    if too_long:
-        drops["over_max_prompt_tokens"] += len(too_long)
+            _drop(drops, "over_max_prompts", heapq.heappop(kept)[1])
+        while too_long and len(kept) == limit and too_long[0][0] < kept[0][0]:
+            drops.add("over_max_prompts", **heapq.heappop(too_long)[1])
+    for _, place in sorted(too_long, reverse=True):
+        drops.add("over_max_prompt_tokens", **place)
     return [rec for _, rec in sorted(kept, key=lambda e: e[0], reverse=True)]
+
+
+def _place(rec: dict) -> dict:
+    """What finds a prompt record again in its source: where it was read, and its id."""
+    return {"where": rec.get("where"), "id": rec["id"]}
+
+
+def _drop(drops: Tally, reason: str, rec: dict) -> None:
+    drops.add(reason, **_place(rec))

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from jinja2.exceptions import TemplateError
@@ -36,6 +36,7 @@ from draftdata.model.tokenizer import (
     prefix_stable,
     template_messages,
 )
+from draftdata.util.rejected import TURN, Tally
 
 # Every reason a response is skipped for (template_error:<type> adds the exception's name); the skips plot lists
 # them all, zeros included, so runs line up.
@@ -253,6 +254,12 @@ class TokenizeTally:
     truncated: int = 0
     conversations: int = 0  # regenerated conversations (`turns: all`) with a sample
     per_turn: int = 0  # of which not prefix-stable: one sample per turn
+    why: dict = field(default_factory=dict)  # response id -> why it was skipped
+    why_sample: dict = field(default_factory=dict)  # a sample's row (conversation or response id) -> why it went
+
+    def skip(self, rec: dict, reason: str) -> None:
+        self.skipped[reason] += 1
+        self.why[rec["id"]] = reason
 
 
 def response_groups(recs: list[dict]) -> list[list[dict]]:
@@ -306,7 +313,7 @@ def build_samples(recs: list[dict], tok, cfg: Config) -> tuple[list[Tokenized], 
         if rec["completion_tokens"] == 0 or not (
             rec["text"].strip() or rec.get("reasoning_content") or rec.get("tool_calls")
         ):
-            tally.skipped["empty_output"] += 1
+            tally.skip(rec, "empty_output")
         else:
             usable.append(rec)
     by_ids = [r for r in usable if r.get("prompt_ids") is not None and r.get("output_ids") is not None]
@@ -324,7 +331,7 @@ def build_samples(recs: list[dict], tok, cfg: Config) -> tuple[list[Tokenized], 
         for rec in group:  # a turn that cannot be built is skipped; its answer stays context of the later ones
             result = built[rec["id"]]
             if isinstance(result, Skip):
-                tally.skipped[result.reason] += 1
+                tally.skip(rec, result.reason)
             else:
                 turns.append(Built(rec, *result))
         if turns:
@@ -338,7 +345,9 @@ def _group_samples(turns: list[Built], cfg: TokenizeConfig, tally: TokenizeTally
     if cfg.on_too_long == OnTooLong.drop:  # the turns too long go; a shorter conversation is still a valid sample
         fit = [t for t in turns if len(t.ids) <= cfg.max_seq_len]
         if len(fit) < len(turns):
-            tally.skipped["over_max_seq_len"] += len(turns) - len(fit)
+            for t in turns:
+                if len(t.ids) > cfg.max_seq_len:
+                    tally.skip(t.rec, "over_max_seq_len")
             if not fit:
                 return []
             turns = fit
@@ -355,6 +364,7 @@ def _within_length(samples: list[Tokenized], cfg: Config, tally: TokenizeTally) 
             kept = limit_length(s, cfg.tokenize.max_seq_len, cfg.tokenize.on_too_long)
         except Skip as e:
             tally.skipped[e.reason] += s.responses
+            tally.why_sample[s.conversation or s.id] = e.reason
             continue
         tally.truncated += int(len(kept.input_ids) < len(s.input_ids))
         out.append(kept)
@@ -371,3 +381,19 @@ def check_skips(skipped: Counter, responses: int, max_pct: float) -> None:
             f"tokenize.max_skip_pct {max_pct:g}); top reason: {reason} ({count}); see the reasons in "
             "docs/outputs.md, or raise tokenize.max_skip_pct"
         )
+
+
+def reject_rows(rejected: Tally, recs: list[dict], samples: list[Tokenized], tally: TokenizeTally) -> int:
+    """The rejection ledger's lines (util/rejected.py): each response row (a conversation, `turns: all`) no sample
+    holds, with why, and each turn skipped in a conversation a sample still holds. Returns the rows kept."""
+    kept = {s.conversation or s.id for s in samples}
+    for group in response_groups(recs):
+        row = group[0].get("conversation") or group[0]["id"]
+        skipped = [r for r in group if r["id"] in tally.why]
+        if row not in kept:
+            reason = tally.why_sample.get(row) or (tally.why[skipped[0]["id"]] if skipped else "no_sample")
+            rejected.add(reason, id=row)
+            continue
+        for r in skipped:
+            rejected.add(tally.why[r["id"]], unit=TURN, id=r["id"], conversation=row, turn=r.get("turn"))
+    return len(kept)

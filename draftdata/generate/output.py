@@ -1,0 +1,141 @@
+"""The generate stage's outputs, from what the store holds for the run's prompts: the responses selected in prompt order
+up to the budget (selection.py) as `responses.jsonl`, the run's figures (`generate_metrics.json`), its plots, and
+the rejection ledger of the prompts the output holds no line of (rejected.py).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftdata.config.schema import Config, DatasetConfig
+from draftdata.generate.dispatcher import RunStats
+from draftdata.generate.rejected import reject_conversations, reject_prompts
+from draftdata.generate.request import Planned
+from draftdata.generate.selection import select_responses
+from draftdata.generate.store import CUT, ResponseStore, StoredResponse
+from draftdata.generate.work import RunPlan
+from draftdata.util.files import write_json, write_jsonl
+from draftdata.util.log import log
+from draftdata.util.plots import histogram, write_csv
+from draftdata.util.rejected import Rejections
+
+
+@dataclass
+class Written:
+    """What the outputs hold: for the stage's closing lines."""
+
+    responses: int
+    total: int  # what they count toward the budget
+    reused: int  # usable answers the store held before the run
+
+
+def write_outputs(
+    cfg: Config, out: Path, prompts: list[dict], run: RunPlan, stats: RunStats, store: ResponseStore, wall: float
+) -> Written:
+    ds = cfg.ds
+    selected, total, skipped = select_responses(run.plan, run.stored, ds)
+    reasons = run.end_reasons(selected)
+    log("generate", dataset=cfg.dataset, writing=out / "responses.jsonl")  # the writing begins (seconds at 100k)
+    write_jsonl(out / "responses.jsonl", (output_record(p, r, reasons.get(p.prompt["id"])) for p, r in selected))
+    rejected = _write_rejected(out, prompts, run, selected, ds, store)
+    write_plots(out / "plots", [r.completion_tokens for _, r in selected], ds.max_tokens, stats.fill or [(0.0, total)])
+    metrics = run_metrics(ds, selected, total, skipped, stats, stats.reused, run.duplicates, wall) | run.metrics(
+        reasons, selected
+    )
+    metrics.update(prompts=len(prompts), prompts_in_output=len(prompts) - rejected.rows)
+    metrics["rejected"] = dict(sorted(rejected.counts.items()))
+    write_json(out / "generate_metrics.json", metrics)
+    return Written(len(selected), total, stats.reused)
+
+
+def _write_rejected(out: Path, prompts, run: RunPlan, selected, ds: DatasetConfig, store: ResponseStore) -> Rejections:
+    """The ledger of the prompts the output holds no line of (rejected.py)."""
+    missing = [p.key for p in run.plan if p.key not in run.stored]
+    failures = store.failures(missing)
+    with Rejections(out / "generate_rejected.jsonl", "generate") as rejected:
+        if run.convs is None:
+            reject_prompts(rejected, prompts, run.plan, run.stored, selected, ds, failures)
+        else:
+            reject_conversations(rejected, run.convs, run.stored, selected, ds, failures)
+    return rejected
+
+
+def run_metrics(
+    ds: DatasetConfig,
+    selected,
+    total: int,
+    skipped: Counter,
+    stats: RunStats,
+    reused: int,
+    duplicates: int,
+    wall: float,
+) -> dict:
+    # each answer once: conversations that share a turn each hold it in the output, but it was generated once
+    in_output = sum(stats.new_by_key.get(key, 0) for key in {r.key for _, r in selected})
+    return {
+        "responses": len(selected),
+        "completion_tokens": sum(r.completion_tokens for _, r in selected),
+        "prompt_tokens": sum(r.prompt_tokens for _, r in selected),
+        "budget": ds.token_budget,
+        "budget_unit": ds.budget_unit.value,
+        "budget_tokens": total,
+        "budget_met": total >= ds.token_budget,
+        "overshoot_tokens": max(0, total - ds.token_budget),
+        "overshoot_pct": round(100.0 * max(0, total - ds.token_budget) / ds.token_budget, 4),
+        "truncated": sum(r.finish_reason == "length" for _, r in selected),
+        "cut_by_budget": sum(r.finish_reason == CUT for _, r in selected),
+        "skipped": dict(sorted(skipped.items())),
+        # prompts whose rendered ids (hence store key) an earlier prompt had: asked and output once, the first's
+        "duplicate_after_template": duplicates,
+        "failed": dict(sorted(stats.failed.items())),
+        "attempt_failures": dict(sorted(stats.attempt_failures.items())),
+        "cancelled_in_flight": stats.cancelled,
+        "reused_from_store": reused,
+        "newly_generated": stats.new + stats.parked,
+        "continued": stats.continued,
+        "new_tokens": stats.generated,
+        "kept_tokens": stats.kept,
+        "parked_tokens": stats.parked_tokens,
+        "continued_tokens": stats.continued_tokens,
+        "lost_tokens": stats.lost,
+        "lost_estimated": stats.lost_estimated,
+        "completion_tokens_estimated": stats.estimated,  # responses counted from streamed text (no usage, no ids)
+        # generated by this run but not in the output: parked, lost, or past the budget (kept in the store)
+        "wasted_tokens": stats.generated - in_output,
+        "new_in_output_tokens": in_output,  # the output's completion tokens this run generated (the rest reused)
+        "server": stats.server,
+        "wall_s": round(wall, 2),
+        "new_tok_per_s": round(stats.generated / wall, 1) if wall > 0 else 0.0,
+    }
+
+
+def write_plots(out: Path, lengths: list[int], max_tokens: int, fill: list[tuple[float, int]]) -> None:
+    write_csv(out / "completion_lengths.csv", histogram(lengths, max_tokens), ["length", "responses"])
+    write_csv(out / "budget_fill.csv", [{"seconds": t, "tokens": n} for t, n in fill], ["seconds", "tokens"])
+
+
+def output_record(p: Planned, r: StoredResponse, end_reason: str | None = None) -> dict:
+    """A line of responses.jsonl; a conversation's turn (`turns: all`) also names its conversation and turn, and
+    its conversation's last line why it ended."""
+    rec = {"id": p.prompt["id"], "key": r.key, "messages": p.prompt["messages"]}
+    if "conversation" in p.prompt:
+        rec.update(conversation=p.prompt["conversation"], turn=p.prompt["turn"])
+        if end_reason is not None:
+            rec["end_reason"] = end_reason
+    if p.prompt.get("tools"):
+        rec["tools"] = p.prompt["tools"]
+    rec.update(
+        prompt_ids=r.prompt_ids,
+        output_ids=r.output_ids,
+        text=r.text,
+        prompt_tokens=r.prompt_tokens,
+        completion_tokens=r.completion_tokens,
+        finish_reason=r.finish_reason,
+    )
+    if r.reasoning:  # the key HF chat templates read
+        rec["reasoning_content"] = r.reasoning
+    if r.tool_calls:
+        rec["tool_calls"] = r.tool_calls
+    return rec
