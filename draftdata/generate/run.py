@@ -97,7 +97,7 @@ def generate_missing(
         ctrl.lengths.add(r.completion_tokens)  # completion lengths only: bounded by max_tokens, whatever the unit
     todo = [p for p in plan if needs_request(stored.get(p.key))]
     if cfg.backend.kind == BackendKind.openai and todo:  # before any request
-        # imported here, as make_backend imports the backends: aiohttp costs a run that sends nothing 0.1 s
+        # imported here, as make_backend imports the backends: a run that sends nothing does not import aiohttp
         from draftdata.generate.backends.openai import check_chat_rendering
 
         check_chat_rendering(cfg, tok, [p.prompt for p in todo])

@@ -3,7 +3,7 @@ the hf hidden-states engine.
 
 A 16-bit model runs in its own dtype where the hardware multiplies it natively (a GPU; a CPU with AMX or AVX-512
 BF16 for bf16, AMX-FP16 for fp16), and in float32 elsewhere: a CPU without those units runs bf16 matmuls no faster
-than float32, some far slower (an AVX2-only AMD EPYC, about 8x). Computing a 16-bit model in float32 computes the same
+than float32, some far slower (docs/benchmarks.md). Computing a 16-bit model in float32 computes the same
 model, more precisely, but not the same tokens: the dtype is part of what a stored answer or state was computed by.
 
 So the choice is made from the setting, the weights' dtype and the device alone, never from a timing (a timing can

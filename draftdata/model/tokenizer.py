@@ -149,7 +149,7 @@ def plain_fast_tokenizer(path: str) -> bool:
     in tokenizer_config.json, no code of its own (auto_map), no Mistral tekken file, and a model type that keeps the
     class the tokenizer config names (Llama's, or no config.json; AutoTokenizer overrides it for types such as
     qwen2). Then that class loads it directly: the same tokenizer without AutoTokenizer's reading of the model
-    config, whose classes import torch (about 2.5 s of each CPU-only stage's start)."""
+    config, whose classes import torch (seconds of each CPU-only stage's start)."""
     root = Path(path).expanduser()
     try:
         tok_conf = json.loads((root / "tokenizer_config.json").read_text())
