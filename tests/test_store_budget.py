@@ -235,20 +235,19 @@ def test_a_lone_stall_or_spike_moves_no_level():
     assert c.throughput.floor() == 0
 
 
-@pytest.mark.parametrize(
-    "disturbed", [(0.3, 1.7), (0.3, 0.3), (1.8, 0.4)], ids=["stall_then_catch_up", "two_stalls", "spike_then_stall"]
-)
-def test_two_disturbed_readings_in_a_row_move_no_level(disturbed):
-    """Two readings off the level in a row (a stall and the catch-up after it, two stalls) are outliers too: they
-    made two level shifts, and the full batch's rate moved by a few percent (2.4 % on a stall and its catch-up)."""
-    rng = random.Random(11)
+@pytest.mark.parametrize("seed", [11, 12, 13])
+@pytest.mark.parametrize("disturbed", [(0.3, 1.7), (1.8, 0.4)], ids=["stall_then_catch_up", "spike_then_stall"])
+def test_two_readings_off_the_level_either_way_move_no_level(disturbed, seed):
+    """A stall and the catch-up after it (two readings off the level, either way) made two level shifts and moved
+    the full batch's rate by up to 2.4 %, until the new level had readings of its own: now they are outliers."""
+    rng = random.Random(seed)
     c = BudgetController(budget=10**6, max_tokens=10_240, concurrency=150, observes_rate=True)
     full_batch(c, rng)
     before = c.throughput.full_rate
     for factor in (1.0, *disturbed, 1.0, 1.0, 1.0, 1.0):
         c.observe_rate(factor * 7500 * (1 + rng.gauss(0, 0.02)), 150)
     assert c.throughput.summary()["level_shifts"] == 0
-    assert c.throughput.full_rate == pytest.approx(before, rel=0.005)
+    assert c.throughput.full_rate == pytest.approx(before, rel=0.01)  # the noise's reach, not a level's
 
 
 def test_two_low_readings_as_the_drain_starts_do_not_hold_the_batch_full():

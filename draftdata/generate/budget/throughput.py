@@ -34,9 +34,11 @@ PROBE_READINGS = 3
 JUMP_SIGMAS = 5.0
 JUMP_MIN = 0.1
 JUMP_REFERENCE = 3
-# ... once this many readings in a row agree on the new level: a stall, two stalls, or a stall and its catch-up
-# (the readings either side of a hiccup) move nothing.
-JUMP_CONFIRM = 3
+# ... once this many readings in a row are off it the same way: a stall, or a stall and its catch-up (the readings
+# either side of a hiccup), moves nothing. Two stalls in a row look like a real two-second shift and are taken for
+# one: a third reading would tell them apart at a reading's delay on every real shift, which cost bench.budget's
+# compute-bound noisy-neighbour row 3.6 % of time at 1M (docs/benchmarks.md).
+JUMP_CONFIRM = 2
 
 
 @dataclass
@@ -47,11 +49,11 @@ class Levels:
     batch, which no knee explains: the fit clips both, and a real loss in between goes unseen.
 
     A jump from the last readings beyond what the batch's change explains (any knee scales the rate by between 1 and
-    the ratio of the batches) and the noise is held out; JUMP_CONFIRM such readings in a row that agree with each
-    other start a segment, the ones after the first (whose interval may hold the edge) saying by how much the level
-    moved against the last readings kept. Outliers (a stall, two stalls, a stall and its catch-up) come back and
-    move nothing. A segment's level is the median of its full-batch readings where it has
-    enough (then no error carries from one segment to the next), else the level it was entered from times its jump."""
+    the ratio of the batches) and the noise is held out; JUMP_CONFIRM such readings in a row, off the same way, start
+    a segment, the ones after the first (whose interval may hold the edge) saying by how much the level moved against
+    the last readings kept. A stall, or a stall and its catch-up (off either way), comes back and moves nothing. A
+    segment's level is the median of its full-batch readings where it has enough (then no error carries from one
+    segment to the next), else the level it was entered from times its jump."""
 
     _full: list[deque] = field(default_factory=lambda: [deque(maxlen=FULL_WINDOW)])  # per segment
     _jumps: list[float] = field(default_factory=lambda: [0.0])  # per segment, the log jump into it
@@ -76,9 +78,9 @@ class Levels:
         reading = (tokens_per_s, in_flight)
         limit = max(JUMP_SIGMAS * math.sqrt(2) * self.noise(), JUMP_MIN)
         if self._recent and abs(self._off(reading, self._recent)) > limit:
-            # off the level: held out until JUMP_CONFIRM readings in a row agree on a new one. One that disagrees
-            # with the reading before it (a stall, then its catch-up) starts the count again.
-            if self._held and abs(self._off(reading, self._held[-1:])) > limit:
+            # off the level: held out until JUMP_CONFIRM readings in a row agree on a new one; one off the other way
+            # (a stall, then its catch-up) starts the count again
+            if self._held and (self._off(reading, self._recent) > 0) != (self._off(self._held[-1], self._recent) > 0):
                 self._held.clear()
             self._held.append(reading)
             if len(self._held) < JUMP_CONFIRM:
