@@ -18,10 +18,10 @@ state. Side by side, in one run:
   the unpadded tensors in bf16. Its batch size is the one whose padded batches (batch size x longest sample in the
   batch, averaged over batches) come closest to ours' average padded batch, so both run batches of about the same
   size and differ in what they compute and pad (`--naive-batch` sets it instead: 1 is a loop that pads nothing);
-- forward: the plain prefill, ours' floor: the same engine (`HFEngine.prefill`: the same decoder on the same
-  right-padded batches without an attention mask, every layer and the final norm, no LM head, as ours) on the same
-  batches (`stage_batches`, checked by their padding), with nothing captured, copied, packed, written or stored
-  (`plain_forward`, any engine with `prefill`). Ours needs the last layer's output, so it runs every layer too: the
+- forward: the plain prefill, ours' floor: the same engine (`prefill`: its decoder on the same right-padded batches
+  without an attention mask, every layer and the final norm, no LM head, as ours) on the same batches
+  (`stage_batches`, checked by their padding), with nothing captured, copied, packed, written or stored
+  (`plain_forward`). Ours needs the last layer's output, so it runs every layer too: the
   two run the same layers. A serving engine's prefill computes the LM head for the last token of each sample only,
   a negligible share, so no LM head here either;
 - ours again with dtype fp8, for its bytes and its error against the bf16 states (both stores read back with
@@ -42,10 +42,11 @@ kept beside the wall time, as a check on a shared machine. A slice is ours' wind
 within a window, so ours pads a little more than it would over the whole set. tok/s count real tokens; `ratio` is
 ours_tok_s / naive_tok_s over all rounds (`ratio_median_of_rounds` the median of the paired rounds' ratios, as a check
 on the machine's noise; `ratio_cpu` by CPU time). `capture_vs_forward` is ours' tok/s / the plain forward's, the median
-of the rounds (each round's value beside it, and by CPU time), and `time_split` says where ours' time went, from timers
-in the stage's code (`draftdata.util.timing.Timers`): the engine's padding, decoder and copies to host, the checks,
-shard packing, writes, the state store's index, the keys, and `other` (no timer: the batching, the loop); with a
-background writer (on a GPU) packing and writes overlap the compute.
+of the rounds (each round's value beside it, and by CPU time), and `time_split` says where ours' time went, measured
+from outside the stage's code (`Split`: the calls it makes for each step wrapped in ours' worker process, hooks on the
+decoder): the engine's padding, decoder and copies to host, the checks, shard packing, writes, the state store's index,
+the keys, and `other` (no step: the batching, the loop); with a background writer (on a GPU) packing and writes
+overlap the compute.
 Peak RSS is each process's own `ru_maxrss`, so the naive run cannot inflate ours'; `rss_after_load_mb` is the
 same reading before the first timed round (imports, weights, a warm-up forward). The fp8 run comes after the
 comparison, alone.
@@ -70,6 +71,7 @@ the count. Writes bench/results/hidden_states_llama8b.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import multiprocessing as mp
@@ -78,8 +80,11 @@ import random
 import resource
 import statistics
 import tempfile
+import threading
 import time
 import traceback
+from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -260,6 +265,140 @@ class Started:
         return self.engine.pad_tokens
 
 
+def prefill(engine, batch: list[list[int]]) -> int:
+    """The plain prefill that ours is held against: the batch padded as the engine pads it, through the engine's own
+    decoder (every layer and the final norm, no LM head), with nothing captured (the engine's hooks are on only inside
+    its forward), copied, packed or stored, and nothing counted in the engine's `pad_tokens`. Returns the batch's pad
+    tokens."""
+    import torch
+
+    from draftdata.hidden.engines.hf import pad_right
+
+    ids = pad_right(batch, engine.input_device)
+    with torch.inference_mode():
+        engine.decoder(input_ids=ids, use_cache=False)
+    finish_kernels(engine.decoder)
+    return ids.numel() - sum(map(len, batch))
+
+
+def finish_kernels(decoder) -> None:
+    """On a GPU the kernels are queued when the decoder returns: its time is theirs once they have run (under a
+    device_map, on the last GPU the batch runs on)."""
+    import torch
+
+    last = decoder.norm.weight.device
+    if last.type == "cuda":
+        torch.cuda.synchronize(last)
+
+
+class Split:
+    """Where ours' wall time goes, step by step, measured from outside the stage's code: `instrument` wraps, in this
+    worker process, the calls the stage makes for each step, and hooks on the decoder mark where it starts and ends
+    within the engine's forward. A step's seconds leave out the steps timed inside it (the state store's index
+    inside the wait for the writer), so one thread's steps add up to the time they cover; each thread has its own
+    (with a background writer, packing and writes run beside the compute)."""
+
+    def __init__(self):
+        self.seconds: defaultdict[str, float] = defaultdict(float)
+        self._local = threading.local()
+        self._wrapped: list[tuple] = []
+        self._hooks: list = []
+
+    def _stack(self) -> list:
+        if not hasattr(self._local, "stack"):
+            self._local.stack = []
+        return self._local.stack
+
+    def _charge(self) -> float:
+        """The time since the last mark to the step running now; the new mark."""
+        now, stack = time.perf_counter(), self._stack()
+        if stack:
+            self.seconds[stack[-1][0]] += now - stack[-1][1]
+            stack[-1][1] = now
+        return now
+
+    def enter(self, step: str) -> None:
+        self._stack().append([step, self._charge()])
+
+    def leave(self) -> None:
+        now, stack = self._charge(), self._stack()
+        stack.pop()
+        if stack:  # the step it ran inside goes on from here
+            stack[-1][1] = now
+
+    def switch(self, step: str) -> None:
+        """The running step goes on as another (the forward's padding, once the decoder is done, as its copies)."""
+        self._charge()
+        self._stack()[-1][0] = step
+
+    def running(self) -> str | None:
+        stack = self._stack()
+        return stack[-1][0] if stack else None
+
+    @contextmanager
+    def step(self, name: str):
+        self.enter(name)
+        try:
+            yield
+        finally:
+            self.leave()
+
+    def wrap(self, owner, name: str, step: str) -> None:
+        """`owner.name` (a module's function, a class's method, an object's) timed as `step` until `restore`."""
+        inner = getattr(owner, name)
+
+        @functools.wraps(inner)
+        def timed(*args, **kwargs):
+            with self.step(step):
+                return inner(*args, **kwargs)
+
+        self._wrapped.append((owner, name, vars(owner).get(name)))  # None: an object's method, its class's
+        setattr(owner, name, timed)
+
+    def instrument(self, engine) -> None:
+        """The stage's steps: the engine's (`time_engine`), the checks and the fp8 error of the compute loop, and
+        the shard writer's packing, writes, waits and index."""
+        from draftdata.hidden import compute, shards, writer
+        from draftdata.hidden.state_store import StateStore
+
+        self.time_engine(engine)
+        self.wrap(compute, "check", "checks")
+        self.wrap(compute.Computer, "_fp8_error", "fp8 error")
+        self.wrap(writer, "write", "writes")
+        self.wrap(shards.ShardImage, "__init__", "shard packing")
+        self.wrap(writer.ShardWriter, "wait", "waiting for the writer")
+        self.wrap(StateStore, "add_shard", "state store")
+
+    def time_engine(self, engine) -> None:
+        """The engine's forward: its padding, then the decoder (from its hooks), then the copies to the host."""
+        self.wrap(engine, "forward", "padding")
+        self._hooks += [engine.decoder.register_forward_pre_hook(self._decoder_starts)]
+        self._hooks += [engine.decoder.register_forward_hook(self._decoder_ends)]
+
+    def _decoder_starts(self, decoder, _args) -> None:
+        if self.running() == "padding":  # inside the capture's forward (the plain prefill runs the decoder too)
+            self.enter("decoder")
+
+    def _decoder_ends(self, decoder, _args, _out) -> None:
+        if self.running() == "decoder":
+            finish_kernels(decoder)
+            self.leave()
+            self.switch("copies to host")
+
+    def restore(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        while self._wrapped:
+            owner, name, own = self._wrapped.pop()
+            if own is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, own)
+
+    def snapshot(self) -> dict[str, float]:
+        return dict(self.seconds)
+
+
 class Paired:
     """Ours' engine with the plain prefill of each batch run beside its capture, before it in one batch and after it
     in the next, timed apart: on a shared 2-core machine the speed drifts by more than the few percent being
@@ -282,7 +421,7 @@ class Paired:
 
     def _prefill(self, batch: list[list[int]]) -> None:
         clock = Clock()
-        padded = self.engine.prefill(batch)
+        padded = prefill(self.engine, batch)
         for k, v in clock.read().items():
             self._plain[k] += v
         self._plain["tokens"] += sum(map(len, batch))
@@ -314,15 +453,18 @@ class Ours:
 
     def __init__(self, spec: Spec, dtype: str, paired: bool = False):
         from draftdata.config.schema import ModelConfig
-        from draftdata.hidden.compute import Computer, HiddenTally
+        from draftdata.hidden.compute import Computer
         from draftdata.hidden.engines.hf import HFEngine
         from draftdata.hidden.state_store import StateStore
+        from draftdata.hidden.tally import HiddenTally
 
         self.spec, self.samples = spec, make_samples(spec)
         self.root = Path(spec.out_dir) / f"ours-{dtype}"
         self.engine = HFEngine(ModelConfig(path=spec.model_dir), list(spec.layers))
         self.store = StateStore(self.root)
         self.paired = Paired(self.engine) if paired and not background_writes(spec) else None
+        self.split = Split()
+        self.split.instrument(self.engine)
         self.computer = Computer(
             Started(self.paired or self.engine),
             self.store,
@@ -350,26 +492,23 @@ class Ours:
         from draftdata.hidden.state_store import state_key
 
         a, b = round_slices(len(self.samples), self.spec.rounds)[rnd]
-        pad0, before, clock = self.engine.pad_tokens, self.split(), Clock()
+        pad0, before, clock = self.engine.pad_tokens, self.split.snapshot(), Clock()
         sh = self.computer.settings_hash
-        with self.computer.timers("keys"):  # the stage hashes every sample's ids to look it up in the store
+        with self.split.step("keys"):  # the stage hashes every sample's ids to look it up in the store
             missing = [(state_key(sh, ids), ids) for ids in self.samples[a:b]]
         self.computer.run(missing)
         self.computer.sync()  # the window's states on disk, as naive's are
         times = clock.read()
-        split = {k: v - before.get(k, 0.0) for k, v in self.split().items()}
+        split = {k: v - before.get(k, 0.0) for k, v in self.split.snapshot().items()}
         out = {"tokens": sum(map(len, self.samples[a:b])), "padded": self.engine.pad_tokens - pad0, "split": split}
         if self.paired is None:
             return {**times, **out}
         plain = self.paired.take()
         return {**{k: v - plain[k] for k, v in times.items()}, **out, "forward": plain}
 
-    def split(self) -> dict:
-        """Seconds so far per step: the engine's (padding, decoder, copies to host) and the stage's own."""
-        return {**self.engine.timers.snapshot(), **self.computer.timers.snapshot()}
-
     def finish(self) -> dict:
         self.computer.close()
+        self.split.restore()
         tally = self.computer.tally
         shards = list(self.root.rglob("*.safetensors"))
         out = {"bytes": sum(p.stat().st_size for p in shards), "files": len(shards)}
@@ -388,12 +527,12 @@ def stage_batches(samples: list[list[int]], batch_tokens: int) -> list[list[list
 
 
 def plain_forward(engine, batches: list[list[list[int]]]) -> dict:
-    """The batches through `engine.prefill`: the engine's own forward on the same padded batches, nothing captured,
-    copied, packed, written or stored. The floor that ours (the same engine, the same batches, plus the capture) is
-    held against; any engine whose `prefill(batch)` returns the batch's pad tokens can be timed so."""
+    """The batches through `prefill`: the engine's own decoder on the same padded batches, nothing captured, copied,
+    packed, written or stored. The floor that ours (the same engine, the same batches, plus the capture) is held
+    against."""
     clock, padded = Clock(), 0
     for batch in batches:
-        padded += engine.prefill(batch)
+        padded += prefill(engine, batch)
     return {**clock.read(), "tokens": sum(len(x) for b in batches for x in b), "padded": padded}
 
 

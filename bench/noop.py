@@ -104,8 +104,8 @@ def fill_turns() -> None:
     """`--turns`: one short answer (its ids, the end of turn last) to every turn of every conversation, a turn
     depth at a time: each walk finds the next turns, answered before the next walk."""
     from draftdata.config.load import load_config
+    from draftdata.generate.planning import plan_conversations
     from draftdata.generate.store import ResponseStore, StoredResponse
-    from draftdata.generate.work import plan_conversations
     from draftdata.model.tokenizer import load_tokenizer
     from draftdata.util.files import read_jsonl
 

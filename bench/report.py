@@ -1227,6 +1227,27 @@ def readme_quality(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def export_scaling(r: dict) -> list[str]:
+    s = r["settings"]
+    sizes = [str(n) for n in s["sizes"]]
+    rows = [
+        [fmt, *(f"{v['ms_per_sample'][n]:.3f}" for n in sizes), f"{v['ratio']:.3f}"]
+        for fmt, v in sorted(r["per_format"].items())
+    ]
+    return [
+        "### The offline export's time per sample: `python -m bench.export_scaling`",
+        "",
+        f"Synthetic hidden-states outputs of {' and '.join(f'{int(n):,}' for n in sizes)} samples "
+        f"({s['tokens_per_sample']} tokens each, hidden size {s['hidden']}, {s['aux_layers']} aux layers), each "
+        "exported whole (staging directory, every sample's file, the rename into place). Milliseconds a sample, "
+        "and the largest size's ÷ the smallest's (1: linear; below 1, the fixed costs spread over more samples):",
+        "",
+        *table(["format", *(f"{int(n):,} samples, ms" for n in sizes), "ratio"], rows),
+        "",
+        goals_line(r["goals"]),
+    ]
+
+
 DRAFTER_ERRORS = ("aux_off_by_one", "aux_reversed", "post_norm_as_pre", "pre_norm_as_post")
 
 
@@ -1240,6 +1261,7 @@ SECTIONS = (
     ("hidden_states.json", "python -m bench.hidden_states", hidden_states),
     ("hidden_states_llama8b.json", "python -m bench.hidden_states --llama8b", hidden_states_llama8b),
     ("hidden_states_vllm.json", "python -m bench.hidden_states_vllm", hidden_states_vllm),
+    ("export_scaling.json", "python -m bench.export_scaling", export_scaling),
     ("reliability.json", "python -m bench.reliability kill|faults|inputs", reliability),
     ("noop.json", "python -m bench.noop", noop),
     ("noop_turns.json", "python -m bench.noop --turns 3 --prompts 20000", noop),

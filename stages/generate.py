@@ -15,9 +15,9 @@ from draftdata.config.load import cli
 from draftdata.config.schema import Config
 from draftdata.errors import UserError
 from draftdata.generate.output import write_outputs
+from draftdata.generate.planning import RunPlan
 from draftdata.generate.run import run_generation
 from draftdata.generate.store import ResponseStore
-from draftdata.generate.work import RunPlan
 from draftdata.model.tokenizer import load_target_tokenizer
 from draftdata.util.files import data_dir, read_jsonl
 from draftdata.util.log import log

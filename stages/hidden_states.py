@@ -12,20 +12,15 @@ import signal
 from draftdata.config.load import cli
 from draftdata.config.schema import Config
 from draftdata.errors import UserError
-from draftdata.hidden.compute import (
-    HiddenTally,
-    LazyEngine,
-    Rank,
-    compute,
-    join_group,
-    materialise,
-    n_layers_of,
-    state_settings,
-)
+from draftdata.hidden.compute import compute, n_layers_of, state_settings
+from draftdata.hidden.engines.factory import LazyEngine
 from draftdata.hidden.layers import resolve_layers
+from draftdata.hidden.materialise import materialise
 from draftdata.hidden.output import index_doc, output_metrics
+from draftdata.hidden.ranks import Rank, join_group
 from draftdata.hidden.reader import SKIPPED
 from draftdata.hidden.state_store import StateStore
+from draftdata.hidden.tally import HiddenTally
 from draftdata.util.files import data_dir, write_json
 from draftdata.util.hashing import content_hash
 from draftdata.util.log import log

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import time
 
 import pytest
 
 from bench import hidden_states as hb
-from draftdata.util.timing import Timers
 
 TINY = {
     "hidden_size": 2,
@@ -89,51 +89,69 @@ def test_steps_on_the_writer_thread_are_listed_but_not_subtracted():
     assert split["seconds"]["other"] == pytest.approx(0.8) and split["seconds"]["writes"] == 3.0
 
 
+def ours_computer(engine, root):
+    """The stage's Computer on `engine`, writing in line (as on a CPU) into a fresh store at `root`."""
+    from draftdata.hidden.compute import Computer
+    from draftdata.hidden.state_store import StateStore
+    from draftdata.hidden.tally import HiddenTally
+
+    engine, store = hb.Started(engine), StateStore(root)
+    return Computer(engine, store, {"v": 1}, "bfloat16", 64, 1 << 20, HiddenTally(), background_writes=False)
+
+
+SAMPLES = [[(7 * i + j) % 50 + 1 for j in range(n)] for i, n in enumerate([30, 5, 31, 12, 29, 6, 12, 64])]
+
+
 def test_the_plain_forward_runs_the_stages_batches_through_the_same_decoder(tiny_model, tmp_path):
     """The floor is fair: the same padded shapes reach the decoder in the stage's Computer and in plain_forward, and
-    the plain forward captures, copies and writes nothing."""
+    the plain forward captures, copies and writes nothing. The split, measured from outside the stage's code, sees
+    each step the stage takes, and leaves the stage's code as it found it."""
     import torch
 
     from draftdata.config.schema import ModelConfig
-    from draftdata.hidden.compute import Computer, HiddenTally
+    from draftdata.hidden import compute
     from draftdata.hidden.engines.hf import HFEngine
-    from draftdata.hidden.state_store import StateStore
 
-    samples = [[(7 * i + j) % 50 + 1 for j in range(n)] for i, n in enumerate([30, 5, 31, 12, 29, 6, 12, 64])]
     shapes: dict = {"ours": [], "plain": []}
     engines = {k: HFEngine(ModelConfig(path=str(tiny_model)), [1, 3, 4]) for k in shapes}
     for k, e in engines.items():
         e.decoder.register_forward_pre_hook(
             lambda _m, _a, kw, k=k: shapes[k].append(tuple(kw["input_ids"].shape)), with_kwargs=True
         )
-    store = StateStore(tmp_path / "store")
-    computer = Computer(
-        hb.Started(engines["ours"]), store, {"v": 1}, "bfloat16", 64, 1 << 20, HiddenTally(), background_writes=False
-    )
-    computer.run([(str(i), ids) for i, ids in enumerate(samples)])
+    check = compute.check
+    split = hb.Split()
+    split.instrument(engines["ours"])
+    computer = ours_computer(engines["ours"], tmp_path / "store")
+    t0 = time.perf_counter()
+    computer.run([(str(i), ids) for i, ids in enumerate(SAMPLES)])
     computer.close()
-    got = hb.plain_forward(engines["plain"], hb.stage_batches(samples, 64))
+    wall = time.perf_counter() - t0
+    split.restore()
+    got = hb.plain_forward(engines["plain"], hb.stage_batches(SAMPLES, 64))
     assert shapes["plain"] == shapes["ours"] and len(shapes["ours"]) > 2
-    assert got["padded"] == engines["ours"].pad_tokens > 0 and got["tokens"] == sum(map(len, samples))
-    assert engines["plain"].timers.snapshot() == {} and not engines["plain"]._out  # its time is the caller's
-    assert {"decoder", "copies to host"} <= set(engines["ours"].timers.snapshot())
-    assert {"checks", "shard packing", "writes", "state store"} <= set(computer.timers.snapshot())
-    # capture is back on after a prefill: the engine returns the same states as one that never ran plain
+    assert got["padded"] == engines["ours"].pad_tokens > 0 and got["tokens"] == sum(map(len, SAMPLES))
+    assert engines["plain"].pad_tokens == 0 and not engines["plain"]._out  # nothing kept or counted
+    steps = split.snapshot()
+    assert {"padding", "decoder", "copies to host", "checks", "shard packing", "writes", "state store"} <= set(steps)
+    assert all(v > 0 for v in steps.values())
+    assert sum(steps.values()) <= wall  # each second in one step: a step's time leaves out the steps inside it
+    assert compute.check is check and "forward" not in vars(engines["ours"])  # restored
+    # the engine's forward is whole after a prefill: the same states as one that never ran plain
     batch = [[5, 6, 7, 8], [9, 10]]
     for (a, f), (b, g) in zip(engines["plain"].forward(batch), engines["ours"].forward(batch)):
         assert torch.equal(a, b) and torch.equal(f, g)
 
 
-class Counting(Timers):
-    """Timers that also list the steps timed, in order."""
+class Listed(hb.Split):
+    """A split that also lists the steps entered, in order."""
 
-    def __init__(self, steps: list):
+    def __init__(self):
         super().__init__()
-        self.steps = steps
+        self.entered: list = []
 
-    def __call__(self, step: str):
-        self.steps.append(step)
-        return super().__call__(step)
+    def enter(self, step: str) -> None:
+        self.entered.append(step)
+        super().enter(step)
 
 
 def test_the_paired_prefill_runs_each_batch_beside_its_capture_and_leaves_the_captures_counts_alone(
@@ -141,43 +159,34 @@ def test_the_paired_prefill_runs_each_batch_beside_its_capture_and_leaves_the_ca
 ):
     """Paired: the stage's Computer on a Paired engine runs every batch twice, the plain prefill before the capture
     in one batch and after it in the next; the prefill's tokens, pads and time are handed over apart, and the
-    engine's pad count and timers keep the capture's alone (as a Computer on the bare engine has them)."""
+    engine's pad count and the split keep the capture's alone (as a Computer on the bare engine has them)."""
     from draftdata.config.schema import ModelConfig
-    from draftdata.hidden.compute import Computer, HiddenTally
     from draftdata.hidden.engines.hf import HFEngine
-    from draftdata.hidden.state_store import StateStore
 
-    samples = [[(3 * i + j) % 50 + 1 for j in range(n)] for i, n in enumerate([30, 5, 31, 12, 29, 6, 12, 64])]
     calls: list = []
     engines = {k: HFEngine(ModelConfig(path=str(tiny_model)), [1, 3, 4]) for k in ("paired", "bare")}
     paired = hb.Paired(engines["paired"])
-    timed: list = []
-    engines["paired"].timers = Counting(timed)
+    split = Listed()
+    split.time_engine(engines["paired"])  # the engine's steps alone: the stage's are timed in the test above
+    capturing = engines["paired"].decoder.layers[1]._forward_hooks  # the engine's hooks, on only in its forward
     engines["paired"].decoder.register_forward_pre_hook(
-        lambda _m, _a, kw: calls.append((engines["paired"]._capture, tuple(kw["input_ids"].shape))), with_kwargs=True
+        lambda _m, _a, kw: calls.append((bool(capturing), tuple(kw["input_ids"].shape))), with_kwargs=True
     )
     for name, engine in (("paired", paired), ("bare", engines["bare"])):
-        computer = Computer(
-            hb.Started(engine),
-            StateStore(tmp_path / name),
-            {"v": 1},
-            "bfloat16",
-            64,
-            1 << 20,
-            HiddenTally(),
-            background_writes=False,
-        )
-        computer.run([(str(i), ids) for i, ids in enumerate(samples)])
+        computer = ours_computer(engine, tmp_path / name)
+        computer.run([(str(i), ids) for i, ids in enumerate(SAMPLES)])
         computer.close()
+    split.restore()
     n = len(calls) // 2
     assert n > 2 and [c[1] for c in calls[0::2]] == [c[1] for c in calls[1::2]]  # each batch twice, same shape
     # prefill (capture off) first in even batches, second in odd ones
     assert [c[0] for c in calls] == [x for i in range(n) for x in ((False, True) if i % 2 == 0 else (True, False))]
     plain = paired.take()
-    assert plain["tokens"] == sum(map(len, samples)) and plain["padded"] == engines["bare"].pad_tokens > 0
+    assert plain["tokens"] == sum(map(len, SAMPLES)) and plain["padded"] == engines["bare"].pad_tokens > 0
     assert plain["seconds"] > 0 and paired.take()["seconds"] == 0  # taken once
     assert engines["paired"].pad_tokens == engines["bare"].pad_tokens
-    assert timed == ["padding", "decoder", "copies to host"] * n  # the captures timed, not the prefills
+    assert split.entered == ["padding", "decoder"] * n  # the captures timed, not the prefills
+    assert set(split.snapshot()) == {"padding", "decoder", "copies to host"}
 
 
 def test_device_cuda_without_a_gpu_fails_in_one_line(monkeypatch):

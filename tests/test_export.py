@@ -110,12 +110,27 @@ def test_specforge_files_match_the_reader(states):
     assert not list(out.parent.glob(".export-specforge*")), "staging left behind"
 
 
-def test_speculators_files_match_the_reader(states):
+def test_speculators_files_match_the_reader(states, monkeypatch):
     from datasets import load_from_disk
     from safetensors.torch import load_file
 
-    out = export(states, "speculators")
+    from draftdata.util.files import FILE_MODE
+
+    listings, scandir = [], os.scandir
+
+    def listing(path="."):
+        listings.append(Path(path))
+        return scandir(path)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "scandir", listing)
+        out = export(states, "speculators")
     hs = HiddenStates(states.data("B3") / "hidden_states")
+    # every hs_<i> goes into one directory: listing it once a file (a sweep for a killed writer's temp files) would
+    # make the export quadratic in the samples
+    assert sum(p.name == "hidden_states" and p.parent.name.endswith(".partial") for p in listings) <= 1
+    files = [*(out / "hidden_states").iterdir(), out / "token_freq.pt"]
+    assert {oct(p.stat().st_mode & 0o777) for p in files} == {oct(FILE_MODE)}  # safetensors makes them 0600
     k, h = len(hs.layers["physical"]), hs.hidden_size
     ds = load_from_disk(str(out))
     assert len(ds) == len(hs) > 0 and ds.format["type"] == "torch"

@@ -353,11 +353,7 @@ def test_an_interrupted_stage_says_so_in_one_line(hs_project):
 def test_a_torn_shard_is_detected_and_redone(hs_project):
     hs_project.run("hidden_states", "B3")
     before = read_all(hs_project.data("B3") / "hidden_states")
-    store_files = sorted((hs_project.path / "store" / "states").rglob("*.safetensors"))
-    victim = store_files[0]
-    data = victim.read_bytes()
-    victim.unlink()  # the output's hard link keeps the old inode: write a torn file in the store's place
-    victim.write_bytes(data[: len(data) // 2])
+    tear(sorted((hs_project.path / "store" / "states").rglob("*.safetensors"))[0])
     hs_project.run("hidden_states", "B3")
     m = hs_metrics(hs_project)
     assert m["torn_shards_redone"] == 1 and 0 < m["computed_samples"] < m["samples"]
@@ -405,22 +401,25 @@ def test_one_non_finite_value_anywhere_is_found(dtype, bad):
     assert finite(torch.empty(0, 3, 17, dtype=dtype))
 
 
-def test_two_torchrun_ranks_equal_one_process(hs_project, samples_dir, tmp_path):
+def torchrun_stage(project: Project, ranks: int = 2) -> subprocess.CompletedProcess:
+    """The stage under torchrun, `ranks` processes on this machine (gloo on a CPU)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        "-m",
-        "stages.hidden_states",
-        "dataset=B3",
-    ]
-    proc = subprocess.run(cmd, cwd=hs_project.path, env=env, capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks)]
+    cmd += ["--master_port", str(free_port()), "-m", "stages.hidden_states", "dataset=B3"]
+    proc = subprocess.run(cmd, cwd=project.path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def tear(shard: Path) -> None:
+    """Cut a store shard short in the store's place (the output's hard link keeps the old inode)."""
+    data = shard.read_bytes()
+    shard.unlink()
+    shard.write_bytes(data[: len(data) // 2])
+
+
+def test_two_torchrun_ranks_equal_one_process(hs_project, samples_dir, tmp_path):
+    proc = torchrun_stage(hs_project)
     # each rank's closing line, whole: both ranks write to one pipe, each line in one write
     closing = re.findall(
         r"^hidden_states dataset=B3 rank=(\d) samples=(\d+) computed=(\d+) reused=(-?\d+) ", proc.stdout, re.M
@@ -435,6 +434,14 @@ def test_two_torchrun_ranks_equal_one_process(hs_project, samples_dir, tmp_path)
     assert m["samples"] == m["computed_samples"] == total and m["reused_samples"] == 0
     assert m["computed_tokens"] == m["tokens"]
     two = read_all(hs_project.data("B3") / "hidden_states")
+    # a torn shard, met by both ranks (each checks every shard it finds, the other's samples' too): redone, and
+    # counted once for the job
+    tear(sorted((hs_project.path / "store" / "states").rglob("*.safetensors"))[0])
+    torchrun_stage(hs_project)
+    m = json.loads((hs_project.data("B3") / "hidden_states_metrics.json").read_text())
+    assert m["torn_shards_redone"] == 1 and 0 < m["computed_samples"] < total
+    for a, b in zip(two, read_all(hs_project.data("B3") / "hidden_states")):
+        assert a[0] == b[0] and all(torch.allclose(x.float(), y.float(), atol=1e-5) for x, y in zip(a[1:], b[1:]))
     # one process, another store
     hs_project.params["run"]["store_path"] = str(tmp_path / "one" / "store.sqlite")
     hs_project.save()
@@ -443,6 +450,53 @@ def test_two_torchrun_ranks_equal_one_process(hs_project, samples_dir, tmp_path)
     assert len(one) == len(two) == total
     for a, b in zip(one, two):
         assert a[0] == b[0] and all(torch.allclose(x.float(), y.float(), atol=1e-5) for x, y in zip(a[1:], b[1:]))
+
+
+ADD_UP = """
+import json
+from dataclasses import asdict
+from draftdata.hidden.ranks import Rank, join_group
+from draftdata.hidden.tally import HiddenTally
+
+rank = Rank.from_env()
+join_group(rank)
+r = rank.rank
+mine = HiddenTally(owned=3 + r, computed=2 + r, computed_tokens=10 + r, pad_tokens=r, torn=1 + r, seconds=1.0 + r,
+                   fp8_err_num=0.5, fp8_err_den=2.0)
+print(json.dumps(asdict(rank.add_up(mine))))
+"""
+
+
+def test_the_jobs_tally_sums_every_count_of_every_rank():
+    """Two real ranks (gloo, as torchrun's on a CPU) add up their tallies: every count summed, the torn shards each
+    rank forgot among them, the time the longest rank's; both ranks get the same."""
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", ADD_UP],
+            env=dict(
+                os.environ,
+                PYTHONPATH=str(ROOT),
+                CUDA_VISIBLE_DEVICES="",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                WORLD_SIZE="2",
+                RANK=str(r),
+                LOCAL_RANK=str(r),
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    totals = [json.loads(out.splitlines()[-1]) for out, _ in outs]
+    assert totals[0] == totals[1]
+    t = totals[0]
+    assert (t["owned"], t["computed"], t["computed_tokens"], t["pad_tokens"], t["torn"]) == (7, 5, 21, 1, 3)
+    assert (t["seconds"], t["fp8_err_num"], t["fp8_err_den"]) == (2.0, 1.0, 4.0)
 
 
 def test_layers_from_a_draft_config_in_either_numbering(hs_project, tmp_path):
@@ -622,12 +676,12 @@ def test_layers_captured_on_two_devices_are_returned_on_the_cpu(tiny_model):
     plain = HFEngine(ModelConfig(path=str(tiny_model)), [1, 3, 4]).forward(batch)
     engine = HFEngine(ModelConfig(path=str(tiny_model)), [1, 3, 4])
 
-    def elsewhere(_module, _inputs, _output):  # runs after the engine's own hook on that layer
+    def elsewhere(_module, _inputs):  # before the final norm: every layer has run, layer 3's output is kept
         host = engine._out[3]
         engine._out[3] = torch.Tensor._make_subclass(OnAnotherDevice, torch.empty_like(host, device="meta"))
         engine._out[3].host = host
 
-    engine.decoder.layers[3].register_forward_hook(elsewhere)
+    engine.decoder.norm.register_forward_pre_hook(elsewhere)
     split = engine.forward(batch)
     for (a, f), (b, g) in zip(plain, split):
         assert type(b) is torch.Tensor and b.device.type == "cpu"
@@ -763,8 +817,8 @@ def test_a_ctrl_c_as_a_transaction_begins_leaves_both_stores_writable(tmp_path):
 
 def test_a_ctrl_c_while_a_shard_is_indexed_keeps_it_for_the_way_out(tmp_path):
     """The writer's shard in flight stays pending when Ctrl-C lands as it is indexed: `close` indexes it."""
-    from draftdata.hidden.compute import ShardWriter
     from draftdata.hidden.state_store import StateStore
+    from draftdata.hidden.writer import ShardWriter
 
     store = StateStore(tmp_path / "states")
     store.db = InterruptedAfterBegin(store.db)
@@ -819,20 +873,25 @@ def test_writers_of_one_file_never_delete_each_others_temp_files(tmp_path):
 def test_an_output_is_held_whole_at_its_temp_name_only_by_the_kill_suite(tmp_path):
     """The kill suite's seam (bench/reliability/held.py): a stage run through it holds every output whole at its
     temp name before the rename; the product itself never waits."""
+    from bench.reliability.held import publishes
     from draftdata.util import files
 
     assert "sleep" not in inspect.getsource(files.atomic_path)
+    with files.atomic_path(tmp_path / "a.json") as tmp:  # what it holds: atomic_path's renames, no other
+        tmp.write_text("{}")
+        assert publishes(tmp, tmp_path / "a.json") and not publishes(tmp, tmp_path / "b.json")
+    assert not publishes(tmp_path / ".export.partial", tmp_path / "export")
     probe = textwrap.dedent(
         f"""
-        import json, sys, time
+        import json, os, sys, time
         from pathlib import Path
         from draftdata.util import files
         seen = []
-        publish = files._publish
-        def watch(tmp, path):
-            seen.append((json.loads(Path(tmp).read_text()), Path(path).exists()))
-            publish(tmp, path)
-        files._publish = watch
+        replace = os.replace
+        def watch(src, dst, **kwargs):
+            seen.append((json.loads(Path(src).read_text()), Path(dst).exists()))
+            replace(src, dst, **kwargs)
+        os.replace = watch
         t0 = time.monotonic()
         files.write_json({str(tmp_path / "out.json")!r}, {{"a": 1}})
         print(json.dumps([seen, time.monotonic() - t0]))

@@ -396,8 +396,8 @@ def test_a_budget_met_mid_conversation_keeps_its_turns_and_a_raised_one_goes_on(
 
 def test_a_later_turn_past_the_context_ends_its_conversation(conv_project, tiny_model):
     from draftdata.config.load import load_config
+    from draftdata.generate.planning import plan_conversations
     from draftdata.generate.store import ResponseStore
-    from draftdata.generate.work import plan_conversations
 
     project, start = conv_project
     start(three_turn_rows())

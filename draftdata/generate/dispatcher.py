@@ -76,7 +76,8 @@ class Dispatcher:
         self.stream = stream
         self.parked = parked  # key -> a partial to continue (from the store)
         self.progress = progress
-        self.ledger = Ledger(cfg.ds, cfg.dataset, ctrl, tok, backend.name)
+        arithmetic = getattr(backend, "compute_dtype", None)  # an in-process engine's (None: a server's)
+        self.ledger = Ledger(cfg.ds, cfg.dataset, ctrl, tok, backend.name, compute_dtype=arithmetic)
         self.stats = self.ledger.stats
         self.meter = ThroughputMeter(time.monotonic())
         self.failfast = FailFastWindow(cfg.run.fail_fast_after)

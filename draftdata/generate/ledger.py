@@ -76,7 +76,8 @@ class Settlement:
 
 class Ledger:
     """The run's accounting (see the module docstring). `tok` decodes a continued response whole; `server` names
-    the backend on parked rows; `clock` is time.monotonic, a parameter so that tests can set the time."""
+    the backend on parked rows; `clock` is time.monotonic, a parameter so that tests can set the time;
+    `compute_dtype`: the in-process engine's arithmetic (None: a server's), recorded on every row."""
 
     def __init__(
         self,
@@ -86,8 +87,10 @@ class Ledger:
         tok,
         server: str,
         clock: Callable[[], float] = time.monotonic,
+        compute_dtype: str | None = None,
     ):
         self.ds, self.dataset, self.ctrl, self.tok, self.server, self.clock = ds, dataset, ctrl, tok, server, clock
+        self.compute_dtype = compute_dtype
         self.stats = RunStats()
         self._speeds: list[float] = []  # tokens/s of single requests that completed (the unseen loss's estimate)
 
@@ -254,4 +257,5 @@ class Ledger:
             output_ids=output_ids,
             reasoning=(parsed.reasoning or None) if parsed else None,
             tool_calls=(parsed.tool_calls or None) if parsed else None,
+            compute_dtype=self.compute_dtype,
         )

@@ -11,11 +11,11 @@ from pathlib import Path
 
 from draftdata.config.schema import Config, DatasetConfig
 from draftdata.generate.dispatcher import RunStats
+from draftdata.generate.planning import RunPlan
 from draftdata.generate.rejected import reject_conversations, reject_prompts
 from draftdata.generate.request import Planned
 from draftdata.generate.selection import select_responses
 from draftdata.generate.store import CUT, ResponseStore, StoredResponse
-from draftdata.generate.work import RunPlan
 from draftdata.util.files import write_json, write_jsonl
 from draftdata.util.log import log
 from draftdata.util.plots import histogram, write_csv
@@ -45,6 +45,8 @@ def write_outputs(
         reasons, selected
     )
     metrics.update(prompts=len(prompts), prompts_in_output=len(prompts) - rejected.rows)
+    # the arithmetic the output's answers were computed in, as their rows record it (null: a server's)
+    metrics["compute_dtype"] = sorted({r.compute_dtype for _, r in selected if r.compute_dtype}) or None
     metrics["rejected"] = dict(sorted(rejected.counts.items()))
     write_json(out / "generate_metrics.json", metrics)
     return Written(len(selected), total, stats.reused)

@@ -12,10 +12,11 @@ from draftdata.generate.accounting import needs_request, prompt_count, stored_to
 from draftdata.generate.budget.controller import BudgetController
 from draftdata.generate.connect import make_backend, takes_token_ids
 from draftdata.generate.dispatcher import Dispatcher, Interrupted, RunStats
+from draftdata.generate.planning import RunPlan
 from draftdata.generate.progress import Progress
 from draftdata.generate.request import Planned
 from draftdata.generate.store import ResponseStore, StoredResponse
-from draftdata.generate.work import ConversationQueue, RunPlan, WorkQueue
+from draftdata.generate.work import ConversationQueue, WorkQueue
 from draftdata.util.log import log
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from draftdata.util.log import log
-from draftdata.util.sqlite import open_db, transaction
+from draftdata.util.sqlite import add_columns, open_db, rows_in, transaction
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -33,7 +33,8 @@ CREATE TABLE IF NOT EXISTS responses (
     latency_s REAL NOT NULL,
     created_at REAL NOT NULL,
     reasoning TEXT,                 -- a chat answer's thinking, moved out of `text` by a server's reasoning parser
-    tool_calls TEXT                 -- JSON list of OpenAI tool calls, moved out of `text` by a tool-call parser
+    tool_calls TEXT,                -- JSON list of OpenAI tool calls, moved out of `text` by a tool-call parser
+    compute_dtype TEXT              -- the dtype an in-process engine computed it in (NULL: a server's answer)
 );
 CREATE TABLE IF NOT EXISTS failures (
     key TEXT NOT NULL,
@@ -84,6 +85,8 @@ class StoredResponse:
     created_at: float = field(default_factory=time.time)
     reasoning: str | None = None
     tool_calls: list[dict] | None = None
+    # the dtype an in-process engine computed the answer in (model.compute_dtype, resolved); None: a server's
+    compute_dtype: str | None = None
 
     @property
     def partial(self) -> bool:
@@ -112,7 +115,7 @@ class ResponseStore:
     def __init__(self, path: Path | str):
         path = Path(path)
         self.db = open_db(path, "response store", SCHEMA)
-        _add_columns(self.db)
+        add_columns(self.db, "responses", ADDED_COLUMNS)  # an older store gets the columns added since
 
     def close(self) -> None:
         self.db.close()
@@ -139,19 +142,20 @@ class ResponseStore:
         )
 
     def get_many(self, keys: Iterable[str]) -> dict[str, StoredResponse]:
-        keys = list(keys)
         out: dict[str, StoredResponse] = {}
-        for i in range(0, len(keys), 500):  # SQLite caps the number of bound parameters
-            chunk = keys[i : i + 500]
-            marks = ",".join("?" * len(chunk))
-            # the columns in the dataclass's order: a row becomes a response by position, with no dict in between
-            for values in self.db.execute(f"SELECT {', '.join(_COLS)} FROM responses WHERE key IN ({marks})", chunk):
-                r = StoredResponse(*values)
-                r.prompt_ids = _unids(r.prompt_ids)
-                r.output_ids = _unids(r.output_ids)
-                r.tool_calls = _unids(r.tool_calls)
-                out[r.key] = r
+        # the columns in the dataclass's order: a row becomes a response by position, with no dict in between
+        for values in rows_in(self.db, f"SELECT {', '.join(_COLS)} FROM responses WHERE key IN ({{marks}})", keys):
+            r = StoredResponse(*values)
+            r.prompt_ids = _unids(r.prompt_ids)
+            r.output_ids = _unids(r.output_ids)
+            r.tool_calls = _unids(r.tool_calls)
+            out[r.key] = r
         return out
+
+    def failures(self, keys: Iterable[str]) -> dict[str, str]:
+        """Key -> the reason its latest failed request ended with, for the keys with a failure on record."""
+        sql = "SELECT key, reason FROM failures WHERE key IN ({marks}) ORDER BY created_at"
+        return dict(rows_in(self.db, sql, keys))
 
     def get_rendered(self, tokenizer: str, prompt_ids: Iterable[str]) -> dict[str, str]:
         """Prompt id -> its rendered token ids as JSON text (`ids_json`'s), for those rendered earlier under this
@@ -166,7 +170,7 @@ class ResponseStore:
         self._commit_many("INSERT OR REPLACE INTO rendered VALUES (?, ?, ?)", rows)
 
     def get_turn_renders(self, tokenizer: str, conversations: Iterable[str], turns: int) -> dict[tuple[str, str], str]:
-        """(conversation id, turn key) -> the turn's held render (generate/conversation.py `TurnRenders`), for the
+        """(conversation id, turn key) -> the turn's cached render (generate/conversation.py `TurnRenders`), for the
         turns of these conversations rendered earlier under this tokenizer fingerprint; `turns`: about how many
         they have. A table that cannot be read holds none: every turn is rendered again."""
         try:
@@ -186,18 +190,12 @@ class ResponseStore:
 
     def _select(self, table: str, column: str, rest: str, tokenizer: str, wanted: set[str], rows: int) -> list:
         """`column` and `rest` of `table`'s rows under `tokenizer` whose `column` is in `wanted` (about `rows`)."""
-        held = self.db.execute(f"SELECT COUNT(*) FROM {table} WHERE tokenizer = ?", (tokenizer,)).fetchone()[0]
-        if held <= 2 * rows:  # reading them all in key order costs less than looking each one up
+        kept = self.db.execute(f"SELECT COUNT(*) FROM {table} WHERE tokenizer = ?", (tokenizer,)).fetchone()[0]
+        if kept <= 2 * rows:  # reading them all in key order costs less than looking each one up
             found = self.db.execute(f"SELECT {column}, {rest} FROM {table} WHERE tokenizer = ?", (tokenizer,))
             return [row for row in found if row[0] in wanted]
-        ordered = sorted(wanted)  # lookups in key order walk the table's pages once
-        out: list = []
-        for i in range(0, len(ordered), 500):  # SQLite caps the number of bound parameters
-            chunk = ordered[i : i + 500]
-            marks = ",".join("?" * len(chunk))
-            sql = f"SELECT {column}, {rest} FROM {table} WHERE tokenizer = ? AND {column} IN ({marks})"
-            out.extend(self.db.execute(sql, [tokenizer, *chunk]))
-        return out
+        sql = f"SELECT {column}, {rest} FROM {table} WHERE tokenizer = ? AND {column} IN ({{marks}})"
+        return list(rows_in(self.db, sql, sorted(wanted), tokenizer))  # in key order: the table's pages walked once
 
     def _commit_many(self, sql: str, rows: list) -> None:
         with transaction(self.db):
@@ -208,14 +206,7 @@ class ResponseStore:
 
 
 # Columns added after the first stores were written: an older store gets them (empty) when it is opened.
-ADDED_COLUMNS = {"reasoning": "TEXT", "tool_calls": "TEXT"}
-
-
-def _add_columns(db) -> None:
-    have = {row[1] for row in db.execute("PRAGMA table_info(responses)")}
-    for name, kind in ADDED_COLUMNS.items():
-        if name not in have:
-            db.execute(f"ALTER TABLE responses ADD COLUMN {name} {kind}")
+ADDED_COLUMNS = {"reasoning": "TEXT", "tool_calls": "TEXT", "compute_dtype": "TEXT"}
 
 
 def ids_json(ids: list[int]) -> str:

@@ -7,7 +7,9 @@ Not a DVC stage: run it where the drafter is trained. It reads the stage output 
 one sample at a time and writes the trainer's files, one sample in memory at a time. The whole export is built in
 a hidden sibling directory (`.<dir>.partial`) and renamed into place after its end marker (`draftdata_export.json`)
 is written, so a killed export never sits at the export path: a trainer pointed there finds either nothing or a
-complete export (both trainers' readers ignore the marker file). A rerun replaces an earlier export (one with the
+complete export (both trainers' readers ignore the marker file). Inside it, files are written under their own names
+(`staged_path`: no temp name and rename per file, no sweep of the directory per file, so the time stays linear in the
+samples however many share a directory). A rerun replaces an earlier export (one with the
 marker; it is moved to `.<dir>.old` for the swap) and refuses a file or any other non-empty directory. Row/file i is
 sample i of `samples.parquet` (already shuffled by the prompts stage); the trainers shuffle or split on their own.
 
@@ -81,7 +83,7 @@ from draftdata.config.schema import Config
 from draftdata.errors import ConfigError, UserError
 from draftdata.hidden.reader import SKIPPED, HiddenStates, Sample
 from draftdata.hidden.vocab import specforge_mapping, speculators_mapping
-from draftdata.util.files import atomic_path, data_dir
+from draftdata.util.files import data_dir, staged_path
 
 MARKER = "draftdata_export.json"
 SPECFORGE_VOCAB = "vocab_mapping/vocab_mapping.pt"  # where SpecForge's prepare_hidden_states.py puts it
@@ -177,10 +179,8 @@ def write_specforge(hs: HiddenStates, staging: Path, tally: ExportTally) -> None
     import torch
 
     for i, s in enumerate(hs):
-        path = staging / specforge_path(i)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(path) as tmp:
-            torch.save(specforge_record(s), tmp)
+        with staged_path(staging / specforge_path(i)) as path:
+            torch.save(specforge_record(s), path)
         count(s.input_ids, s.loss_mask, tally, specforge_path(i))  # SpecForge counts the files in path order
 
 
@@ -226,8 +226,8 @@ def save_speculators_rows(staging: Path, rows, extra: bool, tally: ExportTally) 
         Dataset.from_file(str(arrow)).with_format("torch").save_to_disk(str(staging))
     finally:
         arrow.unlink(missing_ok=True)
-    with atomic_path(staging / "token_freq.pt") as tmp:
-        torch.save(dict(tally.token_freq), tmp)
+    with staged_path(staging / "token_freq.pt") as path:
+        torch.save(dict(tally.token_freq), path)
 
 
 def write_speculators(hs: HiddenStates, staging: Path, tally: ExportTally) -> None:
@@ -238,8 +238,8 @@ def write_speculators(hs: HiddenStates, staging: Path, tally: ExportTally) -> No
 
     def rows():
         for i, s in enumerate(hs):
-            with atomic_path(staging / "hidden_states" / f"hs_{i}.safetensors") as tmp:
-                save_file(speculators_tensors(s), str(tmp))
+            with staged_path(staging / "hidden_states" / f"hs_{i}.safetensors") as path:
+                save_file(speculators_tensors(s), str(path))
             count(s.input_ids, s.loss_mask, tally, i)
             # the conversation and turn of `turns: all` come with the states: the output is whole on its own
             extra = {"conversation": s.conversation, "turn": s.turn} if hs.carries_turns else {}
@@ -274,13 +274,12 @@ def write_vocab_mapping(fmt: str, staging: Path, tally: ExportTally, n: int, voc
         d2t, t2d = speculators_mapping(tally.token_freq, n, vocab)
         files = {f"d2t-{n}.npy": d2t, f"t2d-{n}.npy": t2d}
         for name, t in files.items():
-            with atomic_path(staging / name) as tmp, open(tmp, "wb") as f:
+            with staged_path(staging / name) as path, open(path, "wb") as f:
                 np.save(f, t.numpy())
         return list(files)
     d2t, t2d = specforge_mapping(tally.token_freq, tally.first_seen, n, vocab)
-    (staging / SPECFORGE_VOCAB).parent.mkdir(parents=True, exist_ok=True)
-    with atomic_path(staging / SPECFORGE_VOCAB) as tmp:
-        torch.save({"d2t": d2t, "t2d": t2d}, tmp)
+    with staged_path(staging / SPECFORGE_VOCAB) as path:
+        torch.save({"d2t": d2t, "t2d": t2d}, path)
     return [SPECFORGE_VOCAB]
 
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from draftdata.config.schema import Config
-from draftdata.hidden.compute import HiddenTally, LazyEngine
+from draftdata.hidden.engines.factory import LazyEngine
 from draftdata.hidden.layers import layer_numberings
 from draftdata.hidden.shards import FORMAT_VERSION, disk_per_token
 from draftdata.hidden.state_store import NormAndSizes
+from draftdata.hidden.tally import HiddenTally
 
 
 def index_doc(cfg: Config, target: NormAndSizes, settings: dict, layers: list[int], view: dict) -> dict:

@@ -22,7 +22,6 @@ from pathlib import Path
 
 from draftdata.errors import UserError
 from draftdata.util.files import atomic_path
-from draftdata.util.timing import Timers
 
 FORMAT_VERSION = 1
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn value
@@ -126,23 +125,16 @@ def check(samples: list[SampleStates], sample_ids: dict[str, str]) -> None:
 
 
 def write(
-    path: Path,
-    samples: list[SampleStates],
-    dtype: str,
-    settings: dict,
-    timers: Timers | None = None,
-    buffer: ShardBuffer | None = None,
+    path: Path, samples: list[SampleStates], dtype: str, settings: dict, buffer: ShardBuffer | None = None
 ) -> int:
-    """Write one shard (temp name, then rename); returns its size in bytes. `timers` gets the packing's and the
-    write's seconds; `buffer`, kept from one shard to the next, saves touching fresh memory for every shard."""
-    timers = timers or Timers()
+    """Write one shard (temp name, then rename); returns its size in bytes. `buffer`, kept from one shard to the
+    next, saves touching fresh memory for every shard."""
     meta = {"version": FORMAT_VERSION, "settings": settings, "keys": [s.key for s in samples]}
     own = buffer is None
     buffer = buffer or ShardBuffer()
     try:
-        with timers("shard packing"):
-            image = ShardImage(pack(samples, dtype), {"draftdata": json.dumps(meta, sort_keys=True)}, buffer)
-        with timers("writes"), atomic_path(path) as tmp:
+        image = ShardImage(pack(samples, dtype), {"draftdata": json.dumps(meta, sort_keys=True)}, buffer)
+        with atomic_path(path) as tmp:
             image.write(tmp)
     finally:
         if own:

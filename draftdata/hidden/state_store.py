@@ -20,7 +20,7 @@ from pathlib import Path
 from draftdata.hidden.shards import torn
 from draftdata.util.files import sweep_abandoned
 from draftdata.util.hashing import content_hash
-from draftdata.util.sqlite import open_db, transaction
+from draftdata.util.sqlite import add_columns, open_db, rows_in, transaction
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS states (
@@ -41,8 +41,8 @@ CREATE TABLE IF NOT EXISTS shards (
 """
 # The engine that computed a shard's states (`hf`, `vllm:hook`, `vllm:extract`): the states of one sample are the same
 # within their dtype's rounding whichever computed them (`draftdata verify` checks it), so a store serves every engine,
-# and says which one each sample came from. NULL: a shard of a store older than the column.
-ENGINE_COLUMN = "ALTER TABLE shards ADD COLUMN engine TEXT"
+# and says which one each sample came from. NULL: a shard of a store older than the column, which gets it on opening.
+ADDED_COLUMNS = {"engine": "TEXT"}
 
 
 @dataclass
@@ -67,8 +67,7 @@ class StateStore:
     def __init__(self, root: Path):
         self.root = Path(root)
         self.db = open_db(self.root / "index.sqlite", "hidden-state store", SCHEMA)  # creates the directory
-        if "engine" not in {row[1] for row in self.db.execute("PRAGMA table_info(shards)")}:
-            self.db.execute(ENGINE_COLUMN)
+        add_columns(self.db, "shards", ADDED_COLUMNS)
         self._sweep_temp_files()
 
     def _sweep_temp_files(self) -> None:
@@ -87,15 +86,8 @@ class StateStore:
         return f"{settings_hash}/{uuid.uuid4().hex}.safetensors"
 
     def lookup(self, keys: Iterable[str]) -> dict[str, Location]:
-        keys = list(keys)
-        out: dict[str, Location] = {}
-        for i in range(0, len(keys), 500):  # SQLite caps the number of bound parameters
-            chunk = keys[i : i + 500]
-            rows = self.db.execute(
-                f"SELECT key, shard, row, n_tokens FROM states WHERE key IN ({','.join('?' * len(chunk))})", chunk
-            )
-            out.update((k, Location(s, r, n)) for k, s, r, n in rows)
-        return out
+        rows = rows_in(self.db, "SELECT key, shard, row, n_tokens FROM states WHERE key IN ({marks})", keys)
+        return {k: Location(s, r, n) for k, s, r, n in rows}
 
     def add_shard(
         self, name: str, settings_hash: str, keys: list[str], lengths: list[int], size: int, engine: str
@@ -115,26 +107,12 @@ class StateStore:
 
     def sizes(self, shards: Iterable[str]) -> tuple[int, int]:
         """(bytes, tokens) of these shards, as recorded when they were written."""
-        shards = list(shards)
-        total_bytes = total_tokens = 0
-        for i in range(0, len(shards), 500):
-            chunk = shards[i : i + 500]
-            b, t = self.db.execute(
-                f"SELECT COALESCE(SUM(bytes), 0), COALESCE(SUM(n_tokens), 0) FROM shards "
-                f"WHERE name IN ({','.join('?' * len(chunk))})",
-                chunk,
-            ).fetchone()
-            total_bytes, total_tokens = total_bytes + b, total_tokens + t
-        return total_bytes, total_tokens
+        rows = list(rows_in(self.db, "SELECT bytes, n_tokens FROM shards WHERE name IN ({marks})", shards))
+        return sum(b for b, _ in rows), sum(t for _, t in rows)
 
     def engines(self, shards: Iterable[str]) -> dict[str, str | None]:
         """The engine each of these shards was computed by (None: not recorded)."""
-        shards, out = list(shards), {}
-        for i in range(0, len(shards), 500):
-            chunk = shards[i : i + 500]
-            query = f"SELECT name, engine FROM shards WHERE name IN ({','.join('?' * len(chunk))})"
-            out.update(self.db.execute(query, chunk).fetchall())
-        return out
+        return dict(rows_in(self.db, "SELECT name, engine FROM shards WHERE name IN ({marks})", shards))
 
     def save_target(self, settings_hash: str, target: NormAndSizes) -> None:
         """What the output needs of the target besides its states (its final norm, sizes), kept with the states so
@@ -172,11 +150,15 @@ class StateStore:
         norm = FinalNorm(spec["kind"], spec["eps"], params["weight"], params.get("bias"), spec["weight_offset"])
         return NormAndSizes(norm, doc["n_layers"], doc["hidden_size"])
 
-    def drop_torn(self, shards: Iterable[str]) -> list[str]:
-        """Forget shards whose file is missing or cut short (their samples are then computed again)."""
+    def drop_torn(self, shards: Iterable[str]) -> tuple[list[str], int]:
+        """Forget shards whose file is missing or cut short (their samples are then computed again): the torn ones
+        among `shards`, and how many of them this call forgot. Under torchrun every rank checks the shards it finds,
+        its own samples' and the others': the rank that forgets a shard first counts it, so the job counts it once."""
         bad = [s for s in set(shards) if torn(self.path(s))]
+        forgotten = 0
         for s in bad:
-            self.db.execute("DELETE FROM states WHERE shard = ?", (s,))
-            self.db.execute("DELETE FROM shards WHERE name = ?", (s,))
+            with transaction(self.db, immediate=True):
+                forgotten += self.db.execute("DELETE FROM shards WHERE name = ?", (s,)).rowcount
+                self.db.execute("DELETE FROM states WHERE shard = ?", (s,))
             self.path(s).unlink(missing_ok=True)
-        return bad
+        return bad, forgotten

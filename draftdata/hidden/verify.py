@@ -29,7 +29,7 @@ from pathlib import Path
 
 from draftdata.config.schema import Config
 from draftdata.errors import UserError
-from draftdata.hidden.compute import make_engine
+from draftdata.hidden.engines.factory import make_engine
 from draftdata.hidden.reader import SKIPPED, HiddenStates, Sample
 from draftdata.hidden.shards import torn
 from draftdata.model.fingerprint import run_model_fingerprint

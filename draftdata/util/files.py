@@ -87,12 +87,6 @@ def sweep_abandoned(folder: Path, pattern: str = ".*.tmp") -> int:
     return removed
 
 
-def _publish(tmp: Path, path: Path) -> None:
-    """Rename a whole temp file over its final name. A module function, so that the kill suite can hold a complete
-    output at its temp name for a while (bench/reliability/held.py) without the product knowing."""
-    os.replace(tmp, path)
-
-
 @contextmanager
 def atomic_path(path: Path | str) -> Iterator[Path]:
     """Yield a temp path beside `path`; rename it over `path` only if the block succeeds."""
@@ -104,13 +98,32 @@ def atomic_path(path: Path | str) -> Iterator[Path]:
     try:
         yield Path(tmp)
         os.chmod(tmp, FILE_MODE)  # after the block: a writer may have replaced the file (safetensors makes it 0600)
-        _publish(Path(tmp), path)
+        os.replace(tmp, path)
     except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
         if disk_full(e):
             raise DiskFull(
                 f"{path}: No space left on device; the earlier {path.name}, if any, is kept: free space and run again"
             ) from None
+        raise
+
+
+@contextmanager
+def staged_path(path: Path | str) -> Iterator[Path]:
+    """Yield `path` itself, for a file of a staging directory that is renamed into place whole once complete (an
+    export's `.<dir>.partial`): that rename is what keeps a half-written output from being taken as done, so the
+    file needs no temp name of its own, and a killed writer's leftovers go with the staging directory. Nor does it
+    sweep the directory for them, as `atomic_path` does: a sweep lists the directory, and one per file makes writing
+    n files into one directory cost n² (an export of 100k samples into one directory: hours of listings, where its
+    writing takes minutes; `python -m bench.export_scaling`). The file gets the mode any new file gets."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        yield path
+        os.chmod(path, FILE_MODE)  # safetensors makes its files 0600
+    except BaseException as e:
+        if disk_full(e):
+            raise DiskFull(f"{path}: No space left on device; free space and run again") from None
         raise
 
 

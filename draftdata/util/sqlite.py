@@ -1,5 +1,6 @@
 """SQLite as both stores use it (the response store and the hidden-state store): where they live, how they open
-(WAL on local disks, rollback journal on network file systems), and the model files' hash cache beside them.
+(WAL on local disks, rollback journal on network file systems) and migrate, their lookups by many keys, and the model
+files' hash cache beside them.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import os
 import random
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -118,6 +119,36 @@ def _setup(db: sqlite3.Connection, network: bool, schema: str, attempts: int = 5
             if "locked" not in str(e) or attempt == attempts - 1:
                 raise
             time.sleep(0.05 + random.random() * 0.1)
+
+
+# Values bound in one `IN (...)` list: SQLite caps the parameters of a statement (999 before 3.32)
+IN_CHUNK = 500
+
+
+def rows_in(db: sqlite3.Connection, sql: str, values: Iterable, *before) -> Iterator[tuple]:
+    """The rows of `sql` for every one of `values`: `{marks}` in `sql` is where their `IN (...)` list goes, run a
+    chunk of IN_CHUNK values at a time; `before`: parameters bound ahead of the list."""
+    values = list(values)
+    for i in range(0, len(values), IN_CHUNK):
+        chunk = values[i : i + IN_CHUNK]
+        yield from db.execute(sql.format(marks=",".join("?" * len(chunk))), [*before, *chunk])
+
+
+def add_columns(db: sqlite3.Connection, table: str, columns: dict[str, str]) -> None:
+    """Give a store of an older schema the `columns` (name: type) it lacks. Processes that open it at once (torchrun's
+    ranks, `dvc exp run --jobs N`) would each see a column missing and each add it, all but the first failing
+    ("duplicate column name"): the check and the ALTER run under the write lock, after a look without it (a store
+    already migrated, the usual case, takes no lock)."""
+    if not _missing(db, table, columns):
+        return
+    with transaction(db, immediate=True):
+        for name in _missing(db, table, columns):  # again under the lock: another process may have added them
+            db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {columns[name]}")
+
+
+def _missing(db: sqlite3.Connection, table: str, columns: dict[str, str]) -> list[str]:
+    have = {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+    return [name for name in columns if name not in have]
 
 
 def hash_cache_path(store_path: str) -> Path:

@@ -12,11 +12,12 @@ Engines: `HFEngine` (transformers, in-process, `device_map` for a target bigger 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from draftdata.config.schema import ModelConfig
 from draftdata.errors import UserError
 from draftdata.hidden.engines.base import find_decoder
 from draftdata.hidden.norm import FinalNorm
-from draftdata.util.timing import Timers
 
 
 def final_norm_of(norm) -> FinalNorm:
@@ -47,7 +48,9 @@ class HFEngine:
     without the LM head (no logits). Batches are padded on the right and run WITHOUT an attention mask: under causal
     attention a real token only sees the positions before it, all real, so its states are exact, and attention keeps
     its fast mask-free path (a padding mask costs ~1.8× in attention on a CPU and rules out flash kernels on a GPU).
-    The pad positions' own states are computed and dropped; `pad_tokens` counts them."""
+    The pad positions' own states are computed and dropped; `pad_tokens` counts them. The hooks are on the decoder only
+    while a batch runs through it: outside `forward` the model is transformers' own, and a forward of anyone else's
+    through it keeps nothing."""
 
     def __init__(self, model_cfg: ModelConfig, layers: list[int], device_map: str | None = None):
         import torch
@@ -68,67 +71,56 @@ class HFEngine:
         self.final_norm = final_norm_of(self.decoder.norm)
         self.layers = layers
         self.pad_tokens = 0
-        self.timers = Timers()  # padding, decoder, copies to host: where a batch's time goes
-        self._capture = True
+        self.input_device = next(self.decoder.layers[0].parameters()).device  # under a device_map, the first GPU's
         self._out: dict = {}
-        self._handles = [self.decoder.layers[i].register_forward_hook(self._keep(i)) for i in layers]
-        self._handles.append(self.decoder.norm.register_forward_pre_hook(self._keep_input))
-
-    def _keep(self, layer: int):
-        def hook(_module, _inputs, output):
-            if self._capture:
-                self._out[layer] = output[0] if isinstance(output, tuple) else output
-
-        return hook
-
-    def _keep_input(self, _module, inputs):
-        if self._capture:
-            self._out["final"] = inputs[0]
 
     def forward(self, batch: list[list[int]]) -> list[tuple[object, object]]:
         import torch
 
-        self.pad_tokens += self._run(batch, self.timers)
+        ids = pad_right(batch, self.input_device)
+        with self._hooked(), torch.inference_mode():
+            self.decoder(input_ids=ids, use_cache=False)  # no LM head
+        self.pad_tokens += ids.numel() - sum(len(x) for x in batch)
+        out, self._out = self._out, {}
         # under a device_map the layers' outputs sit on their layers' GPUs: gathered on the first one's, then one
         # copy to the host per batch, not one per sample (each is a device sync); in the model's own dtype: a bf16
         # target's states stored as bf16 need no float32 round trip
-        with self.timers("copies to host"):
-            outs = [self._out[i] for i in self.layers]
-            aux = torch.stack([o.to(outs[0].device) for o in outs], dim=2).cpu()  # [B, W, k, H]
-            final = self._out["final"].cpu()
-            self._out.clear()
+        outs = [out[i] for i in self.layers]
+        aux = torch.stack([o.to(outs[0].device) for o in outs], dim=2).cpu()  # [B, W, k, H]
+        final = out["final"].cpu()
         return [(aux[i, : len(x)], final[i, : len(x)]) for i, x in enumerate(batch)]
 
-    def prefill(self, batch: list[list[int]]) -> int:
-        """The same padded batch through the same decoder with nothing kept or copied: the plain prefill that the
-        benchmark holds the capture against (its hooks stay registered and return at once). Its time is the
-        caller's to measure: the engine's timers and `pad_tokens` keep the capture's alone. Returns the batch's pad
-        tokens."""
-        self._capture = False
+    @contextmanager
+    def _hooked(self):
+        """The chosen layers' outputs and the final norm's input kept in `_out` while the block runs."""
+        handles = [self.decoder.layers[i].register_forward_hook(self._keep(i)) for i in self.layers]
+        handles.append(self.decoder.norm.register_forward_pre_hook(self._keep_input))
         try:
-            return self._run(batch, Timers())
+            yield
         finally:
-            self._capture = True
+            for h in handles:
+                h.remove()
 
-    def _run(self, batch: list[list[int]], timers: Timers) -> int:
-        """The batch padded on the right, through the decoder (no LM head); the hooks see the layers' outputs.
-        Returns the batch's pad tokens."""
-        import torch
+    def _keep(self, layer: int):
+        def hook(_module, _inputs, output):
+            self._out[layer] = output[0] if isinstance(output, tuple) else output
 
-        with timers("padding"):
-            width = max(len(x) for x in batch)
-            ids = torch.zeros(len(batch), width, dtype=torch.long)
-            for i, x in enumerate(batch):
-                ids[i, : len(x)] = torch.tensor(x)
-            device = self.decoder.layers[0].parameters().__next__().device
-            ids = ids.to(device)
-        with timers("decoder"), torch.inference_mode():
-            self.decoder(input_ids=ids, use_cache=False)
-            last = self.decoder.norm.weight.device  # under a device_map, the last GPU the batch runs on
-            if last.type == "cuda":  # the kernels are queued: the time is theirs once they have run
-                torch.cuda.synchronize(last)
-        return len(batch) * width - sum(len(x) for x in batch)
+        return hook
+
+    def _keep_input(self, _module, inputs):
+        self._out["final"] = inputs[0]
 
     def close(self) -> None:
-        for h in self._handles:
-            h.remove()
+        """Nothing to release: the hooks are removed after every batch."""
+
+
+def pad_right(batch: list[list[int]], device):
+    """A batch's token ids in one [B, W] tensor on `device`, padded on the right (the pad positions' states are
+    dropped: under causal attention no real token sees them)."""
+    import torch
+
+    width = max(len(x) for x in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    for i, x in enumerate(batch):
+        ids[i, : len(x)] = torch.tensor(x)
+    return ids.to(device)

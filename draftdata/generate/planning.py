@@ -1,0 +1,164 @@
+"""What a run asks, planned from the store before anything is sent: one request per prompt (`turns: last`), or each
+conversation walked over the turns the store holds (`turns: all`: `plan_conversations`, one store query per turn
+depth for all of them, to the first turn not stored, a parked partial there continued, or to its end; the turns'
+ids rendered on the way kept in the store's `turn_rendered`, so the next run steps over stored turns without the
+chat template); and, once generation is done, why each conversation in the output ends there and the figures of
+`turns: all` for the metrics.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, TrainOn, Turns
+from draftdata.generate.accounting import unusable_reason
+from draftdata.generate.conversation import TurnRendering, turns
+from draftdata.generate.request import Planned
+from draftdata.generate.selection import check_context, fingerprints, plan_requests
+from draftdata.generate.store import ResponseStore, StoredResponse
+from draftdata.generate.work import BUDGET, FAILED, Conversation, ConversationQueue, Renders, step_over_stored
+
+
+def plan_conversations(
+    cfg: Config, prompts: list[dict], tok, store: ResponseStore, context: int | None
+) -> tuple[list[Conversation], Renders]:
+    """Every conversation walked over the turns the store holds, in prompt order, and the turns' renders (those
+    made on the way are kept). `context`: the target's (None: unknown); a later turn that does not fit it with
+    max_tokens ends its conversation."""
+    ds = cfg.ds
+    fp, render_fp = fingerprints(cfg, tok)
+    renders = Renders.load(render_fp, store, prompts)
+    kwargs = cfg.template_kwargs
+    rendering = TurnRendering(tok, kwargs, fp, ds.sampling.as_dict(), ds.max_tokens, renders.turns)
+    commands = ds.source.shape == "swe_agent"  # its actions are fenced shell commands in the text
+    every_turn = cfg.tokenize.train_on == TrainOn.all_turns
+    walks = [(rec, turns(rec, rendering, ds.on_tool_divergence.value, commands)) for rec in prompts]
+    convs = [Conversation(rec, walk, every_turn=every_turn) for rec, walk in walks]
+    for c in convs:
+        c.start(None)
+    room = None if context is None else context - ds.max_tokens
+    step_over_stored(convs, store, {}, room)
+    renders.keep(store)
+    return convs, renders
+
+
+def conversation_plan(convs: list[Conversation], store: ResponseStore) -> tuple[list[Planned], dict]:
+    """Every conversation's turns in order (answered ones, then the next), and the store's rows for them: the
+    answers, and the parked partials of next turns (one query)."""
+    rows = {p.key: r for c in convs for p, r in c.done}
+    rows.update(store.get_many(c.next.key for c in convs if c.next is not None))
+    return [p for c in convs for p in c.turns()], rows
+
+
+def end_reasons(
+    convs: list[Conversation], selected: list[tuple[Planned, StoredResponse]], ds: DatasetConfig
+) -> dict[str, str]:
+    """The turn id of each conversation's last line in the output -> why the conversation ends there: its own
+    reason when every usable answered turn is in the output, else the budget (the output's, or the run's)."""
+    last = {p.prompt["conversation"]: p for p, _ in selected}
+    out = {}
+    for c in convs:
+        if (p := last.get(c.rec["id"])) is None:
+            continue
+        out[p.prompt["id"]] = c.unanswered  # its next turn is to come (or, under keep_partial, this is its cut one)
+        if c.next is None:
+            at = next(i for i, (q, _) in enumerate(c.done) if q is p)
+            if all(unusable_reason(r, ds) for _, r in c.done[at + 1 :]):
+                out[p.prompt["id"]] = c.ended
+    return out
+
+
+def ended_unsampled(
+    convs: list[Conversation], selected: list[tuple[Planned, StoredResponse]], ds: DatasetConfig
+) -> list[Conversation]:
+    """Conversations that ended before any usable turn (turn 0's answer empty, or cut and dropped): no line of the
+    output names them, yet the run took them and they ended. Only those the output reaches: every usable turn of the
+    conversations before them is in it (a lower budget's output stops short of the later ones, as it does of the
+    other conversations there)."""
+    chosen = {p.prompt["id"] for p, _ in selected}
+    out = []
+    for c in convs:
+        usable = [p for p, r in c.done if unusable_reason(r, ds) is None]
+        if c.next is None and not usable:
+            out.append(c)
+        elif any(p.prompt["id"] not in chosen for p in usable):
+            break  # the output stops in this conversation
+    return out
+
+
+def conversation_metrics(
+    reasons: dict[str, str], turns_out: int, queue: ConversationQueue, unsampled: list[Conversation]
+) -> dict:
+    """generate_metrics' figures of `turns: all`: the output's turns (each one the target's answer) and
+    conversations by end reason (those that ended before a usable turn included), and the share of next turns this
+    run sent to the server that answered the previous one (null: none sent)."""
+    ended = Counter(reasons.values()) + Counter(c.ended for c in unsampled)
+    return {
+        "turns_regenerated": turns_out,
+        "conversations": len(reasons) + len(unsampled),
+        "conversations_ended": dict(sorted(ended.items())),
+        "same_server_share": queue.same_server_share,
+    }
+
+
+def turns_kept(
+    convs: list[Conversation], reasons: dict[str, str], selected: list, unsampled: list[Conversation]
+) -> dict:
+    """Of the output's conversations that ended on their own (not at the budget, nor at a failed request), and
+    those that ended before a usable turn (`ended_unsampled`: none of their turns kept), the share of their
+    source's assistant turns the output holds: what a diverging call (`on_tool_divergence`), a cut or empty answer
+    or the context took from them."""
+    turns_out = Counter(p.prompt["conversation"] for p, _ in selected)
+    ended = {p.prompt["conversation"]: reasons[p.prompt["id"]] for p, _ in selected if p.prompt["id"] in reasons}
+    own = [c.rec for c in convs if c.rec["id"] in turns_out and ended.get(c.rec["id"]) not in (BUDGET, FAILED)]
+    own += [c.rec for c in unsampled]
+    source = sum(len(rec["slots"]) for rec in own)
+    return {"turns_kept_share": round(sum(turns_out[rec["id"]] for rec in own) / source, 3) if source else None}
+
+
+@dataclass
+class RunPlan:
+    """What a run asks: one request per prompt (`turns: last`), or each conversation's turns (`turns: all`), with
+    the store's rows for them."""
+
+    plan: list[Planned]
+    stored: dict[str, StoredResponse]
+    duplicates: int = 0  # prompts whose rendered ids an earlier prompt had (`turns: last`)
+    convs: list[Conversation] | None = None
+    queue: ConversationQueue | None = None
+    ds: DatasetConfig | None = None
+
+    @classmethod
+    def make(cls, cfg: Config, prompts: list[dict], tok, store: ResponseStore, context: int | None) -> RunPlan:
+        if cfg.ds.turns != Turns.all:
+            plan = plan_requests(cfg, prompts, tok, store)  # one per key: prompts rendered alike are asked once
+            check_context(plan, cfg, context)
+            return cls(plan, store.get_many(p.key for p in plan), len(prompts) - len(plan))
+        convs, renders = plan_conversations(cfg, prompts, tok, store, context)  # each walked over its stored turns
+        check_context([c.first for c in convs if c.first is not None], cfg, context)
+        run = cls(*conversation_plan(convs, store), convs=convs, ds=cfg.ds)
+        room = None if context is None else context - cfg.ds.max_tokens
+        run.queue = ConversationQueue(convs, store, {}, room, cfg.ds.budget_unit == BudgetUnit.total, renders)
+        return run
+
+    def reread(self, store: ResponseStore) -> None:
+        """After generation: the rows the store holds now (and each conversation's turns as far as they went)."""
+        if self.convs is None:
+            self.stored = store.get_many(p.key for p in self.plan)
+        else:
+            self.plan, self.stored = conversation_plan(self.convs, store)
+            if self.queue is not None and self.queue.renders is not None:
+                self.queue.renders.keep(store)
+
+    def end_reasons(self, selected: list[tuple[Planned, StoredResponse]]) -> dict[str, str]:
+        return {} if self.convs is None else end_reasons(self.convs, selected, self.ds)
+
+    def metrics(self, reasons: dict[str, str], selected: list) -> dict:
+        """generate_metrics' figures of `turns: all` ({} under `turns: last`)."""
+        if self.convs is None:
+            return {}
+        unsampled = ended_unsampled(self.convs, selected, self.ds)
+        return conversation_metrics(reasons, len(selected), self.queue, unsampled) | turns_kept(
+            self.convs, reasons, selected, unsampled
+        )

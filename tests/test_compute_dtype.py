@@ -1,0 +1,65 @@
+"""`model.compute_dtype`: the in-process engines' arithmetic, chosen from the setting, the weights' dtype and the
+hardware (never a timing), part of the request key where it is not the weights' own, and recorded on every stored
+answer and in the metrics."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+
+from draftdata.config.load import load_config
+from draftdata.errors import ConfigError
+from draftdata.model import compute
+
+
+def test_auto_is_the_weights_dtype_where_the_hardware_has_it_else_float32(monkeypatch):
+    assert compute.resolve("auto", "float32", on_gpu=False) == "float32"
+    assert compute.resolve("auto", "bfloat16", on_gpu=True) == "bfloat16"
+    assert compute.resolve("bfloat16", "float32", on_gpu=False) == "bfloat16"  # a setting is taken as it is
+    monkeypatch.setattr(compute, "native_16bit", lambda dtype: False)
+    assert compute.resolve("auto", "bfloat16", on_gpu=False) == "float32"
+    monkeypatch.setattr(compute, "native_16bit", lambda dtype: dtype == "bfloat16")
+    assert compute.resolve("auto", "bfloat16", on_gpu=False) == "bfloat16"
+    assert compute.resolve("auto", "float16", on_gpu=False) == "float32"
+
+
+def test_a_bad_compute_dtype_is_refused_naming_the_key(project):
+    project.set("model.compute_dtype", "bf16")
+    with pytest.raises(ConfigError) as err:
+        load_config("B3", [], params_path=project.path / "params.yaml")
+    assert "model.compute_dtype" in str(err.value)
+
+
+def keys(project, *overrides: str) -> set[str]:
+    from draftdata.generate.selection import plan_requests
+    from draftdata.model.tokenizer import load_tokenizer
+    from draftdata.util.files import read_jsonl
+
+    cfg = load_config("B3", list(overrides), params_path=project.path / "params.yaml")
+    prompts = list(read_jsonl(project.data("B3") / "prompts.jsonl"))
+    return {p.key for p in plan_requests(cfg, prompts, load_tokenizer(cfg.model))}
+
+
+def test_an_arithmetic_other_than_the_weights_is_keyed_apart_and_a_server_s_is_not_ours(project):
+    """The tiny target's weights are float32: computed in float32 its answers keep the keys they always had; in
+    bfloat16 they are others' (one key held answers of either before). A server computes in its own dtype: the
+    setting does not touch its keys."""
+    project.run("prompts", "B3")
+    own = keys(project, "model.compute_dtype=float32")
+    assert keys(project) == own  # auto, on a float32 model
+    assert keys(project, "model.compute_dtype=bfloat16").isdisjoint(own)
+    served = ("backend.kind=sglang", "backend.urls=[http://127.0.0.1:9]")
+    assert keys(project, *served, "model.compute_dtype=bfloat16") == keys(project, *served)
+
+
+def test_every_stored_answer_and_the_metrics_name_the_arithmetic(project):
+    project.set("datasets.B3.token_budget", 120)
+    project.run("prompts", "B3")
+    project.run("generate", "B3")
+    with sqlite3.connect(project.path / "store.sqlite") as db:
+        dtypes = {row[0] for row in db.execute("SELECT compute_dtype FROM responses")}
+    assert dtypes == {"float32"}
+    metrics = json.loads((project.data("B3") / "generate_metrics.json").read_text())
+    assert metrics["compute_dtype"] == ["float32"]
