@@ -63,3 +63,18 @@ def test_every_stored_answer_and_the_metrics_name_the_arithmetic(project):
     assert dtypes == {"float32"}
     metrics = json.loads((project.data("B3") / "generate_metrics.json").read_text())
     assert metrics["compute_dtype"] == ["float32"]
+
+
+def test_states_computed_in_another_dtype_are_keyed_apart_and_vllm_s_are_not_ours(project):
+    """The hf engine computes the target itself: its states in bfloat16 (the tiny target's weights are float32) are
+    others than its float32 ones; vLLM's arithmetic is its own (its `dtype` option), not this setting's."""
+    from draftdata.hidden.compute import state_settings
+
+    def model_of(*overrides: str) -> str:
+        cfg = load_config("B3", list(overrides), params_path=project.path / "params.yaml")
+        return state_settings(cfg, [1, 3, 4])["model"]
+
+    assert model_of() == model_of("model.compute_dtype=float32")
+    assert model_of("model.compute_dtype=bfloat16") != model_of()
+    vllm = "hidden_states.backend=vllm"
+    assert model_of(vllm, "model.compute_dtype=bfloat16") == model_of(vllm)

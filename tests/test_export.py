@@ -695,9 +695,9 @@ def test_the_states_output_is_whole_on_its_own_and_says_which_engine_computed_ea
     chats.run("hidden_states", "B6")
     src = chats.data("B6") / "hidden_states"
     rows = pq.read_table(src / "samples.parquet").to_pylist()
-    assert {r["engine"] for r in rows} == {"hf"} and any(r["turn"] > 0 for r in rows)
+    assert {r["engine"] for r in rows} == {"hf:float32"} and any(r["turn"] > 0 for r in rows)
     metrics = json.loads((chats.data("B6") / "hidden_states_metrics.json").read_text())
-    assert metrics["engines"] == {"hf": len(rows)}
+    assert metrics["engines"] == {"hf:float32": len(rows)}
 
     alone = tmp_path / "elsewhere" / "hidden_states"
     shutil.copytree(src, alone)

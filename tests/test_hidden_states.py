@@ -994,10 +994,13 @@ def test_in_16_bits_a_sample_off_fails_verify_where_a_stray_token_does_not():
 
 
 def test_the_dtype_each_engine_computes_in():
-    """hf computes in the weights' dtype; vLLM in its dtype option, by default the weights' but 16 bits for float32."""
+    """hf computes in the dtype its shards name (model.compute_dtype, resolved), else the one it would compute in
+    here; vLLM in its dtype option, by default the weights' but 16 bits for float32."""
     from draftdata.hidden.verify import forward_dtype
 
     assert forward_dtype("hf", "float32", {"dtype": "bfloat16"}) == "float32"  # vllm_kwargs are vLLM's alone
+    assert forward_dtype("hf:float32", "bfloat16", {}) == "float32"  # a bf16 model computed in float32
+    assert forward_dtype("hf", "bfloat16", {}, hf="float32") == "float32"
     assert forward_dtype("vllm", "float32", {}) == "bfloat16"  # auto: 16 bits for float32 weights
     assert forward_dtype("vllm:hook", "float32", {"dtype": "auto"}) == "bfloat16"
     assert forward_dtype("vllm", "float32", {"dtype": "float"}) == "float32"

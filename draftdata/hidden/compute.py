@@ -195,7 +195,8 @@ def state_settings(cfg: Config, layers: list[int]) -> dict:
         "version": FORMAT_VERSION,
         "layers": layers,
         "dtype": cfg.hidden_states.dtype,
-        "model": run_model_fingerprint(cfg),
+        # the hf engine computes the target itself: in a dtype other than the weights', states are keyed apart
+        "model": run_model_fingerprint(cfg, in_process=cfg.hidden_states.backend == "hf"),
     }
 
 

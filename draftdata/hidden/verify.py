@@ -32,8 +32,8 @@ from draftdata.errors import UserError
 from draftdata.hidden.engines.factory import make_engine
 from draftdata.hidden.reader import SKIPPED, HiddenStates, Sample
 from draftdata.hidden.shards import torn
+from draftdata.model.compute import compute_dtype, weights_dtype
 from draftdata.model.fingerprint import run_model_fingerprint
-from draftdata.model.load import model_dir
 
 # The largest relative error of one token's state, per dtype: rounding to it (bf16 keeps 8 significant bits, an
 # error of at most 2^-9 per value; fp8 e4m3 3 bits, 2^-4) with a margin for kernels that add in another order.
@@ -105,31 +105,27 @@ class Report:
         return all(self.judged(e)[0] <= e.tolerance for e in self.layers)
 
 
-def forward_dtype(engine: str, own: str, vllm_kwargs: dict) -> str:
-    """The dtype an engine computes the target in, `own` being its weights': hf's is that (it loads them as they
-    are); vLLM's is its `dtype` option, by default (auto) the weights' too, but 16 bits for float32 ones (the
-    platform's choice, bf16 on a CPU or a recent GPU: bf16 counted, the coarser). Unknown: bf16, the coarsest."""
-    asked = own
-    if engine.startswith("vllm"):
+def forward_dtype(engine: str, own: str, vllm_kwargs: dict, hf: str | None = None) -> str:
+    """The dtype an engine computes the target in, `own` being its weights': hf's is the one it names (`hf:<dtype>`,
+    as the state store records it), else `hf` (model.compute_dtype resolved here; the weights' by default); vLLM's
+    is its `dtype` option, by default (auto) the weights' too, but 16 bits for float32 ones (the platform's choice,
+    bf16 on a CPU or a recent GPU: bf16 counted, the coarser). Unknown: bf16, the coarsest."""
+    asked = hf or own
+    if engine.startswith("hf:"):
+        asked = engine.removeprefix("hf:")
+    elif engine.startswith("vllm"):
         option = str(vllm_kwargs.get("dtype", "auto")).removeprefix("torch.")
         option = {"half": "float16", "float": "float32"}.get(option, option)
         asked = option if option != "auto" else own if own != "float32" else "bfloat16"
     return asked if asked in EPS else "bfloat16"
 
 
-def weights_dtype(cfg: Config) -> str:
-    """The target's dtype as its config.json names it (float32 where it names none, as transformers loads it)."""
-    conf = Path(model_dir(cfg.model)).expanduser() / "config.json"
-    conf = json.loads(conf.read_text()) if conf.is_file() else {}
-    return str(conf.get("dtype") or conf.get("torch_dtype") or "float32")
-
-
 def forwards_dtype(cfg: Config, stored_by: set[str | None]) -> str:
     """The coarser of the dtypes the recomputation and the stored states were computed in; a shard that does not
     say which engine computed it (a store older than the record) is counted as the stage's backend's."""
-    own = weights_dtype(cfg)
+    own, hf = weights_dtype(cfg.model), compute_dtype(cfg.model)
     engines = {cfg.verify.engine, *(e or cfg.hidden_states.backend for e in stored_by)}
-    return max((forward_dtype(e, own, cfg.hidden_states.vllm_kwargs) for e in engines), key=EPS.__getitem__)
+    return max((forward_dtype(e, own, cfg.hidden_states.vllm_kwargs, hf) for e in engines), key=EPS.__getitem__)
 
 
 def layer_tolerance(base: float, dtype: str, depth: int) -> float:
@@ -147,7 +143,7 @@ def spread(lengths: list[int], n: int) -> list[int]:
         return order
     if n == 1:
         return [order[(len(order) - 1) // 2]]
-    return [order[round(j * (len(order) - 1) / (n - 1))] for j in range(n)]
+    return [order[j * (len(order) - 1) // (n - 1)] for j in range(n)]  # of two middle ones, the lower (3: the median)
 
 
 def row_errors(stored, fresh):
@@ -187,7 +183,7 @@ def check_shards(path: Path, shards: list[str], dataset: str) -> None:
 def check_model(cfg: Config, index: dict, path: Path) -> None:
     """The states were computed by the target configured now: a recomputation by another model would only
     measure the difference between the two."""
-    now = run_model_fingerprint(cfg)
+    now = run_model_fingerprint(cfg, in_process=cfg.hidden_states.backend == "hf")
     if index["model"]["fingerprint"] != now:
         raise UserError(
             f"{path}: computed by another model than model.path={cfg.model.path} now is (fingerprint "

@@ -52,9 +52,11 @@ class LazyEngine:
 
     @property
     def name(self) -> str:
-        """What computes the states, as the state store records it per shard: `hf`, `vllm:hook`, `vllm:extract`."""
-        path = getattr(self.get(), "vllm_path", None)
-        return "hf" if path is None else f"vllm:{path}"
+        """What computes the states, as the state store records it per shard: `hf:<the dtype it computes in>`,
+        `vllm:hook`, `vllm:extract`."""
+        engine = self.get()
+        path = getattr(engine, "vllm_path", None)
+        return f"hf:{engine.compute_dtype}" if path is None else f"vllm:{path}"
 
     @property
     def pad_tokens(self) -> int:

@@ -63,7 +63,8 @@ class HFEngine:
         # auto (the same states, more precise, stored in hidden_states.dtype all the same); a model on GPUs,
         # dispatched by device_map, is left as it is
         on_gpu = bool(device_map) or torch.cuda.is_available()
-        dtype = torch_dtype(compute_dtype(model_cfg, on_gpu=on_gpu))
+        self.compute_dtype = compute_dtype(model_cfg, on_gpu=on_gpu)  # recorded with every shard it computes
+        dtype = torch_dtype(self.compute_dtype)
         self.model = model if device_map or dtype == next(model.parameters()).dtype else model.to(dtype)
         self.decoder = find_decoder(self.model)
         self.n_layers = len(self.decoder.layers)
