@@ -69,8 +69,8 @@ def test_the_break_restates_the_prompts_counted_short_and_later_turns_count_whol
     done = walk(*CONVERSATIONS["broken_late"])
     links = [p.link for p, _ in done]
     assert links[0] is None and links[1].grows and links[1].restated == 0
-    # the second turn was counted as what it added (7 - the first turn's 3 + 2); its own sample holds all 7
-    assert not links[2].grows and links[2].restated == 7 - (3 + 2)
+    # the second turn counted what it added to the first turn (7 - (3 + 2)); its own sample holds all 7: 3 + 2 more
+    assert not links[2].grows and links[2].restated == 3 + 2
     assert prompt_count(done[2][0]) == 8 + 5
 
 
