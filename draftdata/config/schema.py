@@ -457,6 +457,11 @@ class BackendConfig:
     # of a conversation reaches the server whose prefix cache holds it. None: no header.
     session_header: Optional[str] = None
 
+    def takes_token_ids(self) -> bool:
+        """Whether this backend sends token-id prompts, so a partial response can be continued exactly (a text prompt
+        would be re-tokenized, and a chat one rendered by the server)."""
+        return self.kind != BackendKind.openai or self.prompt_format == "ids"
+
     def check(self, key: str) -> None:
         if self.kind != BackendKind.openai and self.extra_body:
             raise ConfigError(

@@ -7,12 +7,6 @@ from draftdata.config.schema import BackendKind, Config, check_sampling_sent
 from draftdata.generate.backends.protocol import Backend
 
 
-def takes_token_ids(cfg: Config) -> bool:
-    """Whether the configured backend sends token-id prompts, so a partial response can be continued exactly (a text
-    prompt would be re-tokenized, and a chat one rendered by the server)."""
-    return cfg.backend.kind != BackendKind.openai or cfg.backend.prompt_format == "ids"
-
-
 def make_backend(cfg: Config, tokenizer) -> Backend:
     cfg.backend.check("backend")  # before any connection is opened
     if cfg.dataset is not None:

@@ -10,7 +10,7 @@ import signal
 from draftdata.config.schema import BackendKind, BudgetUnit, Config, OnBudget
 from draftdata.generate.accounting import needs_request, prompt_count, stored_total, unusable_reason
 from draftdata.generate.budget.controller import BudgetController
-from draftdata.generate.connect import make_backend, takes_token_ids
+from draftdata.generate.connect import make_backend
 from draftdata.generate.dispatcher import Dispatcher, Interrupted, RunStats
 from draftdata.generate.planning import RunPlan
 from draftdata.generate.progress import Progress
@@ -116,7 +116,7 @@ def generate_missing(
         parked=sum(p.key in parked for p in todo),
         to_send=len(todo),
         backend=cfg.backend.kind.value,
-        continues=takes_token_ids(cfg),
+        continues=cfg.backend.takes_token_ids(),
     )
     try:
         work = todo if conversations is None else conversations

@@ -45,7 +45,6 @@ from draftdata.generate.backends.http import (
     stream_cut,
 )
 from draftdata.generate.backends.protocol import GenRequest, GenResult, Partial
-from draftdata.generate.connect import takes_token_ids
 from draftdata.model.tokenizer import unrendered_parts
 
 OPENAI_ABSENT = ("top_k", "min_p", "repetition_penalty")  # not OpenAI fields: `backend.openai_fields_only` omits them
@@ -80,7 +79,7 @@ class OpenAIBackend(HttpBackend):
     def __init__(self, cfg, tokenizer):
         super().__init__(cfg, tokenizer)
         self.model_ids: dict[str, str] = {}  # server url -> the `model` to send, as that server lists it
-        self.takes_token_ids = takes_token_ids(cfg)
+        self.takes_token_ids = cfg.backend.takes_token_ids()
         # what the chat template drops from an answer; with token ids back the ids are the sample, not a rendering
         ids_back = self.bcfg.return_token_ids or tokenizer is None
         self.template_kwargs = cfg.template_kwargs
