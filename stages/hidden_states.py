@@ -17,7 +17,7 @@ from draftdata.hidden.engines.factory import LazyEngine
 from draftdata.hidden.layers import resolve_layers
 from draftdata.hidden.materialise import materialise
 from draftdata.hidden.output import index_doc, output_metrics
-from draftdata.hidden.ranks import Rank, join_group
+from draftdata.hidden.ranks import Rank, join_group, leave_group
 from draftdata.hidden.reader import SKIPPED
 from draftdata.hidden.state_store import StateStore
 from draftdata.hidden.tally import HiddenTally
@@ -64,6 +64,8 @@ def main(cfg: Config) -> None:
         signal.signal(signal.SIGTERM, previous)
         engine.close()
         store.close()
+        if rank.world > 1:
+            leave_group()
     log(
         "hidden_states",
         dataset=cfg.dataset,

@@ -119,7 +119,9 @@ def test_killed_run_loses_nothing_committed_and_resumes(backend_project, how):
     parked = {k: v for k, v in stored_rows(project).items() if v[0] not in ("stop", "length")}
     continuable = project.params.get("backend", {}).get("kind", "embedded") == "embedded"
     if how == "sigint":  # Ctrl-C parks what was in flight, where the backend streams its token ids to go on from
-        assert all(f == "interrupted" for f, _ in parked.values()) and bool(parked) == continuable
+        # (whether anything was in flight with a token yet is the signal's timing: requests still in their prefill
+        # have nothing to park; test_dispatcher's interrupt test parks them deterministically)
+        assert all(f == "interrupted" for f, _ in parked.values()) and (continuable or not parked)
     reusable = usable_rows(project, before)
 
     project.run("generate", "B3")

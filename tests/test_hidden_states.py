@@ -455,7 +455,7 @@ def test_two_torchrun_ranks_equal_one_process(hs_project, samples_dir, tmp_path)
 ADD_UP = """
 import json
 from dataclasses import asdict
-from draftdata.hidden.ranks import Rank, join_group
+from draftdata.hidden.ranks import Rank, join_group, leave_group
 from draftdata.hidden.tally import HiddenTally
 
 rank = Rank.from_env()
@@ -464,6 +464,7 @@ r = rank.rank
 mine = HiddenTally(owned=3 + r, computed=2 + r, computed_tokens=10 + r, pad_tokens=r, torn=1 + r, seconds=1.0 + r,
                    fp8_err_num=0.5, fp8_err_den=2.0)
 print(json.dumps(asdict(rank.add_up(mine))))
+leave_group()
 """
 
 

@@ -64,3 +64,12 @@ def join_group(rank: Rank) -> None:
         torch.cuda.set_device(rank.local)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+
+def leave_group() -> None:
+    """Close the process group before the process exits. Left to interpreter exit, gloo's threads can be torn down
+    while a peer's connection closes, and the process aborts (SIGABRT) after its work is done."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
