@@ -17,7 +17,12 @@ own), the model loaded before the clock starts:
 - static: transformers' `generate` on a static, left-padded batch of c prompts at a time, what a user would write;
 - vllm: vLLM's CPU build served by its OpenAI server (`--enforce-eager`, `--max-num-batched-tokens 32768`: see
   docs/generation.md on its seeded chunked-prefill crash) through our openai backend with token-id prompts, where a
-  Python with vLLM is given (`--vllm-python` or DRAFTDATA_VLLM_PYTHON).
+  Python with vLLM is given (`--vllm-python` or DRAFTDATA_VLLM_PYTHON), in the dtype this CPU computes the model
+  fastest in, the one ours computes in (`--vllm-dtype`, default auto: model/compute.py's rule; on a CPU without bf16
+  instructions vLLM's bf16 runs at a fraction of its float32).
+
+Where ours and vLLM are both measured, they take turns at each concurrency (ours, then vLLM, then the next c), so
+that a shared machine's load weighs on both alike.
 
 Output tokens per second: the tokens generated (the same count for every engine) over the wall time. Beside them,
 measured in the same run, the CPU's limit for this model: its FLOPs per generated token (the linear layers and the
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -59,13 +65,12 @@ GOAL_OF_LIMIT = 0.5  # ours / the limit at 32 in flight: at least
 def demo_prompts(model: Path) -> list[list[int]]:
     """Every demo dataset's last-turn prompts as the prompts stage selects them (params.yaml's sources and length
     caps), rendered by the target's chat template; the datasets taken in turn."""
-    from collections import Counter
-
     from draftdata.config.load import load_config
     from draftdata.config.schema import ModelConfig, Turns, template_kwargs_of
     from draftdata.model.tokenizer import load_tokenizer, render_prompt_ids
     from draftdata.sources.files import iter_rows
     from draftdata.sources.select import adapt_rows, dedup
+    from draftdata.util.rejected import Tally
 
     cfg = load_config(dataset=None, overrides=[f"model.path={model}"], need_dataset=False)
     tok = load_tokenizer(ModelConfig(path=str(model)))
@@ -75,7 +80,7 @@ def demo_prompts(model: Path) -> list[list[int]]:
         kwargs = template_kwargs_of(cfg, name)
         ids = [
             render_prompt_ids(tok, r["messages"], r.get("tools"), kwargs)
-            for r in dedup(adapt_rows(iter_rows(ds.source), ds, Counter()), Counter())
+            for r in dedup(adapt_rows(iter_rows(ds.source), ds, Tally()), Tally())
         ]
         per_dataset.append([x for x in ids if len(x) <= (ds.max_prompt_tokens or len(x))])
     mixed = []
@@ -165,9 +170,51 @@ async def _drive(backend, reqs: list[dict], c: int, sampling: dict) -> dict:
     return {"wall_s": wall, "output_tokens": sum(n for n, _ in out), "ttft_s": ttft}
 
 
+class StepTimes:
+    """Where slot batching's time goes, timed from outside it: the engine instance's prefill and decode steps and
+    the sampling within them, by wrapping those methods of the instance the bench built (the engine keeps no
+    timers). A step's time is its wall time less the sampling in it; `decoded`: the rows of every decode step."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.times = {"prefill_s": 0.0, "decode_s": 0.0, "sample_s": 0.0, "steps": 0, "decoded": 0}
+        self._sampled = 0.0
+        sample = engine._sample
+        engine._sample = self._timed(sample, "sample_s")
+        engine._prefill = self._step(engine._prefill, "prefill_s")
+        engine._decode = self._step(engine._decode, "decode_s")
+
+    def _timed(self, fn, key: str):
+        def timed(*args):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                spent = time.perf_counter() - t0
+                self.times[key] += spent
+                self._sampled += spent
+
+        return timed
+
+    def _step(self, fn, key: str):
+        def step():
+            rows = len(self.engine._active)
+            sampled, t0 = self._sampled, time.perf_counter()
+            try:
+                return fn()
+            finally:
+                self.times[key] += time.perf_counter() - t0 - (self._sampled - sampled)
+                if key == "decode_s":
+                    self.times["steps"] += 1
+                    self.times["decoded"] += rows
+
+        return step
+
+
 def measure_backend(model: Path, c: int, reqs: list[dict], kind: str, **backend) -> dict:
     from draftdata.config.schema import ModelConfig
     from draftdata.generate.connect import make_backend
+    from draftdata.generate.embedded.loop import SlotBatching
     from draftdata.model.tokenizer import load_tokenizer
 
     async def go():
@@ -178,11 +225,11 @@ def measure_backend(model: Path, c: int, reqs: list[dict], kind: str, **backend)
             if isinstance(getattr(b.manager, "stop_ids", None), set):  # slot batching's (transformers' keeps its)
                 b.manager.stop_ids.clear()
         sampling = {**SAMPLING, "extra": {"ignore_eos": True}} if kind == "openai" else dict(SAMPLING)
+        steps = StepTimes(b.manager) if isinstance(b.manager, SlotBatching) else None
         try:
             r = await _drive(b, reqs, c, sampling)
-            engine = getattr(b, "manager", None)
-            if engine is not None and hasattr(engine, "timers"):
-                r["engine_timers"] = dict(engine.timers)
+            if steps is not None:
+                r["engine_timers"] = dict(steps.times)
             return r
         finally:
             await b.close()
@@ -249,13 +296,16 @@ def profile_decode(model: Path, reqs: list[dict], steps: int = 5) -> dict:
     first so that the cache holds answers too): torch's profiler over `steps` steps, self time by kind of op."""
     import torch
     from torch.profiler import ProfilerActivity, profile
-    from transformers import AutoModelForCausalLM
 
-    from draftdata.generate.embedded.slots import Sampling, SlotBatching, _Request
+    from draftdata.config.schema import ModelConfig
+    from draftdata.generate.embedded.loop import Sampling, SlotBatching, _Request
+    from draftdata.model.compute import compute_dtype
+    from draftdata.model.load import load_model
 
-    load = lambda: AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).eval()  # noqa: E731
-    engine = SlotBatching(load, Sampling(**{k: v for k, v in SAMPLING.items()}), set(), slots=len(reqs))
-    engine._prepare()  # in this (main) thread, as the engine's own thread does it
+    dtype = compute_dtype(ModelConfig(path=str(model)))  # as the backend chooses it
+    engine = SlotBatching(None, Sampling(**SAMPLING), set(), slots=len(reqs), compute_dtype=dtype)
+    torch.set_grad_enabled(False)
+    engine._prepare(load_model(ModelConfig(path=str(model))))  # in this (main) thread, as the engine's own does
     engine._waiting = [_Request(f"r{i}", r["ids"], 10**6, False, r["seed"]) for i, r in enumerate(reqs)]
     with torch.inference_mode():
         while engine._waiting:
@@ -269,7 +319,15 @@ def profile_decode(model: Path, reqs: list[dict], steps: int = 5) -> dict:
         wall = (time.perf_counter() - t0) / steps
     kinds = {
         "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise"),
-        "attention": ("aten::_scaled_dot_product",),
+        # torch's SDPA, or the compiled decode kernel (attention.py): its graph's call and the region around it
+        "attention": (
+            "aten::_scaled_dot_product",
+            "## Call CompiledFxGraph",
+            "Torch-Compiled Region",
+            "TorchDynamo Cache Lookup",
+            "Pregraph bytecode",
+            "AOTDispatcher",
+        ),
         "cache_writes": ("aten::_index_put",),
         "sampling": (
             "aten::topk",
@@ -294,6 +352,7 @@ def profile_decode(model: Path, reqs: list[dict], steps: int = 5) -> dict:
         "step_ms": round(wall * 1000, 1),
         "share": {k: round(v / total, 3) for k, v in split.items()},
         "compute_dtype": str(engine.compute_dtype).removeprefix("torch."),
+        "attention_kernel": engine.attention,
     }
 
 
@@ -469,6 +528,28 @@ def limit(model: Path, concurrencies: list[int], prompt_tokens: float, output_to
 
 # ---- the run -------------------------------------------------------------------------------------------------- #
 
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16", "avx_ne_convert", "amx_bf16")
+
+
+def cpu(model: Path) -> dict:
+    """The CPU the figures belong to: its model name, the vector and matrix extensions that decide the engines'
+    kernels (from /proc/cpuinfo), torch's kernel level, and the dtype our engine computes this model in here."""
+    import torch
+
+    from draftdata.config.schema import ModelConfig
+    from draftdata.model.compute import compute_dtype
+
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    return {
+        "model_name": fields.get("model name", "unknown"),
+        "flags": [f for f in CPU_FLAGS if f in flags],
+        "torch_capability": torch.backends.cpu.get_cpu_capability(),
+        "compute_dtype": compute_dtype(ModelConfig(path=str(model)), on_gpu=False),
+    }
+
 
 def vllm_env(python: str) -> dict:
     """vLLM's CPU build as its docs have a user set it up: its OpenMP threads on every core (by default it keeps
@@ -488,10 +569,10 @@ def vllm_env(python: str) -> dict:
     return env
 
 
-def vllm_server(python: str, model: Path, log: Path, max_seqs: int, procs: list):
-    """vLLM's CPU build serving `model` (bench.servers.server_process: a free port, /health, stopped after).
-    --max-num-batched-tokens 32768: with its default, a seeded request whose prefill is chunked kills the CPU
-    build's engine (docs/generation.md)."""
+def vllm_server(python: str, model: Path, log: Path, max_seqs: int, procs: list, dtype: str):
+    """vLLM's CPU build serving `model` in `dtype` (bench.servers.server_process: a free port, /health, stopped
+    after). --max-num-batched-tokens 32768: with its default, a seeded request whose prefill is chunked kills the
+    CPU build's engine (docs/generation.md)."""
     from bench.servers import server_process
 
     def argv(port: int) -> list[str]:
@@ -507,7 +588,7 @@ def vllm_server(python: str, model: Path, log: Path, max_seqs: int, procs: list)
             str(port),
             "--enforce-eager",
             "--dtype",
-            "bfloat16",
+            dtype,
             "--max-num-seqs",
             str(max_seqs),
             "--max-num-batched-tokens",
@@ -575,12 +656,42 @@ def workload(prompts: list[list[int]], files: dict[int, Path]) -> dict:
     }
 
 
+def measure_all(args, engines: list[str], concurrencies: list[int], files: dict, work: Path) -> dict:
+    """Every engine at every concurrency, each in a process of its own. vLLM's server is started once, before the
+    first measurement, and its runs take turns with the others' at each concurrency."""
+    raw: dict = {e: {} for e in engines}
+
+    def one(e: str, c: int, url: str | None, procs: list) -> None:
+        raw[e][str(c)] = child(e, args.model, c, files[c], url if e == "vllm" else None)
+        if e == "vllm":
+            raw[e][str(c)]["peak_rss_mb"] = tree_peak_rss_mb(procs[0].pid)  # the server's, since start
+        print(e, c, summarize(raw[e][str(c)], None), flush=True)
+
+    procs: list = []
+    with contextlib.ExitStack() as stack:
+        url = None
+        if "vllm" in engines:
+            log = work / "vllm.log"
+            url = stack.enter_context(
+                vllm_server(args.vllm_python, args.model, log, max(concurrencies), procs, args.vllm_dtype)
+            )
+        for c in concurrencies:
+            for e in engines:
+                one(e, c, url, procs)
+    return raw
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=MODEL)
     parser.add_argument("--concurrency", default="1,8,32,64")
     parser.add_argument("--engines", default=",".join(ENGINES))
     parser.add_argument("--vllm-python", default=os.environ.get("DRAFTDATA_VLLM_PYTHON"))
+    parser.add_argument(
+        "--vllm-dtype",
+        default="auto",
+        help="vLLM's --dtype; auto: the dtype ours computes the model in on this CPU (model/compute.py)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "embedded.json")
     parser.add_argument(
         "--keep",
@@ -601,24 +712,15 @@ def main(argv: list[str] | None = None) -> None:
     engines = [e for e in args.engines.split(",") if e != "vllm" or args.vllm_python]
     kept = json.loads(args.out.read_text()).get("raw", {}) if args.keep and args.out.exists() else {}
     reported = sorted({*concurrencies, *(int(c) for rows in kept.values() for c in rows if c.isdigit())})
+    load_before = [round(x, 2) for x in os.getloadavg()]  # a shared machine's load weighs on every figure
     prompts = demo_prompts(args.model)
     work = Path(tempfile.mkdtemp(prefix="bench-embedded-"))
     files = {c: work / f"requests-{c}.json" for c in reported}
     for c, f in files.items():
         f.write_text(json.dumps(plan(prompts, requests_for(c))))
-    raw: dict = {e: {} for e in engines}
-    for e in engines:
-        if e == "vllm":
-            procs: list = []
-            with vllm_server(args.vllm_python, args.model, work / "vllm.log", max(concurrencies), procs) as url:
-                for c in concurrencies:
-                    raw[e][str(c)] = child(e, args.model, c, files[c], url)
-                    raw[e][str(c)]["peak_rss_mb"] = tree_peak_rss_mb(procs[0].pid)  # the server's, since start
-        else:
-            for c in concurrencies:
-                raw[e][str(c)] = child(e, args.model, c, files[c])
-        for c in concurrencies:
-            print(e, c, {k: v for k, v in summarize(raw[e][str(c)], None).items()}, flush=True)
+    if args.vllm_dtype == "auto":
+        args.vllm_dtype = cpu(args.model)["compute_dtype"]
+    raw = measure_all(args, engines, concurrencies, files, work)
     for e, rows in kept.items():  # what this run did not measure, as the last run measured it
         for c, row in rows.items():
             raw.setdefault(e, {}).setdefault(c, row)
@@ -629,13 +731,14 @@ def main(argv: list[str] | None = None) -> None:
     if "ours" in engines:
         at = max(c for c in concurrencies if c <= 32)
         raw["ours"]["profile"] = child("profile", args.model, at, files[at])
-    result = report(raw, lim, reported, workload(prompts, files), args)
+    machine = {"cpu": cpu(args.model), "load_average_1_5_15": {"start": load_before, "end": list(os.getloadavg())}}
+    result = report(raw, lim, reported, workload(prompts, files), args, machine)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result["goals"], indent=1))
 
 
-def report(raw: dict, lim: dict, concurrencies: list[int], load: dict, args) -> dict:
+def report(raw: dict, lim: dict, concurrencies: list[int], load: dict, args, machine: dict) -> dict:
     """The results file: every engine at every concurrency, the limit, the ratios and the goals."""
     engines = {}
     for e, rows in raw.items():  # an engine may be measured at fewer concurrencies (--concurrency, --keep)
@@ -667,12 +770,12 @@ def report(raw: dict, lim: dict, concurrencies: list[int], load: dict, args) -> 
         goals["ours_of_limit_met"] = goals["ours_of_limit_at_32"]["workload"] >= GOAL_OF_LIMIT
     return {
         "command": "python -m bench.embedded" + (" --vllm-python <venv>/bin/python" if "vllm" in raw else ""),
-        "machine": {"cpus": os.cpu_count(), "torch_threads": lim["torch_threads"]},
+        "machine": {"cpus": os.cpu_count(), "torch_threads": lim["torch_threads"], **machine},
         "model": str(args.model.name),
         "workload": load,
         "vllm_setup": {
             "env": vllm_env(args.vllm_python) if "vllm" in raw else None,
-            "flags": "--enforce-eager --dtype bfloat16 --max-num-batched-tokens 32768",
+            "flags": f"--enforce-eager --dtype {args.vllm_dtype} --max-num-batched-tokens 32768",
         },
         "limit": lim,
         "engines": engines,

@@ -356,6 +356,22 @@ EMBEDDED_LABELS = {
 }
 
 
+def embedded_cpu(machine: dict) -> str:
+    """The CPU the figures belong to and the machine's load while they were taken (results that name them)."""
+    cpu = machine.get("cpu")
+    if not cpu:
+        return ""
+    flags = ", ".join(cpu["flags"]) or "none of AVX2, AVX-512, AMX"
+    load = machine.get("load_average_1_5_15", {})
+    during = (
+        f"; load average (1, 5, 15 min) {', '.join(f'{x:g}' for x in load['start'])} at the start, "
+        f"{', '.join(f'{x:.2f}' for x in load['end'])} at the end"
+        if load
+        else ""
+    )
+    return f" ({cpu['model_name']}: {flags}; ours computes in {cpu['compute_dtype']}{during})"
+
+
 def embedded(r: dict) -> list[str]:
     """The embedded engine against the alternatives and this CPU's limit."""
     cs = list(r["limit"]["by_concurrency"])
@@ -408,7 +424,8 @@ def embedded(r: dict) -> list[str]:
     step = (
         [
             f"A decode step of ours at {prof['requests_in_flight']} in flight ({prof['compute_dtype']} arithmetic, "
-            f"16-bit keys and values): {prof['step_ms']} ms under torch's profiler; "
+            f"16-bit keys and values, {prof.get('attention_kernel', 'SDPA')} decode attention): {prof['step_ms']} ms "
+            "under torch's profiler; "
             + ", ".join(f"{k.replace('_', ' ')} {100 * v:.0f} %" for k, v in prof["share"].items())
             + "."
         ]
@@ -425,7 +442,8 @@ def embedded(r: dict) -> list[str]:
         "",
         f"{r['model']}, the demo's prompts (mean {w['prompt_tokens_mean']:g} tokens, up to {w['prompt_tokens_max']}), "
         f"{w['new_tokens'][0]} to {w['new_tokens'][1]} new tokens, temperature {w['sampling']['temperature']}, top_p "
-        f"{w['sampling']['top_p']}; {r['machine']['cpus']} cores. Output tokens per second at c in flight:",
+        f"{w['sampling']['top_p']}; {r['machine']['cpus']} cores{embedded_cpu(r['machine'])}. Output tokens per second "
+        "at c in flight:",
         "",
         *table(["engine", *(f"c = {c}" for c in cs)], body),
         "",
@@ -434,7 +452,8 @@ def embedded(r: dict) -> list[str]:
         *table(["engine", *(f"c = {c}" for c in cs), "peak MB"], detail),
         "",
         f"Matmul rates measured at the model's shapes (GFLOP/s, by rows): {rates}; memory "
-        f"{r['limit']['memory_bandwidth_gb_s']} GB/s. Ours: {'; '.join(split)}.",
+        f"{r['limit']['memory_bandwidth_gb_s']} GB/s. Ours: {'; '.join(split)}."
+        + (f" vLLM's flags: `{r['vllm_setup']['flags']}`." if "vllm" in r["engines"] else ""),
         *([""] + step if step else []),
         "",
         "ours ÷ the others: "

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from draftdata.generate.embedded.cache import KVCache, capacity_for
+from draftdata.generate.embedded.forward import LeanForward
+from draftdata.generate.embedded.loop import SlotBatching
 from draftdata.generate.embedded.sampling import Sampling, _candidates, sample
-from draftdata.generate.embedded.slots import SlotBatching
 
 
 def hf_kept(scores: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -140,7 +141,7 @@ def model_with(tmp_path, kind: str = "llama", **config):
 
 def test_a_model_it_does_not_compute_the_same_is_refused_at_start(tmp_path):
     """A sliding window (Mistral's): the probe against the model's own forward refuses it before any request."""
-    from draftdata.generate.embedded.slots import Unsupported
+    from draftdata.generate.embedded.loop import Unsupported
 
     engine = SlotBatching(lambda: model_with(tmp_path, sliding_window=4), Sampling(0.0, 1.0, -1), {1}, slots=2)
     engine.start()
@@ -151,6 +152,26 @@ def test_a_model_it_does_not_compute_the_same_is_refused_at_start(tmp_path):
     ok.start()
     ok.wait_ready()
     ok.stop()
+
+
+def serve(engine: SlotBatching, prompts: list[list[int]], max_new: list[int]) -> list:
+    """Start the engine, send each prompt at once (with its own max_new), wait for every final output, stop."""
+
+    async def go():
+        engine.start()
+        await asyncio.to_thread(engine.wait_ready)
+        loop = asyncio.get_running_loop()
+        futures = []
+        for i, (ids, n) in enumerate(zip(prompts, max_new)):
+            f = loop.create_future()
+            engine.register_result_handler(f"r{i}", lambda o, f=f: f.set_result(o) if o.is_finished() else None)
+            engine.add_request(ids, f"r{i}", n)
+            futures.append(f)
+        out = await asyncio.gather(*futures)
+        engine.stop()
+        return out
+
+    return asyncio.run(go())
 
 
 @pytest.mark.parametrize(
@@ -166,26 +187,40 @@ def test_greedy_tokens_are_the_models_own_through_joins_and_leaves(tmp_path, kin
     model = model_with(tmp_path, kind, **config)
     prompts = [[(5 * i + 7 * j) % 60 + 2 for j in range(n)] for i, n in enumerate((3, 70, 9, 130, 5, 40, 66))]
     engine = SlotBatching(lambda: model, Sampling(0.0, 1.0, -1), set(), slots=3, prefill_tokens=100)
-
-    async def go():
-        engine.start()
-        await asyncio.to_thread(engine.wait_ready)
-        loop = asyncio.get_running_loop()
-        futures = []
-        for i, ids in enumerate(prompts):
-            f = loop.create_future()
-            engine.register_result_handler(f"r{i}", lambda o, f=f: f.set_result(o) if o.is_finished() else None)
-            engine.add_request(ids, f"r{i}", 12 + i)
-            futures.append(f)
-        out = await asyncio.gather(*futures)
-        engine.stop()
-        return out
-
-    results = asyncio.run(go())
-    assert (engine.lean is not None) is lean
+    results = serve(engine, prompts, [12 + i for i in range(len(prompts))])
+    assert isinstance(engine.forward, LeanForward) is lean
     if lean:  # q, k and v are views into the one fused weight: nothing held twice
         attn = model.model.layers[1].self_attn
-        assert attn.k_proj.weight.data_ptr() == engine.lean.layers[1].qkv.weight[attn.q_proj.out_features :].data_ptr()
+        fused = engine.forward.layers[1].qkv.weight
+        assert attn.k_proj.weight.data_ptr() == fused[attn.q_proj.out_features :].data_ptr()
+    for ids, res in zip(prompts, results):
+        assert res.error is None
+        seq = list(ids)
+        with torch.inference_mode():
+            for _ in res.generated_tokens:
+                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+        assert res.generated_tokens == seq[len(ids) :]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_prompt_sharing_a_prefix_with_a_request_in_flight_takes_its_keys_and_gives_the_models_tokens(
+    tmp_path, monkeypatch, kind
+):
+    """Prompts that begin alike (one system prompt, then their own turns), sent while others decode: each takes the
+    shared prefix's keys and values from a request in flight (a donor mid-answer included: its cached tokens are
+    prompt and answer) and computes the rest, and its greedy tokens are the model's own (float32: exact)."""
+    from draftdata.generate.embedded import loop
+    from draftdata.generate.embedded.cache import KVCache
+
+    model = model_with(tmp_path, kind)
+    system = [(3 * j + 1) % 60 + 2 for j in range(40)]
+    prompts = [system + [(5 * i + 7 * j) % 60 + 2 for j in range(n)] for i, n in enumerate((5, 30, 1, 12, 50))]
+    prompts.insert(1, prompts[0] + [9, 9, 9])  # extends the first one's prompt (in flight still): shares all of it
+    shared, share = [], KVCache.share
+    monkeypatch.setattr(KVCache, "share", lambda self, src, dst, n: shared.append(n) or share(self, src, dst, n))
+    engine = SlotBatching(lambda: model, Sampling(0.0, 1.0, -1), set(), slots=3, prefill_tokens=60)
+    results = serve(engine, prompts, [40] + [10] * (len(prompts) - 1))
+    assert len(shared) >= 3 and min(shared) >= loop.MIN_SHARED and max(shared) > len(system)
     for ids, res in zip(prompts, results):
         assert res.error is None
         seq = list(ids)
@@ -199,39 +234,14 @@ def test_a_lean_forward_the_probe_refuses_leaves_the_model_to_its_own(tmp_path, 
     """Should the lean forward ever compute a model differently (a fault injected here: its hidden states scaled),
     the probe sees it and the engine runs transformers' forward over the same cache instead, which the probe then
     checks in turn."""
-    from draftdata.generate.embedded.lean import LeanDecoder
-
-    real = LeanDecoder.forward
-    monkeypatch.setattr(LeanDecoder, "forward", lambda self, *a: real(self, *a) * 1.5)
+    real = LeanForward.hidden
+    monkeypatch.setattr(LeanForward, "hidden", lambda self, *a: real(self, *a) * 1.5)
     engine = SlotBatching(lambda: model_with(tmp_path), Sampling(0.0, 1.0, -1), {1}, slots=2)
     engine.start()
     engine.wait_ready()
     engine.stop()
-    assert engine.lean is None
+    assert engine.forward is not None and not isinstance(engine.forward, LeanForward)
     assert engine.probe() < 1e-4
-
-
-@pytest.mark.parametrize("rows", [1, 8, 300])
-def test_a_packed_weight_multiplies_as_f_linear_does(rows):
-    """Decode's few rows on oneDNN's packed bf16 copy, a prefill's many on the weight itself: F.linear's product
-    either way, to bf16's rounding (the same float32 accumulation)."""
-    from draftdata.generate.embedded.lean import PACKED_ROWS, Packed, _ops, packing_pays
-
-    if _ops() is None:
-        pytest.fail("this torch has no oneDNN: the packed path cannot be checked")
-    torch.manual_seed(0)
-    w, b = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
-    x = torch.randn(1, rows, 64, dtype=torch.bfloat16)
-    lin = Packed(w, b, rows=8)
-    assert (rows > PACKED_ROWS) == (rows == 300)
-    if lin.packed is None:  # a CPU whose oneDNN has no bf16 path: F.linear all along, and packing never chosen
-        with pytest.raises(RuntimeError, match="bf16 path needs"):
-            _ops()[0](w, 8)
-        assert not packing_pays([w], 8)
-    want = torch.nn.functional.linear(x.float(), w.float(), b.float())
-    got = lin(x)
-    assert got.shape == (1, rows, 96) and got.dtype == torch.bfloat16
-    assert (got.float() - want).abs().max() <= 0.02 * want.abs().max()
 
 
 def test_the_lean_forward_leaves_a_sliding_window_to_the_models_own(tmp_path):
@@ -239,15 +249,13 @@ def test_the_lean_forward_leaves_a_sliding_window_to_the_models_own(tmp_path):
     config, so the model's own forward (which hands the window to the slot attention, refused there) decides."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from draftdata.generate.embedded.lean import LeanDecoder
-
     small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
     config = Qwen2Config(
         **small, num_key_value_heads=2, use_sliding_window=True, sliding_window=200, max_window_layers=0
     )
     windowed = Qwen2ForCausalLM(config).eval()
-    assert "sliding" in LeanDecoder.describes(windowed)
-    assert LeanDecoder.describes(model_with(tmp_path, "qwen2")) is None
+    assert "sliding" in LeanForward.unsupported_reason(windowed)
+    assert LeanForward.unsupported_reason(model_with(tmp_path, "qwen2")) is None
 
 
 def test_rows_past_the_candidates_draw_as_over_the_whole_vocabulary(monkeypatch):

@@ -20,7 +20,8 @@ from draftdata.config.schema import Config
 from draftdata.errors import ConfigError
 from draftdata.generate.backends.protocol import GenRequest, GenResult, cancel_as_stop, stopped_result
 from draftdata.generate.embedded import varlen_attention
-from draftdata.generate.embedded.slots import Sampling, SlotBatching, Unsupported
+from draftdata.generate.embedded.forward import LeanForward
+from draftdata.generate.embedded.loop import Sampling, SlotBatching, Unsupported
 from draftdata.model.compute import compute_dtype, torch_dtype
 from draftdata.model.load import load_model
 from draftdata.model.tokenizer import end_of_turn_ids
@@ -40,6 +41,8 @@ class EmbeddedBackend:
     def __init__(self, cfg: Config, tokenizer):
         self.cfg = cfg
         self.tokenizer = tokenizer
+        # the arithmetic every answer is computed in (as the request keys were made), recorded on its row
+        self.compute_dtype = compute_dtype(cfg.model)
         self.manager = None
         self.seeded = False
         self.varlen = False
@@ -54,8 +57,7 @@ class EmbeddedBackend:
         self.manager = await self._slots()  # started: its thread loaded the model and checked it
         if self.manager is None:
             # computed in the dtype the run's keys name (model/compute.py), as slot batching would
-            dtype = torch_dtype(compute_dtype(self.cfg.model))
-            self.manager = self._transformers(load_model(self.cfg.model).to(dtype))
+            self.manager = self._transformers(load_model(self.cfg.model).to(torch_dtype(self.compute_dtype)))
             self.manager.start()
 
     async def _slots(self) -> SlotBatching | None:
@@ -73,12 +75,12 @@ class EmbeddedBackend:
             self.stop_ids,
             slots=self.cfg.ds.concurrency,
             prefill_tokens=self.cfg.backend.max_batch_tokens,
-            compute_dtype=compute_dtype(self.cfg.model, on_gpu=False),
+            compute_dtype=self.compute_dtype,
         )
         engine.start()
         try:
             await asyncio.to_thread(engine.wait_ready)
-        except Unsupported as e:
+        except Unsupported as e:  # anything after the model loaded; the loader's own errors (model.path) go up as is
             engine.stop()
             if choice == "slots":
                 raise ConfigError("backend.embedded_batching", f"slots cannot run {self.cfg.model.path}: {e}") from None
@@ -86,8 +88,16 @@ class EmbeddedBackend:
             return None
         self.seeded = True  # slot batching draws each seeded request's tokens from its own seed
         dtype = str(engine.compute_dtype).removeprefix("torch.")
-        small = engine.small_rows
-        log("backend", kind="embedded", batching="slots", slots=engine.slots, compute_dtype=dtype, bf16_rows=small)
+        forward = "lean" if isinstance(engine.forward, LeanForward) else "transformers"
+        log(
+            "backend",
+            kind="embedded",
+            batching="slots",
+            slots=engine.slots,
+            compute_dtype=dtype,
+            forward=forward,
+            attention=engine.attention,
+        )
         return engine
 
     def _transformers(self, model):

@@ -9,12 +9,16 @@ width is its longest row's, and a row at least half its class's capacity long wa
 One padded call over every request would attend as far as the longest prompt in flight for every one of them.
 
 Keys and values are stored in the cache's dtype (the model's own, 16-bit: half the bytes a decode step reads) even
-where the model computes in float32 (`model.compute_dtype`, model/compute.py); the attention runs in the cache's dtype.
+where the model computes in float32 (`model.compute_dtype`, model/compute.py). Attention computes its scores in
+float32 either way: a decode step's by `attention.py`'s kernel over each class's rows, a prefill's by SDPA in the
+compute dtype.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from draftdata.generate.embedded.attention import reference
 
 MIN_CAPACITY = 64
 ZERO_AHEAD = 128  # positions past the decode window a row's padding is zeroed, so that it is zeroed rarely
@@ -49,15 +53,15 @@ class _Group:
     offset: int
     count: int
     width: int
-    positions: object  # [count] where each row's new key goes
-    rows: object  # [count]: 0..count-1, made once a step rather than once a layer
-    mask: object  # [count, 1, 1, width] or None when every row spans the width
+    lengths: object  # [count] each row's keys once the new one is in (it goes at length - 1)
 
 
 class KVCache:
-    def __init__(self, n_layers: int, kv_heads: int, head_dim: int, dtype, max_rows: int):
+    def __init__(self, n_layers: int, kv_heads: int, head_dim: int, dtype, max_rows: int, decode=reference):
+        """`decode`: the decode attention (`attention.py`: its kernel where it builds here)."""
         self.n_layers, self.kv_heads, self.head_dim, self.dtype = n_layers, kv_heads, head_dim, dtype
         self.max_rows = max_rows
+        self.decode = decode
         self.classes: dict[int, _Class] = {}
         self.where: dict[str, tuple[int, int]] = {}  # request id -> (capacity, row)
         self.step: tuple | None = None  # what the next forward attends: ("decode", groups) or ("prefill", segments)
@@ -94,6 +98,29 @@ class KVCache:
             self.where[cls.owners[row]] = (cap, row)
         cls.owners.pop()
         cls.filled.pop()
+
+    def filled(self, rid: str) -> int:
+        """The positions of `rid`'s row written so far."""
+        cap, row = self.where[rid]
+        return self.classes[cap].filled[row]
+
+    def share(self, src: str, dst: str, n: int) -> None:
+        """The first `n` positions of `src`'s row copied into `dst`'s, a row placed and not written yet: a prompt
+        that begins with another request's tokens takes their keys and values rather than computing them again
+        (they are a function of those tokens alone), and its prefill continues from position `n`."""
+        (src_cap, src_row), (dst_cap, dst_row) = self.where[src], self.where[dst]
+        dst_cls = self.classes[dst_cap]
+        if dst_cls.filled[dst_row] or not n <= min(self.classes[src_cap].filled[src_row], dst_cap):
+            raise ValueError(f"request {dst}: cannot take {n} positions from {src}")
+        self._copy(self.classes[src_cap], src_row, dst_cls, dst_row, n)
+        dst_cls.filled[dst_row] = n
+
+    def clear(self) -> None:
+        """Every row free (their memory kept, and what is known of it: `clean`)."""
+        for cls in self.classes.values():
+            cls.owners, cls.filled = [], []
+        self.where = {}
+        self.step = None
 
     def _grow(self, rid: str, length: int) -> None:
         """Move a request whose next position is past its class into the class that holds `length`."""
@@ -147,11 +174,7 @@ class KVCache:
             positions = list(cls.filled)
             width = max(positions) + 1
             self._zero_padding(cls, count, width)
-            mask = None
-            if min(positions) + 1 < width:
-                lengths = torch.tensor(positions) + 1
-                mask = (torch.arange(width)[None, :] < lengths[:, None])[:, None, None, :]
-            groups.append(_Group(cls, offset, count, width, torch.tensor(positions), torch.arange(count), mask))
+            groups.append(_Group(cls, offset, count, width, torch.tensor(positions) + 1))
             cls.filled = [p + 1 for p in positions]
             order.extend(cls.owners)
             offset += count
@@ -177,21 +200,20 @@ class KVCache:
 
     def _attend_decode(self, groups: list[_Group], layer: int, query, key, value, scaling):
         import torch
-        import torch.nn.functional as F
 
         heads, dim = query.shape[1], query.shape[3]
         per_key_head = heads // self.kv_heads
+        # float32 and scaled here, once for every class: the kernel's scores are float32 whatever the compute dtype
+        scaled = query.float() * (dim**-0.5 if scaling is None else scaling)
         outs = []
+        new_k, new_v = (t[:, :, 0].float().contiguous() for t in (key, value))
         for g in groups:
             batch = slice(g.offset, g.offset + g.count)
             k_all, v_all = g.cls.k[layer], g.cls.v[layer]
-            k_all[g.rows, :, g.positions] = key[batch, :, 0].to(self.dtype)
-            v_all[g.rows, :, g.positions] = value[batch, :, 0].to(self.dtype)
             # the query heads that read one key head as that head's queries: GQA without repeating the keys
-            q = query[batch].reshape(g.count, self.kv_heads, per_key_head, dim).to(self.dtype)
-            out = F.scaled_dot_product_attention(
-                q, k_all[: g.count, :, : g.width], v_all[: g.count, :, : g.width], attn_mask=g.mask, scale=scaling
-            )
+            q = scaled[batch].reshape(g.count, self.kv_heads, per_key_head, dim)
+            rows = (k_all[: g.count, :, : g.width], v_all[: g.count, :, : g.width])
+            out = self.decode(q, new_k[batch], new_v[batch], *rows, g.lengths)  # stores the new key and value too
             outs.append(out.reshape(g.count, heads, 1, dim))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.transpose(1, 2).to(query.dtype)
@@ -208,15 +230,12 @@ class KVCache:
             k_all[row, :, start : start + n] = k_new[0]
             v_all[row, :, start : start + n] = v_new[0]
             q = query[:, :, offset : offset + n]
-            if start == 0:  # a whole prompt: its own keys, in the arithmetic's dtype (a CPU's causal kernel is
-                # faster in float32 than in bf16: 7.2 against 10.8 ms for 800 tokens, 9 heads)
+            if start == 0:  # a whole prompt: its own keys, as the forward computed them (the compute dtype)
                 out = F.scaled_dot_product_attention(q, k_new, v_new, is_causal=True, scale=scaling, enable_gqa=True)
-            else:  # a continuation: the keys cached before it too
-                k, v = k_all[row : row + 1, :, : start + n], v_all[row : row + 1, :, : start + n]
+            else:  # a continuation: the keys cached before it too, widened to the compute dtype
+                k, v = (t[row : row + 1, :, : start + n].to(query.dtype) for t in (k_all, v_all))
                 mask = causal_lower_right(n, start + n)
-                out = F.scaled_dot_product_attention(
-                    q.to(self.dtype), k, v, attn_mask=mask, scale=scaling, enable_gqa=True
-                ).to(query.dtype)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
             outs.append(out)
             offset += n
         return torch.cat(outs, dim=2).transpose(1, 2)

@@ -6,8 +6,8 @@ the rows whose cut lies beyond them are cut together on the `WIDER` most likely,
 those too is sorted whole, so the result is exact either way.
 
 A seeded draw's noise is a hash of (seed + position, token id): a token's own, not a rank's among the candidates,
-and computed for the candidates only (a generator's stream over the whole vocabulary per row, as transformers' path
-draws it: 9 ms a step of 64 rows of a 49k vocabulary on a 2-core CPU, against 0.3 ms).
+and computed for the candidates only, where a generator's stream over the whole vocabulary per row (as transformers'
+path draws it) costs many times more (docs/benchmarks.md, the embedded engine).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ runs one attention call under a block-diagonal mask: every query of the step aga
 in it, where each sequence needs only its own. A step that prefills a chunk of long prompts beside the running
 decodes then costs (tokens in the step) x (keys of the whole batch). On a GPU, flash-attention's varlen kernel
 does the per-sequence work; on a CPU there is none, and this masked attention was most of the demo's generation
-time (11.5 of 20 s on its longest prompts). Here each sequence of such a step gets its own SDPA call, causal and
+time on its longest prompts (docs/benchmarks.md). Here each sequence of such a step gets its own SDPA call, causal and
 aligned to the end of its keys exactly as the block's mask is, so the result is the same attention.
 
 Only the calls continuous batching makes with SDPA come here, and only steps with a prefill chunk: a step of
