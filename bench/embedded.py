@@ -225,7 +225,7 @@ def measure_backend(model: Path, c: int, reqs: list[dict], kind: str, **backend)
             if isinstance(getattr(b.manager, "stop_ids", None), set):  # slot batching's (transformers' keeps its)
                 b.manager.stop_ids.clear()
         sampling = {**SAMPLING, "extra": {"ignore_eos": True}} if kind == "openai" else dict(SAMPLING)
-        steps = StepTimes(b.manager) if isinstance(b.manager, SlotBatching) else None
+        steps = StepTimes(b.manager) if isinstance(getattr(b, "manager", None), SlotBatching) else None
         try:
             r = await _drive(b, reqs, c, sampling)
             if steps is not None:
