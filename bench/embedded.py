@@ -319,15 +319,8 @@ def profile_decode(model: Path, reqs: list[dict], steps: int = 5) -> dict:
         wall = (time.perf_counter() - t0) / steps
     kinds = {
         "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise"),
-        # torch's SDPA, or the compiled decode kernel (attention.py): its graph's call and the region around it
-        "attention": (
-            "aten::_scaled_dot_product",
-            "## Call CompiledFxGraph",
-            "Torch-Compiled Region",
-            "TorchDynamo Cache Lookup",
-            "Pregraph bytecode",
-            "AOTDispatcher",
-        ),
+        # the engine's decode kernel (attention.py), or torch's SDPA where it fell back to `reference`
+        "attention": ("draftdata_attention::", "aten::_scaled_dot_product"),
         "cache_writes": ("aten::_index_put",),
         "sampling": (
             "aten::topk",
