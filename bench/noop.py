@@ -86,7 +86,7 @@ def _row(i: int, turns: int) -> dict:
 def fill() -> None:
     """One short response for every planned key (run in the work directory): the budget is met."""
     from draftdata.config.load import load_config
-    from draftdata.generate.selection import plan_requests
+    from draftdata.generate.planning import plan_requests
     from draftdata.generate.store import ResponseStore, StoredResponse
     from draftdata.model.tokenizer import load_tokenizer
     from draftdata.util.files import read_jsonl

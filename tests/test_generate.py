@@ -366,16 +366,16 @@ def test_no_duplicates_after_template_is_said_too(project):
 
 
 def _count_renders(monkeypatch) -> list[int]:
-    import draftdata.generate.selection as selection
+    import draftdata.generate.planning as planning
 
     calls = [0]
-    render = selection.render_prompt_ids
+    render = planning.render_prompt_ids
 
     def counted(*args, **kwargs):
         calls[0] += 1
         return render(*args, **kwargs)
 
-    monkeypatch.setattr(selection, "render_prompt_ids", counted)
+    monkeypatch.setattr(planning, "render_prompt_ids", counted)
     return calls
 
 
@@ -393,7 +393,7 @@ def test_a_changed_template_kwargs_or_tokenizer_file_renders_again(project, tiny
     import shutil
 
     from draftdata.config.load import load_config
-    from draftdata.generate.selection import plan_requests
+    from draftdata.generate.planning import plan_requests
     from draftdata.generate.store import ResponseStore
     from draftdata.model.tokenizer import load_tokenizer
 
@@ -437,7 +437,7 @@ def test_a_plan_from_the_cache_neither_decodes_nor_encodes_prompt_ids(project, t
     """A rerun over 100k prompts whose budget is met spent most of its time turning cached ids to lists and the
     lists back to JSON for their keys: from the cache, the key is hashed from the stored text itself."""
     from draftdata.config.load import load_config
-    from draftdata.generate.selection import plan_requests
+    from draftdata.generate.planning import plan_requests
     from draftdata.generate.store import ResponseStore
     from draftdata.model.tokenizer import load_tokenizer
 

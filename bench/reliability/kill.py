@@ -587,7 +587,7 @@ def seeds_to_keys(base: Project) -> dict[int, str]:
     """Every request's sampling seed -> its store key: the seed a request carries on the wire names its response."""
     from draftdata.config.load import load_config
     from draftdata.generate.backends.protocol import seed_of
-    from draftdata.generate.selection import plan_requests
+    from draftdata.generate.planning import plan_requests
     from draftdata.model.tokenizer import load_tokenizer
 
     # an absolute store path: the model's file hashes are cached beside it, not in this process's directory
