@@ -73,12 +73,13 @@ def build_output(out: Path, n: int, tokens: int, hidden: int) -> None:
 
 def export(src: Path, out: Path, fmt: str) -> float:
     """The export's own work, timed: staging, the format's files, the rename into place. Its seconds."""
-    from draftdata.hidden.export import WRITERS, ExportTally, publish, staging_dir
+    from draftdata.hidden.export import WRITERS, ExportTally, pick, publish, staging_dir
     from draftdata.hidden.reader import HiddenStates
 
     t0 = time.perf_counter()
     staging = staging_dir(out)
-    WRITERS[fmt](HiddenStates(src), staging, ExportTally())
+    hs = HiddenStates(src)
+    WRITERS[fmt](hs, staging, ExportTally(), pick(hs, fmt, "eagle3"))
     publish(staging, out)
     return time.perf_counter() - t0
 

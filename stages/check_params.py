@@ -4,8 +4,8 @@ Each chain stage checks the schema and its own dataset's values when it runs, an
 declared params changed; so a typo in a run-time key (`concurency`) or a bad value in a dataset that nothing reruns
 would pass `dvc repro` unnoticed until that stage next ran, perhaps hours into a run. This stage depends on
 params.yaml itself, so DVC runs it on every edit; it loads the config as every stage does and checks the values of
-every dataset, and, where the target's tokenizer is on this disk, that its chat template ends the turn on a token
-the target stops on, and says which token that is.
+every dataset, and, where the target is on this disk, that its chat template ends the turn on a token the target
+stops on (and says which token that is) and that every drafter family's layers exist in it.
 
 Every other stage depends on its output, data/params_checked.json: a refused config stops `dvc repro` here, before
 DVC removes the outputs of the stage asked for to rerun it. The file's bytes are the same whenever the check passes,
@@ -18,7 +18,8 @@ from pathlib import Path
 
 from draftdata.config.load import cli
 from draftdata.config.schema import Config, check_all, length_warnings, template_kwargs_of
-from draftdata.model.load import local_context
+from draftdata.hidden.layers import family_layers
+from draftdata.model.load import local_config, local_context
 from draftdata.model.tokenizer import check_local_target
 from draftdata.util.files import write_json
 from draftdata.util.log import log
@@ -30,6 +31,9 @@ def main(cfg: Config) -> None:
     check_all(cfg)
     # a chat template that ends the turn where the target does not stop, under any dataset's kwargs
     check_local_target(cfg.model, [template_kwargs_of(cfg, name) for name in cfg.datasets or [None]])
+    if (conf := local_config(cfg.model)) is not None and "num_hidden_layers" in conf:
+        # every drafter family's layers exist in the target (the hidden_states stage resolves them again)
+        family_layers(cfg, conf["num_hidden_layers"])
     for line in length_warnings(cfg, context=local_context(cfg.model)):  # samples tokenize may drop: told, not refused
         log("check_params", warning=line)
     write_json(CHECKED, {"checked": "params.yaml", "ok": True})

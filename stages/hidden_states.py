@@ -14,7 +14,7 @@ from draftdata.config.schema import Config
 from draftdata.errors import UserError
 from draftdata.hidden.compute import compute, n_layers_of, state_settings
 from draftdata.hidden.engines.factory import LazyEngine
-from draftdata.hidden.layers import resolve_layers
+from draftdata.hidden.layers import captured, family_layers
 from draftdata.hidden.materialise import materialise
 from draftdata.hidden.output import index_doc, output_metrics
 from draftdata.hidden.ranks import Rank, join_group, leave_group
@@ -37,7 +37,8 @@ def main(cfg: Config) -> None:
             skip(cfg, out_dir)
         return
     hs, rank, tally = cfg.hidden_states, Rank.from_env(), HiddenTally()
-    layers = resolve_layers(cfg, n_layers_of(cfg))
+    families = family_layers(cfg, n_layers_of(cfg))
+    layers = captured(families)
     settings = state_settings(cfg, layers)
     if rank.world > 1:
         join_group(rank)
@@ -55,7 +56,8 @@ def main(cfg: Config) -> None:
             # the writing of the outputs begins: linking every shard and listing every sample takes a while
             log("hidden_states", dataset=cfg.dataset, rank=rank.rank, writing=out_dir / "hidden_states")
             view = materialise(cfg, src, out_dir / "hidden_states", store, settings, target, total)
-            write_json(out_dir / "hidden_states" / "index.json", index_doc(cfg, target, settings, layers, view))
+            index = index_doc(cfg, target, settings, layers, families, view)
+            write_json(out_dir / "hidden_states" / "index.json", index)
             write_json(
                 out_dir / "hidden_states_metrics.json",
                 output_metrics(out_dir / "hidden_states", engine, target, hs, layers, view, total),

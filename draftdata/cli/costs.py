@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, Turns
@@ -43,6 +43,8 @@ class ModelShape:
     bytes_per_token: int  # hidden states of one token
     # a token's states in bf16 and fp8, and online training's (the trainer computes them, nothing is stored): 0
     disk_per_token: dict[str, int]
+    # per drafter family in hidden_states.drafters: its layers, and a token's bytes were it captured alone
+    families: dict[str, tuple[list[int], int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -176,7 +178,7 @@ def model_shape(cfg: Config) -> ModelShape:
     """From the model's config.json alone: no weights are loaded."""
     from transformers import AutoConfig
 
-    from draftdata.hidden.layers import resolve_layers
+    from draftdata.hidden.layers import captured, family_layers
     from draftdata.model.load import check_model_path, load_error
 
     check_model_path(cfg.model.path)
@@ -186,7 +188,8 @@ def model_shape(cfg: Config) -> ModelShape:
         ).get_text_config()
     except (OSError, ValueError) as e:
         raise load_error(e, "a model config", cfg.model.path) from None
-    layers = resolve_layers(cfg, conf.num_hidden_layers)
+    families = family_layers(cfg, conf.num_hidden_layers)
+    layers = captured(families)
     dtype = cfg.hidden_states.dtype
     return ModelShape(
         conf.num_hidden_layers,
@@ -195,6 +198,7 @@ def model_shape(cfg: Config) -> ModelShape:
         dtype,
         bytes_per_token(len(layers), conf.hidden_size, dtype),
         disk_per_token(len(layers), conf.hidden_size),
+        {name: (ids, bytes_per_token(len(ids), conf.hidden_size, dtype)) for name, ids in families.items()},
     )
 
 

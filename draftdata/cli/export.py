@@ -1,6 +1,8 @@
-"""`draftdata export dataset=<D> export.format=specforge|speculators|specforge_online|speculators_online`: a dataset's
-hidden states (offline) or its samples alone (online) in a trainer's own layout, with `export.draft_vocab_size=N` the
-draft vocabulary mapping too (not a DVC stage: run it where the drafter is trained).
+"""`draftdata export dataset=<D> export.format=specforge|speculators|specforge_online|speculators_online
+[export.family=eagle3|peagle|dflash|dflash2|dspark|domino|mtp]`: a dataset's hidden states (offline: one drafter
+family's layers, in the layout the trainer reads for that family) or its samples alone (online) in a trainer's own
+layout, with `export.draft_vocab_size=N` the draft vocabulary mapping too (not a DVC stage: run it where the drafter
+is trained).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from draftdata.hidden.export import (
     check_source,
     export_dir,
     marker,
+    pick,
     publish,
     staging_dir,
     states_marker,
@@ -44,9 +47,13 @@ def main(cfg: Config) -> None:
         check_samples(src, cfg.dataset, fmt)
     out = export_dir(cfg)
     check_export_dir(out)
+    hs = HiddenStates(src) if fmt in WRITERS else None
+    picked = pick(hs, fmt, cfg.export.family) if hs is not None else None  # refused here, before any file
+    if picked is not None and vocab is not None and fmt == "specforge" and picked.family.specforge != "eagle3":
+        raise ConfigError("export.draft_vocab_size", f"SpecForge's {picked.family.name} reads no vocabulary mapping")
     staging, tally = staging_dir(out), ExportTally()
     try:
-        meta = write(fmt, src, staging, tally, cfg)
+        meta = write(fmt, src, staging, tally, cfg, hs, picked)
         if vocab is not None:
             files = write_vocab_mapping(fmt, staging, tally, cfg.export.draft_vocab_size, vocab)
             meta["vocab_mapping"] = {"draft_vocab_size": cfg.export.draft_vocab_size, "target_vocab_size": vocab}
@@ -57,17 +64,28 @@ def main(cfg: Config) -> None:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     layers = {"aux_layer_ids": json.dumps(meta["aux_layer_ids"])} if "aux_layer_ids" in meta else {}
-    log("export", dataset=cfg.dataset, format=fmt, dir=out, samples=tally.samples, tokens=tally.tokens, **layers)
+    skipped = {"skipped": json.dumps(dict(tally.skipped))} if tally.skipped else {}
+    family = {"family": picked.family.name} if picked is not None else {}
+    log(
+        "export",
+        dataset=cfg.dataset,
+        format=fmt,
+        **family,
+        dir=out,
+        samples=tally.samples,
+        tokens=tally.tokens,
+        **layers,
+        **skipped,
+    )
 
 
-def write(fmt: str, src: Path, staging: Path, tally: ExportTally, cfg: Config) -> dict:
+def write(fmt: str, src: Path, staging: Path, tally: ExportTally, cfg: Config, hs, picked) -> dict:
     """The format's files; returns the end marker's contents."""
     if fmt in ONLINE_WRITERS:
         own = ONLINE_WRITERS[fmt](src, staging, tally, cfg)
         return marker(fmt, src / "samples.parquet", tally) | own
-    hs = HiddenStates(src)
-    WRITERS[fmt](hs, staging, tally)
-    return marker(fmt, src, tally) | states_marker(fmt, hs)
+    WRITERS[fmt](hs, staging, tally, picked)
+    return marker(fmt, src, tally) | states_marker(fmt, hs, picked)
 
 
 def target_vocab(cfg: Config) -> int | None:

@@ -186,10 +186,14 @@ def _conversations_note(p: DatasetPlan) -> str:
 def _target_line(cfg: Config, shape: ModelShape | None) -> str:
     if shape is None:
         return f"target: {cfg.model.path} (not built yet: hidden states not sized)"
-    return (
+    line = (
         f"target: {cfg.model.path} ({shape.n_layers} layers, hidden {shape.hidden_size}); hidden states: "
         f"layers {shape.layers} + final, {shape.dtype}, {shape.bytes_per_token:,} bytes/token"
     )
+    if len(shape.families) > 1:  # what the union costs against each family captured alone
+        alone = "; ".join(f"{name} {ids} {n:,}" for name, (ids, n) in shape.families.items())
+        line += f" for {', '.join(shape.families)} (alone, bytes/token: {alone})"
+    return line
 
 
 def _disk_basis(p: DatasetPlan) -> str:

@@ -312,6 +312,10 @@ class TokenizeConfig:
             raise ConfigError(f"{key}.max_skip_pct", f"must be a percentage in [0, 100], got {self.max_skip_pct!r}")
 
 
+# the drafter families a capture can serve; what each reads: draftdata/hidden/families.py
+DRAFTER_FAMILIES = ("eagle3", "peagle", "dflash", "dflash2", "dspark", "domino", "mtp")
+
+
 @dataclass
 class HiddenStatesConfig:
     # The layers whose outputs are kept, as physical 0-based ids (the output of decoder layer L; HF hidden_states[L+1];
@@ -320,6 +324,13 @@ class HiddenStatesConfig:
     layers: Optional[List[int]] = None
     draft_config: Optional[str] = None  # a draft model's config.json with eagle_aux_hidden_state_layer_ids
     draft_numbering: str = "auto"  # its ids: sglang (SGLang, SpecForge) | vllm (vLLM, speculators) | auto
+    # The drafter families the states serve (hidden/families.py): eagle3 | peagle | dflash | dflash2 | dspark |
+    # domino | mtp. The capture holds the union of their layers, once; `layers`/`draft_config` above are EAGLE-3's
+    # and P-EAGLE's. Block drafters (dflash, dflash2, dspark, domino) read `block_layers` (physical ids), else
+    # z-lab's default for a draft of `block_draft_layers` layers: round(1 + i(N-4)/(n-1)), or [N//2] when n = 1.
+    drafters: List[str] = field(default_factory=lambda: ["eagle3"])
+    block_layers: Optional[List[int]] = None
+    block_draft_layers: int = 5
     dtype: str = "bfloat16"  # bfloat16 | float16 | float32 | fp8 (e4m3, a scale per token and layer)
     # run-time: how the states are computed, not what they are (changing these reruns nothing)
     backend: str = "hf"  # hf (transformers in-process; torchrun for data parallel) | vllm (tensor/data parallel)
@@ -346,20 +357,34 @@ class HiddenStatesConfig:
             raise ConfigError(f"{key}.draft_numbering", f"must be auto, sglang or vllm, got {self.draft_numbering!r}")
         if self.layers is not None and self.draft_config is not None:
             raise ConfigError(f"{key}.layers", "set either layers or draft_config, not both")
-        if self.layers is not None:
-            if not self.layers:
-                raise ConfigError(f"{key}.layers", "is empty; list the layer ids to keep (null: EAGLE-3's default)")
-            bad = [i for i in self.layers if not isinstance(i, int) or isinstance(i, bool) or i < 0]
+        for name, ids in (("layers", self.layers), ("block_layers", self.block_layers)):
+            if ids is None:
+                continue
+            if not ids:
+                raise ConfigError(f"{key}.{name}", "is empty; list the layer ids to keep (null: the family's default)")
+            bad = [i for i in ids if not isinstance(i, int) or isinstance(i, bool) or i < 0]
             if bad:
-                raise ConfigError(f"{key}.layers", f"layer ids are 0-based integers, got {bad}")
+                raise ConfigError(f"{key}.{name}", f"layer ids are 0-based integers, got {bad}")
+        self._check_drafters(key)
         for name in (
             "batch_tokens",
             "window_samples",
             "shard_max_tokens",
             "tensor_parallel_size",
             "data_parallel_size",
+            "block_draft_layers",
         ):
             _positive(f"{key}.{name}", getattr(self, name))
+
+    def _check_drafters(self, key: str) -> None:
+        known = DRAFTER_FAMILIES
+        if not self.drafters:
+            raise ConfigError(f"{key}.drafters", f"is empty; name the drafter families to serve ({', '.join(known)})")
+        for name in self.drafters:
+            if name not in known:
+                raise ConfigError(f"{key}.drafters", f"unknown drafter family {name!r}; one of {', '.join(known)}")
+        if len(set(self.drafters)) != len(self.drafters):
+            raise ConfigError(f"{key}.drafters", f"names a family twice: {list(self.drafters)}")
 
 
 @dataclass
@@ -374,10 +399,15 @@ class ExportConfig:
     # Also write the draft vocabulary mapping (d2t, t2d) for a draft vocabulary of this many tokens, from the
     # loss-masked token counts of the samples, as the trainer itself computes it. None: no mapping written.
     draft_vocab_size: Optional[int] = None
+    # the drafter family the offline export serves (one of hidden_states.drafters the states were captured for):
+    # its layers, picked out of the capture, in the layout the trainer's own data path reads for it
+    family: str = "eagle3"
 
     def check(self, key: str) -> None:
         if self.format not in EXPORT_FORMATS:
             raise ConfigError(f"{key}.format", f"must be one of {', '.join(EXPORT_FORMATS)}, got {self.format!r}")
+        if self.family not in DRAFTER_FAMILIES:
+            raise ConfigError(f"{key}.family", f"must be one of {', '.join(DRAFTER_FAMILIES)}, got {self.family!r}")
         if self.draft_vocab_size is not None:
             _positive(f"{key}.draft_vocab_size", self.draft_vocab_size)
 

@@ -81,6 +81,7 @@ from pathlib import Path
 
 from draftdata.config.schema import Config
 from draftdata.errors import ConfigError, UserError
+from draftdata.hidden.families import FAMILIES, Family, adjacent_supervised, last_state
 from draftdata.hidden.reader import SKIPPED, HiddenStates, Sample
 from draftdata.hidden.vocab import specforge_mapping, speculators_mapping
 from draftdata.util.files import data_dir, staged_path
@@ -91,7 +92,12 @@ SPECFORGE_GROUP = 2000  # prepare_hidden_states.py's --file-group-size default: 
 SOURCE_FILES = ("index.json", "samples.parquet", "final_norm.safetensors")
 # per format: the numbering its draft configs use for the aux layer ids, and the final state it trains on
 LAYER_NUMBERING = {"specforge": "sglang_specforge", "speculators": "vllm_speculators"}
-FINAL_STATE = {"specforge": "post_norm", "speculators": "pre_norm"}
+# where SpecForge's draft configs name the layers, by the family's layout
+SPECFORGE_LAYER_KEY = {
+    "eagle3": "eagle_config.eagle_aux_hidden_state_layer_ids",
+    "block": "dflash_config.target_layer_ids",
+    "block_last": "dflash_config.target_layer_ids",
+}
 
 
 @dataclass
@@ -101,6 +107,50 @@ class ExportTally:
     trained_tokens: int = 0
     token_freq: Counter = field(default_factory=Counter)
     first_seen: dict = field(default_factory=dict)  # token -> where SpecForge's count first meets it (vocab.py)
+    skipped: Counter = field(default_factory=Counter)  # samples the family cannot train on, by reason
+
+
+@dataclass(frozen=True)
+class Picked:
+    """One drafter family's share of the capture: its layers' positions in a sample's `aux` (dim 1)."""
+
+    family: Family
+    positions: list[int]
+
+    def aux(self, s: Sample):
+        return s.aux[:, self.positions]
+
+    def trainable(self, s: Sample, tally: ExportTally) -> bool:
+        """A row the family can train on; one it cannot is counted by reason and not written (never a stub)."""
+        if self.family.needs_adjacent and not adjacent_supervised(s.loss_mask.tolist()):
+            tally.skipped["no_adjacent_supervised"] += 1  # a block drafter's anchor needs the token after it
+            return False
+        return True
+
+
+def pick(hs: HiddenStates, fmt: str, name: str) -> Picked:
+    """The family's layers in these states, refused in one line where the capture or the trainer lacks it."""
+    f = FAMILIES[name]
+    if name not in hs.families:
+        raise ConfigError(
+            "export.family",
+            f"{name}: the states at {hs.path} were captured for {', '.join(hs.families)}; add {name} to "
+            "hidden_states.drafters and dvc repro (layers already stored are not computed again)",
+        )
+    if getattr(f, fmt) is None:
+        readers = [t for t in WRITERS if getattr(FAMILIES[name], t) is not None]
+        raise ConfigError(
+            "export.family",
+            f"{fmt} has no offline data path for {name}" + (f"; export it for {', '.join(readers)}" if readers else ""),
+        )
+    positions = list(hs.families[name]["positions"])
+    if fmt == "specforge" and f.specforge == "eagle3" and len(positions) != 3:
+        raise ConfigError(
+            "export.family",
+            f"SpecForge's eagle3 reads exactly three aux layers (its resolve_eagle_capture_layers); these states hold "
+            f"{len(positions)} for {name}: export them for speculators, or capture three in hidden_states.layers",
+        )
+    return Picked(f, positions)
 
 
 # ---- where: source, target, the swap --------------------------------------------------------------------------- #
@@ -162,36 +212,46 @@ def specforge_path(i: int, group: int = SPECFORGE_GROUP) -> str:
     return f"rows_{g}-{g + group}/data_{i}.ckpt"
 
 
-def specforge_record(s: Sample) -> dict:
-    """Keys, dtypes and shapes as prepare_hidden_states.py saves them (batch dim 1 on the states)."""
+def specforge_record(s: Sample, picked: Picked) -> dict:
+    """Keys, dtypes and shapes as SpecForge's offline capture layout for the family saves them (batch dim 1 on the
+    states): eagle3's `aux_hidden_state` and post-norm `hidden_state`; a block drafter's `hidden_states` (its layers
+    concatenated), with dspark's post-norm `target_last_hidden_states`."""
     import torch
 
     n = s.aux.shape[0]
-    return {
-        "input_ids": s.input_ids.to(torch.int64),
-        "loss_mask": s.loss_mask.to(torch.int64),
-        "aux_hidden_state": s.aux.reshape(n, -1).to(torch.bfloat16).unsqueeze(0),
-        "hidden_state": s.final_post_norm.to(torch.bfloat16).unsqueeze(0),
-    }
+    aux = picked.aux(s).reshape(n, -1).to(torch.bfloat16).unsqueeze(0)
+    record = {"input_ids": s.input_ids.to(torch.int64), "loss_mask": s.loss_mask.to(torch.int64)}
+    layout = picked.family.specforge
+    if layout == "eagle3":
+        return record | {"aux_hidden_state": aux, "hidden_state": s.final_post_norm.to(torch.bfloat16).unsqueeze(0)}
+    record["hidden_states"] = aux
+    if layout == "block_last":
+        record["target_last_hidden_states"] = s.final_post_norm.to(torch.bfloat16).unsqueeze(0)
+    return record
 
 
-def write_specforge(hs: HiddenStates, staging: Path, tally: ExportTally) -> None:
+def write_specforge(hs: HiddenStates, staging: Path, tally: ExportTally, picked: Picked) -> None:
     import torch
 
-    for i, s in enumerate(hs):
+    i = 0
+    for s in hs:
+        if not picked.trainable(s, tally):
+            continue
         with staged_path(staging / specforge_path(i)) as path:
-            torch.save(specforge_record(s), path)
+            torch.save(specforge_record(s, picked), path)
         count(s.input_ids, s.loss_mask, tally, specforge_path(i))  # SpecForge counts the files in path order
+        i += 1
 
 
 # ---- speculators ------------------------------------------------------------------------------------------------- #
 
 
-def speculators_tensors(s: Sample) -> dict:
-    """One `hs_<i>.safetensors`: the aux layers then the PRE-norm final state, along dim 1."""
+def speculators_tensors(s: Sample, picked: Picked) -> dict:
+    """One `hs_<i>.safetensors`: the family's aux layers then the PRE-norm final state, along dim 1 (mtp: the final
+    state alone, [T, 1, H])."""
     import torch
 
-    states = torch.cat([s.aux, s.final_pre_norm.unsqueeze(1)], dim=1).to(torch.bfloat16)
+    states = torch.cat([picked.aux(s), s.final_pre_norm.unsqueeze(1)], dim=1).to(torch.bfloat16)
     return {"token_ids": s.input_ids.to(torch.int64).contiguous(), "hidden_states": states.contiguous()}
 
 
@@ -230,17 +290,21 @@ def save_speculators_rows(staging: Path, rows, extra: bool, tally: ExportTally) 
         torch.save(dict(tally.token_freq), path)
 
 
-def write_speculators(hs: HiddenStates, staging: Path, tally: ExportTally) -> None:
+def write_speculators(hs: HiddenStates, staging: Path, tally: ExportTally, picked: Picked) -> None:
     """The states file by file, the rows with them (speculators' `hs_<i>` is row i)."""
     from safetensors.torch import save_file
 
     (staging / "hidden_states").mkdir()
 
     def rows():
-        for i, s in enumerate(hs):
+        i = 0
+        for s in hs:
+            if not picked.trainable(s, tally):
+                continue
             with staged_path(staging / "hidden_states" / f"hs_{i}.safetensors") as path:
-                save_file(speculators_tensors(s), str(path))
+                save_file(speculators_tensors(s, picked), str(path))
             count(s.input_ids, s.loss_mask, tally, i)
+            i += 1
             # the conversation and turn of `turns: all` come with the states: the output is whole on its own
             extra = {"conversation": s.conversation, "turn": s.turn} if hs.carries_turns else {}
             yield speculators_row(s.input_ids.tolist(), s.loss_mask.tolist(), extra)
@@ -290,18 +354,26 @@ def marker(fmt: str, src: Path, tally: ExportTally) -> dict:
         "samples": tally.samples,
         "tokens": tally.tokens,
         "trained_tokens": tally.trained_tokens,
-        "order": "sample i of the source (samples.parquet order) is file/row i",
+        "skipped": dict(sorted(tally.skipped.items())),  # samples the family cannot train on, not written
+        "order": "file/row i is the i-th sample written, in the source's order (samples.parquet)",
     }
 
 
-def states_marker(fmt: str, hs: HiddenStates) -> dict:
+def states_marker(fmt: str, hs: HiddenStates, picked: Picked) -> dict:
+    """What the draft config needs: the family's layer ids in the trainer's numbering, under the key its config
+    reads them from, and the last state the files hold."""
+    f = picked.family
+    ids = hs.families[f.name]["layers"][LAYER_NUMBERING[fmt]]
+    key = f.speculators if fmt == "speculators" else SPECFORGE_LAYER_KEY[f.specforge]
     return {
         "model": hs.index["model"],
         "hidden_size": hs.hidden_size,
         "dtype": "bfloat16",
-        "aux_layer_ids": hs.layers[LAYER_NUMBERING[fmt]],
+        "family": f.name,
+        "aux_layer_ids": ids,
         "aux_layer_numbering": LAYER_NUMBERING[fmt],
-        "final_state": FINAL_STATE[fmt],
+        "draft_config_key": key,
+        "final_state": last_state(f, fmt),
     }
 
 

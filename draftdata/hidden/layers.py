@@ -1,4 +1,5 @@
-"""Which layers' outputs are captured: EAGLE-3's default, a draft config's ids, and both engines' numberings."""
+"""Which layers' outputs are captured: each drafter family's (families.py: EAGLE-3's default or a draft config's ids,
+a block drafter's), their union, and every trainer's numbering."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 from draftdata.config.schema import Config
 from draftdata.errors import ConfigError, UserError
+from draftdata.hidden.families import FAMILIES, block_default_layers
 from draftdata.util.log import log
 
 
@@ -16,9 +18,40 @@ def default_layers(n_layers: int) -> list[int]:
 
 
 def resolve_layers(cfg: Config, n_layers: int) -> list[int]:
-    """Physical 0-based ids of the layers whose outputs are kept, in ascending order: `hidden_states.layers`, else a
-    draft config's `eagle_aux_hidden_state_layer_ids` (in its own numbering), else EAGLE-3's default for this
-    model."""
+    """The capture's layers (`captured`) for the families in `hidden_states.drafters`."""
+    return captured(family_layers(cfg, n_layers))
+
+
+def captured(families: dict[str, list[int]]) -> list[int]:
+    """The union of the families' layers, physical 0-based ids in ascending order: each stored once (the last state,
+    before the final norm, is kept beside them whatever the families)."""
+    return sorted({i for ids in families.values() for i in ids})
+
+
+def family_layers(cfg: Config, n_layers: int) -> dict[str, list[int]]:
+    """Each named family's layers (physical ids, ascending): EAGLE-3's for eagle3 and peagle, a block drafter's for
+    dflash, dflash2, dspark and domino, none for mtp (the last state alone)."""
+    hs = cfg.hidden_states
+    kinds = {FAMILIES[name].layers for name in hs.drafters}
+    given_by = (("layers", "eagle", hs.layers), ("draft_config", "eagle", hs.draft_config))
+    for key, kind, given in (*given_by, ("block_layers", "block", hs.block_layers)):
+        if given is not None and kind not in kinds:
+            readers = ", ".join(f.name for f in FAMILIES.values() if f.layers == kind)
+            raise ConfigError(
+                f"hidden_states.{key}",
+                f"is set but no family that reads it ({readers}) is in hidden_states.drafters {list(hs.drafters)}",
+            )
+    by_kind = {
+        "eagle": eagle_layers(cfg, n_layers) if "eagle" in kinds else [],
+        "block": block_layers(cfg, n_layers) if "block" in kinds else [],
+        "none": [],
+    }
+    return {name: by_kind[FAMILIES[name].layers] for name in hs.drafters}
+
+
+def eagle_layers(cfg: Config, n_layers: int) -> list[int]:
+    """EAGLE-3's (and P-EAGLE's) aux layers: `hidden_states.layers`, else a draft config's
+    `eagle_aux_hidden_state_layer_ids` (in its own numbering), else EAGLE-3's default for this model."""
     hs = cfg.hidden_states
     if hs.layers is not None:
         return _valid(list(hs.layers), n_layers, "hidden_states.layers")
@@ -31,6 +64,23 @@ def resolve_layers(cfg: Config, n_layers: int) -> list[int]:
             f"model.path: the target has {n_layers} decoder layers, too few for EAGLE-3's default "
             f"[1, N//2-1, N-4] = {layers} to be three distinct layers; choose them in "
             "hidden_states.layers"
+        )
+    return layers
+
+
+def block_layers(cfg: Config, n_layers: int) -> list[int]:
+    """A block drafter's target layers: `hidden_states.block_layers`, else z-lab's default for a draft of
+    `hidden_states.block_draft_layers` layers."""
+    hs = cfg.hidden_states
+    if hs.block_layers is not None:
+        return _valid(list(hs.block_layers), n_layers, "hidden_states.block_layers")
+    n = hs.block_draft_layers
+    layers = block_default_layers(n_layers, n)
+    if len(set(layers)) != n or not all(0 <= i < n_layers for i in layers):
+        raise UserError(
+            f"model.path: the target has {n_layers} decoder layers, too few for the block drafters' default "
+            f"(round(1 + i(N-4)/(n-1)) for n = {n}: {layers}) to be {n} distinct layers; lower "
+            "hidden_states.block_draft_layers or choose them in hidden_states.block_layers"
         )
     return layers
 

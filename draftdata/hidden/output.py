@@ -7,13 +7,16 @@ from pathlib import Path
 
 from draftdata.config.schema import Config
 from draftdata.hidden.engines.factory import LazyEngine
+from draftdata.hidden.families import FAMILIES, last_state, trainers_of
 from draftdata.hidden.layers import layer_numberings
 from draftdata.hidden.shards import FORMAT_VERSION, disk_per_token
 from draftdata.hidden.state_store import NormAndSizes
 from draftdata.hidden.tally import HiddenTally
 
 
-def index_doc(cfg: Config, target: NormAndSizes, settings: dict, layers: list[int], view: dict) -> dict:
+def index_doc(
+    cfg: Config, target: NormAndSizes, settings: dict, layers: list[int], families: dict[str, list[int]], view: dict
+) -> dict:
     return {
         "format": "draftdata-hidden-states",
         "version": FORMAT_VERSION,
@@ -26,6 +29,7 @@ def index_doc(cfg: Config, target: NormAndSizes, settings: dict, layers: list[in
         },
         "layers": layer_numberings(layers, target.n_layers),
         "layers_as_given": cfg.hidden_states.layers,  # hidden_states.layers in the user's order (null: not set)
+        "families": families_doc(families, layers, target.n_layers),
         "layer_convention": "physical id L = output of decoder layer L (0-based) = HF hidden_states[L + 1] = "
         "SGLang/SpecForge id L = vLLM/speculators id L + 1; in ascending order, as SGLang and vLLM collect them; "
         "the last layer's (L = N - 1) is kept before the final norm, which HF's hidden_states[N] is not: its HF "
@@ -37,6 +41,24 @@ def index_doc(cfg: Config, target: NormAndSizes, settings: dict, layers: list[in
         "link": view["link"],
         "tensors": {"aux_hidden_states": "[T, k, H]", "final_hidden_states": "[T, H], before the final norm"},
     }
+
+
+def families_doc(families: dict[str, list[int]], captured: list[int], n_layers: int) -> dict:
+    """Per drafter family the capture serves: its layers in every numbering, where they sit in the capture's
+    aux_hidden_states, the trainers whose offline data path reads it and the last state each one reads (pre- or
+    post-norm, made from the stored pre-norm one), and whether it needs two adjacent supervised tokens a row."""
+    out = {}
+    for name, ids in families.items():
+        f = FAMILIES[name]
+        trainers = trainers_of(f)
+        out[name] = {
+            "layers": layer_numberings(ids, n_layers),
+            "positions": [captured.index(i) for i in ids],
+            "trainers": trainers,
+            "last_state": {t: last_state(f, t) for t in trainers},
+            "needs_adjacent_supervised": f.needs_adjacent,
+        }
+    return out
 
 
 def output_metrics(

@@ -4,6 +4,7 @@
 
     hs = HiddenStates("data/B3_magicoder/hidden_states")
     hs.layers["vllm_speculators"]        # the layer ids in a trainer's numbering (also physical, sglang_specforge)
+    hs.families["dflash"]["positions"]   # a drafter family's layers, as indices into s.aux's dim 1
     for s in hs:                         # samples in the dataset's order
         s.id, s.input_ids, s.loss_mask   # int64 [T]
         s.aux                            # float32 [T, k, H]: outputs of the chosen layers (fp8 dequantized)
@@ -68,6 +69,13 @@ class HiddenStates:
         sizes = [self._pf.metadata.row_group(g).num_rows for g in range(self._pf.num_row_groups)]
         self._group_starts = [sum(sizes[:g]) for g in range(len(sizes))]
         self._group: tuple[int, list] = (-1, [])
+
+    @property
+    def families(self) -> dict:
+        """The drafter families the states serve, as index.json records them (output/families_doc); an output
+        written before it recorded them served EAGLE-3 alone, with every captured layer."""
+        every = {"layers": self.layers, "positions": list(range(len(self.layers["physical"])))}
+        return self.index.get("families") or {"eagle3": every}
 
     def __len__(self) -> int:
         return self._rows.num_rows

@@ -189,8 +189,8 @@ def load_model(model: ModelConfig, device_map: str | None = None):
     return net.eval()
 
 
-def local_context(model: ModelConfig) -> int | None:
-    """The target's context from a local config.json only (None otherwise): no hub, no network, no error for a
+def local_config(model: ModelConfig) -> dict | None:
+    """The target's text config from a local config.json only (None otherwise): no hub, no network, no error for a
     model directory not built yet."""
     local = Path(model.path).expanduser() / "config.json"
     if not local.is_file():
@@ -199,4 +199,10 @@ def local_context(model: ModelConfig) -> int | None:
         conf = json.loads(local.read_text())
     except (OSError, ValueError):
         return None
-    return _context(conf.get("text_config") or conf)
+    return conf.get("text_config") or conf
+
+
+def local_context(model: ModelConfig) -> int | None:
+    """The target's context from a local config.json only (None otherwise)."""
+    conf = local_config(model)
+    return None if conf is None else _context(conf)
