@@ -8,6 +8,7 @@ The tiny target has 8 decoder layers: EAGLE-3's default is [1, 3, 4], a block dr
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import textwrap
@@ -203,7 +204,7 @@ def test_speculators_files_hold_the_family_s_layers_then_the_pre_norm_state(capt
 
 def test_an_export_the_capture_or_the_trainer_cannot_serve_is_refused_before_any_file(captured_project):
     project = captured_project
-    with pytest.raises(ConfigError, match="export.family: dspark: the states .* were captured for eagle3, dflash"):
+    with pytest.raises(ConfigError, match="export.family: dspark: the states .* were captured for dflash, eagle3"):
         export(project, "specforge", "dspark")
     project.set("hidden_states.drafters", ["eagle3", "dflash", "peagle", "dflash2"])
     project.run("hidden_states", "B3")
@@ -255,6 +256,43 @@ FAMILY_READERS = textwrap.dedent("""
     for name in ("dflash", "dspark"):
         ds = ArrowDataset(max_len=BIG, datapath=exports["speculators_" + name], on_missing="raise")
         dump(f"speculators_{name}", [(i, ds[i]) for i in range(len(ds))])
+
+    # speculators' own model of each family, built as its trainer builds it (from_training_args, a one-layer draft
+    # from create_transformer_layer_config, the layer ids from the export's marker, the family's default loss),
+    # trained two steps on a packed batch of the export (its CollateFn): the loss it reports, before and after a step
+    import json
+    from speculators.models.dflash import DFlashDraftModel
+    from speculators.models.dflash2 import DFlash2DraftModel
+    from speculators.models.dspark import DSparkDraftModel
+    from speculators.train.cli import create_transformer_layer_config
+    from speculators.train.data import CollateFn
+
+    losses = {}
+    for name, cls in (("dflash", DFlashDraftModel), ("dflash2", DFlash2DraftModel), ("dspark", DSparkDraftModel)):
+        path = exports["speculators_" + name]
+        meta = json.loads((Path(path) / "draftdata_export.json").read_text())
+        verifier = meta["model"]["path"]
+        torch.manual_seed(0)
+        layer = create_transformer_layer_config(verifier_name_or_path=verifier, num_layers=1, draft_arch="llama",
+                                                hidden_act=None, sliding_window=4096, full_attention_indices=[0])
+        model = cls.from_training_args(verifier_config=layer, verifier_name_or_path=verifier,
+                                       draft_vocab_size=layer.vocab_size, block_size=4, mask_token_id=0,
+                                       target_layer_ids=meta["aux_layer_ids"],
+                                       draft_attn_impl="sdpa").float()
+        ds = ArrowDataset(max_len=4096, datapath=path, on_missing="raise")
+        collate = CollateFn(4096, meta["hidden_size"], len(meta["aux_layer_ids"]), torch.float32, None)
+        batch = {k: v for k, v in collate([ds[i] for i in range(min(8, len(ds)))]).items() if torch.is_tensor(v)}
+        kwargs, _ = cls.get_trainer_kwargs(loss_fn="ce" if name == "dflash" else "kl_div", loss_implementation="eager")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model.train()
+        losses[name] = []
+        for _ in range(2):
+            loss = model(**batch, **kwargs)[1]
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses[name].append(loss.item())
+    (out / "steps.json").write_text(json.dumps(losses))
 """)
 
 
@@ -264,17 +302,19 @@ FAMILY_READERS = textwrap.dedent("""
     not TRAINERS_PYTHON, reason="set DRAFTDATA_TRAINERS_PYTHON to a Python with specforge and speculators"
 )
 def test_trainers_own_readers_load_every_block_family(captured_project, tmp_path):
-    """One capture, exported for DFlash, DSpark and Domino (SpecForge) and DFlash and DSpark (speculators): every row
-    the trainers' own data paths return holds the family's layers and the last state its trainer reads, exactly."""
+    """One capture, exported for DFlash, DSpark and Domino (SpecForge) and DFlash, DFlash2 and DSpark (speculators):
+    every row the trainers' own data paths return holds the family's layers and the last state its trainer reads,
+    exactly; speculators' own model of each family trains on its export (SpecForge's block models are not built
+    here: its trainer assembles them from a full run config)."""
     from test_export import exact_bf16, read_dump
 
     project = captured_project
-    project.set("hidden_states.drafters", ["eagle3", "dflash", "dspark", "domino"])
+    project.set("hidden_states.drafters", ["eagle3", "dflash", "dspark", "domino", "dflash2"])
     project.run("hidden_states", "B3")
     dirs = {}
     for fmt, family in (("specforge", "dflash"), ("specforge", "dspark"), ("specforge", "domino")):
         dirs[family] = export(project, fmt, family, f"export.dir=export-{fmt}-{family}")
-    for family in ("dflash", "dspark"):
+    for family in ("dflash", "dflash2", "dspark"):
         dirs["speculators_" + family] = export(
             project, "speculators", family, f"export.dir=export-speculators-{family}"
         )
@@ -314,3 +354,8 @@ def test_trainers_own_readers_load_every_block_family(captured_project, tmp_path
             assert torch.equal(g["input_ids"], s.input_ids) and torch.equal(g["loss_mask"], s.loss_mask)
             assert torch.equal(g["hidden_states"].float(), s.aux.reshape(n, 5 * h))
             assert torch.equal(g["verifier_last_hidden_states"].float(), s.final_pre_norm)
+    # each family's own model trains on its export: a finite loss that its optimizer's step lowers
+    steps = json.loads((dumps / "steps.json").read_text())
+    assert set(steps) == {"dflash", "dflash2", "dspark"}
+    for family, (before, after) in steps.items():
+        assert math.isfinite(before) and after < before, (family, before, after)
