@@ -18,7 +18,7 @@ from pathlib import Path
 
 from draftdata.config.load import cli
 from draftdata.config.schema import Config, check_all, length_warnings, template_kwargs_of
-from draftdata.hidden.layers import family_layers
+from draftdata.drafters.layers import family_layers
 from draftdata.model.load import local_config, local_context
 from draftdata.model.tokenizer import check_local_target
 from draftdata.util.files import write_json
@@ -31,7 +31,8 @@ def main(cfg: Config) -> None:
     check_all(cfg)
     # a chat template that ends the turn where the target does not stop, under any dataset's kwargs
     check_local_target(cfg.model, [template_kwargs_of(cfg, name) for name in cfg.datasets or [None]])
-    if (conf := local_config(cfg.model)) is not None and "num_hidden_layers" in conf:
+    stored = any(ds.store_hidden_states for ds in cfg.datasets.values())
+    if stored and (conf := local_config(cfg.model)) is not None and "num_hidden_layers" in conf:
         # every drafter family's layers exist in the target (the hidden_states stage resolves them again)
         family_layers(cfg, conf["num_hidden_layers"])
     for line in length_warnings(cfg, context=local_context(cfg.model)):  # samples tokenize may drop: told, not refused

@@ -11,10 +11,10 @@ import signal
 
 from draftdata.config.load import cli
 from draftdata.config.schema import Config
+from draftdata.drafters.layers import captured, family_layers
 from draftdata.errors import UserError
 from draftdata.hidden.compute import compute, n_layers_of, state_settings
 from draftdata.hidden.engines.factory import LazyEngine
-from draftdata.hidden.layers import captured, family_layers
 from draftdata.hidden.materialise import materialise
 from draftdata.hidden.output import index_doc, output_metrics
 from draftdata.hidden.ranks import Rank, join_group, leave_group
@@ -52,16 +52,7 @@ def main(cfg: Config) -> None:
         # the whole job's, for the metrics (`tally` stays this rank's share); every rank has finished once it returns
         total = rank.add_up(tally)
         if rank.rank == 0:
-            target = engine.target()
-            # the writing of the outputs begins: linking every shard and listing every sample takes a while
-            log("hidden_states", dataset=cfg.dataset, rank=rank.rank, writing=out_dir / "hidden_states")
-            view = materialise(cfg, src, out_dir / "hidden_states", store, settings, target, total)
-            index = index_doc(cfg, target, settings, layers, families, view)
-            write_json(out_dir / "hidden_states" / "index.json", index)
-            write_json(
-                out_dir / "hidden_states_metrics.json",
-                output_metrics(out_dir / "hidden_states", engine, target, hs, layers, view, total),
-            )
+            write_outputs(cfg, src, engine, store, settings, families, total)
     finally:
         signal.signal(signal.SIGTERM, previous)
         engine.close()
@@ -78,6 +69,19 @@ def main(cfg: Config) -> None:
         layers=layers,
         dtype=hs.dtype,
     )
+
+
+def write_outputs(cfg: Config, src, engine, store, settings: dict, families: dict, total: HiddenTally) -> None:
+    """Rank 0, once every rank has finished: the output directory rebuilt from the store, its index (each family's
+    layers) and the whole job's metrics."""
+    out_dir = data_dir(cfg.dataset)
+    out, target, layers = out_dir / "hidden_states", engine.target(), captured(families)
+    # the writing of the outputs begins: linking every shard and listing every sample takes a while
+    log("hidden_states", dataset=cfg.dataset, rank=0, writing=out)
+    view = materialise(cfg, src, out, store, settings, target, total)
+    write_json(out / "index.json", index_doc(cfg, target, settings, layers, families, view))
+    metrics = output_metrics(out, engine, target, cfg.hidden_states, layers, view, total)
+    write_json(out_dir / "hidden_states_metrics.json", metrics)
 
 
 def skip(cfg: Config, out_dir) -> None:

@@ -165,7 +165,7 @@ def test_rerun_replaces_an_export_and_a_custom_dir(states):
 def test_an_interrupted_export_is_never_at_the_export_path(states, monkeypatch):
     import draftdata.hidden.export as export_mod
 
-    def dies(hs, staging, tally):
+    def dies(hs, staging, tally, picked):
         (staging / "rows_0-2000").mkdir()
         (staging / "rows_0-2000" / "data_0.ckpt").write_bytes(b"half")
         raise KeyboardInterrupt

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from draftdata.config.load import load_config
+from draftdata.drafters.families import FAMILIES, block_default_layers
+from draftdata.drafters.layers import captured, family_layers
 from draftdata.errors import ConfigError, UserError
 from draftdata.hidden.export import MARKER, ExportTally, Picked, specforge_path
-from draftdata.hidden.families import FAMILIES, block_default_layers
-from draftdata.hidden.layers import captured, family_layers
 from draftdata.hidden.reader import HiddenStates
 
 TRAINERS_PYTHON = os.environ.get("DRAFTDATA_TRAINERS_PYTHON")
@@ -84,6 +84,8 @@ def test_check_params_refuses_a_family_the_target_cannot_serve(project):
     project.set("hidden_states.block_draft_layers", 6)
     with pytest.raises(UserError, match="block_draft_layers"):
         project.run("check_params", None)
+    project.set("datasets.B3.store_hidden_states", False)  # online training only: no layer is captured
+    project.run("check_params", None)
 
 
 def sample(mask: list[int]):

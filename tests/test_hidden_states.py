@@ -502,7 +502,7 @@ def test_the_jobs_tally_sums_every_count_of_every_rank():
 
 def test_layers_from_a_draft_config_in_either_numbering(hs_project, tmp_path):
     from draftdata.config.load import load_config
-    from draftdata.hidden.layers import resolve_layers
+    from draftdata.drafters.layers import resolve_layers
 
     def layers(doc: dict, numbering: str = "auto"):
         path = tmp_path / "draft.json"
@@ -526,7 +526,7 @@ def test_layers_from_a_draft_config_in_either_numbering(hs_project, tmp_path):
 
 def test_default_layers_that_collide_are_refused_about_the_model(hs_project):
     from draftdata.config.load import load_config
-    from draftdata.hidden.layers import resolve_layers
+    from draftdata.drafters.layers import resolve_layers
 
     cfg = load_config("B3", [], params_path=hs_project.path / "params.yaml")
     with pytest.raises(UserError) as err:
@@ -696,7 +696,7 @@ def test_unsorted_layers_are_stored_in_ascending_order(hs_project, tiny_model, c
     from transformers import AutoModelForCausalLM
 
     from draftdata.config.load import load_config
-    from draftdata.hidden.layers import resolve_layers
+    from draftdata.drafters.layers import resolve_layers
 
     hs_project.set("hidden_states.layers", [5, 1, 3])
     hs_project.run("hidden_states", "B3")
@@ -912,7 +912,7 @@ def test_hf_index_in_index_json_names_the_state_hf_returns(tiny_model):
     hidden_states; the last layer's output (kept before the final norm) is none of them, so it gets none."""
     from transformers import AutoModelForCausalLM
 
-    from draftdata.hidden.layers import layer_numberings
+    from draftdata.drafters.layers import layer_numberings
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
     decoder = model.model.layers

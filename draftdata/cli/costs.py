@@ -178,7 +178,7 @@ def model_shape(cfg: Config) -> ModelShape:
     """From the model's config.json alone: no weights are loaded."""
     from transformers import AutoConfig
 
-    from draftdata.hidden.layers import captured, family_layers
+    from draftdata.drafters.layers import captured, family_layers
     from draftdata.model.load import check_model_path, load_error
 
     check_model_path(cfg.model.path)

@@ -312,7 +312,7 @@ class TokenizeConfig:
             raise ConfigError(f"{key}.max_skip_pct", f"must be a percentage in [0, 100], got {self.max_skip_pct!r}")
 
 
-# the drafter families a capture can serve; what each reads: draftdata/hidden/families.py
+# the drafter families a capture can serve; what each reads: draftdata/drafters/families.py
 DRAFTER_FAMILIES = ("eagle3", "peagle", "dflash", "dflash2", "dspark", "domino", "mtp")
 
 
@@ -324,13 +324,13 @@ class HiddenStatesConfig:
     layers: Optional[List[int]] = None
     draft_config: Optional[str] = None  # a draft model's config.json with eagle_aux_hidden_state_layer_ids
     draft_numbering: str = "auto"  # its ids: sglang (SGLang, SpecForge) | vllm (vLLM, speculators) | auto
-    # The drafter families the states serve (hidden/families.py): eagle3 | peagle | dflash | dflash2 | dspark |
-    # domino | mtp. The capture holds the union of their layers, once; `layers`/`draft_config` above are EAGLE-3's
-    # and P-EAGLE's. Block drafters (dflash, dflash2, dspark, domino) read `block_layers` (physical ids), else
-    # z-lab's default for a draft of `block_draft_layers` layers: round(1 + i(N-4)/(n-1)), or [N//2] when n = 1.
+    # The drafter families served: eagle3 | peagle | dflash | dflash2 | dspark | domino | mtp. The capture holds the
+    # union of their layers, once (drafters/families.py); `layers` and `draft_config` above are EAGLE-3's and P-EAGLE's
     drafters: List[str] = field(default_factory=lambda: ["eagle3"])
+    # block drafters' (dflash, dflash2, dspark, domino) layers, physical ids; null: z-lab's default for
+    # block_draft_layers
     block_layers: Optional[List[int]] = None
-    block_draft_layers: int = 5
+    block_draft_layers: int = 5  # n, the block draft's layers: round(1 + i(N-4)/(n-1)) for i < n; [N//2] for n = 1
     dtype: str = "bfloat16"  # bfloat16 | float16 | float32 | fp8 (e4m3, a scale per token and layer)
     # run-time: how the states are computed, not what they are (changing these reruns nothing)
     backend: str = "hf"  # hf (transformers in-process; torchrun for data parallel) | vllm (tensor/data parallel)
@@ -399,8 +399,8 @@ class ExportConfig:
     # Also write the draft vocabulary mapping (d2t, t2d) for a draft vocabulary of this many tokens, from the
     # loss-masked token counts of the samples, as the trainer itself computes it. None: no mapping written.
     draft_vocab_size: Optional[int] = None
-    # the drafter family the offline export serves (one of hidden_states.drafters the states were captured for):
-    # its layers, picked out of the capture, in the layout the trainer's own data path reads for it
+    # the drafter family exported (one of hidden_states.drafters the states serve): its layers, picked out of the
+    # capture, in the layout the trainer's own data path reads for that family
     family: str = "eagle3"
 
     def check(self, key: str) -> None:

@@ -80,8 +80,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftdata.config.schema import Config
+from draftdata.drafters.families import FAMILIES, Family, adjacent_supervised, last_state
 from draftdata.errors import ConfigError, UserError
-from draftdata.hidden.families import FAMILIES, Family, adjacent_supervised, last_state
 from draftdata.hidden.reader import SKIPPED, HiddenStates, Sample
 from draftdata.hidden.vocab import specforge_mapping, speculators_mapping
 from draftdata.util.files import data_dir, staged_path

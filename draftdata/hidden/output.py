@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from draftdata.config.schema import Config
+from draftdata.drafters.families import FAMILIES, last_state, trainers_of
+from draftdata.drafters.layers import layer_numberings
 from draftdata.hidden.engines.factory import LazyEngine
-from draftdata.hidden.families import FAMILIES, last_state, trainers_of
-from draftdata.hidden.layers import layer_numberings
 from draftdata.hidden.shards import FORMAT_VERSION, disk_per_token
 from draftdata.hidden.state_store import NormAndSizes
 from draftdata.hidden.tally import HiddenTally

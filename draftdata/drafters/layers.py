@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 from draftdata.config.schema import Config
+from draftdata.drafters.families import FAMILIES, block_default_layers
 from draftdata.errors import ConfigError, UserError
-from draftdata.hidden.families import FAMILIES, block_default_layers
 from draftdata.util.log import log
 
 
