@@ -56,7 +56,7 @@ from pathlib import Path
 
 import yaml
 
-from draftdata.hidden.layers import default_layers
+from draftdata.drafters.layers import default_layers
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "drafter_train.py"

@@ -885,7 +885,7 @@ def real_shape(args) -> dict:
     fp8); then, per path, seconds per token = fixed + per_layer x layers fitted over the depths and read at the
     real depth, beside the FLOP count there. At a few layers the LM head is a far bigger share of naive's work than
     at 32, so the ratio measured there flatters ours; the fit removes that."""
-    from draftdata.hidden.layers import default_layers
+    from draftdata.drafters.layers import default_layers
 
     depths, t0 = {}, time.perf_counter()
     for depth in args.depths:
@@ -1172,7 +1172,7 @@ def check_device(device: str) -> None:
 
 
 def main(argv=None) -> None:
-    from draftdata.hidden.layers import default_layers
+    from draftdata.drafters.layers import default_layers
 
     args = parse_args(argv)
     check_device(args.device)
