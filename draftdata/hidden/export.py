@@ -1,7 +1,13 @@
 """Command `export`: `data/<D>/hidden_states/` → a trainer's own offline-training layout (the online formats, from
 the samples alone, are in draftdata/hidden/online.py).
 
-    draftdata export dataset=<D> export.format=specforge|speculators [export.dir=...] [export.draft_vocab_size=N]
+    draftdata export dataset=<D> export.format=specforge|speculators [export.family=F] [export.dir=...]
+        [export.draft_vocab_size=N]
+
+`export.family` (eagle3 by default) picks one drafter family's layers out of the capture and writes the layout the
+trainer reads for that family (draftdata/drafters/families.py): below, EAGLE-3's; a block drafter's SpecForge files
+hold `hidden_states` (and dspark's `target_last_hidden_states`) instead, its speculators files its own layers. Rows a
+family cannot train on are not written, and counted in the marker's `skipped`.
 
 Not a DVC stage: run it where the drafter is trained. It reads the stage output through `draftdata.hidden.HiddenStates`
 one sample at a time and writes the trainer's files, one sample in memory at a time. The whole export is built in
@@ -118,6 +124,8 @@ class Picked:
     positions: list[int]
 
     def aux(self, s: Sample):
+        if self.positions == list(range(s.aux.shape[1])):  # every captured layer: no copy
+            return s.aux
         return s.aux[:, self.positions]
 
     def trainable(self, s: Sample, tally: ExportTally) -> bool:
