@@ -61,6 +61,22 @@ def gpt2_model(tiny_model, tmp_path_factory):
     return out
 
 
+def generate_once(cfg, tok, request, after_start=lambda: None):
+    """The backend the config builds, started, one request sent (`after_start` runs between), closed; the backend
+    and the request's result."""
+
+    async def go():
+        backend = make_backend(cfg, tok)
+        await backend.start()
+        try:
+            after_start()
+            return backend, await asyncio.wait_for(backend.generate(request), 300)
+        finally:
+            await backend.close()
+
+    return asyncio.run(go())
+
+
 def test_a_model_without_llamas_config_fields_falls_back_under_auto(gpt2_model, capsys):
     """auto: slot batching cannot set it up (no num_key_value_heads); the backend says so in one line and serves the
     request by transformers' continuous batching, where it used to die with the AttributeError."""
@@ -68,16 +84,8 @@ def test_a_model_without_llamas_config_fields_falls_back_under_auto(gpt2_model, 
     tok = load_tokenizer(cfg.model)
     prompt = render_prompt_ids(tok, [{"role": "user", "content": "Hello there"}], None, {})
 
-    async def go():
-        backend = make_backend(cfg, tok)
-        await backend.start()
-        try:
-            res = await backend.generate(GenRequest("r0", prompt, [], None, 8, {"temperature": 0.0}))
-            return type(backend.manager).__name__, res
-        finally:
-            await backend.close()
-
-    manager, res = asyncio.run(asyncio.wait_for(go(), 300))
+    backend, res = generate_once(cfg, tok, GenRequest("r0", prompt, [], None, 8, {"temperature": 0.0}))
+    manager = type(backend.manager).__name__
     assert manager != "SlotBatching"
     assert res.error is None and 1 <= res.completion_tokens <= 8, res.detail
     lines = [x for x in capsys.readouterr().out.splitlines() if "batching=transformers" in x]
@@ -208,16 +216,10 @@ def test_an_engine_fault_reaches_the_caller_as_a_failed_result(tiny_model, monke
     tok = load_tokenizer(cfg.model)
     prompt = render_prompt_ids(tok, [{"role": "user", "content": "Hello"}], None, {})
 
-    async def go():
-        backend = make_backend(cfg, tok)
-        await backend.start()
-        try:
-            monkeypatch.setattr(KVCache, "place", lambda *a: (_ for _ in ()).throw(RuntimeError("no room")))
-            return await asyncio.wait_for(backend.generate(GenRequest("r0", prompt, [], None, 8, {})), 10)
-        finally:
-            await backend.close()
+    def fault():
+        monkeypatch.setattr(KVCache, "place", lambda *a: (_ for _ in ()).throw(RuntimeError("no room")))
 
-    res = asyncio.run(go())
+    _, res = generate_once(cfg, tok, GenRequest("r0", prompt, [], None, 8, {}), after_start=fault)
     assert res.error == "engine_error" and "no room" in res.detail
 
 

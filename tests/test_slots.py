@@ -174,6 +174,17 @@ def serve(engine: SlotBatching, prompts: list[list[int]], max_new: list[int]) ->
     return asyncio.run(go())
 
 
+def assert_the_models_greedy_tokens(model, prompts: list[list[int]], results: list) -> None:
+    """Each result's tokens are the model's own greedy ones, from its plain forward token by token."""
+    for ids, res in zip(prompts, results):
+        assert res.error is None
+        seq = list(ids)
+        with torch.inference_mode():
+            for _ in res.generated_tokens:
+                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+        assert res.generated_tokens == seq[len(ids) :]
+
+
 @pytest.mark.parametrize(
     "kind, config, lean",
     [("llama", {}, True), ("qwen2", {}, True), ("llama", {"mlp_bias": True}, False)],
@@ -193,13 +204,7 @@ def test_greedy_tokens_are_the_models_own_through_joins_and_leaves(tmp_path, kin
         attn = model.model.layers[1].self_attn
         fused = engine.forward.layers[1].qkv.weight
         assert attn.k_proj.weight.data_ptr() == fused[attn.q_proj.out_features :].data_ptr()
-    for ids, res in zip(prompts, results):
-        assert res.error is None
-        seq = list(ids)
-        with torch.inference_mode():
-            for _ in res.generated_tokens:
-                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-        assert res.generated_tokens == seq[len(ids) :]
+    assert_the_models_greedy_tokens(model, prompts, results)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
@@ -221,13 +226,7 @@ def test_a_prompt_sharing_a_prefix_with_a_request_in_flight_takes_its_keys_and_g
     engine = SlotBatching(lambda: model, Sampling(0.0, 1.0, -1), set(), slots=3, prefill_tokens=60)
     results = serve(engine, prompts, [40] + [10] * (len(prompts) - 1))
     assert len(shared) >= 3 and min(shared) >= loop.MIN_SHARED and max(shared) > len(system)
-    for ids, res in zip(prompts, results):
-        assert res.error is None
-        seq = list(ids)
-        with torch.inference_mode():
-            for _ in res.generated_tokens:
-                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-        assert res.generated_tokens == seq[len(ids) :]
+    assert_the_models_greedy_tokens(model, prompts, results)
 
 
 def test_a_lean_forward_the_probe_refuses_leaves_the_model_to_its_own(tmp_path, monkeypatch):

@@ -86,7 +86,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftdata.config.schema import Config
-from draftdata.drafters.families import FAMILIES, Family, adjacent_supervised, last_state
+from draftdata.drafters.families import FAMILIES, Family, adjacent_supervised, last_state, trainers_of
 from draftdata.errors import ConfigError, UserError
 from draftdata.hidden.reader import SKIPPED, HiddenStates, Sample
 from draftdata.hidden.vocab import specforge_mapping, speculators_mapping
@@ -146,7 +146,7 @@ def pick(hs: HiddenStates, fmt: str, name: str) -> Picked:
             "hidden_states.drafters and dvc repro (layers already stored are not computed again)",
         )
     if getattr(f, fmt) is None:
-        readers = [t for t in WRITERS if getattr(FAMILIES[name], t) is not None]
+        readers = trainers_of(f)
         raise ConfigError(
             "export.family",
             f"{fmt} has no offline data path for {name}" + (f"; export it for {', '.join(readers)}" if readers else ""),
