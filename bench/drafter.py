@@ -2,7 +2,7 @@
 and report its acceptance on held-out samples.
 
     python -m bench.drafter [--seeds 3] [--steps 1000] [--max-len 512] [--target-steps 1500] [--jobs 2] [--workdir D]
-    python -m bench.drafter --device cuda [--hidden 256] [--layers 16] ...     (a bigger target, on a GPU)
+    python -m bench.drafter --device cuda [--hidden 256] [--layers 16] [--concurrency 128] ...     (on a GPU)
     python -m bench.drafter --target DIR ...                                  (a given model as the target)
 
 Needs DRAFTDATA_TRAINERS_PYTHON: a Python with speculators 0.9.0 (see tests/test_export.py for the venv); the drafter
@@ -114,7 +114,9 @@ def conversations(work: Path) -> Path:
     return path
 
 
-def dataset(source: Path, turns: str, budget: int, max_tokens: int) -> dict:
+def dataset(
+    source: Path, turns: str, budget: int, max_tokens: int, concurrency: int = 32, temperature: float = 0.3
+) -> dict:
     return {
         "source": {"shape": "messages", "path": str(source)},
         "max_prompt_tokens": 512,
@@ -122,27 +124,37 @@ def dataset(source: Path, turns: str, budget: int, max_tokens: int) -> dict:
         "token_budget": budget,
         "budget_unit": "completion",
         "max_tokens": max_tokens,
-        "sampling": {"temperature": 0.3, "top_p": 1.0, "top_k": -1},
+        "sampling": {"temperature": temperature, "top_p": 1.0, "top_k": -1},
         "turns": turns,
-        "concurrency": 32,
+        "concurrency": concurrency,
     }
 
 
-def params(work: Path, target: Path, budgets: dict, max_tokens: int, n_layers: int) -> dict:
-    """`budgets`: completion tokens of `all`, `mid` and `small`."""
+# on a GPU the embedded engine is transformers' continuous batching: a KV cache for every request in flight (4,096
+# pages of 32 tokens; the default 256 holds a dozen of the data's conversations) and wider prefill batches
+GPU_BACKEND = {"num_blocks": 4096, "max_batch_tokens": 4096}
+
+
+def params(work: Path, target: Path, budgets: dict, args, gpu: bool = False) -> dict:
+    """`budgets`: completion tokens of `all`, `mid` and `small`; the answers' length, concurrency and temperature and
+    the target's depth from `args`."""
     source = conversations(work)
+
+    def ds(turns: str, budget: int) -> dict:
+        return dataset(source, turns, budget, args.max_tokens, args.concurrency, args.temperature)
+
     return {
         "model": {"path": str(target)},
         "tokenize": {"max_seq_len": 2048, "on_too_long": "drop", "train_on": "all_turns"},
-        "hidden_states": {"layers": captured_layers(n_layers), "dtype": "bfloat16"},
-        "backend": {"kind": "embedded"},
+        "hidden_states": {"layers": captured_layers(args.layers), "dtype": "bfloat16"},
+        "backend": {"kind": "embedded"} | (GPU_BACKEND if gpu else {}),
         "run": {"store_path": str(work / "store.sqlite"), "log_every_s": 60.0, "progress": False},
         "datasets": {
-            "all": dataset(source, "all", budgets["all"], max_tokens),
-            "mid": dataset(source, "all", budgets["mid"], max_tokens),
-            "small": dataset(source, "all", budgets["small"], max_tokens),
-            "last": dataset(source, "last", budgets["small"], max_tokens),  # beside `small`: one budget, both binding
-            "source": dataset(source, "all", budgets["all"], max_tokens),  # written by source_answers, not generated
+            "all": ds("all", budgets["all"]),
+            "mid": ds("all", budgets["mid"]),
+            "small": ds("all", budgets["small"]),
+            "last": ds("last", budgets["small"]),  # beside `small`: one budget, both binding
+            "source": ds("all", budgets["all"]),  # written by source_answers, not generated
         },
     }
 
@@ -524,7 +536,7 @@ def run(args) -> dict:
     else:
         target_info = train_target(target, spec, log=lambda m: print(m, flush=True))
         info.write_text(json.dumps(target_info, indent=1))
-    p = params(work, target, args.budgets, args.max_tokens, args.layers)
+    p = params(work, target, args.budgets, args, args.device == "cuda")
     (work / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
     variants = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
     t_data = time.perf_counter()
@@ -607,6 +619,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument(
+        "--concurrency", type=int, default=32, help="the data's requests in flight (the same data at any: seeded)"
+    )
+    ap.add_argument(
+        "--temperature", type=float, default=0.3, help="the data's sampling (low: the target's likeliest tokens)"
+    )
+    ap.add_argument(
         "--draft-vocab",
         type=int,
         default=None,
@@ -624,8 +642,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--out", type=Path, default=RESULTS / "drafter.json")
     args = ap.parse_args(argv)
-    if args.jobs < 1:
-        ap.error(f"--jobs {args.jobs}: at least 1")
+    if args.jobs < 1 or args.concurrency < 1:
+        ap.error(f"--jobs {args.jobs}, --concurrency {args.concurrency}: at least 1 each")
     check_device(args.device)
     shape_from(args, ap)
     steps, budgets = DEFAULTS["given_cpu" if args.target and args.device == "cpu" else "toy"]

@@ -89,11 +89,11 @@ def demo_prompts(model: Path) -> list[list[int]]:
     return mixed
 
 
-def plan(prompts: list[list[int]], n: int, seed: int = 0) -> list[dict]:
-    """n requests: the prompts in turn, each with its own count of new tokens in NEW_TOKENS and a sampling seed."""
+def plan(prompts: list[list[int]], n: int, seed: int = 0, new_tokens: tuple[int, int] = NEW_TOKENS) -> list[dict]:
+    """n requests: the prompts in turn, each with its own count of new tokens in `new_tokens` and a sampling seed."""
     rng = random.Random(seed)
     return [
-        {"ids": prompts[i % len(prompts)], "max_tokens": rng.randint(*NEW_TOKENS), "seed": rng.randrange(1 << 30)}
+        {"ids": prompts[i % len(prompts)], "max_tokens": rng.randint(*new_tokens), "seed": rng.randrange(1 << 30)}
         for i in range(n)
     ]
 
