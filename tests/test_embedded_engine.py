@@ -107,6 +107,33 @@ def test_a_model_without_llamas_config_fields_is_a_config_error_under_slots(gpt2
     assert err.value.key == "backend.embedded_batching" and "num_key_value_heads" in str(err.value)
 
 
+def test_slots_on_a_machine_with_a_gpu_runs_on_its_cpu(tiny_model, monkeypatch):
+    """`slots` where torch sees a GPU: the engine loads the target on the CPU and serves (where it used to refuse), its
+    dtype resolved by the CPU's rule; auto and transformers there would compute on the GPU."""
+    from draftdata.model.compute import embedded_on_gpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert embedded_on_gpu(config(tiny_model, "auto")) and embedded_on_gpu(config(tiny_model, "transformers"))
+    cfg = config(tiny_model, "slots")
+    assert not embedded_on_gpu(cfg)
+    tok = load_tokenizer(cfg.model)
+    prompt = render_prompt_ids(tok, [{"role": "user", "content": "Hello there"}], None, {})
+
+    async def go():
+        backend = make_backend(cfg, tok)
+        await backend.start()
+        try:
+            device = next(backend.manager.model.parameters()).device.type
+            return type(backend.manager).__name__, device, await asyncio.wait_for(backend.generate(request), 300)
+        finally:
+            await backend.close()
+
+    request = GenRequest("r0", prompt, [], None, 8, {"temperature": 0.0})
+    engine, device, res = asyncio.run(go())
+    assert (engine, device) == ("SlotBatching", "cpu")
+    assert res.error is None and 1 <= res.completion_tokens <= 8, res.detail
+
+
 def test_a_model_load_error_is_the_loaders_own(tmp_path):
     """A load failure is not a model slot batching cannot run: it reaches the caller as the loader raised it."""
     engine = SlotBatching(lambda: (_ for _ in ()).throw(ConfigError("model.path", "gone")), GREEDY, set(), slots=2)

@@ -19,6 +19,7 @@ from draftdata.generate.conversation import TurnRendering, turns
 from draftdata.generate.request import Planned, request_keys
 from draftdata.generate.store import ResponseStore, StoredResponse, ids_json
 from draftdata.generate.work import BUDGET, FAILED, Conversation, ConversationQueue, Renders, step_over_stored
+from draftdata.model.compute import embedded_on_gpu
 from draftdata.model.fingerprint import run_model_fingerprint
 from draftdata.model.tokenizer import render_prompt_ids, tokenizer_fingerprint
 from draftdata.util.hashing import content_hash
@@ -90,7 +91,8 @@ def fingerprints(cfg: Config, tok) -> tuple[str, str]:
     import tokenizers
     import transformers
 
-    model_fp = run_model_fingerprint(cfg, in_process=cfg.backend.kind == BackendKind.embedded)
+    embedded = cfg.backend.kind == BackendKind.embedded
+    model_fp = run_model_fingerprint(cfg, in_process=embedded, on_gpu=embedded_on_gpu(cfg) if embedded else None)
     libraries = {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
     tokenizer = tokenizer_fingerprint(tok, cfg.model, cfg.template_kwargs)
     return model_fp, content_hash({"model": model_fp, "tokenizer": tokenizer, **libraries}, n=32)

@@ -68,6 +68,14 @@ def compute_dtype(model: ModelConfig, on_gpu: bool | None = None) -> str:
     return resolve(model.compute_dtype, weights_dtype(model), on_gpu)
 
 
+def embedded_on_gpu(cfg) -> bool:
+    """Whether the embedded backend computes on a GPU: transformers' batching does where one is; `slots` runs on
+    the CPU, a GPU or not (`backend.embedded_batching`)."""
+    import torch
+
+    return cfg.backend.embedded_batching != "slots" and torch.cuda.is_available()
+
+
 def computed_fingerprint(model_fp: str, computed_in: str | None, weights: str) -> str:
     """The fingerprint of a target as an engine computed it: the weights' own where it computed in their dtype (or
     where the engine is a server's, `computed_in` None: its arithmetic is the server's), else a new one naming the

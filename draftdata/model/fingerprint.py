@@ -47,16 +47,16 @@ _RACY_NS = 2_000_000_000
 _HASH_CACHE_VERSION = 1
 
 
-def run_model_fingerprint(cfg: Config, in_process: bool = False) -> str:
+def run_model_fingerprint(cfg: Config, in_process: bool = False, on_gpu: bool | None = None) -> str:
     """The fingerprint of a run's target (`model.path` at `model.revision`), its file hashes cached beside the store
     (run.store_path): what the response store's keys, the render cache's and the state store's name, derived here
     for every stage. `in_process`: the step runs the target itself (the embedded backend, the hf hidden-states
     engine), so the dtype it computes in (`model.compute_dtype`, resolved) is part of it where it is not the
-    weights' own (model/compute.py)."""
+    weights' own (model/compute.py); `on_gpu`: where it computes (default: a GPU if there is one)."""
     fp = model_fingerprint(cfg.model.path, cfg.model.revision, hash_cache_path(cfg.run.store_path))
     if not in_process:
         return fp
-    return computed_fingerprint(fp, compute_dtype(cfg.model), weights_dtype(cfg.model))
+    return computed_fingerprint(fp, compute_dtype(cfg.model, on_gpu), weights_dtype(cfg.model))
 
 
 @lru_cache(maxsize=8)

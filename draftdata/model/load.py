@@ -167,9 +167,9 @@ def check_tokenizer_fits(tok, model: ModelConfig, limits: ModelLimits) -> None:
         )
 
 
-def load_model(model: ModelConfig, device_map: str | None = None):
+def load_model(model: ModelConfig, device_map: str | None = None, device: str | None = None):
     """The target's weights, in eval mode and their own dtype: spread over the GPUs by `device_map` (e.g. "auto")
-    for a target bigger than one, else on the GPU when there is one."""
+    for a target bigger than one, else on `device`, by default the GPU when there is one."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -185,7 +185,7 @@ def load_model(model: ModelConfig, device_map: str | None = None):
     except (OSError, ValueError) as e:
         raise load_error(e, "a model", model.path) from None
     if not device_map:
-        net = net.to("cuda" if torch.cuda.is_available() else "cpu")
+        net = net.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     return net.eval()
 
 

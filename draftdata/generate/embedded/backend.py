@@ -22,16 +22,10 @@ from draftdata.generate.backends.protocol import GenRequest, GenResult, cancel_a
 from draftdata.generate.embedded import varlen_attention
 from draftdata.generate.embedded.forward import LeanForward
 from draftdata.generate.embedded.loop import Sampling, SlotBatching, Unsupported
-from draftdata.model.compute import compute_dtype, torch_dtype
+from draftdata.model.compute import compute_dtype, embedded_on_gpu, torch_dtype
 from draftdata.model.load import load_model
 from draftdata.model.tokenizer import end_of_turn_ids
 from draftdata.util.log import log
-
-
-def torch_cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 class EmbeddedBackend:
@@ -41,8 +35,9 @@ class EmbeddedBackend:
     def __init__(self, cfg: Config, tokenizer):
         self.cfg = cfg
         self.tokenizer = tokenizer
-        # the arithmetic every answer is computed in (as the request keys were made), recorded on its row
-        self.compute_dtype = compute_dtype(cfg.model)
+        # the arithmetic every answer is computed in (as the request keys were made), recorded on its row; `slots`
+        # computes on the CPU even where a GPU is
+        self.compute_dtype = compute_dtype(cfg.model, on_gpu=embedded_on_gpu(cfg))
         self.manager = None
         self.seeded = False
         self.varlen = False
@@ -64,13 +59,11 @@ class EmbeddedBackend:
         """Slot batching where `backend.embedded_batching` asks for it (auto: on a CPU) and the model passes its
         check, started; None: transformers' continuous batching is to run instead."""
         choice = self.cfg.backend.embedded_batching
-        if choice == "transformers" or (choice == "auto" and torch_cuda_available()):
+        if choice == "transformers" or embedded_on_gpu(self.cfg):
             return None
-        if torch_cuda_available():  # its cache and its kernels are a CPU's
-            raise ConfigError("backend.embedded_batching", "slots runs on a CPU; on a GPU use auto or transformers")
         s = self.cfg.ds.sampling
         engine = SlotBatching(
-            lambda: load_model(self.cfg.model),
+            lambda: load_model(self.cfg.model, device="cpu"),  # its cache and its kernels are a CPU's
             Sampling(s.temperature, s.top_p, s.top_k),
             self.stop_ids,
             slots=self.cfg.ds.concurrency,
@@ -120,7 +113,10 @@ class EmbeddedBackend:
             num_blocks=self.cfg.backend.num_blocks, max_batch_tokens=self.cfg.backend.max_batch_tokens, page_size=32
         )
         manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
-        self.varlen = varlen_attention.install()  # each sequence attends to its own keys only (see the module)
+        # on a CPU each sequence attends to its own keys only (see the module); on a GPU its per-sequence calls and
+        # their host syncs cost more than the masked call they replace (128 in flight made the H200 prefill at ~20
+        # tok/s, docs/benchmarks.md), so transformers' own attention stays there
+        self.varlen = model.device.type == "cpu" and varlen_attention.install()
         if gen.do_sample:
             self.seeded = install_seeded_sampling(manager)
         return manager
