@@ -147,7 +147,7 @@ def params(work: Path, target: Path, budgets: dict, args, gpu: bool = False) -> 
         "model": {"path": str(target)},
         "tokenize": {"max_seq_len": 2048, "on_too_long": "drop", "train_on": "all_turns"},
         "hidden_states": {"layers": captured_layers(args.layers), "dtype": "bfloat16"},
-        "backend": {"kind": "embedded"} | (GPU_BACKEND if gpu else {}),
+        "backend": {"kind": "embedded", "embedded_batching": args.embedded_batching} | (GPU_BACKEND if gpu else {}),
         "run": {"store_path": str(work / "store.sqlite"), "log_every_s": 60.0, "progress": False},
         "datasets": {
             "all": ds("all", budgets["all"]),
@@ -623,6 +623,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument(
         "--temperature", type=float, default=0.3, help="the data's sampling (low: the target's likeliest tokens)"
+    )
+    ap.add_argument(
+        "--embedded-batching",
+        choices=("auto", "slots", "transformers"),
+        default="auto",
+        help="the data's engine (backend.embedded_batching): slots runs on the CPU even beside a GPU",
     )
     ap.add_argument(
         "--draft-vocab",

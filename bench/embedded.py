@@ -237,7 +237,7 @@ def measure_backend(model: Path, c: int, reqs: list[dict], kind: str, **backend)
     return asyncio.run(go())
 
 
-def measure_static(model: Path, c: int, reqs: list[dict]) -> dict:
+def measure_static(model: Path, c: int, reqs: list[dict], device: str = "cpu") -> dict:
     """transformers' generate on static left-padded batches of c requests, the model in its own dtype: each batch
     runs to its largest count of new tokens (`min_new_tokens`: no end of turn); a row's tokens count up to its own
     count. A request's first token arrives when its batch's does (timed from the batch's start)."""
@@ -257,7 +257,7 @@ def measure_static(model: Path, c: int, reqs: list[dict]) -> dict:
         def end(self):
             pass
 
-    net = AutoModelForCausalLM.from_pretrained(model, dtype="auto").eval()
+    net = AutoModelForCausalLM.from_pretrained(model, dtype="auto").to(device).eval()
     eos = net.generation_config.eos_token_id
     ends = set(eos if isinstance(eos, list) else [eos])
     pad = net.generation_config.pad_token_id if net.generation_config.pad_token_id is not None else min(ends)
@@ -266,8 +266,8 @@ def measure_static(model: Path, c: int, reqs: list[dict]) -> dict:
     for start in range(0, len(reqs), c):
         batch = reqs[start : start + c]
         width = max(len(r["ids"]) for r in batch)
-        ids = torch.tensor([[pad] * (width - len(r["ids"])) + r["ids"] for r in batch])
-        mask = torch.tensor([[0] * (width - len(r["ids"])) + [1] * len(r["ids"]) for r in batch])
+        ids = torch.tensor([[pad] * (width - len(r["ids"])) + r["ids"] for r in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(r["ids"])) + [1] * len(r["ids"]) for r in batch], device=device)
         torch.manual_seed(batch[0]["seed"])
         first, sent = FirstToken(), time.perf_counter()
         with torch.inference_mode():

@@ -1267,6 +1267,58 @@ def export_scaling(r: dict) -> list[str]:
     ]
 
 
+def gpu_tok_s(row: dict) -> float:
+    """A throughput point's ours, as either version of the part wrote it."""
+    return row["ours"]["tok_s"] if "ours" in row else row["tok_s"]
+
+
+def gpu(r: dict) -> list[str]:
+    m = r["machine"]
+    runs = r["runs"]
+    first = runs["first"]["parts"]
+    g, s = first["greedy"], first["states"]
+    points = sorted({int(c) for x in runs.values() for c in x["parts"].get("throughput", {}).get("by_concurrency", {})})
+    rows = [
+        [
+            str(c),
+            *(
+                num(gpu_tok_s(x["parts"]["throughput"]["by_concurrency"][str(c)]), 1)
+                if str(c) in x["parts"].get("throughput", {}).get("by_concurrency", {})
+                else "–"
+                for x in runs.values()
+            ),
+        ]
+        for c in points
+    ]
+    proof = first["proof"].get("error") or f"goals {first['proof'].get('goals')}"
+    made = [x for x in first["proof"].get("log", []) if " tok (" in x]
+    if made:  # the data's last progress line before the cut
+        done, budget = made[-1].split(": ", 1)[1].split(" tok")[0].split("/")
+        proof += (
+            f"; the data's generation (`all`, 128 in flight) had made {done} of its {budget} tokens in the part's "
+            f"{num(first['proof']['seconds'])} s"
+        )
+    return [
+        "### On a GPU: `python -m bench.gpu.bundle`, then `bench/gpu/device.sh` there",
+        "",
+        f"One {m['gpu']} ({m['gpu_memory_gib']} GiB, CUDA {m['cuda']}, {m['cpus']} CPUs), torch {m['torch']}, "
+        f"transformers {m['transformers']}; {r['date']}; {r['note']}.",
+        "",
+        f"- the embedded engine at temperature 0 in float32: {g['identical']} of {g['answers']} answers "
+        f"({g['reference_tokens']:,} tokens) identical to transformers' `generate` from the same prompt ids;",
+        f"- the hf hidden-states engine, {s['samples']} samples ({s['tokens']} tokens) in one padded batch: "
+        f"relative L2 {s['rel_l2_float32']:.1e} from the CPU's states in float32; {s['rel_l2_bfloat16']:.4f} in bf16, "
+        f"where bf16 on the CPU is {s['cpu_rel_l2_bfloat16']:.4f} away;",
+        "- the embedded engine's output tokens per second (transformers' continuous batching), in each run call:",
+        "",
+        *table(["in flight", *(f"{k} run" for k in runs)], rows),
+        "",
+        f"- the proof: {proof}.",
+        "",
+        goals_line(r["goals"]),
+    ]
+
+
 DRAFTER_ERRORS = ("aux_off_by_one", "aux_reversed", "post_norm_as_pre", "pre_norm_as_post")
 
 
@@ -1285,6 +1337,7 @@ SECTIONS = (
     ("noop.json", "python -m bench.noop", noop),
     ("noop_turns.json", "python -m bench.noop --turns 3 --prompts 20000", noop),
     ("drafter.json", "python -m bench.drafter", drafter),
+    ("gpu_h200.json", "python -m bench.gpu.bundle (then bench/gpu/device.sh on the GPU machine)", gpu),
 )
 README = DOC.parents[1] / "README.md"
 QUALITY_START = "<!-- quality-report:start -->"

@@ -93,9 +93,12 @@ def test_the_dry_run_goes_through_every_part_and_goes_on_where_it_stopped(tmp_pa
     s = parts["states"]
     assert s["rel_l2_float32"] < 1e-6 and s["pad_tokens_float32"] > 0  # one padded batch against one at a time
     t = parts["throughput"]
-    assert set(t["by_concurrency"]) == {"1", "4"} and all(x["tok_s"] > 0 for x in t["by_concurrency"].values())
+    assert set(t["by_concurrency"]) == {"1", "4"} and not t["not_measured"]
+    assert all(x[e]["tok_s"] > 0 for x in t["by_concurrency"].values() for e in ("ours", "ours_cpu", "static"))
     assert t["backend"] == {"embedded_batching": "transformers"}  # the GPU's path, taken on the CPU
-    assert 0 < t["by_concurrency"]["4"]["of_limit"] < 1
+    assert 0 < t["by_concurrency"]["4"]["ours_of_limit"] < 1
+    prof = parts["profile"]
+    assert prof["in_flight"] == 4 and prof["thread_s"] > 0 and len(prof["top_by_own_time"]) > 5
     assert parts["capture"]["capture_vs_forward"] > 0 and (out / "hidden_states_cuda.json").is_file()
     drafter = json.loads((out / "drafter.json").read_text())
     assert set(drafter["variants"]) == {"correct", "no_states"}
