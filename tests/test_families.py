@@ -294,6 +294,59 @@ FAMILY_READERS = textwrap.dedent("""
             loss.backward()
             opt.step()
             losses[name].append(loss.item())
+
+    # SpecForge's own model of each family, built as `specforge train` builds it: a run Config naming the family, a
+    # draft config, and build_model_bundle (the draft from AutoDraftModel, the target's embeddings and LM head, the
+    # mask token from the target's tokenizer, the family's Online*Model), stepped through the family's own train
+    # strategy on a batch from its offline reader and collator: the loss it reports, before and after a step
+    from specforge.config.schema import Config
+    from specforge.training.assembly import build_model_bundle
+    from specforge.training.model_loading import resolve_draft_config
+
+    registry = builtin_algorithm_registry()
+    for name in ("dflash", "dspark", "domino"):
+        alg = registry.resolve(name)
+        meta = json.loads((Path(exports[name]) / "draftdata_export.json").read_text())
+
+        def config(strategy, **model):
+            # float32 and sdpa: flex attention and bf16 training are the GPU run's settings, not the CPU's
+            return Config(model={"target_model_path": meta["model"]["path"], "torch_dtype": "float32", **model},
+                          data={"hidden_states_path": exports[name]},
+                          training={"strategy": strategy, "attention_backend": "sdpa", "num_anchors": 8})
+
+        # only dflash derives a draft config from the target; dspark and domino need one given, so each takes
+        # dflash's derived one with its own architecture, a block of 4 and the export's layers (with DSpark's
+        # Markov and confidence heads, Domino's GRU sizes): the model reads exactly the layers the export holds
+        draft = resolve_draft_config(config("dflash"), provider=registry.resolve("dflash").providers.model.draft_config)
+        head = {"dspark": {"markov_rank": 8, "enable_confidence_head": True},
+                "domino": {"emb_dim": 32, "gru_hidden_dim": 32}}.get(name, {})
+        draft = dict(draft.to_dict(), architectures=[alg.providers.model.draft_config.architecture], block_size=4,
+                     dflash_config={"target_layer_ids": meta["aux_layer_ids"], **head})
+        (out / f"draft-{name}.json").write_text(json.dumps(draft))
+        torch.manual_seed(0)
+        bundle = build_model_bundle(config(name, draft_model_config=str(out / f"draft-{name}.json")), algorithm=alg)
+        assert bundle.capture_layers == meta["aux_layer_ids"], (name, bundle.capture_layers)
+        strategy = alg.providers.step.build(bundle.model, **bundle.strategy_kwargs.options)
+        provider = alg.providers.offline_for("text")
+        refs = provider.build_reader(exports[name], run_id="t", ttt_length=1, max_len=BIG).read()
+        batch = next(iter(FeatureDataLoader(LocalFeatureStore("t"), refs=refs, batch_size=8, drop_last=False,
+                                            collate_fn=provider.build_collator(),
+                                            per_sample_transform=provider.build_normalizer(BIG), strategy=name)))
+        # the export holds bf16 states, as SpecForge's capture writes them; the model here is float32
+        batch.tensors = {k: v.float() if v.is_floating_point() else v for k, v in batch.tensors.items()}
+        # the optimizer holds the draft only, as SpecForge's trainer's does: the target's parts stay frozen
+        opt = torch.optim.AdamW(bundle.draft_model.parameters(), lr=1e-3)
+        bundle.model.train()
+        losses["specforge_" + name] = []
+        for _ in range(2):
+            # the anchors are drawn at random: the same seed draws the same ones, so the two losses compare. No
+            # step context: Domino's base-loss weight then stays 0 rather than decaying between the two steps
+            torch.manual_seed(0)
+            loss = strategy.forward_loss(batch).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses["specforge_" + name].append(loss.item())
     (out / "steps.json").write_text(json.dumps(losses))
 """)
 
@@ -306,8 +359,8 @@ FAMILY_READERS = textwrap.dedent("""
 def test_trainers_own_readers_load_every_block_family(captured_project, tmp_path):
     """One capture, exported for DFlash, DSpark and Domino (SpecForge) and DFlash, DFlash2 and DSpark (speculators):
     every row the trainers' own data paths return holds the family's layers and the last state its trainer reads,
-    exactly; speculators' own model of each family trains on its export (SpecForge's block models are not built
-    here: its trainer assembles them from a full run config)."""
+    exactly; each trainer's own model of each family, built as its trainer builds it (SpecForge's from a run config
+    through build_model_bundle), trains on its export: a finite loss that one optimizer step lowers."""
     from test_export import exact_bf16, read_dump
 
     project = captured_project
@@ -358,6 +411,6 @@ def test_trainers_own_readers_load_every_block_family(captured_project, tmp_path
             assert torch.equal(g["verifier_last_hidden_states"].float(), s.final_pre_norm)
     # each family's own model trains on its export: a finite loss that its optimizer's step lowers
     steps = json.loads((dumps / "steps.json").read_text())
-    assert set(steps) == {"dflash", "dflash2", "dspark"}
+    assert set(steps) == {"dflash", "dflash2", "dspark", "specforge_dflash", "specforge_dspark", "specforge_domino"}
     for family, (before, after) in steps.items():
         assert math.isfinite(before) and after < before, (family, before, after)
