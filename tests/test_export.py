@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import textwrap
 from collections import Counter
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -738,3 +740,59 @@ def test_a_sample_list_and_shards_of_two_runs_are_refused_by_the_reader(states):
     hs[0]
     with pytest.raises(ValueError, match=r"sample 1 .* loss mask of .* mixed from two runs"):
         hs[1]
+
+
+# ---- online exports per drafter family --------------------------------------------------------------------------- #
+
+
+def test_an_online_export_for_a_block_drafter_keeps_its_rows_and_names_its_layers(chats):
+    """export.family on an online format: a block drafter's export leaves out the rows without two adjacent trained
+    tokens (counted, never written) and names the layers its trainer is to capture, in that trainer's numbering;
+    EAGLE-3's (the default) keeps every row."""
+    from datasets import load_from_disk
+
+    from draftdata.drafters.families import adjacent_supervised, block_default_layers
+    from draftdata.drafters.layers import default_layers
+    from draftdata.util.files import read_jsonl
+
+    rows = samples_of(chats, "B6")
+    # a row no block drafter can train on: its trained tokens none adjacent (one such row is enough to test the rule)
+    rows[0]["loss_mask"] = [1 if i % 2 else 0 for i in range(len(rows[0]["loss_mask"]))]
+    pq.write_table(pa.Table.from_pylist(rows), chats.data("B6") / "samples.parquet")
+    n_layers = 8  # the tiny target's depth
+    eagle = export(chats, "speculators_online", dataset="B6")
+    meta = json.loads((eagle / MARKER).read_text())
+    assert meta["family"] == "eagle3" and meta["skipped"] == {} and meta["samples"] == len(rows)
+    assert meta["aux_layer_ids"] == [i + 1 for i in default_layers(n_layers)]  # vLLM's numbering
+
+    export(chats, "speculators_online", "export.family=dflash", "export.dir=export-sp-dflash", dataset="B6")
+    sp = chats.path / "export-sp-dflash"
+    meta = json.loads((sp / MARKER).read_text())
+    keep = [r for r in rows if adjacent_supervised(r["loss_mask"])]
+    assert rows[0] not in keep and meta["samples"] == len(keep)
+    assert meta["skipped"] == {"no_adjacent_supervised": len(rows) - len(keep)}
+    assert [r["input_ids"].tolist() for r in load_from_disk(str(sp))] == [r["input_ids"] for r in keep]
+    block = block_default_layers(n_layers, 5)
+    assert meta["aux_layer_ids"] == [i + 1 for i in block]
+    assert meta["draft_config_key"] == "aux_hidden_state_layer_ids"
+
+    export(chats, "specforge_online", "export.family=domino", "export.dir=export-sf-domino", dataset="B6")
+    sf = chats.path / "export-sf-domino"
+    meta = json.loads((sf / MARKER).read_text())
+    assert meta["aux_layer_ids"] == block and meta["aux_layer_numbering"] == "sglang_specforge"
+    assert [r["id"] for r in read_jsonl(sf / "prompts.jsonl")] == [r["id"] for r in keep]
+    assert {c["id"] for c in read_jsonl(sf / "conversations.jsonl")} == {r["id"] for r in keep}
+
+
+@pytest.mark.parametrize(
+    "fmt, family, words",
+    [
+        ("specforge_online", "dflash2", "specforge has no online mode for dflash2; export it as speculators_online"),
+        ("specforge_online", "mtp", "specforge has no online mode for mtp; export it as speculators_online"),
+        ("speculators_online", "domino", "speculators has no online mode for domino; export it as specforge_online"),
+    ],
+)
+def test_an_online_family_the_trainer_cannot_train_is_refused_before_any_file(chats, fmt, family, words):
+    with pytest.raises(ConfigError, match=f"^export.family: {re.escape(words)}"):
+        export(chats, fmt, f"export.family={family}", dataset="B6")
+    assert not (chats.data("B6") / f"export-{fmt}").exists()

@@ -1,8 +1,8 @@
 """`draftdata export dataset=<D> export.format=specforge|speculators|specforge_online|speculators_online
 [export.family=eagle3|peagle|dflash|dflash2|dspark|domino|mtp]`: a dataset's hidden states (offline: one drafter
-family's layers, in the layout the trainer reads for that family) or its samples alone (online) in a trainer's own
-layout, with `export.draft_vocab_size=N` the draft vocabulary mapping too (not a DVC stage: run it where the drafter
-is trained).
+family's layers, in the layout the trainer reads for that family) or its samples alone (online: the rows the family
+can train on, and the layers its trainer is to capture named in the marker) in a trainer's own layout, with
+`export.draft_vocab_size=N` the draft vocabulary mapping too (not a DVC stage: run it where the drafter is trained).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from draftdata.hidden.export import (
     states_marker,
     write_vocab_mapping,
 )
-from draftdata.hidden.online import ONLINE_WRITERS, check_samples
+from draftdata.hidden.online import ONLINE_WRITERS, check_samples, online_family, online_marker
 from draftdata.hidden.reader import HiddenStates
 from draftdata.model.load import model_limits
 from draftdata.util.files import data_dir, write_json
@@ -47,13 +47,15 @@ def main(cfg: Config) -> None:
         check_samples(src, cfg.dataset, fmt)
     out = export_dir(cfg)
     check_export_dir(out)
+    # the family, refused here before any file where the capture or the trainer lacks it
     hs = HiddenStates(src) if fmt in WRITERS else None
-    picked = pick(hs, fmt, cfg.export.family) if hs is not None else None  # refused here, before any file
-    if picked is not None and vocab is not None and fmt == "specforge" and picked.family.specforge != "eagle3":
-        raise ConfigError("export.draft_vocab_size", f"SpecForge's {picked.family.name} reads no vocabulary mapping")
+    picked = pick(hs, fmt, cfg.export.family) if hs is not None else None
+    family = picked.family if picked is not None else online_family(fmt, cfg.export.family)
+    if vocab is not None and fmt == "specforge" and family.specforge != "eagle3":
+        raise ConfigError("export.draft_vocab_size", f"SpecForge's {family.name} reads no vocabulary mapping")
     staging, tally = staging_dir(out), ExportTally()
     try:
-        meta = write(fmt, src, staging, tally, cfg, hs, picked)
+        meta = write(fmt, src, staging, tally, cfg, hs, picked, family)
         if vocab is not None:
             files = write_vocab_mapping(fmt, staging, tally, cfg.export.draft_vocab_size, vocab)
             meta["vocab_mapping"] = {"draft_vocab_size": cfg.export.draft_vocab_size, "target_vocab_size": vocab}
@@ -65,12 +67,11 @@ def main(cfg: Config) -> None:
         raise
     layers = {"aux_layer_ids": json.dumps(meta["aux_layer_ids"])} if "aux_layer_ids" in meta else {}
     skipped = {"skipped": json.dumps(dict(tally.skipped))} if tally.skipped else {}
-    family = {"family": picked.family.name} if picked is not None else {}
     log(
         "export",
         dataset=cfg.dataset,
         format=fmt,
-        **family,
+        family=family.name,
         dir=out,
         samples=tally.samples,
         tokens=tally.tokens,
@@ -79,11 +80,11 @@ def main(cfg: Config) -> None:
     )
 
 
-def write(fmt: str, src: Path, staging: Path, tally: ExportTally, cfg: Config, hs, picked) -> dict:
+def write(fmt: str, src: Path, staging: Path, tally: ExportTally, cfg: Config, hs, picked, family) -> dict:
     """The format's files; returns the end marker's contents."""
     if fmt in ONLINE_WRITERS:
-        own = ONLINE_WRITERS[fmt](src, staging, tally, cfg)
-        return marker(fmt, src / "samples.parquet", tally) | own
+        own = ONLINE_WRITERS[fmt](src, staging, tally, cfg, family)
+        return marker(fmt, src / "samples.parquet", tally) | own | online_marker(fmt, family, cfg)
     WRITERS[fmt](hs, staging, tally, picked)
     return marker(fmt, src, tally) | states_marker(fmt, hs, picked)
 

@@ -400,7 +400,8 @@ class ExportConfig:
     # loss-masked token counts of the samples, as the trainer itself computes it. None: no mapping written.
     draft_vocab_size: Optional[int] = None
     # the drafter family exported (one of hidden_states.drafters the states serve): its layers, picked out of the
-    # capture, in the layout the trainer's own data path reads for that family
+    # capture, in the layout the trainer's own data path reads for that family; for an online format, the rows it
+    # can train on and the layers its trainer is to capture (the marker's aux_layer_ids)
     family: str = "eagle3"
 
     def check(self, key: str) -> None:

@@ -23,6 +23,10 @@ What each family reads, as the trainers' own code has it (speculators 0.9.0, Spe
   `token_freq.pt` for `--draft-vocab-size`); SpecForge's eagle3 alone reads one (its block drafters take none).
 - mtp: the last state alone (speculators: `verifier_last_hidden_states`); the target must carry its own MTP weights
   (`mtp.*`), which speculators loads; SpecForge 0.2.0 has no MTP algorithm.
+- online (the trainer computes the states as it trains, from the exported samples): speculators for each family its
+  offline path serves (vLLM's extraction, `--target-layer-ids`); SpecForge for eagle3, peagle, dflash, dspark and
+  domino (its server-streaming providers over SGLang's capture; none for dflash2 or mtp). A block drafter's rule on
+  rows holds there too.
 
 Numberings: physical id L (the output of decoder layer L, 0-based) is HF's hidden_states[L + 1], SGLang's, SpecForge's
 and z-lab's id L, and vLLM's and speculators' id L + 1 (layers.py `layer_numberings`).
@@ -44,6 +48,7 @@ class Family:
     specforge: str | None  # "eagle3" (aux + post-norm hidden_state) | "block" | "block_last" (+ post-norm last)
     speculators: str | None  # its config's key for the aux layer ids (vLLM numbering); "" for mtp (none)
     needs_adjacent: bool = False  # a row needs two adjacent supervised tokens (block drafters' anchors)
+    specforge_online: bool = True  # SpecForge trains it online (its server-streaming provider over SGLang's capture)
 
 
 EAGLE_KEY, BLOCK_KEY = "eagle_aux_hidden_state_layer_ids", "aux_hidden_state_layer_ids"
@@ -53,10 +58,10 @@ FAMILIES = {
         Family("eagle3", "eagle", "eagle3", EAGLE_KEY),
         Family("peagle", "eagle", None, EAGLE_KEY),
         Family("dflash", "block", "block", BLOCK_KEY, needs_adjacent=True),
-        Family("dflash2", "block", None, BLOCK_KEY, needs_adjacent=True),
+        Family("dflash2", "block", None, BLOCK_KEY, needs_adjacent=True, specforge_online=False),
         Family("dspark", "block", "block_last", BLOCK_KEY, needs_adjacent=True),
         Family("domino", "block", "block", None, needs_adjacent=True),
-        Family("mtp", "none", None, ""),
+        Family("mtp", "none", None, "", specforge_online=False),
     )
 }
 assert tuple(FAMILIES) == DRAFTER_FAMILIES  # the config's names are these
@@ -81,6 +86,19 @@ def block_default_layers(n_layers: int, n: int) -> list[int]:
 def trainers_of(f: Family) -> list[str]:
     """The trainers whose offline data path reads this family."""
     return [t for t in TRAINERS if getattr(f, t) is not None]
+
+
+def online_trainers(f: Family) -> list[str]:
+    """The trainers whose online mode trains this family: speculators' where its models have it (vLLM computes the
+    states as it trains, `--on-missing generate`), SpecForge's where it has a server-streaming provider."""
+    return [t for t, ok in (("specforge", f.specforge_online), ("speculators", f.speculators is not None)) if ok]
+
+
+def unusable(f: Family, loss_mask: list[int]) -> str | None:
+    """Why a row is one this family cannot train on (counted under that reason, never written), or None."""
+    if f.needs_adjacent and not adjacent_supervised(loss_mask):
+        return "no_adjacent_supervised"  # a block drafter's anchor needs the token after it
+    return None
 
 
 def last_state(f: Family, trainer: str) -> str | None:

@@ -86,7 +86,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftdata.config.schema import Config
-from draftdata.drafters.families import FAMILIES, Family, adjacent_supervised, last_state, trainers_of
+from draftdata.drafters.families import FAMILIES, Family, last_state, trainers_of, unusable
 from draftdata.errors import ConfigError, UserError
 from draftdata.hidden.reader import SKIPPED, HiddenStates, Sample
 from draftdata.hidden.vocab import specforge_mapping, speculators_mapping
@@ -129,11 +129,15 @@ class Picked:
         return s.aux[:, self.positions]
 
     def trainable(self, s: Sample, tally: ExportTally) -> bool:
-        """A row the family can train on; one it cannot is counted by reason and not written (never a stub)."""
-        if self.family.needs_adjacent and not adjacent_supervised(s.loss_mask.tolist()):
-            tally.skipped["no_adjacent_supervised"] += 1  # a block drafter's anchor needs the token after it
-            return False
-        return True
+        return trainable(self.family, s.loss_mask.tolist(), tally)
+
+
+def trainable(f: Family, loss_mask: list[int], tally: ExportTally) -> bool:
+    """A row the family can train on; one it cannot is counted by reason and not written (never a stub)."""
+    reason = unusable(f, loss_mask)
+    if reason is not None:
+        tally.skipped[reason] += 1
+    return reason is None
 
 
 def pick(hs: HiddenStates, fmt: str, name: str) -> Picked:

@@ -3,8 +3,10 @@
     draftdata export dataset=<D> export.format=speculators_online|specforge_online [export.draft_vocab_size=N]
 
 They read `data/<D>/samples.parquet` (and, for SpecForge's conversations, `responses.jsonl`), so they work with
-`datasets.<D>.store_hidden_states: false`. Row/record i is sample i of samples.parquet; the samples' `conversation`
-and `turn` (`turns: all`) ride along where the format has room for them (the readers ignore them).
+`datasets.<D>.store_hidden_states: false`. `export.family` keeps the rows that family can train on (a block
+drafter's: two adjacent supervised tokens) and names in the marker the layers its trainer is to capture. Row/record
+i is the i-th sample written, in samples.parquet's order; the samples' `conversation` and `turn` (`turns: all`) ride
+along where the format has room for them (the readers ignore them).
 
 speculators_online (`<dir>` is `speculators train --data-path`): the offline export without `hidden_states/`: the
 `save_to_disk` dataset (`input_ids`, `loss_mask`, `seq_len`, torch format) and `token_freq.pt`. Facts checked in
@@ -38,8 +40,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from draftdata.config.schema import Config, TrainOn, Turns
-from draftdata.errors import UserError
-from draftdata.hidden.export import ExportTally, count, save_speculators_rows, speculators_row
+from draftdata.drafters.families import FAMILIES, Family, online_trainers
+from draftdata.errors import ConfigError, UserError
+from draftdata.hidden.export import (
+    LAYER_NUMBERING,
+    ExportTally,
+    count,
+    save_speculators_rows,
+    speculators_row,
+    trainable,
+)
 from draftdata.util.files import atomic_path, read_jsonl
 
 EXTRA = ("conversation", "turn")  # samples.parquet's columns under `turns: all`
@@ -62,6 +72,44 @@ def samples(path: Path) -> Iterator[dict]:
         yield from batch.to_pylist()
 
 
+def online_family(fmt: str, name: str) -> Family:
+    """`export.family` for an online format, refused in one line where the trainer's online mode lacks it."""
+    f, trainer = FAMILIES[name], fmt.removesuffix("_online")
+    if trainer not in online_trainers(f):
+        others = [f"{t}_online" for t in online_trainers(f)]
+        raise ConfigError(
+            "export.family",
+            f"{trainer} has no online mode for {name}" + (f"; export it as {' or '.join(others)}" if others else ""),
+        )
+    return f
+
+
+# where each trainer's draft config names the layers its online capture takes, by the family's kind of layers
+ONLINE_LAYER_KEY = {
+    "speculators": {"eagle": "eagle_aux_hidden_state_layer_ids", "block": "aux_hidden_state_layer_ids"},
+    "specforge": {"eagle": "eagle_config.eagle_aux_hidden_state_layer_ids", "block": "dflash_config.target_layer_ids"},
+}
+
+
+def online_marker(fmt: str, f: Family, cfg: Config) -> dict:
+    """The family and the layers its trainer is to capture as it trains, in that trainer's numbering: what this
+    dataset's hidden_states settings would capture for the family (none for mtp: the last state alone)."""
+    from draftdata.drafters.layers import block_layers, eagle_layers, layer_numberings
+    from draftdata.hidden.compute import n_layers_of
+
+    trainer = fmt.removesuffix("_online")
+    out = {"family": f.name}
+    if f.layers == "none":
+        return out | {"aux_layer_ids": [], "final_state": "the last state alone"}
+    n = n_layers_of(cfg)
+    layers = eagle_layers(cfg, n) if f.layers == "eagle" else block_layers(cfg, n)
+    return out | {
+        "aux_layer_ids": layer_numberings(layers, n)[LAYER_NUMBERING[trainer]],
+        "aux_layer_numbering": LAYER_NUMBERING[trainer],
+        "draft_config_key": ONLINE_LAYER_KEY[trainer][f.layers],
+    }
+
+
 def extra_of(row: dict) -> dict:
     return {k: row[k] for k in EXTRA if k in row}
 
@@ -81,9 +129,19 @@ def counted(row: dict, tally: ExportTally, i: int) -> None:
 # ---- speculators ------------------------------------------------------------------------------------------------- #
 
 
-def write_speculators_online(src: Path, staging: Path, tally: ExportTally, cfg: Config) -> dict:
+def trainable_rows(src: Path, f: Family, tally: ExportTally) -> Iterator[tuple[int, dict]]:
+    """samples.parquet's rows the family can train on, numbered as written (those it cannot are counted by reason in
+    the marker's `skipped`, never written)."""
+    written = 0
+    for row in samples(src / "samples.parquet"):
+        if trainable(f, row["loss_mask"], tally):
+            yield written, row
+            written += 1
+
+
+def write_speculators_online(src: Path, staging: Path, tally: ExportTally, cfg: Config, f: Family) -> dict:
     def rows():
-        for i, row in enumerate(samples(src / "samples.parquet")):
+        for i, row in trainable_rows(src, f, tally):
             counted(row, tally, i)
             yield speculators_row(row["input_ids"], row["loss_mask"], extra_of(row))
 
@@ -111,10 +169,10 @@ def conversation_record(rec: dict) -> dict:
     return out
 
 
-def write_specforge_online(src: Path, staging: Path, tally: ExportTally, cfg: Config) -> dict:
+def write_specforge_online(src: Path, staging: Path, tally: ExportTally, cfg: Config, family: Family) -> dict:
     ids = set()
     with atomic_path(staging / "prompts.jsonl") as tmp, open(tmp, "w") as f:
-        for i, row in enumerate(samples(src / "samples.parquet")):
+        for i, row in trainable_rows(src, family, tally):
             counted(row, tally, i)  # SpecForge counts rows in order
             ids.add(row["id"])
             f.write(json.dumps(row, separators=(",", ":")) + "\n")
