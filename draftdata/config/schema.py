@@ -448,10 +448,10 @@ class BackendConfig:
     request_timeout_s: float = 600.0
     # embedded only: how the requests in flight are batched. auto: `slots` on a CPU (draftdata's own, checked against
     # the model's plain forward at start; where the check fails, transformers'), `transformers` on a GPU (its
-    # continuous batching). `slots` on a machine with a GPU runs on its CPU (for a small target, faster than
-    # transformers' batching on the GPU: docs/benchmarks.md). Both run the same model: greedy, their tokens differ only
-    # where rounding tips a near-tie; sampled, each draws from the same distribution with noise of its own (a seeded
-    # answer is its engine's alone).
+    # continuous batching). `slots` on a machine with a GPU runs on its CPU (on the demo's target, slots on two CPU
+    # cores outran transformers' batching on an H200: docs/benchmarks.md). Both run the same model: greedy, their
+    # tokens differ only where rounding tips a near-tie; sampled, each draws from the same distribution with noise of
+    # its own (a seeded answer is its engine's alone).
     embedded_batching: str = "auto"
     # embedded only: the most tokens one forward computes (slots: prompts prefilled together; transformers: a step's
     # prefill and decodes)
