@@ -1,5 +1,5 @@
-"""The end-to-end measure of the data: train an EAGLE-3 drafter on our export with speculators' own model and loss,
-and report its acceptance on held-out samples.
+"""The end-to-end measure of the data: train drafters on our export with speculators' own models and losses (EAGLE-3,
+and the block drafters DFlash and DSpark), and report their acceptance on held-out samples.
 
     python -m bench.drafter [--seeds 3] [--steps 1000] [--max-len 512] [--target-steps 1500] [--jobs 2] [--workdir D]
     python -m bench.drafter --device cuda [--hidden 256] [--layers 16] [--concurrency 128] ...     (on a GPU)
@@ -14,15 +14,16 @@ is trained there, by bench/drafter_train.py in a subprocess. Everything else run
    and the drafters train on the GPU; the stages take the GPU by themselves;
 2. the data, by the project's own stages run in a temp workdir with its own params.yaml (prompts → generate with the
    embedded backend, which decodes with the target in-process → tokenize → hidden_states → `draftdata export`
-   format speculators), from every demo conversation (the eight sources' ~1,800, read by the project's own
-   readers into one `messages` file; one file's ~230 left the drafter so little data that the seeds' spread hid the
-   errors' costs) at temperature 0.3, so that the target's answers follow its own likeliest tokens: `all` (every turn
-   regenerated, the main set), `mid` and `small` (the same at smaller budgets: where does acceptance flatten?) and
-   `last` (the last turn only, at `small`'s budget); and `source` (`source_answers`), which skips regeneration: the
-   same conversations with the source's own answers, at `all`'s budget, through tokenize and hidden_states (the
-   target's states over answers it did not write). The hidden_states stage keeps every layer a variant reads
-   (`captured_layers`), so each convention error below is cut from the same states; `all` is captured a second
-   time in fp8;
+   format speculators, family eagle3, dflash or dspark), from every demo conversation (the eight sources' ~1,800,
+   read by the project's own readers into one `messages` file; one file's ~230 left the drafter so little data that
+   the seeds' spread hid the errors' costs) at temperature 0.3, so that the target's answers follow its own likeliest
+   tokens: `all` (every turn regenerated, the main set), `mid` and `small` (the same at smaller budgets: where does
+   acceptance flatten?) and `last` (the last turn only, at `small`'s budget); and `source` (`source_answers`), which
+   skips regeneration: the same conversations with the source's own answers, at `all`'s budget, through tokenize and
+   hidden_states (the target's states over answers it did not write). The hidden_states stage serves eagle3, dflash
+   and dspark and keeps every layer a variant reads (`captured_layers`: EAGLE-3's, the block drafters' and each one
+   above), so each convention error below is cut from the same states; `all` is exported for each block family too
+   (`all_dflash`, `all_dspark`: its layers, the rows it can train on), and captured a second time in fp8;
 3. the split: by source conversation (its file:line), the same conversations held out of every training set; the
    held-out samples of `all` (bf16) judge every variant;
 4. the drafters: one per variant and seed, the same steps of the same packed tokens each, under speculators' own
@@ -31,13 +32,21 @@ is trained there, by bench/drafter_train.py in a subprocess. Everything else run
    frequent trained tokens (speculators' rule, from its training rows only) as `d2t`/`t2d`, its drafts judged as the
    target's ids against the target's argmax over its whole vocabulary, and how much of the trained tokens it covers
    reported, on the training rows and on the held-out ones. `no_states` (zeros for states, in training and when
-   judged) is the scale: what the states are worth to this drafter, against which the convention errors' costs read.
+   judged) is the scale: what the states are worth to this drafter, against which the convention errors' costs read;
+5. the block drafters: speculators' `DFlashDraftModel` (`dflash`) and `DSparkDraftModel` (`dspark`) on their
+   family's export, each beside its own convention error, with the same seeds, steps, packs and schedule:
+   `dflash_layers_off_by_one` is the same drafter given the layers one above its own (vLLM's and speculators'
+   numbering, physical + 1, taken for the physical one), `dspark_post_norm_as_pre` the verifier's last state already
+   through the target's final norm where speculators expects it before the norm. Both are judged on the held-out
+   samples of `all` served right (their own layers, the pre-norm last state) by the model's own forward, a block
+   anchored at every trained position, by speculators' own expected accepted length.
 
 Writes bench/results/drafter.json: per variant, the accepted length (vLLM's convention) and speculators' per-step
-accuracies, mean and spread (max - min) over the seeds, each run's figures, and the goals: the correct export beats
-each convention error by more than 3 times the larger of the two spreads, and beside them the paired differences (the
-same seed, hence the same initial weights and order of packs, with and without the error) and, for the final-state
-errors, what they do to the targets the drafter is fitted to (`target_shift`).
+(EAGLE-3) or per-position (block drafters) accuracies, mean and spread (max - min) over the seeds, each run's figures,
+and the goals: each family's correct export (`correct`, `dflash`, `dspark`) beats each of its convention errors by
+more than 3 times the larger of the two spreads, and beside them the paired differences (the same seed, hence the same
+initial weights and order of packs, with and without the error) and, for the final-state errors, what they do to the
+targets the drafter is fitted to (`target_shift`).
 """
 
 from __future__ import annotations
@@ -56,6 +65,7 @@ from pathlib import Path
 
 import yaml
 
+from draftdata.drafters.families import FAMILIES, block_default_layers, unusable
 from draftdata.drafters.layers import default_layers
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -67,38 +77,74 @@ DRAFT_VOCAB, LARGE_VOCAB = 8192, 32768  # --draft-vocab's default, for a target 
 # --steps and --budgets by default: a trained toy target's (and a GPU's), and a given --target's on a CPU, sized from a
 # drafter step's time at SmolLM2's width (576, 8,192-token draft head, 512 tokens, 3 TTT steps; 2.0-2.3 s on one
 # thread of a 2-core machine) so that 11 variants x 3 seeds with `--jobs 2` and the data stay within 2.5 hours, `all`
-# at about one epoch. Too few steps for a drafter that wide to learn the target: on a CPU this only checks the path
+# at about one epoch. Too few steps for a drafter that wide to learn the target: on a CPU this only checks the path.
+# Sized for the EAGLE-3 variants: a block drafter's step costs more on a CPU (the toy's: DFlash about 19x EAGLE-3's
+# at 512 anchors, DSpark about 7x), so a CPU run of them takes --variants or a smaller --max-anchors
 DEFAULTS = {"toy": (1000, "120000,40000,13000"), "given_cpu": (120, "40000,13000,4500")}
 
 
-def variants_for(eagle3: list[int]) -> dict:
-    """name -> (training export, aux layers in the order the drafter sees them, how the final state reaches the
-    loss), for a target whose EAGLE-3 layers (physical ids) are `eagle3`."""
+def variants_for(n_layers: int) -> dict:
+    """name -> (training export, layers in the order the drafter sees them (physical ids), how the final state
+    reaches the loss, the drafter family), for a target of `n_layers` layers: EAGLE-3's default aux layers for the
+    EAGLE-3 variants, the block drafters' default target layers (`block_layers`) for dflash's and dspark's."""
+    eagle3, block = default_layers(n_layers), block_layers(n_layers)
     return {
-        "correct": ("all", eagle3, "pre"),
-        "aux_off_by_one": ("all", [i + 1 for i in eagle3], "pre"),
-        "aux_reversed": ("all", eagle3[::-1], "pre"),
-        "post_norm_as_pre": ("all", eagle3, "post"),
-        "pre_norm_as_post": ("all", eagle3, "pre_as_post"),
-        "fp8": ("all_fp8", eagle3, "pre"),
-        "mid_budget": ("mid", eagle3, "pre"),
-        "small_budget": ("small", eagle3, "pre"),
-        "last_turn": ("last", eagle3, "pre"),
-        "source_answers": ("source", eagle3, "pre"),  # no regeneration: the target's states over the source's answers
-        "no_states": ("all", eagle3, "no_states"),  # the scale: what the states are worth to this drafter
+        "correct": ("all", eagle3, "pre", "eagle3"),
+        "aux_off_by_one": ("all", [i + 1 for i in eagle3], "pre", "eagle3"),
+        "aux_reversed": ("all", eagle3[::-1], "pre", "eagle3"),
+        "post_norm_as_pre": ("all", eagle3, "post", "eagle3"),
+        "pre_norm_as_post": ("all", eagle3, "pre_as_post", "eagle3"),
+        "fp8": ("all_fp8", eagle3, "pre", "eagle3"),
+        "mid_budget": ("mid", eagle3, "pre", "eagle3"),
+        "small_budget": ("small", eagle3, "pre", "eagle3"),
+        "last_turn": ("last", eagle3, "pre", "eagle3"),
+        # no regeneration: the target's states over the source's answers
+        "source_answers": ("source", eagle3, "pre", "eagle3"),
+        "no_states": ("all", eagle3, "no_states", "eagle3"),  # the scale: what the states are worth to this drafter
+        "dflash": ("all_dflash", block, "pre", "dflash"),
+        # vLLM's and speculators' ids (physical + 1) taken for physical ones: each layer one above
+        "dflash_layers_off_by_one": ("all", [i + 1 for i in block], "pre", "dflash"),
+        "dspark": ("all_dspark", block, "pre", "dspark"),
+        "dspark_post_norm_as_pre": ("all_dspark", block, "post", "dspark"),
     }
 
 
+# the block drafters' target layers: z-lab's rule for speculators' default block draft of 5 layers (the drafters here
+# have one layer, see bench/drafter_train.py, but read the layers a default run's data holds)
+BLOCK_TARGET_LAYERS = 5
+
+
+def block_layers(n_layers: int) -> list[int]:
+    return block_default_layers(n_layers, BLOCK_TARGET_LAYERS)
+
+
 N_LAYERS = 8  # the demo target's depth, the default
-VARIANTS = variants_for(default_layers(N_LAYERS))
-ERRORS = ("aux_off_by_one", "aux_reversed", "post_norm_as_pre", "pre_norm_as_post")
+VARIANTS = variants_for(N_LAYERS)
+ERRORS = (
+    "aux_off_by_one",
+    "aux_reversed",
+    "post_norm_as_pre",
+    "pre_norm_as_post",
+    "dflash_layers_off_by_one",
+    "dspark_post_norm_as_pre",
+)
+# each family's variant that its errors are judged against: the same drafter on the states served right
+CORRECT = {"eagle3": "correct", "dflash": "dflash", "dspark": "dspark"}
+BLOCK_FAMILIES = ("dflash", "dspark")
+# an export cut from another dataset's states: name -> (that dataset, the family exported)
+CUT_FROM = {"all_fp8": ("all", "eagle3"), "all_dflash": ("all", "dflash"), "all_dspark": ("all", "dspark")}
+
+
+def correct_for(name: str) -> str:
+    """The variant a variant is judged against: its family's correct one."""
+    return CORRECT[VARIANTS[name][3]]
 
 
 def captured_layers(n_layers: int) -> list[int]:
-    """The layers the hidden_states stage keeps: every one a variant reads (EAGLE-3's and the off-by-one's), so that
-    each convention error is cut from the same states; not all of a deep target's (30 layers of SmolLM2's 576 values
-    would be 35 KB a token)."""
-    return sorted({i for _, layers, _ in variants_for(default_layers(n_layers)).values() for i in layers})
+    """The layers the hidden_states stage keeps: every one a variant reads (EAGLE-3's, the block drafters' and each
+    one above), so that each convention error is cut from the same states; not all of a deep target's (30 layers of
+    SmolLM2's 576 values would be 35 KB a token)."""
+    return sorted({i for _, layers, _, _ in variants_for(n_layers).values() for i in layers})
 
 
 def conversations(work: Path) -> Path:
@@ -146,7 +192,13 @@ def params(work: Path, target: Path, budgets: dict, args, gpu: bool = False) -> 
     return {
         "model": {"path": str(target)},
         "tokenize": {"max_seq_len": 2048, "on_too_long": "drop", "train_on": "all_turns"},
-        "hidden_states": {"layers": captured_layers(args.layers), "dtype": "bfloat16"},
+        # `layers` is EAGLE-3's list (the union, which holds its own); the block families read their default layers
+        "hidden_states": {
+            "layers": captured_layers(args.layers),
+            "drafters": ["eagle3", *BLOCK_FAMILIES],
+            "block_draft_layers": BLOCK_TARGET_LAYERS,
+            "dtype": "bfloat16",
+        },
         "backend": {"kind": "embedded", "embedded_batching": args.embedded_batching} | (GPU_BACKEND if gpu else {}),
         "run": {"store_path": str(work / "store.sqlite"), "log_every_s": 60.0, "progress": False},
         "datasets": {
@@ -182,13 +234,17 @@ def run_stage(work: Path, module: str, name: str, *overrides: str) -> None:
 
 def make_data(work: Path, needed: set[str]) -> dict:
     """The datasets the variants train on (and `all`, which holds the held-out samples) through the stages and
-    exported; `all_fp8` is `all` captured again in fp8. name -> export dir."""
+    exported; `all_dflash` and `all_dspark` are `all`'s states exported for those families (before `all_fp8`, which
+    is `all` captured again in fp8, replaces them). name -> export dir."""
     exports = {}
     for name in ("all", "mid", "small", "last"):
         if name == "all" or name in needed:
             for stage in ("prompts", "generate", "tokenize", "hidden_states"):
                 run_stage(work, f"stages.{stage}", name)
             exports[name] = export(work, name, name)
+    for family in BLOCK_FAMILIES:
+        if f"all_{family}" in needed:
+            exports[f"all_{family}"] = export(work, "all", f"all_{family}", family)
     if "source" in needed:
         source_answers(work)
         for stage in ("tokenize", "hidden_states"):
@@ -240,15 +296,30 @@ def source_answers(work: Path) -> None:
     (dst / "responses.jsonl").write_text("".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines))
 
 
-def export(work: Path, name: str, out: str) -> Path:
+def export(work: Path, name: str, out: str, family: str = "eagle3") -> Path:
     path = work / "exports" / out
-    run_stage(work, "draftdata.cli.export", name, "export.format=speculators", f"export.dir={path}")
+    overrides = ("export.format=speculators", f"export.family={family}", f"export.dir={path}")
+    run_stage(work, "draftdata.cli.export", name, *overrides)
     return path
 
 
-def source_lines(work: Path, name: str) -> list[str]:
+def marker(path: Path) -> dict:
+    return json.loads((path / "draftdata_export.json").read_text())
+
+
+def export_layers(path: Path) -> list[int]:
+    """The layers an export holds, in the order its states hold them, as physical ids (its marker names them in
+    speculators' numbering, physical + 1)."""
+    m = marker(path)
+    if m["aux_layer_numbering"] != "vllm_speculators":
+        raise SystemExit(f"bench.drafter: {path}: layers numbered {m['aux_layer_numbering']}, not speculators'")
+    return [i - 1 for i in m["aux_layer_ids"]]
+
+
+def source_lines(work: Path, name: str, family: str = "eagle3") -> list[str]:
     """Row i of the export -> the source line (file:line) of its conversation: a response names its prompt record by
-    `conversation` (`turns: all`), else by the prompt's own id (`turns: last`)."""
+    `conversation` (`turns: all`), else by the prompt's own id (`turns: last`). A block family's export leaves out
+    the samples it cannot train on (no two adjacent trained tokens), so its rows are the others, in order."""
     import pyarrow.parquet as pq
 
     from draftdata.sources.select import prompt_id
@@ -259,8 +330,9 @@ def source_lines(work: Path, name: str) -> list[str]:
     for rec in map(json.loads, (data / "responses.jsonl").read_text().splitlines()):
         prompt = rec.get("conversation") or prompt_id(rec["messages"], rec.get("tools"))
         by_response[rec["id"]] = where[prompt]
-    ids = pq.read_table(data / "hidden_states" / "samples.parquet", columns=["id"])["id"]
-    return [by_response[i] for i in ids.to_pylist()]
+    samples = pq.read_table(data / "hidden_states" / "samples.parquet", columns=["id", "loss_mask"]).to_pylist()
+    f = FAMILIES[family]
+    return [by_response[s["id"]] for s in samples if unusable(f, s["loss_mask"]) is None]
 
 
 def held_out(where: str) -> bool:
@@ -270,8 +342,10 @@ def held_out(where: str) -> bool:
 def split(work: Path, exports: dict) -> tuple[dict, list[int]]:
     """(train rows per export, held-out rows of `all`): no conversation is in both."""
     train = {}
-    for name in exports:
-        lines = source_lines(work, "all" if name == "all_fp8" else name)
+    for name, path in exports.items():
+        lines = source_lines(work, *CUT_FROM.get(name, (name, "eagle3")))
+        if len(lines) != marker(path)["samples"]:  # the rows would be matched to the wrong conversations
+            raise SystemExit(f"bench.drafter: {path} holds {marker(path)['samples']} rows, not {len(lines)}")
         train[name] = [i for i, w in enumerate(lines) if not held_out(w)]
     held = [i for i, w in enumerate(source_lines(work, "all")) if held_out(w)]
     return train, held
@@ -370,6 +444,25 @@ def budgets_arg(text: str) -> dict:
     return dict(zip(("all", "mid", "small"), values))
 
 
+def check_variants(ap, chosen: list[str]) -> None:
+    """Before any work: known names, `correct` among them (the report reads every variant against it), and each
+    error's family's correct variant, which it is judged against."""
+    unknown = [v for v in chosen if v not in VARIANTS]
+    if unknown:
+        ap.error(f"--variants: {unknown}; give correct and any of {', '.join(VARIANTS)}")
+    missing = sorted(({"correct"} | {correct_for(v) for v in chosen}) - set(chosen))
+    if missing:
+        ap.error(f"--variants: also give {', '.join(missing)}, which the others are judged against")
+
+
+def check_depth(ap, n_layers: int) -> None:
+    """Before any work: the capture serves the block drafters' default layers, distinct only from 8 layers up (the
+    hidden_states stage would stop on them)."""
+    layers = block_layers(n_layers)
+    if len(set(layers)) != BLOCK_TARGET_LAYERS:
+        ap.error(f"a target of {n_layers} layers: the block drafters' default layers {layers} are not distinct (8 up)")
+
+
 def check_device(device: str) -> None:
     """Before any work: `--device cuda` without a GPU would fail later, in a stage or in the trainers' Python."""
     import torch
@@ -391,10 +484,12 @@ SAME_RUN = (
     "train_rows",
     "eval",
     "eval_layers",
+    "block_layers",
     "seeds",
     "steps",
     "max_len",
     "lr",
+    "max_anchors",
     "vocab_mappings",
 )
 
@@ -429,23 +524,24 @@ def train_drafters(work: Path, spec: dict, jobs: int = 1) -> dict:
 
 
 def goals(results: dict) -> dict:
-    """The correct export beats each convention error by more than 3x the larger spread of the two."""
-    c = results["correct"]["accepted_length"]
+    """Each family's correct export beats each of its convention errors by more than 3x the larger spread of the
+    two: `<correct>_beats_<error>`."""
     out = {}
     for name in ERRORS:
         if name in results:
-            e = results[name]["accepted_length"]
-            out[f"correct_beats_{name}"] = c["mean"] - e["mean"] > 3 * max(c["spread"], e["spread"])
+            c, e = results[correct_for(name)]["accepted_length"], results[name]["accepted_length"]
+            out[f"{correct_for(name)}_beats_{name}"] = c["mean"] - e["mean"] > 3 * max(c["spread"], e["spread"])
     return out
 
 
 def paired(results: dict) -> dict:
-    """Per convention error, the correct export's lead seed by seed (the same seed: the same initial weights and
-    order of packs) and whether every seed shows it: a check beside the goals, which compare means and spreads."""
-    by_seed = {r["seed"]: r["accepted_length"] for r in results["correct"]["runs"]}
+    """Per convention error, its family's correct export's lead seed by seed (the same seed: the same initial
+    weights and order of packs) and whether every seed shows it: a check beside the goals, which compare means and
+    spreads."""
     out = {}
     for name in ERRORS:
         if name in results:
+            by_seed = {r["seed"]: r["accepted_length"] for r in results[correct_for(name)]["runs"]}
             diffs = [round(by_seed[r["seed"]] - r["accepted_length"], 4) for r in results[name]["runs"]]
             out[name] = {"per_seed": diffs, "mean": round(statistics.fmean(diffs), 4), "every_seed": min(diffs) > 0}
     return out
@@ -454,20 +550,23 @@ def paired(results: dict) -> dict:
 def spec_for(
     args, target: Path, exports: dict, train_rows: dict, eval_rows: list[int], variants: list[str], mappings: dict
 ) -> dict:
-    eagle3, table = default_layers(args.layers), variants_for(default_layers(args.layers))
+    table = variants_for(args.layers)
+    keys = ("export", "layers", "final", "family")
     return {
         "target": str(target),
         "vocab_mappings": mappings,
         "hidden_size": args.hidden,
-        "exports": {n: {"path": str(p), "layers": captured_layers(args.layers)} for n, p in exports.items()},
+        "exports": {n: {"path": str(p), "layers": export_layers(p)} for n, p in exports.items()},
         "train_rows": train_rows,
         "eval": {"export": "all", "rows": eval_rows},
-        "eval_layers": eagle3,
-        "variants": [{"name": v, "export": table[v][0], "layers": table[v][1], "final": table[v][2]} for v in variants],
+        "eval_layers": default_layers(args.layers),
+        "block_layers": block_layers(args.layers),  # the block families' own, as they are judged
+        "variants": [{"name": v, **dict(zip(keys, table[v]))} for v in variants],
         "seeds": list(range(args.seeds)),
         "steps": args.steps,
         "max_len": args.max_len,
         "lr": args.lr,
+        "max_anchors": args.max_anchors,
         "threads": args.threads,
         "device": args.device,
     }
@@ -562,6 +661,8 @@ def run(args) -> dict:
         "settings": settings
         | {
             "eagle3_layers": default_layers(args.layers),
+            "block_layers": block_layers(args.layers),
+            "captured_layers": captured_layers(args.layers),
             "schedule": SCHEDULE,
             "dataset_params": copy.deepcopy(p["datasets"]),
         },
@@ -594,6 +695,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--lr", type=float, default=3e-3, help="speculators' default is 1e-3, for runs of many epochs")
+    ap.add_argument(
+        "--max-anchors",
+        type=int,
+        default=512,
+        help="the block drafters' blocks per pack in training (speculators' own default; on a CPU their dense "
+        "attention mask makes a step's time grow with its square)",
+    )
     ap.add_argument("--target-steps", type=int, default=1500)
     ap.add_argument(
         "--target",
@@ -648,17 +756,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--out", type=Path, default=RESULTS / "drafter.json")
     args = ap.parse_args(argv)
-    if args.jobs < 1 or args.concurrency < 1:
-        ap.error(f"--jobs {args.jobs}, --concurrency {args.concurrency}: at least 1 each")
+    if args.jobs < 1 or args.concurrency < 1 or args.max_anchors < 1:
+        ap.error(f"--jobs {args.jobs}, --concurrency {args.concurrency}, --max-anchors {args.max_anchors}: at least 1")
     check_device(args.device)
     shape_from(args, ap)
+    check_depth(ap, args.layers)
     steps, budgets = DEFAULTS["given_cpu" if args.target and args.device == "cpu" else "toy"]
     args.steps = args.steps or steps
     args.budgets = args.budgets or budgets_arg(budgets)
-    chosen = VARIANTS if args.variants == "all" else args.variants.split(",")
-    unknown = [v for v in chosen if v not in VARIANTS]
-    if unknown or "correct" not in chosen:  # before any work: the others are judged against `correct`
-        ap.error(f"--variants: {unknown or 'no correct'}; give correct and any of {', '.join(VARIANTS)}")
+    check_variants(ap, list(VARIANTS) if args.variants == "all" else args.variants.split(","))
     out = run(args)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps({"goals": out["goals"], "wall_s": out["wall_s"]}))

@@ -13,17 +13,24 @@ tokens plus the verifier's bonus token). Also the library's: the optimizer
 steps, then linear decay to zero). Ours: the loop below (gradient clipping at 1.0 as its Trainer does, float32 on a
 CPU where its Trainer moves batches to a GPU), the variants, and the blocks the accepted length is counted over.
 
+The block drafters (a variant's `family`: dflash, dspark) are the library's too: `DFlashDraftModel` and
+`DSparkDraftModel.from_training_args`, their forward (anchored blocks, the family's loss and per-position weight from
+`get_trainer_kwargs`) and its metrics, whose expected accepted length (`eal`) and per-position accuracies judge them;
+the same loop, optimizer, schedule, packs and seeds train them.
+
 A variant trains on an export's states as some pipeline might have got them wrong: which of the captured layers feed the
 drafter (`layers`, physical ids, in that order), and how the final state reaches the loss (`final`: `pre` as speculators
 expects; `post` = the target's final norm applied already, so the trainer normalizes twice; `pre_as_post` = a trainer
 that expects the post-norm state, as SpecForge's does, and applies the LM head alone, given the pre-norm one;
 `no_states` = zeros where the states go, in training and when judged: what the states are worth to the drafter, not an
-error). Every other variant is judged on the same held-out samples served the right way: EAGLE-3's layers in index
-order, the pre-norm state through the target's own norm and head, as vLLM would serve the drafter.
+error). Every other variant is judged on the same held-out samples served the right way: its family's layers in
+index order (EAGLE-3's, or the block drafters'), the pre-norm state through the target's own norm and head, as vLLM
+would serve the drafter.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import sys
@@ -33,11 +40,36 @@ from pathlib import Path
 import torch
 
 TTT_STEPS = 3
+# The block drafters as speculators' trainer builds them by default (train/config/schema.py: `_DEFAULT_LOSS_FN`,
+# `_DEFAULT_BLOCK_SIZE`, the per-position weight), but with one draft layer, as the EAGLE-3 drafter here: its default
+# of 5 for these families makes a step too slow for the CPU bench.
+BLOCK = {
+    "dflash": {"loss_fn": "ce", "block_size": 16, "per_position_loss_weight": "dpace"},
+    "dspark": {"loss_fn": "kl_div", "block_size": 8, "per_position_loss_weight": "fixed-exp-decay"},
+}
+BLOCK_DRAFT_LAYERS = 1
 
 
-def call_kwargs() -> dict:
-    """The forward's arguments as speculators' CLI builds them (its defaults: KL loss, no decay over the steps);
-    the loss's eager implementation, as its fused one needs Triton."""
+def block_class(family: str):
+    from speculators.models.dflash import DFlashDraftModel
+    from speculators.models.dspark import DSparkDraftModel
+
+    return {"dflash": DFlashDraftModel, "dspark": DSparkDraftModel}[family]
+
+
+@functools.cache
+def call_kwargs(family: str = "eagle3", max_anchors: int = 512) -> dict:
+    """The forward's arguments as speculators' CLI builds them (`get_trainer_kwargs`): EAGLE-3's defaults (KL loss,
+    no decay over the steps), a block family's (its loss and per-position weight, `max_anchors` blocks sampled per
+    pack); the losses' eager implementation, as the fused ones need Triton."""
+    if family != "eagle3":
+        train_kwargs, _ = block_class(family).get_trainer_kwargs(
+            loss_fn=BLOCK[family]["loss_fn"],
+            loss_implementation="eager",
+            per_position_loss_weight=BLOCK[family]["per_position_loss_weight"],
+            max_anchors=max_anchors,
+        )
+        return train_kwargs
     from speculators.models.eagle3 import Eagle3DraftModel
 
     train_kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(
@@ -91,38 +123,66 @@ def vocab_mapping(spec: dict, export: str) -> tuple:
     return m["t2d"], m["d2t"]
 
 
-def build_drafter(spec: dict, seed: int, export: str = "all"):
-    from speculators.models.eagle3 import Eagle3DraftModel
+def build_drafter(spec: dict, seed: int, variant: dict):
+    """The variant's family's drafter, its initial weights from `seed`, its vocabulary the one chosen from its
+    training export (or the target's whole)."""
+    torch.manual_seed(seed)
+    t2d, d2t = vocab_mapping(spec, variant["export"])
+    build = build_eagle3 if variant["family"] == "eagle3" else build_block
+    return build(spec, variant["family"], t2d, d2t).float().to(spec.get("device", "cpu"))
+
+
+def layer_config(spec: dict, family: str):
+    """The draft decoder's config as speculators' CLI makes it: one layer, of its default architecture for the
+    family (llama for EAGLE-3, qwen3 for the block drafters)."""
     from speculators.train.cli import create_transformer_layer_config
 
-    torch.manual_seed(seed)
-    target = spec["target"]
-    t2d, d2t = vocab_mapping(spec, export)
-    layer_config = create_transformer_layer_config(
-        verifier_name_or_path=target,
-        num_layers=1,
-        draft_arch="llama",
+    return create_transformer_layer_config(
+        verifier_name_or_path=spec["target"],
+        num_layers=1 if family == "eagle3" else BLOCK_DRAFT_LAYERS,
+        draft_arch="llama" if family == "eagle3" else "qwen3",
         hidden_act=None,
         sliding_window=spec["max_len"],
         full_attention_indices=[0],
     )
-    return (
-        Eagle3DraftModel.from_training_args(
-            verifier_config=layer_config,
-            verifier_name_or_path=target,
-            # EAGLE-3's draft vocabulary for a large one (its head and loss over the tokens the data uses), else all
-            draft_vocab_size=int(t2d.sum()) if t2d is not None else layer_config.vocab_size,
-            t2d=t2d,
-            d2t=d2t,
-            norm_before_residual=True,
-            norm_before_fc=True,
-            norm_output=True,
-            ttt_steps=TTT_STEPS,
-            target_layer_ids=[i + 1 for i in spec["eval_layers"]],  # vLLM's numbering: id L is layer L-1's output
-            draft_attn_impl="eager",
-        )
-        .float()
-        .to(spec.get("device", "cpu"))
+
+
+def build_eagle3(spec: dict, family: str, t2d, d2t):
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    config = layer_config(spec, family)
+    return Eagle3DraftModel.from_training_args(
+        verifier_config=config,
+        verifier_name_or_path=spec["target"],
+        # EAGLE-3's draft vocabulary for a large one (its head and loss over the tokens the data uses), else all
+        draft_vocab_size=int(t2d.sum()) if t2d is not None else config.vocab_size,
+        t2d=t2d,
+        d2t=d2t,
+        norm_before_residual=True,
+        norm_before_fc=True,
+        norm_output=True,
+        ttt_steps=TTT_STEPS,
+        target_layer_ids=[i + 1 for i in spec["eval_layers"]],  # vLLM's numbering: id L is layer L-1's output
+        draft_attn_impl="eager",
+    )
+
+
+def build_block(spec: dict, family: str, t2d, d2t):
+    """speculators' DFlash or DSpark drafter (`from_training_args`, as its trainer builds it), its mask token by its
+    trainer's own rule (`resolve_mask_token_id`); sdpa attention, as its default flex attention wants a GPU."""
+    from speculators.train.utils import resolve_mask_token_id
+
+    config = layer_config(spec, family)
+    return block_class(family).from_training_args(
+        verifier_config=config,
+        verifier_name_or_path=spec["target"],
+        draft_vocab_size=int(t2d.sum()) if t2d is not None else config.vocab_size,
+        t2d=t2d,
+        d2t=d2t,
+        block_size=BLOCK[family]["block_size"],
+        mask_token_id=resolve_mask_token_id(spec["target"], config.vocab_size),
+        target_layer_ids=[i + 1 for i in spec["block_layers"]],  # vLLM's numbering, as the EAGLE-3 drafter's
+        draft_attn_impl="sdpa",
     )
 
 
@@ -162,7 +222,7 @@ def train(model, variant: dict, spec: dict, seed: int) -> float:
         for pack in packs(ds, order, spec["max_len"]):
             batch = collate([ds[r] for r in pack])
             batch = {k: v.to(model.device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
-            _, loss, _ = model(**batch, **call_kwargs())
+            _, loss, _ = model(**batch, **call_kwargs(variant["family"], spec["max_anchors"]))
             for opt in opts:
                 opt.zero_grad()
             loss.backward()
@@ -177,8 +237,14 @@ def train(model, variant: dict, spec: dict, seed: int) -> float:
     return time.perf_counter() - t0
 
 
+def evaluate(model, spec: dict, variant: dict) -> dict:
+    if variant["family"] == "eagle3":
+        return evaluate_eagle3(model, spec, zero=variant["final"] == "no_states")
+    return evaluate_block(model, spec, variant["family"])
+
+
 @torch.no_grad()
-def evaluate(model, spec: dict, zero: bool = False) -> dict:
+def evaluate_eagle3(model, spec: dict, zero: bool = False) -> dict:
     """Held-out samples one at a time (no block crosses a sample), served right (with `zero`, with no states, as
     the drafter was trained): the library's per-step accuracies, and the accepted length of a block starting at
     every position."""
@@ -219,6 +285,50 @@ def evaluate(model, spec: dict, zero: bool = False) -> dict:
         out[f"full_acc_{k}"] = sums[f"full_acc_{k}_sum"] / sums[f"full_acc_{k}_total"]
         out[f"cond_acc_{k}"] = sums[f"cond_acc_{k}_sum"] / max(1.0, sums[f"cond_acc_{k}_total"])
     return out
+
+
+@torch.no_grad()
+def evaluate_block(model, spec: dict, family: str) -> dict:
+    """Held-out samples one at a time, served right (the block layers, the pre-norm last state), through the model's
+    own forward in eval mode, a block anchored at every position its anchor sampler allows (a trained token, not
+    in the last block of the sample: no block crosses a sample). The accepted length is speculators' own (`eal`):
+    a block's leading run of tokens equal to the target's argmax plus the verifier's bonus token, vLLM's convention
+    as the EAGLE-3 figure (over a draft vocabulary, the target's argmax within it); and its per-position
+    accuracies."""
+    from speculators.train.data import CollateFn
+
+    ev = spec["eval"]
+    ds = EXPORTS[ev["export"]]
+    layers = spec["exports"][ev["export"]]["layers"]
+    idx = [layers.index(i) for i in spec["block_layers"]]
+    collate = CollateFn(
+        spec["max_len"], spec["hidden_size"], len(idx), torch.float32, Select(idx, spec["hidden_size"], len(layers))
+    )
+    block = BLOCK[family]["block_size"]
+    model.eval()
+    sums: dict[str, float] = {}
+    for r in ev["rows"]:
+        item = ds[r]
+        n = min(item["input_ids"].shape[0], spec["max_len"])
+        batch = collate([item])
+        batch = {k: v[:, :n].to(model.device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        anchors = int(batch["loss_mask"][0, : max(0, n - block)].sum())  # select_anchors' candidates, every one
+        if anchors == 0:
+            continue
+        torch.manual_seed(r)  # its anchors are drawn at random: the same ones at every run
+        _, _, metrics = model(**batch, **(call_kwargs(family) | {"max_anchors": anchors}))
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+    out = {"accepted_length": sums["eal_sum"] / sums["eal_total"], "blocks": int(sums["eal_total"])}
+    out["full_acc"] = sums["full_acc_sum"] / sums["full_acc_total"]
+    for k in sorted((k for k in sums if k.startswith("position_") and k.endswith("_acc_sum")), key=position):
+        out[k.removesuffix("_sum")] = sums[k] / max(1.0, sums[k.replace("_sum", "_total")])
+    return out
+
+
+def position(key: str) -> int:
+    """`position_<k>_acc_sum` -> k."""
+    return int(key.split("_")[1])
 
 
 FULL_HEAD: dict = {}
@@ -287,19 +397,28 @@ def main(spec_path: str, out_path: str) -> None:
             continue
         runs = []
         for seed in spec["seeds"]:
-            model = build_drafter(spec, seed, variant["export"])
+            model = build_drafter(spec, seed, variant)
             train_s = train(model, variant, spec, seed)
-            judged = evaluate(model, spec, zero=variant["final"] == "no_states")
+            judged = evaluate(model, spec, variant)
             runs.append(dict(judged, seed=seed, train_s=round(train_s, 1)))
             print(f"{variant['name']} seed {seed}: accepted length {runs[-1]['accepted_length']:.4f}", flush=True)
-        results[variant["name"]] = {"variant": variant, "runs": runs, **summary(runs)}
+        results[variant["name"]] = {"variant": variant, "runs": runs, **summary(runs)} | built(variant, spec)
         if variant["final"] in ("post", "pre_as_post"):  # the verifier's head and norm: the target's, any seed
             results[variant["name"]]["target_shift"] = target_shift(model, spec, variant["final"])
         Path(out_path).write_text(json.dumps(results, indent=1))  # after each variant: a cut run keeps what it did
 
 
+def built(variant: dict, spec: dict) -> dict:
+    """A block drafter's recipe, for the report: the model and the settings it was trained with."""
+    family = variant["family"]
+    if family == "eagle3":
+        return {}
+    recipe = {"model": block_class(family).__name__, "draft_layers": BLOCK_DRAFT_LAYERS, **BLOCK[family]}
+    return {"drafter": recipe | {"max_anchors": spec["max_anchors"]}}
+
+
 def summary(runs: list[dict]) -> dict:
-    keys = [k for k in runs[0] if k.startswith(("accepted_length", "full_acc", "cond_acc"))]
+    keys = [k for k in runs[0] if k.startswith(("accepted_length", "full_acc", "cond_acc", "position_"))]
     out = {}
     for k in keys:
         xs = [r[k] for r in runs]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -875,6 +876,10 @@ DRAFTER_LABELS = {
     "last_turn": "last turn only (`turns: last`), at the smallest budget",
     "source_answers": "the source's own answers (no regeneration), at `all`'s budget",
     "no_states": "no states (zeros, in training and when judged)",
+    "dflash": "DFlash on our export for dflash",
+    "dflash_layers_off_by_one": "DFlash given the layers one above its own (speculators' ids taken for physical ones)",
+    "dspark": "DSpark on our export for dspark",
+    "dspark_post_norm_as_pre": "DSpark given the post-norm last state where pre-norm is expected",
 }
 # The data's choices side by side: (what is compared, the variant, the one it is compared with); the difference is
 # the first's accepted length less the second's, seed by seed (the same initial weights and order of packs).
@@ -901,8 +906,28 @@ def pm_short(m: dict) -> str:
     return pm(m, spread_digits=2)
 
 
+def family(x: dict) -> str:
+    """A variant's drafter family (results from before the block drafters hold EAGLE-3's alone)."""
+    return x["variant"].get("family", "eagle3")
+
+
+def eagle3_variants(v: dict) -> dict:
+    return {k: x for k, x in v.items() if family(x) == "eagle3"}
+
+
+def goal_parts(goal: str) -> tuple[str, str]:
+    """`<correct>_beats_<error>` -> (the family's correct variant, the error)."""
+    correct, error = goal.split("_beats_", 1)
+    return correct, error
+
+
+def eagle3_goals(goals: dict) -> dict:
+    return {k: ok for k, ok in goals.items() if goal_parts(k)[0] == "correct"}
+
+
 def drafter(r: dict) -> list[str]:
-    s, t, v, ds = r["settings"], r["target"], r["variants"], r["datasets"]
+    s, t, ds = r["settings"], r["target"], r["datasets"]
+    v = eagle3_variants(r["variants"])
     correct = v["correct"]["accepted_length"]["mean"]
     body = []
     for name, x in v.items():
@@ -918,7 +943,7 @@ def drafter(r: dict) -> list[str]:
             ]
         )
     sets = [[f"`{n}`", num(d["samples"]), num(d["tokens"]), num(d["trained_tokens"])] for n, d in ds.items()]
-    goals = r["goals"]
+    goals = eagle3_goals(r["goals"])
     return [
         "### Drafter trained on our data: `python -m bench.drafter`",
         "",
@@ -951,17 +976,79 @@ def drafter(r: dict) -> list[str]:
             body,
         ),
         "",
-        "Ours beats each convention error by more than 3× the larger spread (its margin ÷ that spread): "
-        + ", ".join(
-            f"`{k.removeprefix('correct_beats_')}` {'yes' if ok else '**no**'} ({margin(v, k):.1f})"
-            for k, ok in goals.items()
-        )
-        + "."
-        + paired_line(r)
-        + shift_line(v),
+        beats_line("Ours beats each convention error", v, goals) + paired_line(r) + shift_line(v),
         *vocab_lines(r),
         *choice_lines(v),
         *field_lines(r),
+        *block_lines(r),
+    ]
+
+
+def block_lines(r: dict) -> list[str]:
+    """The block drafters (DFlash, DSpark), each beside its own convention errors (a result without them, none)."""
+    v = r["variants"]
+    blocks = {k: x for k, x in v.items() if family(x) != "eagle3"}
+    if not blocks:
+        return []
+    goals = {k: ok for k, ok in r["goals"].items() if k not in eagle3_goals(r["goals"])}
+    rows = [block_row(k, x, r.get("paired", {})) for k, x in blocks.items()]
+    header = ["drafter", "export", "accepted length", "per seed", "its family's own − it, per seed"]
+    return [
+        "",
+        block_intro(r, blocks),
+        "",
+        *table([*header, "accuracy, every position", "accuracy, first position"], rows),
+        "",
+        beats_line("Each family's own export beats its convention error", v, goals) + shift_line(blocks),
+    ]
+
+
+def beats_line(lead: str, v: dict, goals: dict) -> str:
+    """Whether each error is beaten by more than 3x the larger spread of the two, and by how many (none measured:
+    nothing to say)."""
+    if not goals:
+        return ""
+    return (
+        f"{lead} by more than 3× the larger spread (its margin ÷ that spread): "
+        + ", ".join(f"`{goal_parts(k)[1]}` {'yes' if ok else '**no**'} ({margin(v, k):.1f})" for k, ok in goals.items())
+        + "."
+    )
+
+
+def block_intro(r: dict, blocks: dict) -> str:
+    """What the block drafters are, how they were trained and judged, and a training step's time."""
+    s = r["settings"]
+    recipes = {x["drafter"]["model"]: (x["drafter"], x["runs"]) for x in blocks.values() if "drafter" in x}
+    parts = [
+        f"`{model}` ({d['draft_layers']} draft layer, where speculators' default is 5; block {d['block_size']}, "
+        f"loss {d['loss_fn']}, per-position weight {d['per_position_loss_weight']}, {num(d['max_anchors'])} blocks a "
+        f"pack; a training step {statistics.fmean(run['train_s'] for run in runs) / s['steps']:.2f} s)"
+        for model, (d, runs) in recipes.items()
+    ]
+    layers = s.get("block_layers")
+    served = f"their layers {', '.join(map(str, layers))}" if layers else "their layers"
+    return (
+        "Block drafters, speculators' own models: " + "; ".join(parts) + ". Each trains on its family's export of "
+        "`all` with the EAGLE-3 drafters' steps, packs, seeds and schedule, and is judged on the same held-out "
+        f"samples of `all` served right ({served}, the pre-norm last state) by its own forward, a block anchored at "
+        "every trained position outside a sample's last block. Accepted length: speculators' own (`eal`: a block's "
+        "leading run of tokens equal to the target's argmax, plus the verifier's bonus token: at most the block "
+        "size for DFlash, whose first slot is the anchor, one more for DSpark); accuracy: `full_acc` over every "
+        "drafted position, and the first drafted position's. Cells: mean (spread, max − min over the seeds)."
+    )
+
+
+def block_row(name: str, x: dict, paired: dict) -> list[str]:
+    lead = paired.get(name)
+    first = min((k for k in x if k.startswith("position_")), key=lambda k: int(k.split("_")[1]))
+    return [
+        DRAFTER_LABELS.get(name, name),
+        f"`{x['variant']['export']}`",
+        pm(x["accepted_length"]),
+        ", ".join(f"{run['accepted_length']:.3f}" for run in x["runs"]),
+        ", ".join(f"{d:+.3f}" for d in lead["per_seed"]) if lead else "",
+        pm(x["full_acc"]),
+        pm(x[first]),
     ]
 
 
@@ -1062,6 +1149,11 @@ def target_size(t: dict) -> str:
 
 def captured(s: dict, t: dict) -> str:
     """Which of the target's layers the hidden_states stage kept."""
+    if "captured_layers" in s:
+        return (
+            f"layers {', '.join(map(str, s['captured_layers']))} of {t['shape']['num_layers']} captured (every one a "
+            "variant reads: EAGLE-3's, the block drafters' and each one above)"
+        )
     if t["shape"]["num_layers"] <= 8:
         return f"all {t['shape']['num_layers']} layers captured"
     eagle3 = s["eagle3_layers"]
@@ -1106,10 +1198,12 @@ def jobs(s: dict) -> str:
 
 def step_time(r: dict) -> str:
     """Where the drafters' time went: a run's training seconds and a step's, over every run."""
-    runs = [run for v in r["variants"].values() for run in v["runs"] if "train_s" in run]
+    runs = [run for v in eagle3_variants(r["variants"]).values() for run in v["runs"] if "train_s" in run]
     if not runs:
         return ""
     train = sum(run["train_s"] for run in runs) / len(runs)
+    if len(runs) < sum(len(v["runs"]) for v in r["variants"].values()):  # the block drafters' runs share the wall
+        return f" An EAGLE-3 run trained {train:.0f} s ({train / r['settings']['steps']:.2f} s a step)."
     per_run = r["wall_s"]["drafters"] * r["settings"].get("jobs", 1) / len(runs)  # a process's share of the wall
     return (
         f" A run took about {per_run:.0f} s of its process's time (the drafters' wall time × processes ÷ runs, so a "
@@ -1126,7 +1220,10 @@ def paired_line(r: dict) -> str:
     parts = [
         f"`{k}` {', '.join(f'{d:+.3f}' for d in x['per_seed'])} (every seed: {'yes' if x['every_seed'] else 'no'})"
         for k, x in r["paired"].items()
+        if family(r["variants"][k]) == "eagle3"
     ]
+    if not parts:
+        return ""
     return " Ours minus the error, seed by seed (the same initial weights and packs): " + "; ".join(parts) + "."
 
 
@@ -1175,7 +1272,8 @@ def schedule(s: dict) -> str:
 
 def margin(v: dict, goal: str) -> float:
     """How many times the larger spread of the two the correct export's lead over an error is."""
-    c, e = v["correct"]["accepted_length"], v[goal.removeprefix("correct_beats_")]["accepted_length"]
+    correct, error = goal_parts(goal)
+    c, e = v[correct]["accepted_length"], v[error]["accepted_length"]
     return (c["mean"] - e["mean"]) / max(c["spread"], e["spread"], 1e-9)
 
 
@@ -1184,7 +1282,7 @@ def unseparated(r: dict) -> str:
     move the targets the drafter is fitted to."""
     parts = []
     for goal, ok in r["goals"].items():
-        name = goal.removeprefix("correct_beats_")
+        name = goal_parts(goal)[1]
         d = r.get("paired", {}).get(name)
         if ok or d is None:
             continue
@@ -1201,7 +1299,31 @@ def which_target(t: dict) -> str:
 
 
 def readme_quality(r: dict) -> str:
-    """README.md's quality block: the drafter's headline figures, from drafter.json."""
+    """README.md's quality block: the drafter's headline figures, from drafter.json (the block drafters', where
+    measured, after EAGLE-3's)."""
+    text = eagle3_quality(dict(r, variants=eagle3_variants(r["variants"]), goals=eagle3_goals(r["goals"])))
+    return text + block_quality(r)
+
+
+def block_quality(r: dict) -> str:
+    """The block drafters beside their convention errors, in one paragraph (none without them)."""
+    v = r["variants"]
+    errors = [k for k in DRAFTER_ERRORS if k in v and family(v[k]) != "eagle3"]
+    if not errors:
+        return ""
+    pairs = "; ".join(
+        f"`{correct}` {pm_short(v[correct]['accepted_length'])}, {DRAFTER_LABELS[error]} "
+        f"{pm_short(v[error]['accepted_length'])}"
+        for correct, error in (goal_parts(k) for k in r["goals"] if goal_parts(k)[1] in errors)
+    )
+    beaten = [DRAFTER_LABELS[goal_parts(k)[1]] for k, ok in r["goals"].items() if ok and goal_parts(k)[1] in errors]
+    return (
+        "\nThe block drafters (speculators' own DFlash and DSpark, one draft layer), each with its own convention "
+        f"error: {pairs}. Beaten by more than 3× the larger spread of the two: {', '.join(beaten) or 'none'}.\n"
+    )
+
+
+def eagle3_quality(r: dict) -> str:
     v = r["variants"]
     c = v["correct"]["accepted_length"]
     worst = {k: v[k]["accepted_length"] for k in v if k in DRAFTER_ERRORS}
@@ -1319,7 +1441,14 @@ def gpu(r: dict) -> list[str]:
     ]
 
 
-DRAFTER_ERRORS = ("aux_off_by_one", "aux_reversed", "post_norm_as_pre", "pre_norm_as_post")
+DRAFTER_ERRORS = (
+    "aux_off_by_one",
+    "aux_reversed",
+    "post_norm_as_pre",
+    "pre_norm_as_post",
+    "dflash_layers_off_by_one",
+    "dspark_post_norm_as_pre",
+)
 
 
 SECTIONS = (

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -45,10 +46,75 @@ def test_the_variants_are_the_errors_they_name():
     assert set(drafter.ERRORS) == set(report.DRAFTER_ERRORS)
 
 
+def test_the_block_variants_read_their_familys_export_and_layers():
+    """dflash and dspark train on their family's export of `all` with the block drafters' default layers (z-lab's rule
+    for 5, physical ids); dflash's error reads each layer one above out of `all` (which holds it), dspark's the
+    post-norm last state; the capture holds every layer any variant reads."""
+    v = drafter.VARIANTS
+    block = [1, 2, 3, 4, 5]  # round(1 + i(N - 4)/4) for N = 8
+    assert v["dflash"] == ("all_dflash", block, "pre", "dflash")
+    assert v["dflash_layers_off_by_one"] == ("all", [2, 3, 4, 5, 6], "pre", "dflash")
+    assert v["dspark"] == ("all_dspark", block, "pre", "dspark")
+    assert v["dspark_post_norm_as_pre"] == ("all_dspark", block, "post", "dspark")
+    assert all(x[3] == "eagle3" for n, x in v.items() if not n.startswith(("dflash", "dspark")))
+    assert [drafter.correct_for(n) for n in drafter.ERRORS] == ["correct"] * 4 + ["dflash", "dspark"]
+    assert drafter.captured_layers(8) == [1, 2, 3, 4, 5, 6]
+    deep = drafter.variants_for(16)
+    assert deep["dflash"][1] == [1, 4, 7, 10, 13] and deep["dflash_layers_off_by_one"][1] == [2, 5, 8, 11, 14]
+    assert set(drafter.captured_layers(16)) == {1, 2, 4, 5, 7, 8, 10, 11, 12, 13, 14}
+
+
+def test_the_capture_serves_every_family_with_the_layers_the_variants_read(tmp_path):
+    """bench.drafter's hidden_states settings through the project's own resolution: EAGLE-3's list is the whole
+    union (so `all` holds every layer an error reads), the block families get their default layers."""
+    from draftdata.config.load import load_config
+    from draftdata.drafters.layers import family_layers
+
+    args = argparse.Namespace(layers=16, max_tokens=64, concurrency=4, temperature=0.3, embedded_batching="auto")
+    p = drafter.params(tmp_path, tmp_path / "target", {"all": 300, "mid": 200, "small": 100}, args)
+    import yaml
+
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
+    cfg = load_config("all", [], params_path=tmp_path / "params.yaml")
+    got = family_layers(cfg, 16)
+    assert got == {"eagle3": drafter.captured_layers(16), "dflash": [1, 4, 7, 10, 13], "dspark": [1, 4, 7, 10, 13]}
+
+
+def test_a_block_familys_export_rows_are_the_samples_it_can_train_on(tmp_path):
+    """A block family's export leaves out a sample without two adjacent trained tokens; its rows map to the others'
+    source lines, in order (EAGLE-3's keep every sample)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "data" / "all"
+    (data / "hidden_states").mkdir(parents=True)
+    prompts = [{"id": f"p{i}", "where": f"src.jsonl:{i + 1}"} for i in range(3)]
+    (data / "prompts.jsonl").write_text("".join(json.dumps(x) + "\n" for x in prompts))
+    responses = [{"id": f"r{i}", "conversation": f"p{i}", "messages": []} for i in range(3)]
+    (data / "responses.jsonl").write_text("".join(json.dumps(x) + "\n" for x in responses))
+    masks = [[0, 1, 1], [1, 0, 1], [0, 1, 1, 0]]  # the second has no two adjacent trained tokens
+    table = pa.table({"id": [f"r{i}" for i in range(3)], "loss_mask": masks})
+    pq.write_table(table, data / "hidden_states" / "samples.parquet")
+    assert drafter.source_lines(tmp_path, "all") == ["src.jsonl:1", "src.jsonl:2", "src.jsonl:3"]
+    assert drafter.source_lines(tmp_path, "all", "dflash") == ["src.jsonl:1", "src.jsonl:3"]
+    assert drafter.source_lines(tmp_path, "all", "dspark") == ["src.jsonl:1", "src.jsonl:3"]
+
+
+def test_a_block_error_needs_its_familys_own_variant_and_a_deep_enough_target_before_any_work(capsys, tmp_path):
+    for variants, missing in (("correct,dflash_layers_off_by_one", "dflash"), ("dspark", "correct")):
+        with pytest.raises(SystemExit) as err:
+            drafter.main(["--variants", variants, "--workdir", str(tmp_path / "w")])
+        assert err.value.code == 2 and f"also give {missing}" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as err:  # the capture serves the block layers: 5 distinct ones need 8 layers
+        drafter.main(["--layers", "7", "--workdir", str(tmp_path / "w")])
+    assert err.value.code == 2 and "not distinct" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()
+
+
 def test_the_variants_follow_the_targets_depth_and_no_states_zeroes_them():
     """A deeper target (--layers) gets EAGLE-3's layers for its depth and every error cut from them; `no_states`
     hands the drafter zeros of the states' shape."""
-    deep = drafter.variants_for(drafter.default_layers(16))
+    deep = drafter.variants_for(16)
     assert deep["correct"][1] == [1, 7, 12] and deep["aux_off_by_one"][1] == [2, 8, 13]
     assert deep["aux_reversed"][1] == [12, 7, 1] and deep["no_states"][2] == "no_states"
     states = torch.randn(3, 4 * 2)
@@ -155,6 +221,72 @@ def test_goals_need_a_margin_of_three_spreads():
     assert drafter.goals(results) == {"correct_beats_aux_off_by_one": True, "correct_beats_aux_reversed": False}
 
 
+def test_each_block_error_is_judged_against_its_own_family():
+    """dflash's error against dflash and dspark's against dspark, never against EAGLE-3's `correct` (which leads
+    both here): the goal by means and spreads, the paired lead seed by seed."""
+
+    def v(*runs, spread=0.01):
+        mean = sum(runs) / len(runs)
+        return {
+            "accepted_length": {"mean": mean, "spread": spread},
+            "runs": [{"seed": s, "accepted_length": a} for s, a in enumerate(runs)],
+        }
+
+    results = {
+        "correct": v(3.0, 3.0),
+        "dflash": v(1.6, 1.5),
+        "dflash_layers_off_by_one": v(1.3, 1.3),
+        "dspark": v(2.0, 2.1),
+        "dspark_post_norm_as_pre": v(2.0, 2.05),
+    }
+    assert drafter.goals(results) == {
+        "dflash_beats_dflash_layers_off_by_one": True,
+        "dspark_beats_dspark_post_norm_as_pre": False,
+    }
+    paired = drafter.paired(results)
+    assert paired["dflash_layers_off_by_one"] == {"per_seed": [0.3, 0.2], "mean": 0.25, "every_seed": True}
+    assert paired["dspark_post_norm_as_pre"]["per_seed"] == [0.0, 0.05]
+    assert not paired["dspark_post_norm_as_pre"]["every_seed"]
+
+
+def test_the_report_gives_the_block_drafters_their_own_table():
+    """A result with the block drafters: their rows, each error's lead over its own family's drafter and its goal, in
+    a table of their own after EAGLE-3's, whose table and goals keep EAGLE-3's variants alone; the README's block
+    names them after EAGLE-3's."""
+    r = json.loads((ROOT / "bench" / "results" / "drafter.json").read_text())
+    recipe = {"model": "DFlashDraftModel", "draft_layers": 1, "block_size": 16, "loss_fn": "ce"}
+    recipe |= {"per_position_loss_weight": "dpace", "max_anchors": 512}
+    runs = [
+        {"seed": run["seed"], "accepted_length": 1.5 + 0.01 * run["seed"], "train_s": 30.0}
+        for run in r["variants"]["correct"]["runs"]
+    ]
+    cell = {"mean": 1.5, "spread": 0.02}
+    block = {"accepted_length": cell, "full_acc": cell, "position_1_acc": cell, "position_2_acc": cell, "runs": runs}
+    wrong = dict(
+        block, accepted_length={"mean": 1.2, "spread": 0.02}, runs=[dict(x, accepted_length=1.2) for x in runs]
+    )
+    r["variants"]["dflash"] = block | {"variant": {"export": "all_dflash", "family": "dflash"}, "drafter": recipe}
+    r["variants"]["dflash_layers_off_by_one"] = wrong | {"variant": {"export": "all", "family": "dflash"}}
+    r["goals"]["dflash_beats_dflash_layers_off_by_one"] = True
+    r["paired"]["dflash_layers_off_by_one"] = {"per_seed": [0.3, 0.31, 0.32], "every_seed": True}
+    lines = report.drafter(r)
+    eagle3_table = [line for line in lines if line.startswith("| our export as it is")]
+    assert len(eagle3_table) == 1 and not any(line.startswith("| DFlash on our export") for line in lines[:20])
+    (ours,) = [line for line in lines if line.startswith("| DFlash on our export for dflash")]
+    (off,) = [line for line in lines if line.startswith("| DFlash given the layers one above")]
+    assert "`all_dflash` | 1.500 (0.020)" in ours and "`all` | 1.200 (0.020)" in off and "+0.300, +0.310, +0.320" in off
+    text = "\n".join(lines)
+    assert "`DFlashDraftModel` (1 draft layer" in text and "`dflash_layers_off_by_one` yes (15.0)" in text
+    assert "Ours beats each convention error" in text and "`dflash_layers_off_by_one` +0.300" not in text
+    quality = report.readme_quality(r)
+    assert quality.startswith(
+        report.readme_quality(json.loads((ROOT / "bench" / "results" / "drafter.json").read_text()))
+    )
+    assert (
+        "`dflash` 1.500 (0.02)" in quality and "Beaten by more than 3× the larger spread of the two: DFlash" in quality
+    )
+
+
 def test_the_report_names_only_the_missed_errors_with_their_lead_and_shift():
     r = {
         "goals": {"correct_beats_aux_off_by_one": True, "correct_beats_post_norm_as_pre": False},
@@ -253,3 +385,39 @@ def test_a_drafter_trained_on_our_export_beats_a_convention_error(tmp_path):
     assert correct > wrong, (correct, wrong)
     assert correct > blind, (correct, blind)  # the states are worth something to the drafter
     assert len(r["target"]["after"]["adjacent_layer_cosine"]) == r["target"]["shape"]["num_layers"] - 2
+
+
+@pytest.mark.trainers
+@pytest.mark.timeout(1200)
+@pytest.mark.skipif(not TRAINERS_PYTHON, reason="set DRAFTDATA_TRAINERS_PYTHON to a Python with speculators")
+def test_the_block_drafters_train_on_their_familys_export_and_are_judged(tmp_path):
+    """A short run of speculators' DFlash and DSpark on our exports (few steps and anchors: the path, not the
+    figures): each export holds its family's layers, each drafter is judged on the same held-out blocks as its
+    error, its accepted length between 1 (the bonus token alone) and its block's longest, its per-position
+    accuracies fractions."""
+    out, work = tmp_path / "drafter.json", tmp_path / "work"
+    variants = "correct,dflash,dflash_layers_off_by_one,dspark"
+    drafter.main(
+        [
+            *("--seeds", "1", "--budgets", "8000,4000,2000", "--variants", variants),
+            *("--target-steps", "100", "--steps", "20", "--max-anchors", "64"),
+            *("--workdir", str(work), "--out", str(out)),
+        ]
+    )
+    r = json.loads(out.read_text())
+    exports = json.loads((work / "spec0.json").read_text())["exports"]
+    assert exports["all_dflash"]["layers"] == exports["all_dspark"]["layers"] == [1, 2, 3, 4, 5]
+    assert exports["all"]["layers"] == [1, 2, 3, 4, 5, 6]  # EAGLE-3's export: every captured layer
+    for name, longest, positions in (
+        ("dflash", 16, range(1, 16)),  # its first slot is the anchor, the verifier's token
+        ("dflash_layers_off_by_one", 16, range(1, 16)),
+        ("dspark", 9, range(8)),  # every slot drafts
+    ):
+        (run,) = r["variants"][name]["runs"]
+        assert math.isfinite(run["accepted_length"]) and 1 <= run["accepted_length"] <= longest, (name, run)
+        assert sorted(k for k in run if k.startswith("position_")) == sorted(f"position_{k}_acc" for k in positions)
+        assert all(0 <= run[k] <= 1 for k in run if k.startswith(("position_", "full_acc"))), (name, run)
+    blocks = [r["variants"][n]["runs"][0]["blocks"] for n in ("dflash", "dflash_layers_off_by_one")]
+    assert blocks[0] == blocks[1] > 0
+    assert r["variants"]["dspark"]["drafter"]["model"] == "DSparkDraftModel"
+    assert set(r["goals"]) == {"dflash_beats_dflash_layers_off_by_one"}
