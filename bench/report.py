@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.drafter import ERRORS as DRAFTER_ERRORS  # the convention errors the bench trains, named once
 from draftdata.util.blocks import between, replace_between
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -1439,16 +1440,6 @@ def gpu(r: dict) -> list[str]:
         "",
         goals_line(r["goals"]),
     ]
-
-
-DRAFTER_ERRORS = (
-    "aux_off_by_one",
-    "aux_reversed",
-    "post_norm_as_pre",
-    "pre_norm_as_post",
-    "dflash_layers_off_by_one",
-    "dspark_post_norm_as_pre",
-)
 
 
 SECTIONS = (
