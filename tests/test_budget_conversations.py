@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from draftdata.config.schema import DatasetConfig
+from draftdata.config.schema import DatasetConfig, Landing
 from draftdata.generate.budget.controller import BudgetController, Pending
 from draftdata.generate.request import Planned
 from draftdata.generate.selection import landing, select_responses
@@ -82,7 +82,7 @@ def test_a_conversations_later_turn_never_lands_without_the_turns_before_it():
     turns = [("A", 0), ("A", 1), ("A", 2), ("B", 0), ("B", 1)]
     plan = [Planned({"id": f"{c}{t}", "conversation": c, "turn": t}, f"{c}{t}", [1, 2]) for c, t in turns]
     stored = {p.key: answer(p.key, n) for p, n in zip(plan, sizes)}
-    selected, total, _ = select_responses(plan, stored, DatasetConfig(token_budget=1_200))
+    selected, total, _ = select_responses(plan, stored, DatasetConfig(token_budget=1_200, landing=Landing.finished))
     assert [p.key for p, _ in selected] == ["A0", "A1", "B0"] and total == 1_600
 
 

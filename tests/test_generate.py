@@ -202,6 +202,31 @@ def test_embedded_sampling_is_reproducible(project, monkeypatch):
     assert any(first[i] != third[i] for i in set(first) & set(third))
 
 
+def test_exact_landing_gives_the_same_output_for_the_same_params_and_nests_budgets(project):
+    """landing exact (the default): two fresh stores give the same responses.jsonl byte for byte; a raised budget's
+    output starts with the smaller one's; lowering it back gives the first again, although the store now holds
+    answers the first run never had (the finished rule lands on what the store holds)."""
+    project.run("prompts", "B3")
+    budget = project.params["datasets"]["B3"]["token_budget"]
+
+    def output(store: str, tokens: int) -> bytes:
+        project.params["run"]["store_path"] = str(project.path / store)
+        project.params["datasets"]["B3"]["token_budget"] = tokens
+        project.save()
+        project.run("generate", "B3")
+        return (project.data("B3") / "responses.jsonl").read_bytes()
+
+    first = output("a.sqlite", budget)
+    assert output("b.sqlite", budget) == first  # timing (two runs, two stores) does not enter
+    m = metrics(project)
+    assert m["landing"] == "exact" and m["budget_met"]
+    lines = list(read_jsonl(project.data("B3") / "responses.jsonl"))
+    assert sum(r["completion_tokens"] for r in lines[:-1]) < budget  # the shortest run of prompts that reaches it
+    raised = output("a.sqlite", budget * 3)
+    assert raised.startswith(first) and len(raised) > len(first)
+    assert output("a.sqlite", budget) == first
+
+
 def test_an_embedded_continuation_draws_what_the_uninterrupted_answer_drew(tiny_model):
     """The contract for a parked answer continued later: the embedded engine draws the token at sequence position
     p from (seed + p), so prompt + the first tokens, continued, give the uninterrupted answer exactly. (A server's

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from draftdata.config.schema import DatasetConfig
+from draftdata.config.schema import DatasetConfig, Landing
 from draftdata.generate.budget.controller import BudgetController
 from draftdata.generate.budget.lengths import LengthModel
 from draftdata.generate.request import Planned, request_key, request_keys
@@ -352,8 +352,8 @@ def test_the_output_lands_on_the_budget_with_the_shortest_response_that_reaches_
     assert landing([900, 200, 7000, 40, 500, 150], 1_200) == [0, 1, 5]
     assert landing([600, 600, 9000], 1_200) == [0, 1]  # met exactly: nothing crosses
     assert landing([300, 300], 1_200) == [0, 1]  # short of the budget: everything there is
-    # through the generate stage's selection, in prompt order, every unusable response counted
-    ds = DatasetConfig(token_budget=1_200)
+    # through the generate stage's selection (landing: finished), in prompt order, every unusable response counted
+    ds = DatasetConfig(token_budget=1_200, landing=Landing.finished)
     plan = [Planned({"id": k}, k, [1, 2, 3]) for k in "abcdef"]
     stored = {p.key: resp(p.key, n) for p, n in zip(plan, [900, 200, 7000, 40, 500, 150])}
     stored["d"].finish_reason = CUT  # parked: not in the output

@@ -361,7 +361,9 @@ def test_turns_all_on_real_backends(backend_project, tmp_path):
 def test_a_budget_met_mid_conversation_keeps_its_turns_and_a_raised_one_goes_on(conv_project):
     project, start = conv_project
     rows = three_turn_rows() + [{"messages": chat(f"Topic {i}?", "A.", "More?", "B.")} for i in range(4)]
-    (slow,) = start(rows, token_budget=60, concurrency=2)
+    # landing: finished stops as soon as the answers reach the budget, whatever is in flight (exact waits for the
+    # turns before its end, and may find nothing in flight to park then)
+    (slow,) = start(rows, token_budget=60, concurrency=2, landing="finished")
     # tokens far enough apart that a busy machine still reads the budget's token mid-answer, not in one read
     slow.token_delay_s = 0.02
     project.run("generate", "B3")
@@ -377,7 +379,7 @@ def test_a_budget_met_mid_conversation_keeps_its_turns_and_a_raised_one_goes_on(
         answered = {k for (k,) in db.execute("SELECT key FROM responses WHERE finish_reason IN ('stop', 'length')")}
         parked = dict(db.execute("SELECT key, prompt_ids FROM responses WHERE finish_reason = 'budget_cut'"))
     assert parked  # the turns in flight at the budget, parked
-    (srv,) = start(rows, token_budget=100_000, concurrency=2)
+    (srv,) = start(rows, token_budget=100_000, concurrency=2, landing="finished")
     project.run("generate", "B3")
     sent = sent_ids(srv)
     assert not set(sent) & answered  # nothing answered before is asked again
@@ -392,6 +394,34 @@ def test_a_budget_met_mid_conversation_keeps_its_turns_and_a_raised_one_goes_on(
 
     assert answers(first).items() <= answers(lines).items()  # the turns kept at the budget, as they were
     assert metrics(project)["conversations_ended"] == {"source_exhausted": 8}
+
+
+def test_exact_landing_gives_nested_conversations_whatever_the_store_holds(conv_project):
+    """landing exact: whole conversations in prompt order, the last cut at a turn; a raised budget's output starts
+    with the smaller one's, and lowering it back gives the first output byte for byte, although the store now
+    holds every answer (the finished rule lands on what the store holds)."""
+    project, start = conv_project
+    rows = three_turn_rows() + [{"messages": chat(f"Topic {i}?", "A.", "More?", "B.")} for i in range(4)]
+    start(rows, token_budget=60, concurrency=4)
+    project.run("generate", "B3")
+    small = (project.data("B3") / "responses.jsonl").read_bytes()
+    lines = responses(project)
+    assert metrics(project)["landing"] == "exact" and metrics(project)["budget_met"]
+    convs = [line["conversation"] for line in lines]
+    assert convs == sorted(convs, key=convs.index)  # conversation after conversation
+    before_last = sum(line["completion_tokens"] for line in lines[:-1])
+    assert before_last < 60 <= before_last + lines[-1]["completion_tokens"]  # the shortest run that reaches it
+    start(rows, token_budget=100_000, concurrency=4)
+    project.run("generate", "B3")
+    large = (project.data("B3") / "responses.jsonl").read_bytes()
+    assert len(large) > len(small)
+    first_lines = small.splitlines()
+    assert [json.loads(x) | {"end_reason": None} for x in large.splitlines()[: len(first_lines)]] == [
+        json.loads(x) | {"end_reason": None} for x in first_lines
+    ]  # nested (a conversation's last line says why it ends there)
+    start(rows, token_budget=60, concurrency=4)
+    project.run("generate", "B3")
+    assert (project.data("B3") / "responses.jsonl").read_bytes() == small
 
 
 def test_a_later_turn_past_the_context_ends_its_conversation(conv_project, tiny_model):

@@ -51,6 +51,11 @@ class OnBudget(str, Enum):
     keep_partial = "keep_partial"
 
 
+class Landing(str, Enum):
+    exact = "exact"  # the shortest run of prompts, in prompt order, whose usable answers reach the budget
+    finished = "finished"  # the answers that finished first, in prompt order, then the shortest that reaches it
+
+
 class OnTruncation(str, Enum):
     keep = "keep"
     drop = "drop"
@@ -200,6 +205,12 @@ class DatasetConfig:
     max_tokens: int = 2048
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     on_budget: OnBudget = OnBudget.cancel
+    # How the output lands on the budget. exact: the shortest run of prompts, in prompt order, whose usable answers
+    # reach it (a conversation's turns in order): the same params give the same output whatever the timing or the
+    # store's history, and a smaller budget's output starts a larger one's; the run waits for every answer before
+    # that point. finished: the answers that finished first, in prompt order, then the shortest of the rest that
+    # reaches it: sooner, but it depends on timing and leans short. on_budget: keep_partial always lands as finished.
+    landing: Landing = Landing.exact
     on_truncation: OnTruncation = OnTruncation.keep
     turns: Turns = Turns.last
     on_tool_divergence: OnToolDivergence = OnToolDivergence.stop

@@ -31,6 +31,7 @@ from draftdata.generate.failfast import FailFastWindow
 from draftdata.generate.ledger import Flight, Ledger, RunStats
 from draftdata.generate.meter import ThroughputMeter
 from draftdata.generate.request import Planned
+from draftdata.generate.selection import Landed
 from draftdata.generate.store import CUT, INTERRUPTED, ResponseStore, StoredResponse
 from draftdata.generate.work import WorkQueue
 
@@ -70,12 +71,14 @@ class Dispatcher:
         stream: bool,
         parked: dict[str, StoredResponse],
         progress,
+        landed: Landed | None = None,
     ):
         self.backend, self.ctrl, self.store, self.cfg = backend, ctrl, store, cfg
         self.ds = cfg.ds
         self.stream = stream
         self.parked = parked  # key -> a partial to continue (from the store)
         self.progress = progress
+        self.landed = landed  # landing exact: the settled run of requests from the first (None: finished)
         arithmetic = getattr(backend, "compute_dtype", None)  # an in-process engine's (None: a server's)
         self.ledger = Ledger(cfg.ds, cfg.dataset, ctrl, tok, backend.name, compute_dtype=arithmetic)
         self.stats = self.ledger.stats
@@ -160,6 +163,7 @@ class Dispatcher:
         """The next request from the queue, unless the answers it stepped over to find it met the budget."""
         p = take()
         self.ledger.reused(self.work.take_reused())
+        self._land()  # a turn stepped over may settle a conversation
         return None if p is None or self.ctrl.reached() else p
 
     async def _tick(self) -> None:
@@ -225,11 +229,25 @@ class Dispatcher:
         self.ledger.commit(settled.rows)
         self.work.settled([*done, *stopped], settled.rows)
         self.ledger.reused(self.work.take_reused())
+        self._land(done, settled.rows)
         # an answer the output cannot use (empty, truncated and dropped) is a failure to the fail-fast window too
         unusable = {f.p.key: unusable_reason(r, self.ds) for r, f in settled.rows if not r.partial}
         for res, f in done:
             self.failfast.record(res.error or unusable.get(f.p.key))
         self._check_failing(done)
+
+    def _land(self, done: list[tuple[GenResult, Flight]] = (), rows: list[tuple[StoredResponse, Flight]] = ()) -> None:
+        """landing exact: settle the requests that got their final answer or failed, and tell the controller how far
+        the settled run from the first request now counts."""
+        if self.landed is None:
+            return
+        for r, f in rows:
+            if not r.partial:
+                self.landed.settle(f.p, r, self.ds)
+        for res, f in done:
+            if res.error:
+                self.landed.settle(f.p, None, self.ds)
+        self.ctrl.landed = self.landed.total()
 
     def _check_failing(self, done: list[tuple[GenResult, Flight]]) -> None:
         """Stop when the window shows one cause. The message is made once, from the batch that showed it (the

@@ -14,7 +14,7 @@ from draftdata.generate.dispatcher import RunStats
 from draftdata.generate.planning import RunPlan
 from draftdata.generate.rejected import reject_conversations, reject_prompts
 from draftdata.generate.request import Planned
-from draftdata.generate.selection import select_responses
+from draftdata.generate.selection import landing_rule, select_responses
 from draftdata.generate.store import CUT, ResponseStore, StoredResponse
 from draftdata.util.files import write_json, write_jsonl
 from draftdata.util.log import log
@@ -84,6 +84,7 @@ def run_metrics(
         "budget_unit": ds.budget_unit.value,
         "budget_tokens": total,
         "budget_met": total >= ds.token_budget,
+        "landing": landing_rule(ds),  # the rule the output landed on the budget by (selection.py)
         "overshoot_tokens": max(0, total - ds.token_budget),
         "overshoot_pct": round(100.0 * max(0, total - ds.token_budget) / ds.token_budget, 4),
         "truncated": sum(r.finish_reason == "length" for _, r in selected),

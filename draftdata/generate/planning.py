@@ -17,6 +17,7 @@ from draftdata.errors import ConfigError, UserError
 from draftdata.generate.accounting import unusable_reason
 from draftdata.generate.conversation import TurnRendering, turns
 from draftdata.generate.request import Planned, request_keys
+from draftdata.generate.selection import Landed, LandedConversations, lands_exact
 from draftdata.generate.store import ResponseStore, StoredResponse, ids_json
 from draftdata.generate.work import BUDGET, FAILED, Conversation, ConversationQueue, Renders, step_over_stored
 from draftdata.model.compute import embedded_on_gpu
@@ -205,20 +206,28 @@ class RunPlan:
     duplicates: int = 0  # prompts whose rendered ids an earlier prompt had (`turns: last`)
     convs: list[Conversation] | None = None
     queue: ConversationQueue | None = None
-    ds: DatasetConfig | None = None
+    ds: DatasetConfig = None  # type: ignore[assignment]
 
     @classmethod
     def make(cls, cfg: Config, prompts: list[dict], tok, store: ResponseStore, context: int | None) -> RunPlan:
         if cfg.ds.turns != Turns.all:
             plan = plan_requests(cfg, prompts, tok, store)  # one per key: prompts rendered alike are asked once
             check_context(plan, cfg, context)
-            return cls(plan, store.get_many(p.key for p in plan), len(prompts) - len(plan))
+            return cls(plan, store.get_many(p.key for p in plan), len(prompts) - len(plan), ds=cfg.ds)
         convs, renders = plan_conversations(cfg, prompts, tok, store, context)  # each walked over its stored turns
         check_context([c.first for c in convs if c.first is not None], cfg, context)
         run = cls(*conversation_plan(convs, store), convs=convs, ds=cfg.ds)
         room = None if context is None else context - cfg.ds.max_tokens
         run.queue = ConversationQueue(convs, store, {}, room, cfg.ds.budget_unit == BudgetUnit.total, renders)
         return run
+
+    def landed(self) -> Landed | None:
+        """landing exact: the settled run of requests from the first, as the store leaves it (None: finished)."""
+        if not lands_exact(self.ds):
+            return None
+        if self.convs is None:
+            return Landed.of(self.plan, self.stored, self.ds)
+        return LandedConversations(self.convs, self.ds)
 
     def reread(self, store: ResponseStore) -> None:
         """After generation: the rows the store holds now (and each conversation's turns as far as they went)."""

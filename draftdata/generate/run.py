@@ -15,6 +15,7 @@ from draftdata.generate.dispatcher import Dispatcher, Interrupted, RunStats
 from draftdata.generate.planning import RunPlan
 from draftdata.generate.progress import Progress
 from draftdata.generate.request import Planned
+from draftdata.generate.selection import Landed
 from draftdata.generate.store import ResponseStore, StoredResponse
 from draftdata.generate.work import ConversationQueue, WorkQueue
 from draftdata.util.log import log
@@ -27,13 +28,14 @@ async def _generate(
     ctrl: BudgetController,
     store: ResponseStore,
     parked: dict[str, StoredResponse],
+    landed: Landed | None,
 ) -> RunStats:
     stream = cfg.ds.on_budget == OnBudget.keep_partial or cfg.backend.stream
     ctrl.observes_rate = stream
     backend = make_backend(cfg, tok)
     await backend.start()  # health and model checks, before any prompt is sent
     progress = Progress(cfg, ctrl.committed)
-    dispatcher = Dispatcher(backend, ctrl, store, cfg, tok, stream, parked, progress)
+    dispatcher = Dispatcher(backend, ctrl, store, cfg, tok, stream, parked, progress, landed)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, dispatcher.interrupt)
@@ -62,13 +64,14 @@ def run_generation(cfg: Config, tok, run: RunPlan, store: ResponseStore) -> RunS
     """Generate what the budget still needs over the store's answers (nothing where they meet it), then read back
     what the store holds for the run's prompts."""
     ds = cfg.ds
-    committed = stored_total(run.plan, run.stored, ds)[0]
+    landed = run.landed()  # landing exact: the settled run from the first request decides (selection.py)
+    committed = landed.total() if landed is not None else stored_total(run.plan, run.stored, ds)[0]
     usable = sum(unusable_reason(r, ds) is None for r in run.stored.values())
     if committed >= ds.token_budget:
-        status = f"budget met: {committed:,} >= {ds.token_budget:,} tokens from {usable:,} responses"
+        status = f"budget met: {committed:,} >= {ds.token_budget:,} tokens from the store's answers"
         log("generate", dataset=cfg.dataset, status=status)
         return RunStats(reused=usable)
-    stats = generate_missing(cfg, tok, run.plan, run.stored, store, run.queue)
+    stats = generate_missing(cfg, tok, run.plan, run.stored, store, run.queue, landed)
     stats.reused = usable
     run.reread(store)
     return stats
@@ -81,6 +84,7 @@ def generate_missing(
     stored: dict[str, StoredResponse],
     store: ResponseStore,
     conversations: ConversationQueue | None = None,
+    landed: Landed | None = None,
 ) -> RunStats:
     """Generate what the budget still needs. Parked partials are continued rather than counted: the budget counts
     complete responses, and keep_partial's cut ones only once no more generation is wanted. `conversations`
@@ -92,6 +96,7 @@ def generate_missing(
         ds.concurrency,
         keep_partial=ds.on_budget == OnBudget.keep_partial,
         committed=stored_total(plan, stored, ds, partial=False)[0],
+        landed=None if landed is None else landed.total(),
     )
     complete = [r for r in stored.values() if not r.partial and unusable_reason(r, ds) is None]
     for r in complete:
@@ -120,7 +125,7 @@ def generate_missing(
     )
     try:
         work = todo if conversations is None else conversations
-        return asyncio.run(_generate(cfg, tok, work, ctrl, store, parked))
+        return asyncio.run(_generate(cfg, tok, work, ctrl, store, parked, landed))
     except Interrupted:
         log(
             "generate",

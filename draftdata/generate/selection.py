@@ -1,5 +1,18 @@
 """What the output keeps: the usable responses selected in prompt order up to the budget, by what each response
-counts (accounting.py), landed on it.
+counts (accounting.py), landed on it by the dataset's rule (`landing`).
+
+- `exact` (the default): the output is the shortest run of the run's requests, in prompt order (under `turns: all`
+  each conversation's turns in order, conversation after conversation), whose usable answers reach the budget. It is
+  a function of the params and the stored answers of the prompts it holds: the same params give the same output
+  whatever the timing or the store's history, and a smaller budget's output is the start of a larger one's. A run
+  ends once that run of requests is settled (`Landed`): every request in it answered (or failed in this run: the
+  output goes on without it, and the next run retries it), so everything still in flight then lies past the
+  output's end and is parked. It overshoots the budget by less than its last response (at most max_tokens, and
+  that response's prompt under `budget_unit: total`).
+- `finished`: the answers that finished first, in prompt order, then the shortest of the rest that reaches the budget
+  (`landing`). The run stops as soon as the answers it holds reach the budget, so it ends sooner; but what it holds
+  depends on which requests finished first, and the long answers still running at the budget are left out.
+  `on_budget: keep_partial` always lands this way (its cut answers are where the budget found them).
 """
 
 from __future__ import annotations
@@ -7,16 +20,27 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from draftdata.config.schema import DatasetConfig
-from draftdata.generate.accounting import counted, unusable_reason
+from draftdata.config.schema import DatasetConfig, Landing, OnBudget
+from draftdata.generate.accounting import counted, needs_request, unusable_reason
 from draftdata.generate.request import Planned
 from draftdata.generate.store import StoredResponse
+from draftdata.generate.work import FAILED, Conversation
+
+
+def lands_exact(ds: DatasetConfig) -> bool:
+    """Whether the output lands by the exact rule (see the module docstring)."""
+    return ds.landing == Landing.exact and ds.on_budget != OnBudget.keep_partial
+
+
+def landing_rule(ds: DatasetConfig) -> str:
+    """The rule the output landed by, as the metrics record it."""
+    return Landing.exact.value if lands_exact(ds) else Landing.finished.value
 
 
 def select_responses(plan: list[Planned], stored: dict[str, StoredResponse], ds: DatasetConfig):
-    """Usable responses in prompt order, landed on the budget (`landing`: those that fit, then the shortest that
-    reaches it, a conversation's later turn only after the turns before it); every unusable one is counted by
-    reason."""
+    """Usable responses in prompt order, landed on the budget by the dataset's rule (exact: the shortest run from
+    the first that reaches it; finished: `landing`, those that fit, then the shortest that reaches it, a
+    conversation's later turn only after the turns before it); every unusable one is counted by reason."""
     usable: list[tuple[Planned, StoredResponse]] = []
     skipped: Counter = Counter()
     for p in plan:
@@ -29,9 +53,23 @@ def select_responses(plan: list[Planned], stored: dict[str, StoredResponse], ds:
         else:
             usable.append((p, r))
     sizes = [counted(p, r, ds.budget_unit) for p, r in usable]
-    heads = [p.prompt.get("turn", 0) == 0 for p, _ in usable]  # a turn of a conversation (`turns: all`) names it
-    chosen = landing(sizes, ds.token_budget, heads)
+    if lands_exact(ds):
+        chosen = exact_landing(sizes, ds.token_budget)
+    else:
+        heads = [p.prompt.get("turn", 0) == 0 for p, _ in usable]  # a turn of a conversation (`turns: all`) names it
+        chosen = landing(sizes, ds.token_budget, heads)
     return [usable[i] for i in chosen], sum(sizes[i] for i in chosen), skipped
+
+
+def exact_landing(tokens: Sequence[int], budget: int) -> list[int]:
+    """The exact rule (the module docstring): the shortest run from the first response whose count reaches the
+    budget (all of them where they do not)."""
+    total = 0
+    for end, n in enumerate(tokens):
+        if total >= budget:
+            return list(range(end))
+        total += n
+    return list(range(len(tokens)))
 
 
 def landing(tokens: Sequence[int], budget: int, heads: Sequence[bool] | None = None) -> list[int]:
@@ -57,3 +95,60 @@ def landing(tokens: Sequence[int], budget: int, heads: Sequence[bool] | None = N
     rest = range(end, len(tokens)) if heads is None else [end, *(j for j in range(end + 1, len(tokens)) if heads[j])]
     crossing = min((j for j in rest if tokens[j] >= gap), key=tokens.__getitem__)
     return [*range(end), crossing]
+
+
+class Landed:
+    """The exact rule as a run goes (`turns: last`): what the settled run of requests from the first counts. A
+    request is settled once it has its final answer (counted if usable, else 0) or failed in this run (0: the
+    output goes on without it); the budget is met once `total()` reaches it."""
+
+    def __init__(self, keys: Sequence[str]):
+        self.keys = list(keys)
+        self._counts: dict[str, int] = {}
+        self._at, self._total = 0, 0
+
+    @classmethod
+    def of(cls, plan: Sequence[Planned], stored: dict[str, StoredResponse], ds: DatasetConfig) -> Landed:
+        """The run's requests in prompt order, those the store answers settled."""
+        landed = cls([p.key for p in plan])
+        for p in plan:
+            if not needs_request(r := stored.get(p.key)):
+                landed.settle(p, r, ds)
+        return landed
+
+    def settle(self, p: Planned, r: StoredResponse | None, ds: DatasetConfig) -> None:
+        """Request `p` has its final answer `r` (None: it failed)."""
+        usable = r is not None and unusable_reason(r, ds) is None
+        self._counts[p.key] = counted(p, r, ds.budget_unit) if usable else 0
+
+    def total(self) -> int:
+        while self._at < len(self.keys) and (n := self._counts.get(self.keys[self._at])) is not None:
+            self._total += n
+            self._at += 1
+        return self._total
+
+
+class LandedConversations(Landed):
+    """The exact rule as a run goes (`turns: all`): conversations in prompt order, each one's turns in order. A
+    conversation is settled once it ended, or its next turn failed in this run; the first one not settled adds the
+    turns it has answered (they start it, so they start the output's share of it)."""
+
+    def __init__(self, convs: Sequence[Conversation], ds: DatasetConfig):
+        super().__init__([])
+        self.convs, self.ds = list(convs), ds
+
+    def settle(self, p: Planned, r: StoredResponse | None, ds: DatasetConfig) -> None:
+        """Nothing to do: the conversations hold their answers."""
+
+    def total(self) -> int:
+        while self._at < len(self.convs) and _settled(c := self.convs[self._at]):
+            self._total += self._counts_of(c)
+            self._at += 1
+        return self._total + (self._counts_of(self.convs[self._at]) if self._at < len(self.convs) else 0)
+
+    def _counts_of(self, c: Conversation) -> int:
+        return sum(counted(p, r, self.ds.budget_unit) for p, r in c.done if unusable_reason(r, self.ds) is None)
+
+
+def _settled(c: Conversation) -> bool:
+    return c.next is None or c.unanswered == FAILED

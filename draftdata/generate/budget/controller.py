@@ -101,6 +101,9 @@ class BudgetController:
     # budget_unit total: the prompt tokens a new request adds to the budget, on average (0 when only completions
     # count); prompts and completions are kept apart, as only completions are bounded by max_tokens
     prompt_mean: float = 0.0
+    # landing exact: what the settled run of requests from the first counts (selection.Landed), which alone says
+    # the budget is met; None: the finished rule, where `committed` does
+    landed: int | None = None
 
     def __post_init__(self) -> None:
         if self.lengths is None:
@@ -114,6 +117,8 @@ class BudgetController:
 
     def reached(self, progress: Sequence[int] = (), prompts: Sequence[int] = ()) -> bool:
         """True once the budget is met; with keep_partial the tokens in flight count too."""
+        if self.landed is not None:
+            return self.landed >= self.budget
         in_flight = sum(progress) + sum(prompts) if self.keep_partial else 0
         return self.committed + in_flight >= self.budget
 
