@@ -104,7 +104,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftdata.generate.budget.controller import BudgetController, Pending
-from draftdata.generate.selection import landing
+from draftdata.generate.selection import exact_landing, landing
 
 RESULTS = Path(__file__).parent / "results"
 RATE = 50.0  # tokens/s of one request at full batch (virtual time; the ratios do not depend on it)
@@ -144,7 +144,14 @@ MODELS = (
 FAMILIES = ("lognormal", "heavy_tail", "bimodal", "narrow")
 BUDGETS = (1_000_000, 10_000_000)
 NOISE_PCT = (0.0, 2.0)
-SCENARIO_STRATEGIES = ("check_cancel", "ours", "ours_keep_partial")
+SCENARIO_STRATEGIES = ("check_cancel", "ours", "ours_exact", "ours_keep_partial", "exact_limit")
+TURN_STRATEGIES = SCENARIO_STRATEGIES
+# landing exact may pass the budget by its last response (prompt included under budget_unit total), no more
+EXACT_OVERSHOOT_TOKENS = MAX_TOKENS + PROMPT_TOKENS
+# ... and take at most this much more time ÷ ideal than exact_limit, which knows the lengths to come (it sends
+# exactly the requests the exact output holds, the server kept full: for conversations, it starts those the output
+# holds, each turn sent as the one before it completes)
+EXACT_TIME_MARGIN = 0.02
 # Multi-turn rows (`turns: all`): conversations of 1 to MAX_TURNS turns on the two classic servers at 1M tokens, with
 # no early ends and with a quarter of the turns that have a source turn after them ending their conversation.
 TURN_MODELS, TURN_BUDGET, TURN_END_EARLY_PCT = ("per_request_rate", "compute_bound"), 1_000_000, (0.0, 25.0)
@@ -403,13 +410,14 @@ class Outcome:
         self.kept += length + prompt
         self.kept_completion += length
 
-    def land(self, budget: int) -> None:
+    def land(self, budget: int, exact: bool = False) -> None:
         """The output the generate stage selects from the responses: landed on the budget, in prompt order (a
-        conversation's turns, keyed (conversation, turn), in order: a later turn only after the turns before it)."""
+        conversation's turns, keyed (conversation, turn), in order: a later turn only after the turns before it);
+        `exact`: landing exact, the shortest run from the first that reaches it (the run settled it)."""
         keys = sorted(self.responses)
         sizes = [self.responses[k] + self.prompts.get(k, 0) for k in keys]
         heads = [k[1] == 0 for k in keys] if keys and isinstance(keys[0], tuple) else None
-        chosen = landing(sizes, budget, heads)
+        chosen = exact_landing(sizes, budget) if exact else landing(sizes, budget, heads)
         self.kept = sum(sizes[i] for i in chosen)
         self.kept_completion = sum(self.responses[keys[i]] for i in chosen)
         self.held = sum(self.responses.values()) - self.kept_completion
@@ -569,29 +577,87 @@ class Talks:
 Work = Prompts | Talks
 
 
+class Frontier:
+    """landing exact as the loop sees it (draftdata.generate.selection.Landed): what the settled run of responses
+    from the first counts. Requests are keyed in prompt order; a conversation is settled once its last turn is in,
+    and the first one not settled adds the turns it has (they start it)."""
+
+    def __init__(self, work: Work):
+        self.work, self.at, self.total = work, 0, 0
+
+    def landed(self, out: Outcome) -> int:
+        if isinstance(self.work, Prompts):
+            while self.at in out.responses:
+                self.total += out.responses[self.at] + out.prompts.get(self.at, 0)
+                self.at += 1
+            return self.total
+        started = self.work.started
+        while self.at < len(started) and all(
+            (self.at, t) in out.responses for t in range(len(started[self.at].lengths))
+        ):
+            self.total += self._turns(out, self.at, len(started[self.at].lengths))
+            self.at += 1
+        if self.at == len(started):
+            return self.total
+        answered = next(t for t in itertools.count() if (self.at, t) not in out.responses)
+        return self.total + self._turns(out, self.at, answered)
+
+    @staticmethod
+    def _turns(out: Outcome, i: int, n: int) -> int:
+        return sum(out.responses[(i, t)] + out.prompts.get((i, t), 0) for t in range(n))
+
+
 def run_simple(strategy: str, s: Server, work: Work, budget: int) -> Outcome:
-    """cap, check_cancel and let_finish: the server is kept full until their stop rule fires. They neither read
-    the server's rate nor look at partial progress, so only completions matter."""
+    """cap, check_cancel, let_finish and exact_limit: the server is kept full until their stop rule fires. They
+    neither read the server's rate nor look at partial progress, so only completions matter."""
     out = Outcome()
     admitting, admitted = True, 0
     limit = CAP_SAMPLES if strategy == "cap" else math.inf
+    if strategy == "exact_limit":
+        limit = exact_cut(work, budget)
     while True:
-        while admitting and s.n < s.concurrency and admitted < limit:
+        while admitting and s.n < s.concurrency and (admitted < limit or isinstance(work, Talks) and work.ready):
+            started = isinstance(work, Talks) and not work.ready  # send_next starts a conversation
             work.send_next(s)
-            admitted += 1
+            admitted += started or isinstance(work, Prompts)
         if not s.n:
             break
         rid, length = s.complete_next()
         out.keep(length, work.counted_prompt(rid))
+        if strategy == "exact_limit":  # landed as landing exact lands: the last conversation's later turns are held
+            out.responses[work.key(rid)] = length
+            if prompt := work.counted_prompt(rid):
+                out.prompts[work.key(rid)] = prompt
         work.completed(rid)
-        if strategy != "cap" and out.kept >= budget:
+        # exact_limit ends with the conversations it started (a later one's turn may cross the budget first)
+        if strategy not in ("cap", "exact_limit") and out.kept >= budget:
             admitting = False
             if strategy == "check_cancel":
                 streamed = sum(s.progress())
                 out.lost += streamed + s.abort_all(streamed)  # nothing parked: every cancelled token is lost
                 break
     out.t = s.t
+    if strategy == "exact_limit":
+        out.land(budget, exact=True)
     return out
+
+
+def exact_cut(work: Work, budget: int) -> int:
+    """How many requests (conversations), in prompt order, the exact rule's output holds: known here from the
+    lengths to come, which no controller knows (`exact_limit`)."""
+    if isinstance(work, Prompts):
+        ahead, work.lens = itertools.tee(work.lens)
+        sizes: Iterator[int] = ahead
+    else:
+        ahead, work.convs = itertools.tee(work.convs)
+        step = PROMPT_TOKENS if work.prompts_count else 0
+        sizes = (sum(c.lengths) + step * len(c.lengths) for c in ahead)
+    total = 0
+    for n, size in enumerate(sizes, 1):
+        total += size
+        if total >= budget:
+            return n
+    raise AssertionError("lengths are endless")
 
 
 def next_check(s: Server, ctrl: BudgetController, budget: int, prompts: int = 0) -> float:
@@ -613,6 +679,7 @@ def run_controlled(
     rng: random.Random,
     keep_partial: bool,
     slack: float | None = None,
+    exact: bool = False,
 ) -> Outcome:
     """The generate loop around BudgetController: wake at completions, readings and (keep_partial) ticks. A
     controller that stalls (nothing in flight, nothing admitted) ends the run short of the budget: a negative
@@ -624,6 +691,9 @@ def run_controlled(
         ctrl.admit_slack = slack
     if isinstance(work, Talks) and work.prompts_count:
         ctrl.prompt_mean = PROMPT_TOKENS  # the generate stage's: the mean prompt of the turns it plans, all first
+    frontier = Frontier(work) if exact else None
+    if frontier is not None:
+        ctrl.landed = 0
     work.admit(s, ctrl, [])
     readings = itertools.count(1)
     next_reading = next(readings) * READING_S  # a multiple of READING_S, so no drift over thousands
@@ -639,6 +709,8 @@ def run_controlled(
             out.responses[key] = length
             if prompt:
                 out.prompts[key] = prompt
+            if frontier is not None:
+                ctrl.landed = frontier.landed(out)
         elif until_reading <= until_check:
             s.advance(until_reading)
             next_reading = next(readings) * READING_S
@@ -653,7 +725,7 @@ def run_controlled(
             break
         work.admit(s, ctrl, progress)
     out.t = s.t
-    out.land(budget)
+    out.land(budget, exact)
     return out
 
 
@@ -697,9 +769,10 @@ def run_scenario(
     noise = noise_pct / 100.0
     if strategy in SLACK_SWEEP:
         out = run_controlled(s, work, budget, noise, rng, keep_partial=False, slack=SLACK_SWEEP[strategy])
-    elif strategy in ("ours", "ours_keep_partial"):
-        out = run_controlled(s, work, budget, noise, rng, keep_partial=strategy == "ours_keep_partial")
-    elif strategy in ("cap", "check_cancel", "let_finish"):
+    elif strategy in ("ours", "ours_exact", "ours_keep_partial"):
+        keep_partial, exact = strategy == "ours_keep_partial", strategy == "ours_exact"
+        out = run_controlled(s, work, budget, noise, rng, keep_partial=keep_partial, exact=exact)
+    elif strategy in ("cap", "check_cancel", "let_finish", "exact_limit"):
         out = run_simple(strategy, s, work, budget)
     else:
         raise ValueError(f"unknown strategy {strategy!r}")
@@ -737,8 +810,8 @@ def drains_free(model: str) -> bool:
     return model.startswith("compute_bound") and not idle_costs(model)
 
 
-def scenario_goals(model: str, noise_pct: float, r: dict) -> dict:
-    ours, kp, cc = r["ours"], r["ours_keep_partial"], r["check_cancel"]
+def scenario_goals(model: str, noise_pct: float, r: dict, budget: int) -> dict:
+    ours, kp, cc, exact = r["ours"], r["ours_keep_partial"], r["check_cancel"], r["ours_exact"]
     out = {
         "ours_overshoot_le_0.5pct": ours["overshoot_pct"] <= 0.5,
         # where both keep the batch full they tie, up to which completion happens to cross the budget
@@ -751,6 +824,9 @@ def scenario_goals(model: str, noise_pct: float, r: dict) -> dict:
         # draining is free there (down to the knee), whatever the noise, the lengths or where the knee is
         out["ours_waste_le_half_check_cancel"] = ours["waste_pct"] <= 0.5 * cc["waste_pct"]
         out["ours_time_le_check_cancel"] = ours["time_vs_ideal"] <= cc["time_vs_ideal"]
+    out["exact_overshoot_le_one_response"] = exact["overshoot_pct"] <= 100.0 * EXACT_OVERSHOOT_TOKENS / budget
+    if limit := r.get("exact_limit"):
+        out["exact_time_le_limit_plus_0.02"] = exact["time_vs_ideal"] <= limit["time_vs_ideal"] + EXACT_TIME_MARGIN
     return out
 
 
@@ -811,12 +887,13 @@ def run_rows(cases: list[dict], seeds: int, workers: int) -> list[dict]:
     jobs = []
     for c in cases:
         turns = (c["end_early_pct"] / 100, c.get("budget_unit", "completion")) if "turns" in c else ()
-        jobs += [(c["model"], c["family"], c["budget"], c["noise_pct"], name, *turns) for name in SCENARIO_STRATEGIES]
+        names = TURN_STRATEGIES if turns else SCENARIO_STRATEGIES
+        jobs += [(c["model"], c["family"], c["budget"], c["noise_pct"], name, *turns) for name in names]
     results = iter(averaged_many(jobs, [seeds_for(job[2], seeds) for job in jobs], workers))
     rows = []
     for c in cases:
-        strategies = {name: next(results) for name in SCENARIO_STRATEGIES}
-        goals = scenario_goals(c["model"], c["noise_pct"], strategies)
+        strategies = {name: next(results) for name in (TURN_STRATEGIES if "turns" in c else SCENARIO_STRATEGIES)}
+        goals = scenario_goals(c["model"], c["noise_pct"], strategies, c["budget"])
         rows.append({**c, "seeds": seeds_for(c["budget"], seeds), "strategies": strategies, "goals": goals})
     return rows
 
@@ -867,12 +944,14 @@ def fmt_budget(budget: int) -> str:
 
 def print_scenarios(rows: list[dict]) -> None:
     cols = "  over waste  lost   time"
-    print(f"{'':<19}{'':<11}{'':>7}{'':>6}   {'check_cancel':<25} {'ours':<25} {'keep_partial':<25}")
-    print(f"{'model':<19}{'family':<11}{'budget':>7}{'noise':>6}   {cols} {cols} {cols}  missed goals")
+    print(f"{'':<19}{'':<11}{'':>7}{'':>6}   " + " ".join(f"{name:<25}" for name in SCENARIO_STRATEGIES))
+    print(f"{'model':<19}{'family':<11}{'budget':>7}{'noise':>6}   " + " ".join([cols] * len(SCENARIO_STRATEGIES)))
     for r in rows:
         cells = []
         for name in SCENARIO_STRATEGIES:
-            m = r["strategies"][name]
+            if (m := r["strategies"].get(name)) is None:
+                cells.append(f"{'-':>25}")
+                continue
             cells.append(
                 f"{m['overshoot_pct']:>6.2f}{m['waste_pct']:>6.2f}{m['lost_pct']:>6.2f}{m['time_vs_ideal']:>7.4f}"
             )

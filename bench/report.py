@@ -30,7 +30,9 @@ END = "<!-- bench-report:end -->"
 
 BUDGET_STRATEGIES = (
     ("check_cancel", "check_cancel"),
-    ("ours", "ours (`on_budget: cancel`)"),
+    ("ours", "ours (`landing: finished`)"),
+    ("ours_exact", "ours (`landing: exact`)"),
+    ("exact_limit", "exact_limit"),
     ("ours_keep_partial", "ours_keep_partial"),
 )
 
@@ -122,6 +124,7 @@ def budget(r: dict) -> list[str]:
         ],
         derived,
     )
+    out += budget_exact(rows)
     kp = [row["strategies"]["ours_keep_partial"] for row in rows]
     full = s["concurrency"] * s["mean_len"]
     out += [
@@ -172,11 +175,55 @@ def budget(r: dict) -> list[str]:
     return out
 
 
+def budget_exact(rows: list[dict]) -> list[str]:
+    """landing exact against today's rule (finished) and against exact_limit, per server and budget, where the rows
+    ran it."""
+    rows = [row for row in rows if "ours_exact" in row["strategies"] and "exact_limit" in row["strategies"]]
+    if not rows:
+        return []
+    derived = []
+    for model in dict.fromkeys(row["model"] for row in rows):
+        for budget in sorted({row["budget"] for row in rows if row["model"] == model}):
+            mine = [row["strategies"] for row in rows if (row["model"], row["budget"]) == (model, budget)]
+            cost = [m["ours_exact"]["time_vs_ideal"] - m["ours"]["time_vs_ideal"] for m in mine]
+            over = [m["ours_exact"]["time_vs_ideal"] - m["exact_limit"]["time_vs_ideal"] for m in mine]
+            waste = [m["ours_exact"]["waste_pct"] for m in mine]
+            derived.append(
+                [
+                    model,
+                    budget_name(budget),
+                    span(cost, lambda x: f"{x:+.4f}"),
+                    span(over, lambda x: f"{x:+.4f}"),
+                    span(waste, lambda x: f"{x:.1f}"),
+                ]
+            )
+    return [
+        "",
+        "`landing: exact` (the default) against `landing: finished` (the rule before it) and against exact_limit, "
+        "which sends exactly the requests the exact output holds, as soon as a slot is free (it knows the lengths "
+        "to come; no controller does; for conversations it starts those the output holds, each turn sent as the one "
+        "before it completes), per server over its rows above:",
+        "",
+        *table(
+            [
+                "server",
+                "budget",
+                "time ÷ ideal, exact minus finished",
+                "time ÷ ideal, exact minus exact_limit",
+                "exact's waste %",
+            ],
+            derived,
+        ),
+    ]
+
+
 def budget_row(row: dict) -> list[str]:
     """A scenario row's case, its strategies' cells (overshoot / waste / lost / time) and the goals it missed."""
     cells = []
     for name, _ in BUDGET_STRATEGIES:
-        m = row["strategies"][name]
+        if (m := row["strategies"].get(name)) is None:  # a strategy the row did not run
+            cells.append("–")
+            continue
         cells.append(
             f"{m['overshoot_pct']:.2f} / {m['waste_pct']:.2f} / {m['lost_pct']:.2f} / {m['time_vs_ideal']:.4f}"
         )
@@ -219,6 +266,7 @@ def budget_turns(r: dict) -> list[str]:
                     ["server", "lengths", "end early", "budget", "noise", *labels, "missed goals"],
                     [budget_row(row) for row in rows],
                 ),
+                *budget_exact(rows),
             ]
     return out
 

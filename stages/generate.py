@@ -58,6 +58,11 @@ def main(cfg: Config) -> None:
         budget_tokens=written.total,
         new=stats.new,
         reused=written.reused,
+        # where this run's tokens went: the rest are complete answers past the output's end (stored: a larger
+        # budget's output holds them) or lost
+        generated=written.generated,
+        kept=written.in_output,
+        parked=written.parked,
         wall_s=round(time.time() - t0, 1),
     )
 

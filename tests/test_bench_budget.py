@@ -20,8 +20,9 @@ BUDGET = 300_000
 @pytest.mark.parametrize("noise_pct", [0.0, 2.0])
 @pytest.mark.parametrize("model", [*bench.MODELS, "compute_bound+neighbour", "per_request_rate+neighbour"])
 def test_scenario_accounting(model, noise_pct):
-    cc, ours, kp = (bench.run_scenario(model, BUDGET, noise_pct, 0, s) for s in bench.SCENARIO_STRATEGIES)
-    for m in (cc, ours, kp):
+    names = ("check_cancel", "ours", "ours_keep_partial", "ours_exact", "exact_limit")
+    cc, ours, kp, exact, limit = (bench.run_scenario(model, BUDGET, noise_pct, 0, s) for s in names)
+    for m in (cc, ours, kp, exact, limit):
         assert m["generated_tokens"] >= m["kept_tokens"] > 0
         parts = ("kept_tokens", "held_tokens", "parked_tokens", "lost_tokens")
         assert m["generated_tokens"] == pytest.approx(sum(m[k] for k in parts))
@@ -46,15 +47,29 @@ def test_scenario_accounting(model, noise_pct):
     )
     # keep_partial keeps what streamed up to the first check past the budget
     assert 0 <= kp["overshoot_pct"] < 0.5 and kp["lost_pct"] < 0.5 and kp["parked_tokens"] == 0
+    # landing exact holds the shortest run of requests from the first that reaches the budget: the very output
+    # exact_limit makes by sending those requests alone (it knows the lengths), in no less time
+    assert exact["output_tokens"] == limit["output_tokens"] >= BUDGET
+    assert limit["generated_tokens"] == limit["kept_tokens"]
+    assert exact["time_vs_ideal"] >= limit["time_vs_ideal"] - 1e-9 or model.startswith(("compute", "saturating"))
 
 
 @pytest.mark.parametrize("end_early", [0.0, 0.25])
 @pytest.mark.parametrize("model", bench.TURN_MODELS)
 def test_turn_scenario_accounting(model, end_early):
-    cc, ours, kp = (
-        bench.run_scenario(model, BUDGET, 2.0, 0, s, end_early=end_early) for s in bench.SCENARIO_STRATEGIES
+    cc, ours, kp, exact, limit = (
+        bench.run_scenario(model, BUDGET, 2.0, 0, s, end_early=end_early)
+        for s in ("check_cancel", "ours", "ours_keep_partial", "ours_exact", "exact_limit")
     )
-    for m in (cc, ours, kp):
+    assert 0 <= exact["overshoot_pct"] < 100 * bench.MAX_TOKENS / BUDGET
+    # exact_limit starts the conversations the exact output holds, no others, and loses or parks nothing; where a
+    # request's rate is fixed, each conversation's turns one after another take what they take: no controller is
+    # faster
+    assert limit["output_tokens"] == exact["output_tokens"] >= BUDGET
+    assert limit["parked_tokens"] == limit["lost_tokens"] == 0
+    if model == "per_request_rate":
+        assert exact["time_vs_ideal"] >= limit["time_vs_ideal"] - 1e-9
+    for m in (cc, ours, kp, exact):
         parts = ("kept_tokens", "held_tokens", "parked_tokens", "lost_tokens")
         assert m["generated_tokens"] == pytest.approx(sum(m[k] for k in parts)) and m["kept_tokens"] > 0
     assert cc["parked_tokens"] == 0 and cc["lost_tokens"] == pytest.approx(cc["generated_tokens"] - cc["kept_tokens"])
@@ -67,7 +82,8 @@ def test_turn_scenarios_in_budget_unit_total_count_what_each_turns_prompt_adds(m
     """budget_unit total: the output's size counts what each turn's prompt adds to its conversation's sample, so it
     holds fewer completion tokens than the budget; waste and time still count decoded tokens only."""
     runs = [
-        bench.run_scenario(model, BUDGET, 2.0, 0, s, end_early=0.25, unit="total") for s in bench.SCENARIO_STRATEGIES
+        bench.run_scenario(model, BUDGET, 2.0, 0, s, end_early=0.25, unit="total")
+        for s in ("check_cancel", "ours", "ours_keep_partial")
     ]
     completion = bench.run_scenario(model, BUDGET, 2.0, 0, "check_cancel", end_early=0.25)
     for m in runs:

@@ -145,7 +145,8 @@ def test_progress_lines_when_not_on_a_terminal(project, capsys):
     project.save()
     project.run("prompts", "B3")
     project.run("generate", "B3")
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("generate B3: ")]
+    out = capsys.readouterr().out.splitlines()
+    lines = [line for line in out if line.startswith("generate B3: ")]
     assert len(lines) > 2, "no progress lines"
     m = metrics(project)
     # the last line is the final count (every token counted toward the budget, past it when the last responses
@@ -155,6 +156,16 @@ def test_progress_lines_when_not_on_a_terminal(project, capsys):
     assert " resp (0 err)" in lines[-1] and "avg_comp=" in lines[-1]
     # no ETA and no rate before there is one: the first line comes before any token
     assert "ETA" not in lines[0] and "tok/s" not in lines[0]
+    # the requests in flight and what they streamed, before the answers are complete; none at the end
+    streamed = [
+        int(line.split(" generating (")[1].split(" tok)")[0].replace(",", ""))
+        for line in lines
+        if " generating (" in line
+    ]
+    assert streamed and max(streamed) > 0 and " generating" not in lines[-1]
+    # the closing line says where the run's tokens went, as the metrics count them
+    closing = next(line for line in out if line.startswith("generate dataset=B3 responses="))
+    assert f"generated={m['new_tokens']} kept={m['new_in_output_tokens']} parked={m['parked_tokens']}" in closing
 
 
 def test_progress_eta_comes_from_the_recent_rate():
@@ -172,7 +183,11 @@ def test_progress_eta_comes_from_the_recent_rate():
     prog._mark(111.0, 2_000, 10)  # 100 tok/s, 0.5 req/s since the first token
     line = prog.line(2_000, stats, 4)
     assert "100 tok/s" in line and "0.5 req/s" in line and "ETA 80s" in line and "avg_comp=100tok" in line
-    assert line.startswith("2,000/10,000 tok (20%) | 10 resp (0 err)")
+    assert line.startswith("2,000/10,000 tok (20%) | 4 generating (0 tok) | 10 resp (0 err)")
+    # what the requests in flight streamed is on its way to the budget: the ETA is what is left past it
+    line = prog.line(2_000, stats, 4, 1_500)
+    assert "4 generating (1,500 tok)" in line and "ETA 65s" in line
+    assert "generating" not in prog.line(2_000, stats, 0)
 
 
 def test_embedded_sampling_is_reproducible(project, monkeypatch):

@@ -136,6 +136,48 @@ def test_length_model_prior_and_conditional_mean():
     assert m.expected_final(950) == 975  # past everything seen: halfway to max_tokens
 
 
+def test_censored_lengths_count_the_running_requests_as_not_yet_known():
+    """The answers that complete first are the short ones: with half of the requests still running past every
+    length seen, the lengths seen alone say 100, Kaplan-Meier says more, and the running ones are expected long."""
+    m = LengthModel(max_tokens=1000)
+    for _ in range(16):
+        m.add(100)
+    assert m.censored([])[0] == pytest.approx(100) and m.censored([])[2] == pytest.approx(0)
+    mean, running, sd = m.censored([150] * 16)  # 16 running, each already past every length seen
+    # half of the requests are known to pass 150 and nothing says where they end: up to max_tokens, at worst
+    assert mean == pytest.approx(0.5 * 100 + 0.5 * 1000) and sd > 0
+    assert running == pytest.approx(16 * 1000)
+    # a running request short of the lengths seen is expected to end where they do
+    assert m.censored([50])[1] == pytest.approx(100, rel=0.1)
+
+
+def test_censored_prior_starts_from_the_lengths_seen():
+    m = LengthModel(max_tokens=1000)
+    assert m.censored([])[0] == 500  # nothing seen: max_tokens / 2
+    m.add(100)  # the run's own first answers are its shortest: they do not move the prior
+    assert m.censored([])[0] == 500
+    m = LengthModel(max_tokens=1000)
+    m.add_stored([100] * 8)  # half of MIN_OBSERVED, e.g. a smaller budget's answers in the store
+    assert m.censored([])[0] == pytest.approx((8 * 100 + 8 * 500) / 16)
+    m.add(100)
+    assert m.censored([])[0] == pytest.approx((8 * 100 + 8 * 500) / 16)
+    assert m.censored([700])[1] == 700  # a request past the prior is expected at least where it is
+
+
+def test_exact_landing_admits_what_the_budget_needs_from_the_first_request():
+    """landing exact: a request past the output's end is waste, so a small budget gets what it needs of a batch,
+    not the batch (the demo: 16 slots, budgets of a few answers)."""
+    c = BudgetController(budget=1_000, max_tokens=400, concurrency=16, landed=0)
+    # 1,000 tokens / 200 (the prior, max_tokens / 2) = 5, and one more: the five may sum EXACT_MARGIN standard
+    # deviations short (falling short costs a request admitted at the end, waited for whole)
+    assert len(fill(c, [])) == 6
+    c = BudgetController(budget=1_000, max_tokens=400, concurrency=16)  # landing finished fills the batch
+    assert len(fill(c, [])) == 16
+    c = BudgetController(budget=1_000, max_tokens=400, concurrency=16, landed=0)
+    c.lengths.add_stored([50] * 16)  # the store holds this dataset's answers of 50 tokens: they are the lengths
+    assert len(fill(c, [])) == 16
+
+
 def test_blind_controller_admits_expected_fit_plus_slack():
     c = BudgetController(budget=10_000, max_tokens=200, concurrency=1000, admit_slack=0.0)
     assert len(fill(c, [])) == 100  # 100 in flight × 100 expected tokens = the budget

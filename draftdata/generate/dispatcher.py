@@ -203,15 +203,19 @@ class Dispatcher:
         """Feed the controller the meter's readings; only a streaming backend shows the progress they need."""
         if not self.stream:
             return
-        reading = self.meter.observe(time.monotonic(), len(self.flights), self._generated_so_far)
+        reading = self.meter.observe(time.monotonic(), len(self.flights), self.generated_so_far)
         if reading is not None:
             self.ctrl.observe_rate(*reading)
 
-    def _generated_so_far(self) -> int:
+    def generated_so_far(self) -> int:
         """Tokens this run generated: committed, lost, and streamed so far by the requests in flight."""
         return self.stats.generated + sum(
             max(0, f.req.partial.completion_tokens - f.prefix) for f in self.flights.values()
         )
+
+    def streaming(self) -> int:
+        """The completion tokens the requests in flight hold so far (a continued one's parked part included)."""
+        return sum(f.req.partial.completion_tokens for f in self.flights.values())
 
     def _record(
         self,

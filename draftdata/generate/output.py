@@ -29,6 +29,9 @@ class Written:
     responses: int
     total: int  # what they count toward the budget
     reused: int  # usable answers the store held before the run
+    generated: int  # completion tokens this run generated, and of them:
+    in_output: int  # in the output
+    parked: int  # in partials a later run continues
 
 
 def write_outputs(
@@ -49,7 +52,9 @@ def write_outputs(
     metrics["compute_dtype"] = sorted({r.compute_dtype for _, r in selected if r.compute_dtype}) or None
     metrics["rejected"] = dict(sorted(rejected.counts.items()))
     write_json(out / "generate_metrics.json", metrics)
-    return Written(len(selected), total, stats.reused)
+    return Written(
+        len(selected), total, stats.reused, stats.generated, metrics["new_in_output_tokens"], stats.parked_tokens
+    )
 
 
 def _write_rejected(out: Path, prompts, run: RunPlan, selected, ds: DatasetConfig, store: ResponseStore) -> Rejections:

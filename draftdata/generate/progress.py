@@ -12,9 +12,13 @@ from draftdata.generate.dispatcher import Dispatcher, RunStats
 
 class Progress:
     """A tqdm bar toward the budget on a terminal, a log line every `run.log_every_s` otherwise, both in the form
-    users read elsewhere: `8,353/9,000 tok (93%) | 61 resp (0 err) 0.5 req/s | 68 tok/s | avg_comp=137tok | ETA 12s`.
-    Rates are measured over the last RATE_WINDOW_S of generation, and there is no ETA before there is a rate (the
-    first seconds, loading and the first tokens, would otherwise predict hours for a run of minutes)."""
+    users read elsewhere: `8,353/9,000 tok (93%) | 16 generating (412 tok) | 61 resp (0 err) 0.5 req/s | 68 tok/s |
+    avg_comp=137tok | ETA 12s`. The counts are the budget's (complete answers); the tokens streamed by the requests in
+    flight are shown beside them, and the rate counts them as they stream (a run whose first answers take a minute
+    reads its rate from its first tokens, not 0 tok/s). Rates are measured over the last RATE_WINDOW_S of generation,
+    and there is no ETA before there is a rate (the first seconds, loading and the first tokens, would otherwise
+    predict hours for a run of minutes); the ETA is what the budget still needs past the streamed tokens, at that
+    rate."""
 
     RATE_WINDOW_S = 30.0
     MIN_RATE_SPAN_S = 3.0
@@ -40,13 +44,13 @@ class Progress:
     def update(self, d: Dispatcher, final: bool = False) -> None:
         now = time.monotonic()
         s = d.stats
-        self._mark(now, s.generated, s.new)
+        self._mark(now, d.generated_so_far(), s.new)
         if final or not s.fill or now - self.t0 - s.fill[-1][0] >= 1.0:  # the budget-fill plot's points
             s.fill.append((round(now - self.t0, 2), d.ctrl.committed))
         if not final and now - self.last_log < (0.2 if self.tty else self.cfg.run.log_every_s):
             return
         self.last_log = now
-        line = self.line(d.ctrl.committed, s, len(d.flights))
+        line = self.line(d.ctrl.committed, s, len(d.flights), d.streaming())
         if self.tty:
             if d.ctrl.committed > self.bar.total:  # the last response may cross the budget: the bar ends there
                 self.bar.total = d.ctrl.committed
@@ -69,21 +73,21 @@ class Progress:
         (t0, g0, r0), (t1, g1, r1) = self.marks[0], self.marks[-1]
         return (g1 - g0) / (t1 - t0), (r1 - r0) / (t1 - t0)
 
-    def line(self, committed: int, s: RunStats, in_flight: int) -> str:
+    def line(self, committed: int, s: RunStats, in_flight: int, streaming: int = 0) -> str:
         budget = self.ds.token_budget
         rates = self.rates()
         errors = sum(s.failed.values())
-        parts = [
-            f"{committed:,}/{budget:,} tok ({100 * committed / budget:.0f}%)",
-            f"{s.new} resp ({errors} err)" + (f" {rates[1]:.1f} req/s" if rates else ""),
-        ]
+        parts = [f"{committed:,}/{budget:,} tok ({100 * committed / budget:.0f}%)"]
+        if in_flight:
+            parts.append(f"{in_flight} generating ({streaming:,} tok)")
+        parts.append(f"{s.new} resp ({errors} err)" + (f" {rates[1]:.1f} req/s" if rates else ""))
         if rates:
             parts.append(f"{rates[0]:,.0f} tok/s")
         if s.new:
             parts.append(f"avg_comp={s.completed_len / s.new:,.0f}tok")
-        parts.append(f"in_flight={in_flight}")
+        left = budget - committed - streaming
         if rates and rates[0] > 0 and committed < budget:
-            parts.append(f"ETA {_duration((budget - committed) / rates[0])}")
+            parts.append(f"ETA {_duration(max(0, left) / rates[0])}")
         return " | ".join(parts)
 
     def close(self, d: Dispatcher | None = None) -> None:

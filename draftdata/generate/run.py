@@ -99,8 +99,8 @@ def generate_missing(
         landed=None if landed is None else landed.total(),
     )
     complete = [r for r in stored.values() if not r.partial and unusable_reason(r, ds) is None]
-    for r in complete:
-        ctrl.lengths.add(r.completion_tokens)  # completion lengths only: bounded by max_tokens, whatever the unit
+    # completion lengths only: bounded by max_tokens, whatever the unit
+    ctrl.lengths.add_stored([r.completion_tokens for r in complete])
     todo = [p for p in plan if needs_request(stored.get(p.key))]
     if cfg.backend.kind == BackendKind.openai and todo:  # before any request
         # imported here, as make_backend imports the backends: a run that sends nothing does not import aiohttp

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,8 +81,10 @@ class StateStore:
     def path(self, shard: str) -> Path:
         return self.root / shard
 
-    def new_shard_name(self, settings_hash: str) -> str:
-        return f"{settings_hash}/{uuid.uuid4().hex}.safetensors"
+    def new_shard_name(self, settings_hash: str, keys: list[str]) -> str:
+        """Named by the samples it holds (their keys are their settings and ids): the same samples, the same name,
+        so two runs of the same params write the same index; the ranks of a job write different samples."""
+        return f"{settings_hash}/{content_hash(keys, n=32)}.safetensors"
 
     def lookup(self, keys: Iterable[str]) -> dict[str, Location]:
         rows = rows_in(self.db, "SELECT key, shard, row, n_tokens FROM states WHERE key IN ({marks})", keys)

@@ -28,10 +28,11 @@ class ShardWriter:
 
     def submit(self, samples: list[SampleStates], engine: str) -> None:
         self.wait()
-        name = self.store.new_shard_name(self.settings_hash)
+        keys = [s.key for s in samples]
+        name = self.store.new_shard_name(self.settings_hash, keys)
         args = (self.store.path(name), samples, self.dtype, self.settings, self._buffer)
         job = self._pool.submit(write, *args) if self._pool is not None else _Done(write(*args))
-        self._pending = (job, name, [s.key for s in samples], [len(s.input_ids) for s in samples], engine)
+        self._pending = (job, name, keys, [len(s.input_ids) for s in samples], engine)
 
     def wait(self) -> None:
         """The shard in flight, written and indexed (a write's error is raised here). A Ctrl-C while it waits keeps

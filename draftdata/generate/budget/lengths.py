@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 # Before this many responses have completed, lengths are assumed to be max_tokens / 2.
 MIN_OBSERVED = 16
@@ -23,6 +26,16 @@ class LengthModel:
     _sum: int = 0
     _snapshot: list[int] = field(default_factory=list)
     _suffix: list[int] = field(default_factory=list)  # _suffix[i] = sum(_snapshot[i:])
+    prior: float | None = None  # landing exact's length before MIN_OBSERVED are seen (add_stored; max_tokens / 2)
+
+    def add_stored(self, lengths: Sequence[int]) -> None:
+        """The store's answers of the dataset, before the run: lengths seen, and where fewer than MIN_OBSERVED, the
+        prior `censored` starts from (them, filled up with max_tokens / 2), so a raised budget starts from what a
+        smaller one measured. Not the run's own first answers: those are its shortest."""
+        for length in lengths:
+            self.add(length)
+        if lengths and len(lengths) < MIN_OBSERVED:
+            self.prior = (sum(lengths) + (MIN_OBSERVED - len(lengths)) * self.max_tokens / 2) / MIN_OBSERVED
 
     def add(self, length: int) -> None:
         self._lengths.append(length)
@@ -48,6 +61,36 @@ class LengthModel:
         if i == len(self._snapshot):
             return (progress + self.max_tokens) / 2
         return self._suffix[i] / (len(self._snapshot) - i)
+
+    def censored(self, running: Sequence[int]) -> tuple[float, float, float]:
+        """The mean length of a new request and the expected final lengths of the `running` requests (their
+        progress), summed, with the running requests counted as lengths not yet known (Kaplan-Meier): the responses
+        that complete first are the short ones, so the lengths seen alone understate what is in flight, and a
+        controller that admits by them admits past the budget (bench/budget.py, landing exact). Before
+        MIN_OBSERVED responses, the prior (`add_stored`). Also the lengths' standard deviation (the uniform one of
+        0 to max_tokens before MIN_OBSERVED)."""
+        if self.n < MIN_OBSERVED:
+            prior = self.prior if self.prior is not None else self.max_tokens / 2
+            return prior, sum(max(float(p), prior) for p in running), self.max_tokens / 12**0.5
+        self._fresh()
+        ends = np.asarray(self._snapshot, dtype=np.float64)
+        alive = np.sort(np.asarray(running, dtype=np.float64))
+        # at risk at each completion (in order): the completions not yet passed, and the running ones that got there
+        at_risk = (len(ends) - np.arange(len(ends))) + (len(alive) - np.searchsorted(alive, ends, side="left"))
+        survival = np.concatenate(([1.0], np.cumprod(1.0 - 1.0 / at_risk)))  # S on [0, ends[0]), [ends[i], ...)
+        bounds = np.concatenate(([0.0], np.minimum(ends, self.max_tokens), [float(self.max_tokens)]))
+        area = np.concatenate(([0.0], np.cumsum(survival * np.diff(bounds))))  # the integral of S up to each bound
+        mean = float(area[-1])
+        square = float(np.sum(survival * np.diff(bounds**2)))  # E[L^2] = the integral of 2x S(x)
+        sd = max(0.0, square - mean * mean) ** 0.5
+        if not len(alive):
+            return mean, 0.0, sd
+        seg = np.clip(np.searchsorted(bounds, alive, side="right") - 1, 0, len(survival) - 1)
+        left = np.clip(alive, 0.0, self.max_tokens)
+        s_at = survival[seg]
+        beyond = area[-1] - (area[seg] + s_at * (left - bounds[seg]))
+        tail = np.where(s_at > 0, left + beyond / np.where(s_at > 0, s_at, 1.0), (left + self.max_tokens) / 2)
+        return mean, float(np.maximum(tail, alive).sum()), sd
 
     def quantile(self, q: float, running: int = 0) -> float:
         """The q-quantile of the lengths, counting the `running` requests not yet complete as max_tokens long: the
