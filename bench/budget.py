@@ -103,6 +103,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from draftdata.generate.accounting import continuation
 from draftdata.generate.budget.controller import BudgetController, Pending
 from draftdata.generate.selection import exact_landing, landing
 
@@ -512,6 +513,7 @@ class Talks:
         self.upcoming: deque[Conversation] = deque()  # drawn to be priced, not started yet
         self.ready: deque[tuple[int, int]] = deque()  # (conversation, turn) whose previous turn completed
         self.flying: dict[int, tuple[int, int]] = {}  # request id -> (conversation, turn)
+        self.went_on = self.could_go_on = 0  # completed turns with a source turn after: went on to it, all
 
     def _send(self, s: Server, i: int, t: int) -> None:
         self.flying[s.admit(self.started[i].lengths[t])] = (i, t)
@@ -545,11 +547,15 @@ class Talks:
         while len(self.upcoming) < room:
             self.upcoming.append(next(self.convs))
         upcoming = [(0, c.slots, step) for c in itertools.islice(self.upcoming, room)]
-        return Pending(started, upcoming, growth=step, prompts=self.prompts_count)
+        carry = continuation(self.went_on, self.could_go_on)
+        return Pending(started, upcoming, growth=step, prompts=self.prompts_count, carry=carry)
 
     def completed(self, rid: int) -> tuple[int, int]:
         i, t = self.flying.pop(rid)
         conv = self.started[i]
+        if t + 1 < conv.slots:  # as the generate stage counts them (ConversationQueue.settled)
+            self.could_go_on += 1
+            self.went_on += t + 1 < len(conv.lengths)
         if t + 1 < len(conv.lengths):
             self.ready.appendleft((i, t + 1))  # ahead of the others: its history is warm
         return i, t
@@ -613,8 +619,9 @@ def run_simple(strategy: str, s: Server, work: Work, budget: int) -> Outcome:
     out = Outcome()
     admitting, admitted = True, 0
     limit = CAP_SAMPLES if strategy == "cap" else math.inf
+    frontier = None
     if strategy == "exact_limit":
-        limit = exact_cut(work, budget)
+        limit, frontier = exact_cut(work, budget), Frontier(work)
     while True:
         while admitting and s.n < s.concurrency and (admitted < limit or isinstance(work, Talks) and work.ready):
             started = isinstance(work, Talks) and not work.ready  # send_next starts a conversation
@@ -624,11 +631,15 @@ def run_simple(strategy: str, s: Server, work: Work, budget: int) -> Outcome:
             break
         rid, length = s.complete_next()
         out.keep(length, work.counted_prompt(rid))
-        if strategy == "exact_limit":  # landed as landing exact lands: the last conversation's later turns are held
+        if frontier is not None:  # landed as landing exact lands
             out.responses[work.key(rid)] = length
             if prompt := work.counted_prompt(rid):
                 out.prompts[work.key(rid)] = prompt
         work.completed(rid)
+        if frontier is not None and frontier.landed(out) >= budget:  # settled: the last conversation's later turns
+            streamed = sum(s.progress())  # are not the output's (their tokens lost, as check_cancel's)
+            out.lost += streamed + s.abort_all(streamed)
+            break
         # exact_limit ends with the conversations it started (a later one's turn may cross the budget first)
         if strategy not in ("cap", "exact_limit") and out.kept >= budget:
             admitting = False

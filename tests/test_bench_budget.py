@@ -66,7 +66,7 @@ def test_turn_scenario_accounting(model, end_early):
     # request's rate is fixed, each conversation's turns one after another take what they take: no controller is
     # faster
     assert limit["output_tokens"] == exact["output_tokens"] >= BUDGET
-    assert limit["parked_tokens"] == limit["lost_tokens"] == 0
+    assert limit["parked_tokens"] == 0  # the last conversation's later turns, if any in flight, are dropped
     if model == "per_request_rate":
         assert exact["time_vs_ideal"] >= limit["time_vs_ideal"] - 1e-9
     for m in (cc, ours, kp, exact):

@@ -5,8 +5,12 @@ the budget without a conversation's later turn standing alone."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
+
+import pytest
 
 from draftdata.config.schema import DatasetConfig, Landing
+from draftdata.generate.accounting import continuation, expected_turns
 from draftdata.generate.budget.controller import BudgetController, Pending
 from draftdata.generate.request import Planned
 from draftdata.generate.selection import landing, select_responses
@@ -39,6 +43,24 @@ def test_under_budget_unit_total_each_turn_to_come_counts_what_its_prompt_adds_t
     waiting = Pending(started=[(0, 2, 500)], growth=100, prompts=True)  # it waits for a slot: it adds 500 itself
     assert waiting.tokens(1000) == (1000 + 500) + (1000 + 100)
     assert Pending(started=[(1, 2, 500)], growth=100).tokens(1000) == 2000  # completions only: the answers
+
+
+def test_under_landing_exact_turns_to_come_are_weighted_by_the_share_that_went_on():
+    """A conversation started late is a whole chain the exact output waits for: the turns to come are expected at
+    the share of turns that went on to the next so far (three in four here), not every source turn; the finished
+    rule keeps the upper bound."""
+    assert continuation(0, 0) == 1.0  # nothing seen: every source turn
+    assert continuation(30, 40) == pytest.approx((30 + 8) / (40 + 8))
+    assert expected_turns(0, 3, 0.5) == 1 + 0.5 + 0.25  # the first waits for a slot: surely requested
+    assert expected_turns(1, 3, 0.5) == 0.5 + 0.25 + 0.125  # the turn before is in flight: each goes on or not
+    assert expected_turns(1, 3) == 3
+    pending = Pending(started=[(1, 3, 0)] * 10, upcoming=[(0, 4, 0)] * 40, carry=0.5)
+    exact = BudgetController(budget=100_000, max_tokens=4000, concurrency=200, landed=0)
+    exact.lengths.add_stored([1000] * 16)  # every answer 1,000 long: no spread, no margin
+    # in flight 10 × 1,000; their turns to come 10 × 0.875 × 1,000; a new conversation 1.875 × 1,000
+    assert exact.admit_count([0] * 10, (), pending) == (100_000 - 10_000 - 8_750) // 1_875 == 43
+    finished = seen(BudgetController(budget=100_000, max_tokens=4000, concurrency=50, admit_slack=0.0))
+    assert finished.admit_count([0] * 10, (), pending) == 15  # as without `carry`
 
 
 def test_a_conversation_admitted_while_the_server_is_not_read_fills_the_batch_with_the_slack():
@@ -94,8 +116,9 @@ def test_the_work_queue_tells_what_started_and_upcoming_conversations_will_still
     from draftdata.generate.work import Conversation, ConversationQueue
 
     def conversation(name: str, slots: int, prompt: int) -> Conversation:
-        def walk():  # its turns as a replay yields them; none is answered here
+        def walk():  # its turns as a replay yields them: turn 0 only, then it ends as a diverging call ends it
             yield Planned({"id": f"{name}0", "conversation": name, "turn": 0}, f"{name}0", [7] * prompt)
+            return SimpleNamespace(ended="diverged")
 
         c = Conversation({"id": name, "slots": list(range(slots))}, walk())
         c.start(None)
@@ -108,3 +131,10 @@ def test_the_work_queue_tells_what_started_and_upcoming_conversations_will_still
     assert asks(queue.pending(2)) == ([], [(0, 3, 40), (0, 5, 60)])
     assert queue.next_new().key == "A0"  # A's turn 0 in flight: its 2 source turns after it are to come
     assert asks(queue.pending(2)) == ([(1, 2, 40)], [(0, 5, 60)])
+    assert queue.pending(2).carry == 1.0  # no turn answered yet: every source turn is expected
+    # A's first answer ends it (its replay has no turn after) with 2 source turns left: a turn that did not go on,
+    # which `carry` (read under landing exact) counts
+    flight = SimpleNamespace(p=SimpleNamespace(key="A0"), req=SimpleNamespace(prefer=None))
+    queue.settled([(SimpleNamespace(error=None, server="s"), flight)], [(answer("A0", 5), flight)])
+    assert queue.could_go_on == 1 and queue.went_on == 0
+    assert queue.pending(2).carry == continuation(0, 1) == 8 / 9

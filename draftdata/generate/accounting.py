@@ -124,11 +124,36 @@ def continues(nxt: Planned, before: Planned, answer: StoredResponse) -> bool:
     return text == nxt.rendered or nxt.rendered.startswith(text[:-1] + ",")
 
 
-def turns_cost(first: int, turns: int, prompt: int, completion: float, growth: float, prompts: bool) -> float:
+# How many answered turns with a source turn after them, all going on to it, `continuation` starts from: the share
+# is read from what the run sees, from "every source turn" at first
+CONTINUATION_PRIOR = 8
+
+
+def continuation(went_on: int, could: int) -> float:
+    """The share of answered turns with a source turn after them whose conversation went on to it (the rest ended
+    early: a diverging call, a truncated answer, a context full), with CONTINUATION_PRIOR turns that went on."""
+    return (went_on + CONTINUATION_PRIOR) / (could + CONTINUATION_PRIOR)
+
+
+def expected_turns(first: int, turns: int, carry: float = 1.0) -> float:
+    """How many of a conversation's `turns` source turns not yet requested will be, each going on from the one
+    before with chance `carry`: the first of them surely where it waits for a slot (`first` 0), with chance `carry`
+    where the turn before is in flight (`first` 1)."""
+    if carry >= 1.0 or turns <= 0:
+        return float(max(turns, 0))
+    start = carry if first else 1.0
+    return start * (1.0 - carry**turns) / (1.0 - carry)
+
+
+def turns_cost(
+    first: int, turns: int, prompt: int, completion: float, growth: float, prompts: bool, carry: float = 1.0
+) -> float:
     """Expected tokens of a conversation's `turns` source turns not yet requested, the first of them `first` turns
     after the one whose prompt adds `prompt` tokens (0: it is that turn): each adds a completion and, when prompts
     count (`total`), what its prompt adds to the sample: `prompt` for that turn itself, a source step (`growth`, the
-    mean of what a turn's prompt adds to the turn before and its answer) after."""
+    mean of what a turn's prompt adds to the turn before and its answer) after. `carry`: the chance that a turn goes
+    on to the next (expected_turns; 1.0: every source turn is expected)."""
+    n = expected_turns(first, turns, carry)
     if not prompts or turns <= 0:
-        return turns * completion
-    return turns * (completion + growth) + (prompt - growth if first == 0 else 0)
+        return n * completion
+    return n * (completion + growth) + (prompt - growth if first == 0 else 0)

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from draftdata.generate.accounting import is_empty, link, needs_request, prompt_count
+from draftdata.generate.accounting import continuation, is_empty, link, needs_request, prompt_count
 from draftdata.generate.backends.protocol import GenResult
 from draftdata.generate.budget.controller import Pending
 from draftdata.generate.conversation import TurnRenders
@@ -195,6 +195,7 @@ class ConversationQueue(WorkQueue):
         self._waiting: dict[str, list[Conversation]] = {}  # key in flight -> the conversations waiting on it
         self._answered: set[str] = set()  # keys answered in this run
         self._reused: list[tuple[Planned, StoredResponse]] = []  # see take_reused
+        self.went_on = self.could_go_on = 0  # answered turns with a source turn after: went on to it, all
         self.next_turns = 0  # turns after the first answered in this run with their predecessor's server known
         self.same_server = 0  # ... answered by that server
 
@@ -215,7 +216,7 @@ class ConversationQueue(WorkQueue):
         started += [(0, c.left(), prompt_count(c.next)) for c in self._ready]
         nxt = [(0, c.left(), prompt_count(c.next)) for c in itertools.islice(self._fresh, upcoming)]
         growth = self.growth_sum / self.growth_n if self.growth_n else 0.0
-        return Pending(started, nxt, growth, self.prompts_count)
+        return Pending(started, nxt, growth, self.prompts_count, continuation(self.went_on, self.could_go_on))
 
     def prefer(self, p: Planned) -> str | None:
         waiting = self._waiting.get(p.key)
@@ -251,7 +252,10 @@ class ConversationQueue(WorkQueue):
                 self._count_server(f.req.prefer, res.server)
                 c.server = res.server
                 since.append(len(c.done))
+                more = c.left() > 1  # a source turn after this one: did the conversation go on to it?
                 c.answer(r, self.room)
+                self.could_go_on += more
+                self.went_on += more and c.next is not None
                 stepped.append(c)
         self._reused += step_over_stored(stepped, self.store, self.parked, self.room)
         if self.renders is not None:

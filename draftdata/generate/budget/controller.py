@@ -69,26 +69,31 @@ class Pending:
     `growth`: the tokens a turn's prompt adds to the previous prompt and answer (the source's user and tool turns,
     the template's markers), on average; `prompts`: whether prompts count toward the budget (budget_unit total).
 
-    Every source turn is expected: an upper bound where conversations end early (a diverging call, a truncated
-    answer), so new conversations are admitted late rather than early. Weighting the turns by the share that went
-    on to the next made the benchmark's multi-turn rows no better, with a quarter of the turns ending their
-    conversation: near the budget the batch is set by the server (`turn_count`, the refills), not by the fit."""
+    Under landing finished every source turn is expected: an upper bound where conversations end early (a diverging
+    call, a truncated answer), so new conversations are admitted late rather than early. Weighting the turns by the
+    share that went on to the next (`carry`) made the benchmark's multi-turn rows no better there, with a quarter of
+    the turns ending their conversation: near the budget the batch is set by the server (`turn_count`, the
+    refills), not by the fit. Under landing exact the output waits for each conversation it holds, turn after turn,
+    so one started late costs its whole chain: there the turns are weighted (bench/budget.py, ours_exact)."""
 
     started: Sequence[tuple[int, int, int]] = ()
     upcoming: Sequence[tuple[int, int, int]] = ()
     growth: float = 0.0
     prompts: bool = False
+    # the share of turns that went on to the next source turn so far (accounting.continuation); read under landing
+    # exact only, where a conversation started late is a whole chain of turns the output waits for
+    carry: float = 1.0
 
-    def tokens(self, completion: float) -> float:
+    def tokens(self, completion: float, carry: float = 1.0) -> float:
         """Expected tokens of the started conversations' turns not yet requested (the controller's `pending`)."""
-        return sum(self._turns(c, completion) for c in self.started)
+        return sum(self._turns(c, completion, carry) for c in self.started)
 
-    def new_cost(self, completion: float) -> float:
+    def new_cost(self, completion: float, carry: float = 1.0) -> float:
         """Expected tokens of one conversation admitted now: the mean over those next in line."""
-        return sum(self._turns(c, completion) for c in self.upcoming) / len(self.upcoming)
+        return sum(self._turns(c, completion, carry) for c in self.upcoming) / len(self.upcoming)
 
-    def _turns(self, conv: tuple[int, int, int], completion: float) -> float:
-        return turns_cost(*conv, completion, self.growth, self.prompts)
+    def _turns(self, conv: tuple[int, int, int], completion: float, carry: float) -> float:
+        return turns_cost(*conv, completion, self.growth, self.prompts, carry)
 
 
 @dataclass
@@ -152,9 +157,10 @@ class BudgetController:
         mean = completion + self.prompt_mean  # what a new request adds to the budget
         expected = self.committed + sum(prompts) + running
         if pending is not None:  # the started conversations' turns to come are as good as in flight
-            expected += pending.tokens(completion)
+            carry = pending.carry if self.landed is not None else 1.0
+            expected += pending.tokens(completion, carry)
             if pending.upcoming:
-                mean = pending.new_cost(completion)
+                mean = pending.new_cost(completion, carry)
         fit = int((self.budget - expected) // mean) if expected < self.budget else 0  # each new one adds `mean`
         if not progress:  # nothing in flight and the budget not met: one more, or the run would end short of it
             fit = max(fit, 1)
