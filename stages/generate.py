@@ -12,9 +12,10 @@ from __future__ import annotations
 import time
 
 from draftdata.config.load import cli
+from draftdata.config.modes import split_rows
 from draftdata.config.schema import Config
 from draftdata.errors import UserError
-from draftdata.generate.output import write_outputs
+from draftdata.generate.output import Part, write_outputs
 from draftdata.generate.planning import RunPlan
 from draftdata.generate.run import run_generation
 from draftdata.generate.store import ResponseStore
@@ -32,15 +33,29 @@ def main(cfg: Config) -> None:
             f"{out / 'prompts.jsonl'}: not found; run the prompts stage first (dvc repro prompts@{cfg.dataset})"
         )
     prompts = list(read_jsonl(out / "prompts.jsonl"))
-    # its ids fit the model, its template ends the turn where it stops
-    tok, limits = load_target_tokenizer(cfg.model, cfg.template_kwargs)
+    split = split_rows(cfg, prompts)  # one part, or one per mode
+    # each part's tokenizer, before the store opens: its ids fit the model, its template ends the turn where it stops
+    toks = [load_target_tokenizer(sub.model, sub.template_kwargs) for _, sub, _ in split]
     store = ResponseStore(resolve_store_path(cfg.run.store_path))
     try:
-        run = RunPlan.make(cfg, prompts, tok, store, limits.context)
-        stats = run_generation(cfg, tok, run, store)
-        written = write_outputs(cfg, out, prompts, run, stats, store, time.time() - t0)
+        # every part planned (its prompts rendered and checked) before any request
+        plans = [
+            (mode, sub, rows, tok, RunPlan.make(sub, rows, tok, store, limits.context))
+            for (mode, sub, rows), (tok, limits) in zip(split, toks)
+        ]
+        parts = [
+            Part(mode, sub, rows, run, run_generation(sub, tok, run, store)) for mode, sub, rows, tok, run in plans
+        ]
+        written = write_outputs(cfg, out, prompts, parts, store, time.time() - t0)
     finally:
         store.close()
+    for mode, tokens, share in written.short:  # its prompts ran out (or failed): the rest of its share is not spent
+        log(
+            "generate",
+            dataset=cfg.dataset,
+            warning=f"mode {mode}: its share of the budget not met ({tokens:,} of {share:,} tokens); the "
+            "remainder is left unspent, not given to the other modes",
+        )
     budget = cfg.ds.token_budget
     if written.total < budget:
         log(
@@ -56,7 +71,7 @@ def main(cfg: Config) -> None:
         dataset=cfg.dataset,
         responses=written.responses,
         budget_tokens=written.total,
-        new=stats.new,
+        new=written.new,
         reused=written.reused,
         # where this run's tokens went: the rest are complete answers past the output's end (stored: a larger
         # budget's output holds them) or lost

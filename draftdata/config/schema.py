@@ -9,8 +9,9 @@ Every bad value ends in one `ConfigError` line that names the key, raised before
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -189,6 +190,17 @@ def sent(sampling: dict) -> dict:
 
 
 @dataclass
+class ModeConfig:
+    # This mode's share of the dataset: of its rows (each row's mode is drawn from its content key and the weights,
+    # the same under any budget) and of its token_budget (each share lands as a whole dataset's budget does)
+    weight: float = 1.0
+    # Merged over the dataset's template_kwargs for this mode's rows, e.g. {enable_thinking: false}
+    template_kwargs: Dict[str, Any] = field(default_factory=dict)
+    # Fields of the dataset's sampling set otherwise for this mode's rows, e.g. {temperature: 0.6}
+    sampling: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
 class DatasetConfig:
     source: SourceConfig = field(default_factory=SourceConfig)
     # Merged over model.template_kwargs (these keys win) wherever this dataset's conversations are rendered: prompts,
@@ -211,6 +223,10 @@ class DatasetConfig:
     # that point. finished: the answers that finished first, in prompt order, then the shortest of the rest that
     # reaches it: sooner, but it depends on timing and leans short. on_budget: keep_partial always lands as finished.
     landing: Landing = Landing.exact
+    # Generation modes by weight, e.g. {think: {weight: 0.7, template_kwargs: {enable_thinking: true}}, plain:
+    # {weight: 0.3, template_kwargs: {enable_thinking: false}, sampling: {temperature: 0.6}}}: every row gets one,
+    # recorded on it (`mode`) in every output. Empty: one mode, the dataset's own settings.
+    modes: Dict[str, ModeConfig] = field(default_factory=dict)
     on_truncation: OnTruncation = OnTruncation.keep
     turns: Turns = Turns.last
     on_tool_divergence: OnToolDivergence = OnToolDivergence.stop
@@ -230,6 +246,27 @@ class DatasetConfig:
             _positive(f"{key}.max_prompts", self.max_prompts)
         if self.max_prompt_tokens is not None:
             _positive(f"{key}.max_prompt_tokens", self.max_prompt_tokens)
+        for name, mode in self.modes.items():
+            mode_key = f"{key}.modes.{name}"
+            if not MODE_NAME.fullmatch(name):
+                raise ConfigError(mode_key, "a mode's name is letters, digits, '_' and '-' (it is written on rows)")
+            if not (math.isfinite(mode.weight) and mode.weight > 0):
+                raise ConfigError(f"{mode_key}.weight", f"must be a number > 0, got {mode.weight}")
+            if unknown := sorted(set(mode.sampling) - {f.name for f in fields(SamplingConfig)}):
+                raise ConfigError(f"{mode_key}.sampling.{unknown[0]}", "is not a sampling field")
+            mode_sampling(self.sampling, mode).check(f"{mode_key}.sampling")
+
+
+# a mode's name, as rows record it
+MODE_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def mode_sampling(sampling: SamplingConfig, mode: ModeConfig) -> SamplingConfig:
+    """The dataset's sampling with the mode's fields set over it (`extra` merged, the mode's keys winning)."""
+    changes = dict(mode.sampling)
+    if "extra" in changes:
+        changes["extra"] = {**sampling.extra, **changes["extra"]}
+    return replace(sampling, **changes)
 
 
 @dataclass

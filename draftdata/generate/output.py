@@ -6,7 +6,7 @@ the rejection ledger of the prompts the output holds no line of (rejected.py).
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from draftdata.config.schema import Config, DatasetConfig
@@ -29,44 +29,135 @@ class Written:
     responses: int
     total: int  # what they count toward the budget
     reused: int  # usable answers the store held before the run
+    new: int  # complete answers this run generated
     generated: int  # completion tokens this run generated, and of them:
     in_output: int  # in the output
     parked: int  # in partials a later run continues
+    # modes whose output falls short of their share of the budget: (mode, its tokens, its share)
+    short: list[tuple[str, int, int]] = field(default_factory=list)
 
 
-def write_outputs(
-    cfg: Config, out: Path, prompts: list[dict], run: RunPlan, stats: RunStats, store: ResponseStore, wall: float
-) -> Written:
-    ds = cfg.ds
-    selected, total, skipped = select_responses(run.plan, run.stored, ds)
-    reasons = run.end_reasons(selected)
+@dataclass
+class Part:
+    """One mode's generation (`datasets.<D>.modes`; the whole dataset, `mode` None, where it has none): its config
+    (the mode's settings and budget share), prompts, plan and run."""
+
+    mode: str | None
+    cfg: Config
+    prompts: list[dict]
+    run: RunPlan
+    stats: RunStats
+
+
+@dataclass
+class PartOutput:
+    """A part's output: the responses selected, what they count, why the others are left out, and why each
+    conversation ends where its last line is."""
+
+    part: Part
+    selected: list[tuple[Planned, StoredResponse]]
+    total: int
+    skipped: Counter
+    reasons: dict[str, str]
+
+    @classmethod
+    def of(cls, part: Part) -> PartOutput:
+        selected, total, skipped = select_responses(part.run.plan, part.run.stored, part.cfg.ds)
+        return cls(part, selected, total, skipped, part.run.end_reasons(selected))
+
+
+def write_outputs(cfg: Config, out: Path, prompts: list[dict], parts: list[Part], store: ResponseStore, wall: float):
+    """The stage's outputs from its parts: one, or one per mode, each landed on its share of the budget and merged
+    in prompt order (each row naming its mode)."""
+    landed = [PartOutput.of(part) for part in parts]
+    lines = [(land, p, r) for land in landed for p, r in land.selected]
+    if len(landed) > 1:  # the modes' outputs, merged in prompt order (a conversation's turns in order)
+        order = {p["id"]: i for i, p in enumerate(prompts)}
+        lines.sort(
+            key=lambda x: (order[x[1].prompt.get("conversation", x[1].prompt["id"])], x[1].prompt.get("turn", 0))
+        )
+    selected = [(p, r) for _, p, r in lines]
     log("generate", dataset=cfg.dataset, writing=out / "responses.jsonl")  # the writing begins (seconds at 100k)
-    write_jsonl(out / "responses.jsonl", (output_record(p, r, reasons.get(p.prompt["id"])) for p, r in selected))
-    rejected = _write_rejected(out, prompts, run, selected, ds, store)
-    write_plots(out / "plots", [r.completion_tokens for _, r in selected], ds.max_tokens, stats.fill or [(0.0, total)])
-    metrics = run_metrics(ds, selected, total, skipped, stats, stats.reused, run.duplicates, wall) | run.metrics(
-        reasons, selected
+    write_jsonl(
+        out / "responses.jsonl",
+        (output_record(p, r, land.reasons.get(p.prompt["id"]), land.part.mode) for land, p, r in lines),
     )
+    with Rejections(out / "generate_rejected.jsonl", "generate") as rejected:
+        for land in landed:
+            _reject(rejected, land, store)
+    stats = merged_stats([part.stats for part in parts])
+    total = sum(land.total for land in landed)
+    write_plots(
+        out / "plots", [r.completion_tokens for _, r in selected], cfg.ds.max_tokens, stats.fill or [(0.0, total)]
+    )
+    if len(landed) == 1 and landed[0].part.mode is None:
+        metrics = part_metrics(landed[0], wall)
+    else:
+        skipped = sum((land.skipped for land in landed), Counter())
+        duplicates = sum(part.run.duplicates for part in parts)
+        metrics = run_metrics(cfg.ds, selected, total, skipped, stats, stats.reused, duplicates, wall)
+        metrics["modes"] = {land.part.mode: part_metrics(land, wall) for land in landed}
     metrics.update(prompts=len(prompts), prompts_in_output=len(prompts) - rejected.rows)
     # the arithmetic the output's answers were computed in, as their rows record it (null: a server's)
     metrics["compute_dtype"] = sorted({r.compute_dtype for _, r in selected if r.compute_dtype}) or None
     metrics["rejected"] = dict(sorted(rejected.counts.items()))
     write_json(out / "generate_metrics.json", metrics)
     return Written(
-        len(selected), total, stats.reused, stats.generated, metrics["new_in_output_tokens"], stats.parked_tokens
+        len(selected),
+        total,
+        stats.reused,
+        stats.new,
+        stats.generated,
+        metrics["new_in_output_tokens"],
+        stats.parked_tokens,
+        [
+            (m.part.mode, m.total, m.part.cfg.ds.token_budget)
+            for m in landed
+            if m.part.mode and m.total < m.part.cfg.ds.token_budget
+        ],
     )
 
 
-def _write_rejected(out: Path, prompts, run: RunPlan, selected, ds: DatasetConfig, store: ResponseStore) -> Rejections:
-    """The ledger of the prompts the output holds no line of (rejected.py)."""
-    missing = [p.key for p in run.plan if p.key not in run.stored]
-    failures = store.failures(missing)
-    with Rejections(out / "generate_rejected.jsonl", "generate") as rejected:
-        if run.convs is None:
-            reject_prompts(rejected, prompts, run.plan, run.stored, selected, ds, failures)
-        else:
-            reject_conversations(rejected, run.convs, run.stored, selected, ds, failures)
-    return rejected
+def part_metrics(land: PartOutput, wall: float) -> dict:
+    """A part's figures: a dataset's whole generate_metrics where it has no modes, a mode's row where it has."""
+    part = land.part
+    metrics = run_metrics(
+        part.cfg.ds, land.selected, land.total, land.skipped, part.stats, part.stats.reused, part.run.duplicates, wall
+    )
+    metrics |= part.run.metrics(land.reasons, land.selected)
+    if part.mode is not None:
+        metrics["prompts"] = len(part.prompts)
+    return metrics
+
+
+def merged_stats(stats: list[RunStats]) -> RunStats:
+    """The parts' run figures as one run's: counts added, the budget-fill points one after another."""
+    if len(stats) == 1:
+        return stats[0]
+    out = RunStats()
+    for s in stats:
+        for f in fields(RunStats):
+            mine, theirs = getattr(out, f.name), getattr(s, f.name)
+            if f.name == "fill":
+                t0, n0 = mine[-1] if mine else (0.0, 0)
+                mine.extend((round(t0 + t, 2), n0 + n) for t, n in theirs)
+            elif isinstance(mine, bool):
+                setattr(out, f.name, mine or theirs)
+            elif isinstance(mine, (int, float, Counter)):
+                setattr(out, f.name, mine + theirs)
+            elif isinstance(mine, dict):
+                mine.update(theirs)
+    return out
+
+
+def _reject(rejected: Rejections, land: PartOutput, store: ResponseStore) -> None:
+    """A part's lines of the ledger of the prompts the output holds no line of (rejected.py)."""
+    run, ds = land.part.run, land.part.cfg.ds
+    failures = store.failures([p.key for p in run.plan if p.key not in run.stored])
+    if run.convs is None:
+        reject_prompts(rejected, land.part.prompts, run.plan, run.stored, land.selected, ds, failures)
+    else:
+        reject_conversations(rejected, run.convs, run.stored, land.selected, ds, failures)
 
 
 def run_metrics(
@@ -124,10 +215,12 @@ def write_plots(out: Path, lengths: list[int], max_tokens: int, fill: list[tuple
     write_csv(out / "budget_fill.csv", [{"seconds": t, "tokens": n} for t, n in fill], ["seconds", "tokens"])
 
 
-def output_record(p: Planned, r: StoredResponse, end_reason: str | None = None) -> dict:
+def output_record(p: Planned, r: StoredResponse, end_reason: str | None = None, mode: str | None = None) -> dict:
     """A line of responses.jsonl; a conversation's turn (`turns: all`) also names its conversation and turn, and
-    its conversation's last line why it ended."""
+    its conversation's last line why it ended; a dataset with modes, the row's mode."""
     rec = {"id": p.prompt["id"], "key": r.key, "messages": p.prompt["messages"]}
+    if mode is not None:
+        rec["mode"] = mode
     if "conversation" in p.prompt:
         rec.update(conversation=p.prompt["conversation"], turn=p.prompt["turn"])
         if end_reason is not None:

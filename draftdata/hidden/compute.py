@@ -131,7 +131,7 @@ def computes_off_cpu(hs) -> bool:
 
 
 # tokenize's columns the hidden-states output carries on, so that it is whole without samples.parquet beside it
-CARRIED = ("conversation", "turn")
+CARRIED = ("conversation", "turn", "mode")
 
 
 def windows(src: Path, size: int, carried: bool = False):

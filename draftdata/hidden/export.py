@@ -271,18 +271,20 @@ def speculators_row(input_ids: list[int], loss_mask: list[int], extra: dict) -> 
     return {"input_ids": input_ids, "loss_mask": loss_mask, "seq_len": len(input_ids), **extra}
 
 
-def speculators_features(extra: bool):
+def speculators_features(extra: bool, mode: bool = False):
     """The columns and types speculators' preprocessing saves (int64 lists from torch.long tensors); `extra`: the
-    samples' `conversation` and `turn` too (its reader reads only its own columns)."""
+    samples' `conversation` and `turn` too, `mode` their mode (its reader reads only its own columns)."""
     from datasets import Features, Sequence, Value
 
     cols = {"input_ids": Sequence(Value("int64")), "loss_mask": Sequence(Value("int64")), "seq_len": Value("int64")}
     if extra:
         cols |= {"conversation": Value("string"), "turn": Value("int64")}
+    if mode:
+        cols |= {"mode": Value("string")}
     return Features(cols)
 
 
-def save_speculators_rows(staging: Path, rows, extra: bool, tally: ExportTally) -> None:
+def save_speculators_rows(staging: Path, rows, extra: bool, tally: ExportTally, mode: bool = False) -> None:
     """The rows go to one Arrow file as they come (no dataset in memory), which `save_to_disk` then lays out as
     speculators' preparation does, in torch format; `token_freq.pt` beside it."""
     import torch
@@ -291,7 +293,7 @@ def save_speculators_rows(staging: Path, rows, extra: bool, tally: ExportTally) 
 
     arrow = staging.with_name(f"{staging.name}.rows.arrow")  # beside, not in: save_to_disk won't write over its source
     try:
-        with ArrowWriter(features=speculators_features(extra), path=str(arrow)) as writer:
+        with ArrowWriter(features=speculators_features(extra, mode), path=str(arrow)) as writer:
             for row in rows:
                 writer.write(row)
             writer.finalize()
@@ -319,9 +321,11 @@ def write_speculators(hs: HiddenStates, staging: Path, tally: ExportTally, picke
             i += 1
             # the conversation and turn of `turns: all` come with the states: the output is whole on its own
             extra = {"conversation": s.conversation, "turn": s.turn} if hs.carries_turns else {}
+            if hs.carries_mode:
+                extra["mode"] = s.mode
             yield speculators_row(s.input_ids.tolist(), s.loss_mask.tolist(), extra)
 
-    save_speculators_rows(staging, rows(), hs.carries_turns, tally)
+    save_speculators_rows(staging, rows(), hs.carries_turns, tally, hs.carries_mode)
 
 
 # ---- the run ----------------------------------------------------------------------------------------------------- #

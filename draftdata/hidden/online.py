@@ -52,7 +52,7 @@ from draftdata.hidden.export import (
 )
 from draftdata.util.files import atomic_path, read_jsonl
 
-EXTRA = ("conversation", "turn")  # samples.parquet's columns under `turns: all`
+EXTRA = ("conversation", "turn", "mode")  # samples.parquet's columns under `turns: all`, and with modes
 
 
 def check_samples(src: Path, dataset: str, fmt: str) -> None:
@@ -63,7 +63,7 @@ def check_samples(src: Path, dataset: str, fmt: str) -> None:
 
 
 def samples(path: Path) -> Iterator[dict]:
-    """samples.parquet a batch at a time: id, input_ids, loss_mask, and conversation/turn where present."""
+    """samples.parquet a batch at a time: id, input_ids, loss_mask, and conversation/turn/mode where present."""
     import pyarrow.parquet as pq
 
     pf = pq.ParquetFile(path)
@@ -120,6 +120,12 @@ def has_extra(path: Path) -> bool:
     return "conversation" in pq.read_schema(path).names
 
 
+def has_mode(path: Path) -> bool:
+    import pyarrow.parquet as pq
+
+    return "mode" in pq.read_schema(path).names
+
+
 def counted(row: dict, tally: ExportTally, i: int) -> None:
     import torch
 
@@ -145,7 +151,8 @@ def write_speculators_online(src: Path, staging: Path, tally: ExportTally, cfg: 
             counted(row, tally, i)
             yield speculators_row(row["input_ids"], row["loss_mask"], extra_of(row))
 
-    save_speculators_rows(staging, rows(), has_extra(src / "samples.parquet"), tally)
+    path = src / "samples.parquet"
+    save_speculators_rows(staging, rows(), has_extra(path), tally, has_mode(path))
     return {"hidden_states": "none: computed by vLLM as speculators trains (--on-missing generate)"}
 
 

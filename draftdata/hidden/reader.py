@@ -40,6 +40,7 @@ class Sample:
     norm: FinalNorm
     conversation: str | None = None  # a regenerated conversation's id and its last trained turn (`turns: all`)
     turn: int | None = None
+    mode: str | None = None  # its generation mode (datasets.<D>.modes)
 
     @property
     def final_post_norm(self):
@@ -61,7 +62,9 @@ class HiddenStates:
         # kept columnar (a few dozen bytes a sample), not as Python objects: datasets run to millions of samples
         names = pq.read_schema(self.path / "samples.parquet").names
         self.carries_turns = "conversation" in names  # `turns: all`: each sample's conversation and turn
+        self.carries_mode = "mode" in names  # datasets.<D>.modes: each sample's mode
         columns = ["id", "shard", "row"] + (["conversation", "turn"] if self.carries_turns else [])
+        columns += ["mode"] if self.carries_mode else []
         self._rows = pq.read_table(self.path / "samples.parquet", columns=columns)
         self._shards: dict[str, ShardReader] = {}
         # loss masks are read a row group at a time, when asked for
@@ -99,7 +102,8 @@ class HiddenStates:
                 f"{len(mask)} in samples.parquet: the output was mixed from two runs; rerun the hidden_states stage"
             )
         turns = (self._rows["conversation"][i].as_py(), self._rows["turn"][i].as_py()) if self.carries_turns else ()
-        return Sample(sample_id, ids, torch.tensor(mask, dtype=torch.long), aux, final, self.norm, *turns)
+        mode = self._rows["mode"][i].as_py() if self.carries_mode else None
+        return Sample(sample_id, ids, torch.tensor(mask, dtype=torch.long), aux, final, self.norm, *turns, mode=mode)
 
     def _mask(self, i: int) -> list[int]:
         g = bisect.bisect_right(self._group_starts, i) - 1

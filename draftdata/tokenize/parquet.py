@@ -30,6 +30,8 @@ def samples_table(samples: list[Tokenized], meta: dict) -> pa.Table:
             ("conversation", pa.string(), [s.conversation for s in samples]),
             ("turn", pa.int32(), [s.turn for s in samples]),
         ]
+    if any(s.mode is not None for s in samples):  # a dataset with modes: each sample's (datasets.<D>.modes)
+        columns.append(("mode", pa.string(), [s.mode for s in samples]))
     schema = pa.schema(
         [(name, kind) for name, kind, _ in columns], metadata={"draftdata": json.dumps(meta, sort_keys=True)}
     )

@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 from jinja2.exceptions import TemplateError
 
+from draftdata.config.modes import by_recorded_mode
 from draftdata.config.schema import Config, OnTooLong, TokenizeConfig, TrainOn
 from draftdata.errors import UserError
 from draftdata.model.tokenizer import (
@@ -62,6 +63,7 @@ class Tokenized:
     loss_mask: list[int]
     conversation: str | None = None  # a regenerated conversation's id (`turns: all`)
     turn: int | None = None  # the turn of its last trained answer
+    mode: str | None = None  # its generation mode (datasets.<D>.modes)
     responses: int = 1  # the responses whose answers it trains (what a skip of it counts)
 
 
@@ -291,7 +293,8 @@ class Built(NamedTuple):
         return len(self.ids) - sum(self.mask)
 
     def sample(self) -> Tokenized:
-        return Tokenized(self.rec["id"], self.ids, self.mask, self.rec.get("conversation"), self.rec.get("turn"))
+        rec = self.rec
+        return Tokenized(rec["id"], self.ids, self.mask, rec.get("conversation"), rec.get("turn"), mode=rec.get("mode"))
 
 
 def conversation_samples(turns: list[Built], train_on: TrainOn) -> tuple[list[Tokenized], bool]:
@@ -316,15 +319,18 @@ def build_samples(recs: list[dict], tok, cfg: Config) -> tuple[list[Tokenized], 
             tally.skip(rec, "empty_output")
         else:
             usable.append(rec)
-    by_ids = [r for r in usable if r.get("prompt_ids") is not None and r.get("output_ids") is not None]
-    by_text = [r for r in usable if r.get("prompt_ids") is None or r.get("output_ids") is None]
-    ends = end_of_turn_ids(tok, cfg.model, cfg.template_kwargs) if by_ids else set()
-    built: dict[str, object] = {r["id"]: ids_sample(r, ends) for r in by_ids}
-    for rec, result in zip(by_text, text_samples_parallel(tok, by_text, cfg)):
-        built[rec["id"]] = result
-        if not isinstance(result, Skip):
-            tally.text_path += 1
-            tally.drift += int(sum(result[1]) != rec["completion_tokens"])
+    built: dict[str, object] = {}
+    # each mode's rows under its own template_kwargs (datasets.<D>.modes): the end of a turn and a re-render
+    for sub, rows in by_recorded_mode(cfg, usable, "responses.jsonl"):
+        by_ids = [r for r in rows if r.get("prompt_ids") is not None and r.get("output_ids") is not None]
+        by_text = [r for r in rows if r.get("prompt_ids") is None or r.get("output_ids") is None]
+        ends = end_of_turn_ids(tok, sub.model, sub.template_kwargs) if by_ids else set()
+        built.update((r["id"], ids_sample(r, ends)) for r in by_ids)
+        for rec, result in zip(by_text, text_samples_parallel(tok, by_text, sub)):
+            built[rec["id"]] = result
+            if not isinstance(result, Skip):
+                tally.text_path += 1
+                tally.drift += int(sum(result[1]) != rec["completion_tokens"])
     samples = []
     for group in response_groups(usable):
         turns = []

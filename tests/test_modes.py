@@ -1,0 +1,142 @@
+"""Generation modes (`datasets.<D>.modes`): each row's mode drawn from its content key and the weights, each mode's
+settings over the dataset's, the budget split by weight with each share landed exactly, and the mode recorded on
+every row of every output."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pyarrow.parquet as pq
+import pytest
+from conftest import ROOT
+
+from draftdata.config.modes import budget_shares, mode_of
+from draftdata.config.schema import DatasetConfig, ModeConfig
+from draftdata.errors import ConfigError
+from draftdata.util.files import read_jsonl
+
+THINK_PLAIN = {
+    "think": {"weight": 0.7, "template_kwargs": {"enable_thinking": True}},
+    "plain": {"weight": 0.3, "template_kwargs": {"enable_thinking": False}, "sampling": {"temperature": 0.6}},
+}
+
+
+def modes(**weights: float) -> dict[str, ModeConfig]:
+    return {name: ModeConfig(weight=w) for name, w in weights.items()}
+
+
+def test_a_rows_mode_is_its_key_and_the_weights_and_the_shares_add_up_to_the_budget():
+    ds = DatasetConfig(token_budget=1_001, modes=modes(think=0.7, plain=0.3))
+    ids = [f"row{i}" for i in range(4_000)]
+    drawn = [mode_of(i, ds) for i in ids]
+    assert drawn == [mode_of(i, ds) for i in ids]  # a function of the key: the same on every run
+    assert Counter(drawn)["think"] / len(ids) == pytest.approx(0.7, abs=0.03)
+    assert budget_shares(ds) == {"plain": 300, "think": 701}  # whole tokens, adding up to the budget
+    # a third mode takes its share from the others' rows, and a row moves only into it: the rows stored under
+    # the other modes stay theirs
+    three = DatasetConfig(token_budget=1_001, modes=modes(think=0.7, plain=0.3, alt=0.5))
+    moved = [mode_of(i, three) for i in ids]
+    assert all(new in (old, "alt") for old, new in zip(drawn, moved))
+    assert Counter(moved)["alt"] / len(ids) == pytest.approx(0.5 / 1.5, abs=0.03)
+    assert mode_of("row0", DatasetConfig(token_budget=1)) is None  # no modes
+
+
+@pytest.mark.parametrize(
+    "mode, key",
+    [
+        ({"weight": 0.0}, "datasets.B3.modes.m.weight"),
+        ({"weight": float("nan")}, "datasets.B3.modes.m.weight"),
+        ({"sampling": {"temprature": 0.5}}, "datasets.B3.modes.m.sampling.temprature"),
+        ({"sampling": {"top_p": 1.5}}, "datasets.B3.modes.m.sampling.top_p"),
+    ],
+)
+def test_a_bad_mode_is_refused_naming_its_key(project, mode, key):
+    """In params.yaml, before any work: the stage stops on the config, not on its missing prompts."""
+    project.params["datasets"]["B3"]["modes"] = {"m": mode}
+    project.save()
+    with pytest.raises(ConfigError) as e:
+        project.run("generate", "B3")
+    assert key in str(e.value)
+    project.params["datasets"]["B3"]["modes"] = {"a b": {}}
+    project.save()
+    with pytest.raises(ConfigError, match="datasets.B3.modes.a b"):
+        project.run("generate", "B3")
+
+
+def test_modes_on_the_thinking_template_split_land_and_record(project):
+    """think 0.7 / plain 0.3 on the tiny target with the shipped qwen3_thinking template: each share lands exactly
+    (past it by less than its last answer), each row's prompt is rendered in its mode, and the mode is on every
+    row of responses.jsonl, samples.parquet, the hidden states and speculators' export; a rerun and a raised budget
+    keep every row's mode."""
+    from transformers import AutoTokenizer
+
+    from draftdata.hidden.reader import HiddenStates
+
+    project.params["model"]["chat_template"] = str(ROOT / "conf" / "templates" / "qwen3_thinking.jinja")
+    # the tiny target's answers are short with thinking off: every prompt of the source, small budgets
+    project.params["datasets"]["B3"].update(token_budget=300, max_prompts=None, modes=THINK_PLAIN)
+    project.save()
+    for stage in ("prompts", "generate"):
+        project.run(stage, "B3")
+    out = project.data("B3")
+    rows = list(read_jsonl(out / "responses.jsonl"))
+    metrics = json.loads((out / "generate_metrics.json").read_text())
+    max_tokens = project.params["datasets"]["B3"]["max_tokens"]
+    ds = DatasetConfig(token_budget=300, modes={k: ModeConfig(**v) for k, v in THINK_PLAIN.items()})
+    assert {r["mode"] for r in rows} == {"think", "plain"}
+    assert all(r["mode"] == mode_of(r["id"], ds) for r in rows)
+    for name, share in budget_shares(ds).items():
+        mine = metrics["modes"][name]
+        assert mine["budget"] == share and share <= mine["budget_tokens"] < share + max_tokens
+        assert mine["budget_tokens"] == sum(r["completion_tokens"] for r in rows if r["mode"] == name)
+    assert metrics["budget_tokens"] == sum(m["budget_tokens"] for m in metrics["modes"].values())
+    # the plain rows' prompts end in the empty think block the template writes with thinking off
+    tok = AutoTokenizer.from_pretrained(project.params["model"]["path"])
+    for r in rows:
+        tail = tok.decode(r["prompt_ids"][-8:])
+        assert ("</think>" in tail) == (r["mode"] == "plain"), (r["mode"], tail)
+    first = (out / "responses.jsonl").read_bytes()
+    project.run("generate", "B3")
+    assert (out / "responses.jsonl").read_bytes() == first  # the same params: the same rows, the same modes
+    # downstream: every output row names its mode
+    for stage in ("tokenize", "hidden_states"):
+        project.run(stage, "B3")
+    modes_of = {r["id"]: r["mode"] for r in rows}
+    samples = pq.read_table(out / "samples.parquet").to_pylist()
+    assert samples and all(s["mode"] == modes_of[s["id"]] for s in samples)
+    hs = HiddenStates(out / "hidden_states")
+    assert [s.mode for s in hs] == [s["mode"] for s in samples]
+    project.run("export", "B3", "export.format=speculators")
+    from datasets import load_from_disk
+
+    exported = load_from_disk(str(out / "export-speculators"))
+    assert list(exported["mode"]) == [s["mode"] for s in samples]
+    # the summary counts the modes' rows as the dataset's; plan reads the config without tripping on them
+    from stages.summary import main as summary
+
+    summary("B3")
+    assert json.loads((out / "summary.json").read_text())["tokens"] == metrics["budget_tokens"]
+    from draftdata.cli.plan import main as plan
+    from draftdata.config.load import load_config
+
+    (planned,) = plan(load_config(None, [], params_path=project.path / "params.yaml", need_dataset=False), None)
+    assert planned.dataset == "B3" and planned.budget == 300
+    # a raised budget: every row of the smaller output is in the larger one, with its mode
+    project.set("datasets.B3.token_budget", 380)
+    project.run("generate", "B3")
+    raised = {r["id"]: r["mode"] for r in read_jsonl(out / "responses.jsonl")}
+    assert all(raised.get(i) == m for i, m in modes_of.items())
+
+
+def test_one_mode_equal_to_the_datasets_settings_regenerates_nothing(project):
+    project.run("prompts", "B3")
+    project.run("generate", "B3")
+    before = [r["key"] for r in read_jsonl(project.data("B3") / "responses.jsonl")]
+    project.params["datasets"]["B3"]["modes"] = {"all": {"weight": 1.0}}
+    project.save()
+    project.run("generate", "B3")
+    rows = list(read_jsonl(project.data("B3") / "responses.jsonl"))
+    metrics = json.loads((project.data("B3") / "generate_metrics.json").read_text())
+    assert [r["key"] for r in rows] == before and {r["mode"] for r in rows} == {"all"}
+    assert metrics["newly_generated"] == 0 and metrics["modes"]["all"]["budget"] == metrics["budget"]
