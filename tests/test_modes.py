@@ -112,6 +112,13 @@ def test_modes_on_the_thinking_template_split_land_and_record(project):
 
     exported = load_from_disk(str(out / "export-speculators"))
     assert list(exported["mode"]) == [s["mode"] for s in samples]
+    project.run("export", "B3", "export.format=specforge")
+    import torch
+
+    from draftdata.hidden.export import specforge_path
+
+    files = [out / "export-specforge" / specforge_path(i) for i in range(len(samples))]
+    assert [torch.load(f, weights_only=False)["mode"] for f in files] == [s["mode"] for s in samples]
     # the summary counts the modes' rows as the dataset's; plan reads the config without tripping on them
     from stages.summary import main as summary
 

@@ -483,10 +483,10 @@ def test_conversations_that_are_not_the_clean_runs_are_found(suite):
 
 
 def test_the_expected_selection_lands_as_the_stage_does():
-    """In prompt order while the responses fit, then the shortest of the rest that reaches the budget: 6 fits in
-    10, 8 would pass it by 4, 4 reaches it. The check's own code agrees with the stage's `landing` on random
+    """The shortest run of responses in prompt order that reaches the budget (landing exact, the default): 6 and 8
+    reach 10, whatever comes after. The check's own code agrees with the stage's `exact_landing` on random
     lengths."""
-    from draftdata.generate.selection import landing
+    from draftdata.generate.selection import exact_landing
 
     def store_of(lengths):
         return {
@@ -496,10 +496,10 @@ def test_the_expected_selection_lands_as_the_stage_does():
         }
 
     prompts = [{"id": f"p{i}"} for i in range(40)]
-    assert checks.expected_selection(prompts, store_of([6, 8, 4, 3]), "D", 10) == ["k0", "k2"]
+    assert checks.expected_selection(prompts, store_of([6, 8, 4, 3]), "D", 10) == ["k0", "k1"]
     rng = random.Random(0)
     for _ in range(200):
         lengths = [rng.randint(1, 48) for _ in range(rng.randint(1, 40))]
         budget = rng.randint(1, 600)
-        want = [f"k{i}" for i in landing(lengths, budget)]
+        want = [f"k{i}" for i in exact_landing(lengths, budget)]
         assert checks.expected_selection(prompts, store_of(lengths), "D", budget) == want, (lengths, budget)

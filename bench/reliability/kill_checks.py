@@ -290,22 +290,18 @@ def compare_states(got_dir: Path, want_dir: Path) -> list[Problem]:
 
 
 def expected_selection(prompts: list[dict], store: dict[str, dict], dataset: str, budget: int) -> list[str]:
-    """The keys responses.jsonl must hold (the budget counted in completion tokens): the usable stored responses in
-    prompt order while they fit within the budget, then, in place of the next one, the shortest of the rest that
-    reaches it (the first of equals)."""
+    """The keys responses.jsonl must hold (the budget counted in completion tokens, `landing: exact`, the stage's
+    default): the usable stored responses in prompt order, the shortest run of them from the first that reaches
+    the budget."""
     by_prompt = {r["prompt_id"]: r for r in store.values() if r["dataset"] == dataset}
     found = [by_prompt.get(p["id"]) for p in prompts]
-    rows = [r for r in found if r is not None and usable(r)]
     keys, total = [], 0
-    for r in rows:
-        if total + r["completion_tokens"] > budget:
+    for r in found:
+        if total >= budget:
             break
-        keys.append(r["key"])
-        total += r["completion_tokens"]
-    rest = rows[len(keys) :]
-    reaching = [r for r in rest if total + r["completion_tokens"] >= budget]
-    if total < budget and reaching:
-        keys.append(min(reaching, key=lambda r: r["completion_tokens"])["key"])
+        if r is not None and usable(r):
+            keys.append(r["key"])
+            total += r["completion_tokens"]
     return keys
 
 

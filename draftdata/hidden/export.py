@@ -233,6 +233,8 @@ def specforge_record(s: Sample, picked: Picked) -> dict:
     n = s.aux.shape[0]
     aux = picked.aux(s).reshape(n, -1).to(torch.bfloat16).unsqueeze(0)
     record = {"input_ids": s.input_ids.to(torch.int64), "loss_mask": s.loss_mask.to(torch.int64)}
+    if s.mode is not None:  # datasets.<D>.modes: SpecForge's reader takes the keys it knows and leaves the rest
+        record["mode"] = s.mode
     layout = picked.family.specforge
     if layout == "eagle3":
         return record | {"aux_hidden_state": aux, "hidden_state": s.final_post_norm.to(torch.bfloat16).unsqueeze(0)}
