@@ -44,7 +44,7 @@ def main(cfg: Config) -> None:
             for (mode, sub, rows), (tok, limits) in zip(split, toks)
         ]
         parts = [
-            Part(mode, sub, rows, run, run_generation(sub, tok, run, store)) for mode, sub, rows, tok, run in plans
+            Part(mode, sub, rows, run, run_generation(sub, tok, run, store), tok) for mode, sub, rows, tok, run in plans
         ]
         written = write_outputs(cfg, out, prompts, parts, store, time.time() - t0)
     finally:

@@ -91,6 +91,8 @@ def test_modes_on_the_thinking_template_split_land_and_record(project):
         assert mine["budget"] == share and share <= mine["budget_tokens"] < share + max_tokens
         assert mine["budget_tokens"] == sum(r["completion_tokens"] for r in rows if r["mode"] == name)
     assert metrics["budget_tokens"] == sum(m["budget_tokens"] for m in metrics["modes"].values())
+    # each mode's reasoning counted apart, and the dataset's (the tiny target writes no </think>: none here)
+    assert metrics["reasoning_tokens"] == sum(m["reasoning_tokens"] for m in metrics["modes"].values())
     # the plain rows' prompts end in the empty think block the template writes with thinking off
     tok = AutoTokenizer.from_pretrained(project.params["model"]["path"])
     for r in rows:
@@ -147,3 +149,27 @@ def test_one_mode_equal_to_the_datasets_settings_regenerates_nothing(project):
     metrics = json.loads((project.data("B3") / "generate_metrics.json").read_text())
     assert [r["key"] for r in rows] == before and {r["mode"] for r in rows} == {"all"}
     assert metrics["newly_generated"] == 0 and metrics["modes"]["all"]["budget"] == metrics["budget"]
+
+
+def test_the_reasoning_is_counted_apart_where_the_server_or_the_template_separates_it(tiny_model):
+    from transformers import AutoTokenizer
+
+    from draftdata.generate.output import reasoning_figures, reasoning_tokens
+    from draftdata.generate.store import StoredResponse
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+
+    def answer(text: str, reasoning: str | None = None, n: int = 40) -> StoredResponse:
+        return StoredResponse("k", "D", "p", text, 2, n, "stop", "s", 0.1, reasoning=reasoning)
+
+    think = "<think>\nThe sum of 2 and 2 is 4.\n</think>"
+    in_text = answer(f"{think}\n\nIt is 4.")  # a thinking template's answer: the reasoning ends at </think>
+    assert reasoning_tokens(in_text, tok) == len(tok.encode(think, add_special_tokens=False)) > 0
+    parsed = answer("It is 4.", reasoning="The sum of 2 and 2 is 4.")  # a server's reasoning parser moved it out
+    assert reasoning_tokens(parsed, tok) == len(tok.encode("The sum of 2 and 2 is 4.", add_special_tokens=False))
+    assert reasoning_tokens(answer("It is 4."), tok) == 0  # thinking off, or a chat answer
+    figures = reasoning_figures([(None, in_text), (None, answer("It is 4."))], tok)
+    assert figures == {
+        "reasoning_tokens": reasoning_tokens(in_text, tok),
+        "reasoning_share": round(reasoning_tokens(in_text, tok) / 80, 4),
+    }

@@ -47,6 +47,7 @@ class Part:
     prompts: list[dict]
     run: RunPlan
     stats: RunStats
+    tok: object = None  # its tokenizer: what counts the reasoning's tokens (reasoning_figures)
 
 
 @dataclass
@@ -96,6 +97,7 @@ def write_outputs(cfg: Config, out: Path, prompts: list[dict], parts: list[Part]
         skipped = sum((land.skipped for land in landed), Counter())
         duplicates = sum(part.run.duplicates for part in parts)
         metrics = run_metrics(cfg.ds, selected, total, skipped, stats, stats.reused, duplicates, wall)
+        metrics |= reasoning_figures(selected, parts[0].tok)
         metrics["modes"] = {land.part.mode: part_metrics(land, wall) for land in landed}
     metrics.update(prompts=len(prompts), prompts_in_output=len(prompts) - rejected.rows)
     # the arithmetic the output's answers were computed in, as their rows record it (null: a server's)
@@ -124,10 +126,31 @@ def part_metrics(land: PartOutput, wall: float) -> dict:
     metrics = run_metrics(
         part.cfg.ds, land.selected, land.total, land.skipped, part.stats, part.stats.reused, part.run.duplicates, wall
     )
-    metrics |= part.run.metrics(land.reasons, land.selected)
+    metrics |= part.run.metrics(land.reasons, land.selected) | reasoning_figures(land.selected, part.tok)
     if part.mode is not None:
         metrics["prompts"] = len(part.prompts)
     return metrics
+
+
+THINK_END = "</think>"  # where a thinking template's answer (Qwen3's, DeepSeek-R1's) ends its reasoning
+
+
+def reasoning_tokens(r: StoredResponse, tok) -> int:
+    """The tokens of an answer's reasoning, where the server or the template separates it: the reasoning a server's
+    parser moved out of the text, else the text up to the template's THINK_END, encoded (the answer's own ids are
+    not split at it: a tokenizer may merge the marker with what is around it)."""
+    text = r.reasoning or ""
+    if not text and THINK_END in (r.text or ""):
+        text = r.text[: r.text.index(THINK_END) + len(THINK_END)]
+    return len(tok.encode(text, add_special_tokens=False)) if text and tok is not None else 0
+
+
+def reasoning_figures(selected: list[tuple[Planned, StoredResponse]], tok) -> dict:
+    """The output's reasoning tokens and their share of its completion tokens (thinking and non-thinking data
+    matched to serving: docs/generation.md, modes)."""
+    reasoning = sum(reasoning_tokens(r, tok) for _, r in selected)
+    completion = sum(r.completion_tokens for _, r in selected)
+    return {"reasoning_tokens": reasoning, "reasoning_share": round(reasoning / completion, 4) if completion else 0.0}
 
 
 def merged_stats(stats: list[RunStats]) -> RunStats:
