@@ -77,6 +77,16 @@ def run_generation(cfg: Config, tok, run: RunPlan, store: ResponseStore) -> RunS
     return stats
 
 
+def check_before_requests(cfg: Config, tok, todo: list[Planned]) -> None:
+    """What only the requests to send can show wrong, refused before any is sent: a chat-format server's answers
+    that tokenize could not render as the model wrote them (check_chat_rendering)."""
+    if cfg.backend.kind == BackendKind.openai and todo:
+        # imported here, as make_backend imports the backends: a run that sends nothing does not import aiohttp
+        from draftdata.generate.backends.openai import check_chat_rendering
+
+        check_chat_rendering(cfg, tok, [p.prompt for p in todo])
+
+
 def generate_missing(
     cfg: Config,
     tok,
@@ -102,11 +112,7 @@ def generate_missing(
     # completion lengths only: bounded by max_tokens, whatever the unit
     ctrl.lengths.add_stored([r.completion_tokens for r in complete])
     todo = [p for p in plan if needs_request(stored.get(p.key))]
-    if cfg.backend.kind == BackendKind.openai and todo:  # before any request
-        # imported here, as make_backend imports the backends: a run that sends nothing does not import aiohttp
-        from draftdata.generate.backends.openai import check_chat_rendering
-
-        check_chat_rendering(cfg, tok, [p.prompt for p in todo])
+    check_before_requests(cfg, tok, todo)
     if ds.budget_unit == BudgetUnit.total and todo:
         ctrl.prompt_mean = sum(prompt_count(p) for p in todo) / len(todo)
     parked = {k: r for k, r in stored.items() if r.partial}
