@@ -130,7 +130,9 @@ def test_modes_on_the_thinking_template_split_land_and_record(project):
     from draftdata.config.load import load_config
 
     (planned,) = plan(load_config(None, [], params_path=project.path / "params.yaml", need_dataset=False), None)
+    # each mode's requests keyed as generate keys them: every stored answer is found, nothing is left to generate
     assert planned.dataset == "B3" and planned.budget == 300
+    assert planned.reusable >= metrics["budget_tokens"] and planned.to_generate == 0
     # a raised budget: every row of the smaller output is in the larger one, with its mode
     project.set("datasets.B3.token_budget", 380)
     project.run("generate", "B3")

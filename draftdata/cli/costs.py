@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from draftdata.config.modes import split_rows
 from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, Turns
 from draftdata.generate.accounting import needs_request, prompt_count, stored_total, unusable_reason
 from draftdata.generate.budget.lengths import MIN_OBSERVED as MIN_LENGTHS
@@ -213,11 +214,16 @@ def plan_dataset(
     turns = left_to_send = None
     if prompts_path.exists() and tokenizer is not None:
         records = list(read_jsonl(prompts_path))
-        if ds.turns == Turns.all:
-            planned, stored, turns, left_to_send = _conversation_turns(cfg, records, tokenizer(), store)
-        else:  # the same keys generate computes (rendered prompt ids, model fingerprint, sampling, max_tokens)
-            planned = plan_requests(cfg, records, tokenizer(), store)
-            stored = store.get_many(p.key for p in planned) if store is not None else {}
+        # each mode's rows under its own settings, as generate plans them (one part where there are no modes)
+        for _, sub, rows in split_rows(cfg, records):
+            if ds.turns == Turns.all:
+                more, found, slots, left = _conversation_turns(sub, rows, tokenizer(), store)
+                turns, left_to_send = (turns or 0) + slots, (left_to_send or 0) + left
+            else:  # the same keys generate computes (rendered prompt ids, model fingerprint, sampling, max_tokens)
+                more = plan_requests(sub, rows, tokenizer(), store)
+                found = store.get_many(p.key for p in more) if store is not None else {}
+            planned += more
+            stored |= found
         prompts, prompts_from = len(records) if turns is not None else len(planned), "prompts.jsonl"
     elif ds.source.path is not None:
         prompts, prompts_from = count_records(Path(ds.source.path)), "source (prompts stage not run)"
