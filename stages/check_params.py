@@ -17,10 +17,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from draftdata.config.load import cli
-from draftdata.config.schema import Config, check_all, length_warnings, template_kwargs_of
+from draftdata.config.schema import Config, EmptyThink, check_all, length_warnings, template_kwargs_of
 from draftdata.drafters.layers import family_layers
 from draftdata.model.load import local_config, local_context
-from draftdata.model.tokenizer import check_local_target
+from draftdata.model.tokenizer import check_local_target, has_tokenizer_files, load_tokenizer
+from draftdata.tokenize.think import block_of
 from draftdata.util.files import write_json
 from draftdata.util.log import log
 
@@ -29,8 +30,16 @@ CHECKED = Path("data") / "params_checked.json"
 
 def main(cfg: Config) -> None:
     check_all(cfg)
-    # a chat template that ends the turn where the target does not stop, under any dataset's kwargs
-    check_local_target(cfg.model, [template_kwargs_of(cfg, name) for name in cfg.datasets or [None]])
+    # a chat template that ends the turn where the target does not stop, under any dataset's (and mode's) kwargs
+    kwargs = [template_kwargs_of(cfg, name) for name in cfg.datasets or [None]]
+    kwargs += [
+        {**template_kwargs_of(cfg, n), **m.template_kwargs} for n, ds in cfg.datasets.items() for m in ds.modes.values()
+    ]
+    check_local_target(cfg.model, kwargs)
+    if cfg.tokenize.empty_think != EmptyThink.auto and has_tokenizer_files(cfg.model.path):
+        tok = load_tokenizer(cfg.model)  # a template with no empty think block to act on is refused here
+        for one in kwargs:
+            block_of(tok, one, cfg.tokenize.empty_think)
     stored = any(ds.store_hidden_states for ds in cfg.datasets.values())
     if stored and (conf := local_config(cfg.model)) is not None and "num_hidden_layers" in conf:
         # every drafter family's layers exist in the target (the hidden_states stage resolves them again)

@@ -121,6 +121,13 @@ def test_modes_on_the_thinking_template_split_land_and_record(project):
 
     files = [out / "export-specforge" / specforge_path(i) for i in range(len(samples))]
     assert [torch.load(f, weights_only=False)["mode"] for f in files] == [s["mode"] for s in samples]
+    # tokenize.empty_think: train: each plain sample trains its empty think block too, a think sample nothing more
+    project.set("tokenize.empty_think", "train")
+    project.run("tokenize", "B3")
+    again = pq.read_table(out / "samples.parquet").to_pylist()
+    more = {(a["mode"], sum(b["loss_mask"]) - sum(a["loss_mask"])) for a, b in zip(samples, again)}
+    assert ("think", 0) in more and len(more) == 2 and min(n for m, n in more if m == "plain") > 0
+    project.set("tokenize.empty_think", "auto")
     # the summary counts the modes' rows as the dataset's; plan reads the config without tripping on them
     from stages.summary import main as summary
 
@@ -175,3 +182,13 @@ def test_the_reasoning_is_counted_apart_where_the_server_or_the_template_separat
         "reasoning_tokens": reasoning_tokens(in_text, tok),
         "reasoning_share": round(reasoning_tokens(in_text, tok) / 80, 4),
     }
+
+
+def test_an_empty_think_setting_the_template_cannot_meet_is_refused_by_check_params(project):
+    """The tiny target's own template writes no think block: `train` has nothing to act on, said before any stage
+    runs, naming the key."""
+    project.set("tokenize.empty_think", "train")
+    with pytest.raises(ConfigError, match="tokenize.empty_think"):
+        project.run("check_params", None)
+    project.set("model.chat_template", str(ROOT / "conf" / "templates" / "qwen3_thinking.jinja"))
+    project.run("check_params", None)  # Qwen3's writes one with thinking off

@@ -225,3 +225,34 @@ def test_template_renders_demo_prompts(template, demo):
                 )
             )
             assert_same_tokens(tok, prompt_ids, ids[:start], f"{demo} {kwargs}: prompt ids (id path) vs text path")
+
+
+def test_the_empty_think_block_of_a_non_thinking_turn_is_context_or_trained_by_the_setting():
+    """Qwen3's thinking template with thinking off writes `<think>\\n\\n</think>\\n\\n` into the generation prompt:
+    the golden mask leaves it untrained (auto follows the template), `train` trains exactly it, and `context`
+    keeps one the model wrote itself out of the loss; a template without the block refuses either setting."""
+    from draftdata.config.schema import EmptyThink
+    from draftdata.errors import ConfigError
+    from draftdata.tokenize.think import block_of, empty_think_ids, mark_empty_think
+
+    g = load(GOLDEN_DIR / "qwen3_thinking__thinking_off.json")
+    tok = tokenizer("qwen3_thinking")
+    block = empty_think_ids(tok, {})
+    assert tok.decode(block) == "<think>\n\n</think>\n\n"
+    ids, mask = g["input_ids"], g["loss_mask"]
+    start = split(mask)
+    assert ids[start - len(block) : start] == block and not any(mask[:start])  # golden: the block is context
+    trained = mark_empty_think(ids, mask, block, EmptyThink.train)
+    assert split(trained) == start - len(block) and tok.decode([i for i, m in zip(ids, trained) if m]) == (
+        "<think>\n\n</think>\n\n" + g["trained_text"]
+    )
+    assert mark_empty_think(ids, mask, block, EmptyThink.context) == mask  # the model did not write it: unchanged
+    # the model wrote the empty block itself (a template that leaves it to the model): context keeps it out
+    prompt_len = start - len(block)
+    wrote = mark_empty_think(ids, [0] * prompt_len + [1] * (len(ids) - prompt_len), block, EmptyThink.context)
+    assert wrote == mask
+    on = load(GOLDEN_DIR / "qwen3_thinking__thinking_on.json")  # thinking on: no empty block, nothing moves
+    assert mark_empty_think(on["input_ids"], on["loss_mask"], block, EmptyThink.train) == on["loss_mask"]
+    assert block_of(tok, {}, EmptyThink.auto) is None
+    with pytest.raises(ConfigError, match="tokenize.empty_think"):
+        block_of(tokenizer("chatml"), {}, EmptyThink.train)

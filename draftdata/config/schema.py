@@ -77,6 +77,14 @@ class OnTooLong(str, Enum):
     truncate = "truncate"
 
 
+class EmptyThink(str, Enum):
+    # as the template writes it: an empty think block the generation prompt holds (Qwen3's with thinking off) is
+    # context, one the model wrote is trained
+    auto = "auto"
+    train = "train"  # the empty block of a non-thinking turn is trained, whoever wrote it
+    context = "context"  # it is never trained
+
+
 class TrainOn(str, Enum):
     # every regenerated answer of a conversation (`turns: all`); with `turns: last` only one answer is regenerated,
     # so both values give the same samples
@@ -353,6 +361,10 @@ class TokenizeConfig:
     # the stage fails, naming the top reason, when more than this share of responses is skipped: a template or
     # settings problem should stop the chain, not quietly shrink the training data
     max_skip_pct: float = 5.0
+    # A non-thinking turn's empty think block (`<think>\n\n</think>\n\n`, what a thinking template such as
+    # conf/templates/qwen3_thinking.jinja writes with enable_thinking false): trained or context. auto follows the
+    # template: context where its generation prompt writes the block, trained where the model writes it.
+    empty_think: EmptyThink = EmptyThink.auto
 
     def check(self, key: str) -> None:
         _positive(f"{key}.max_seq_len", self.max_seq_len)

@@ -28,7 +28,7 @@ from typing import NamedTuple
 from jinja2.exceptions import TemplateError
 
 from draftdata.config.modes import by_recorded_mode
-from draftdata.config.schema import Config, OnTooLong, TokenizeConfig, TrainOn
+from draftdata.config.schema import Config, EmptyThink, OnTooLong, TokenizeConfig, TrainOn
 from draftdata.errors import UserError
 from draftdata.model.tokenizer import (
     assistant_message,
@@ -37,6 +37,7 @@ from draftdata.model.tokenizer import (
     prefix_stable,
     template_messages,
 )
+from draftdata.tokenize.think import block_of, mark_empty_think
 from draftdata.util.rejected import TURN, Tally
 
 # Every reason a response is skipped for (template_error:<type> adds the exception's name); the skips plot lists
@@ -325,12 +326,14 @@ def build_samples(recs: list[dict], tok, cfg: Config) -> tuple[list[Tokenized], 
         by_ids = [r for r in rows if r.get("prompt_ids") is not None and r.get("output_ids") is not None]
         by_text = [r for r in rows if r.get("prompt_ids") is None or r.get("output_ids") is None]
         ends = end_of_turn_ids(tok, sub.model, sub.template_kwargs) if by_ids else set()
-        built.update((r["id"], ids_sample(r, ends)) for r in by_ids)
+        how = cfg.tokenize.empty_think
+        block = block_of(tok, sub.template_kwargs, how) if rows else None
+        built.update((r["id"], _marked(ids_sample(r, ends), block, how)) for r in by_ids)
         for rec, result in zip(by_text, text_samples_parallel(tok, by_text, sub)):
-            built[rec["id"]] = result
             if not isinstance(result, Skip):
                 tally.text_path += 1
                 tally.drift += int(sum(result[1]) != rec["completion_tokens"])
+            built[rec["id"]] = _marked(result, block, how)
     samples = []
     for group in response_groups(usable):
         turns = []
@@ -343,6 +346,14 @@ def build_samples(recs: list[dict], tok, cfg: Config) -> tuple[list[Tokenized], 
         if turns:
             samples += _within_length(_group_samples(turns, cfg.tokenize, tally), cfg, tally)
     return samples, tally
+
+
+def _marked(result, block: list[int] | None, how: EmptyThink):
+    """A built answer with its empty think block trained or not (tokenize.empty_think; think.py)."""
+    if isinstance(result, Skip) or not block:
+        return result
+    ids, mask = result
+    return ids, mark_empty_think(ids, mask, block, how)
 
 
 def _group_samples(turns: list[Built], cfg: TokenizeConfig, tally: TokenizeTally) -> list[Tokenized]:
