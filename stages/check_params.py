@@ -20,8 +20,8 @@ from draftdata.config.load import cli
 from draftdata.config.schema import Config, EmptyThink, check_all, length_warnings, template_kwargs_of
 from draftdata.drafters.layers import family_layers
 from draftdata.model.load import local_config, local_context
+from draftdata.model.think import block_of
 from draftdata.model.tokenizer import check_local_target, has_tokenizer_files, load_tokenizer
-from draftdata.tokenize.think import block_of
 from draftdata.util.files import write_json
 from draftdata.util.log import log
 

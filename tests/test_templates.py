@@ -233,7 +233,8 @@ def test_the_empty_think_block_of_a_non_thinking_turn_is_context_or_trained_by_t
     keeps one the model wrote itself out of the loss; a template without the block refuses either setting."""
     from draftdata.config.schema import EmptyThink
     from draftdata.errors import ConfigError
-    from draftdata.tokenize.think import block_of, empty_think_ids, mark_empty_think
+    from draftdata.model.think import block_of, empty_think_ids
+    from draftdata.tokenize.think import mark_empty_think
 
     g = load(GOLDEN_DIR / "qwen3_thinking__thinking_off.json")
     tok = tokenizer("qwen3_thinking")

@@ -30,6 +30,7 @@ from jinja2.exceptions import TemplateError
 from draftdata.config.modes import by_recorded_mode
 from draftdata.config.schema import Config, EmptyThink, OnTooLong, TokenizeConfig, TrainOn
 from draftdata.errors import UserError
+from draftdata.model.think import block_of
 from draftdata.model.tokenizer import (
     assistant_message,
     end_of_turn_ids,
@@ -37,7 +38,7 @@ from draftdata.model.tokenizer import (
     prefix_stable,
     template_messages,
 )
-from draftdata.tokenize.think import block_of, mark_empty_think
+from draftdata.tokenize.think import mark_empty_think
 from draftdata.util.rejected import TURN, Tally
 
 # Every reason a response is skipped for (template_error:<type> adds the exception's name); the skips plot lists
