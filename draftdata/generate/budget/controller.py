@@ -167,8 +167,8 @@ class BudgetController:
         if self.landed is not None:
             # the run ends once the answers before the output's end are in: what the budget is expected to need is
             # admitted as soon as a slot is free (no finishing room, as each of those is waited for anyway), and
-            # nothing past it (a request past the output's end is parked unused). Refilling a server whose idle slot
-            # costs as much as a request would meet its time, at 40-50 % waste (bench/budget.py: ours_exact)
+            # nothing past it (a request past the output's end is generated for a larger budget, not this one).
+            # Refilling a server whose idle slot costs as much as a request would buy back time with such requests
             return min(room, fit)
         blind = not self.observes_rate or not self.throughput.known
         # while the server is not read, up to `admit_slack` full batches past the budget
