@@ -192,3 +192,32 @@ def test_an_empty_think_setting_the_template_cannot_meet_is_refused_by_check_par
         project.run("check_params", None)
     project.set("model.chat_template", str(ROOT / "conf" / "templates" / "qwen3_thinking.jinja"))
     project.run("check_params", None)  # Qwen3's writes one with thinking off
+
+
+def test_modes_on_a_real_server_and_in_process(backend_project):
+    """Two modes that differ in sampling only, on the embedded engine and on `transformers serve` (text back, no
+    ids: tokenize renders each mode's rows on the text path): each share lands, the rows and samples name their
+    mode, and a rerun sends nothing and writes the same bytes."""
+    project = backend_project
+    project.params["datasets"]["B3"]["modes"] = {
+        "cold": {"weight": 1.0, "sampling": {"temperature": 0.7}},  # lower, the tiny target answers empty
+        "warm": {"weight": 1.0, "sampling": {"temperature": 1.0}},
+    }
+    project.save()
+    for stage in ("prompts", "generate", "tokenize"):
+        project.run(stage, "B3")
+    out = project.data("B3")
+    metrics = json.loads((out / "generate_metrics.json").read_text())
+    max_tokens = project.params["datasets"]["B3"]["max_tokens"]
+    for name in ("cold", "warm"):
+        mine = metrics["modes"][name]
+        assert mine["budget"] == 200 and 200 <= mine["budget_tokens"] < 200 + max_tokens
+    rows = list(read_jsonl(out / "responses.jsonl"))
+    assert Counter(r["mode"] for r in rows).keys() == {"cold", "warm"}
+    samples = pq.read_table(out / "samples.parquet").to_pylist()
+    modes_of = {r["id"]: r["mode"] for r in rows}
+    assert samples and all(s["mode"] == modes_of[s["id"]] for s in samples)
+    first = (out / "responses.jsonl").read_bytes()
+    project.run("generate", "B3")
+    again = json.loads((out / "generate_metrics.json").read_text())
+    assert again["newly_generated"] == 0 and (out / "responses.jsonl").read_bytes() == first
