@@ -144,9 +144,10 @@ def test_censored_lengths_count_the_running_requests_as_not_yet_known():
         m.add(100)
     assert m.censored([])[0] == pytest.approx(100) and m.censored([])[2] == pytest.approx(0)
     mean, running, sd = m.censored([150] * 16)  # 16 running, each already past every length seen
-    # half of the requests are known to pass 150 and nothing says where they end: up to max_tokens, at worst
-    assert mean == pytest.approx(0.5 * 100 + 0.5 * 1000) and sd > 0
-    assert running == pytest.approx(16 * 1000)
+    # half of the requests are known to pass 150 and nothing says where they end: past the longest length seen the
+    # survival falls linearly to 0 at max_tokens, so a running one is expected halfway to it
+    assert mean == pytest.approx(100 + 0.5 * (1000 - 100) / 2) and sd > 0
+    assert running == pytest.approx(16 * (150 + 1000) / 2)
     # a running request short of the lengths seen is expected to end where they do
     assert m.censored([50])[1] == pytest.approx(100, rel=0.1)
 

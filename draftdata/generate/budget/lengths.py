@@ -64,7 +64,8 @@ class LengthModel:
 
     def censored(self, running: Sequence[int]) -> tuple[float, float, float]:
         """The mean length of a new request and the expected final lengths of the `running` requests (their
-        progress), summed, with the running requests counted as lengths not yet known (Kaplan-Meier): the responses
+        progress), summed, with the running requests counted as lengths not yet known (Kaplan-Meier; past the longest
+        length seen, the survival falling linearly to 0 at max_tokens, as `expected_final` assumes): the responses
         that complete first are the short ones, so the lengths seen alone understate what is in flight, and a
         controller that admits by them admits past the budget (bench/budget.py, landing exact). Before
         MIN_OBSERVED responses, the prior (`add_stored`). Also the lengths' standard deviation (the uniform one of
@@ -79,9 +80,15 @@ class LengthModel:
         at_risk = (len(ends) - np.arange(len(ends))) + (len(alive) - np.searchsorted(alive, ends, side="left"))
         survival = np.concatenate(([1.0], np.cumprod(1.0 - 1.0 / at_risk)))  # S on [0, ends[0]), [ends[i], ...)
         bounds = np.concatenate(([0.0], np.minimum(ends, self.max_tokens), [float(self.max_tokens)]))
-        area = np.concatenate(([0.0], np.cumsum(survival * np.diff(bounds))))  # the integral of S up to each bound
+        # past the longest length seen nothing says where the rest end: S falls linearly to 0 at max_tokens there
+        last, top = float(bounds[-2]), float(self.max_tokens)
+        pieces = survival * np.diff(bounds)
+        pieces[-1] /= 2
+        area = np.concatenate(([0.0], np.cumsum(pieces)))  # the integral of S up to each bound
         mean = float(area[-1])
-        square = float(np.sum(survival * np.diff(bounds**2)))  # E[L^2] = the integral of 2x S(x)
+        squares = survival * np.diff(bounds**2)  # E[L^2] = the integral of 2x S(x)
+        squares[-1] = survival[-1] * (top - last) * (top + 2 * last) / 3
+        square = float(np.sum(squares))
         sd = max(0.0, square - mean * mean) ** 0.5
         if not len(alive):
             return mean, 0.0, sd
@@ -90,6 +97,7 @@ class LengthModel:
         s_at = survival[seg]
         beyond = area[-1] - (area[seg] + s_at * (left - bounds[seg]))
         tail = np.where(s_at > 0, left + beyond / np.where(s_at > 0, s_at, 1.0), (left + self.max_tokens) / 2)
+        tail = np.where(seg == len(survival) - 1, (left + self.max_tokens) / 2, tail)  # on the linear stretch
         return mean, float(np.maximum(tail, alive).sum()), sd
 
     def quantile(self, q: float, running: int = 0) -> float:
