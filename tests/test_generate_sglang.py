@@ -121,6 +121,14 @@ def test_server_abort_all_mid_run_is_retried_from_the_aborted_tokens(sglang_proj
     assert all(c["sampling_params"]["sampling_seed"] == seed_of(key) for key, c in firsts.items())
 
 
+def run_cut_at_budget(project) -> None:
+    """Generate B3 to a budget of 600 under landing finished, which fills the batch and cancels what is in flight at
+    the budget (exact admits only what its landing needs: whether anything is in flight at the end would be timing)."""
+    project.set("datasets.B3.landing", "finished")
+    project.set("datasets.B3.token_budget", 600)
+    project.run("generate", "B3")
+
+
 def parked(project) -> dict[str, dict]:
     return {k: r for k, r in rows(project).items() if r["finish_reason"] == "budget_cut"}
 
@@ -128,8 +136,7 @@ def parked(project) -> dict[str, dict]:
 def test_partials_cut_at_the_budget_are_parked_then_continued(sglang_project):
     project, start = sglang_project
     srv = start(token_delay_s=0.004, noise=0.5)  # requests progress unevenly: some are mid-way at the budget
-    project.set("datasets.B3.token_budget", 600)
-    project.run("generate", "B3")
+    run_cut_at_budget(project)
     m1 = metrics(project)
     cut = parked(project)
     # cancel mode: complete responses only in the output, every cut request parked with all its token ids
@@ -158,8 +165,7 @@ def test_partials_cut_at_the_budget_are_parked_then_continued(sglang_project):
 def test_kill_during_continuation_loses_nothing(sglang_project):
     project, start = sglang_project
     srv = start(token_delay_s=0.004, noise=0.5)
-    project.set("datasets.B3.token_budget", 600)
-    project.run("generate", "B3")
+    run_cut_at_budget(project)
     cut = parked(project)
     assert cut
 
@@ -218,8 +224,7 @@ def test_plain_requests_without_an_abort_answer_report_estimated_loss(sglang_pro
     srv = start(token_delay_s=0.004, noise=0.5)  # uneven progress: requests are mid-way at the budget
     project.params["backend"].update(kind="openai", prompt_format="ids", return_token_ids=True, stream=False)
     project.save()
-    project.set("datasets.B3.token_budget", 600)
-    project.run("generate", "B3")
+    run_cut_at_budget(project)
     m = metrics(project)
     assert m["budget_met"] and m["cancelled_in_flight"] > 0
     assert m["lost_estimated"] and m["lost_tokens"] > 0 and m["parked_tokens"] == 0
