@@ -4,11 +4,11 @@
     python -m bench.report --write    # rewrite docs/benchmarks.md's block between the bench-report markers
 
 Every figure in the block comes from the files each benchmark writes (budget.json, budget_live.json, client.json,
-tokenize.json, hidden_states.json, hidden_states_llama8b.json, hidden_states_vllm.json, reliability.json, noop.json,
-noop_turns.json, drafter.json), so rerunning a benchmark and then `python -m bench.report --write` is all it takes to
-bring the page up to date; a test keeps the page's block equal to this output. `--write` also rewrites README.md's
-quality block (the drafter's figures, from drafter.json). Nothing here measures anything, and it imports nothing of
-the project.
+tokenize.json, hidden_states.json, hidden_states_llama8b.json, hidden_states_vllm.json, reliability.json, modes.json,
+noop.json, noop_turns.json, drafter.json), so rerunning a benchmark and then `python -m bench.report --write` is all
+it takes to bring the page up to date; a test keeps the page's block equal to this output. `--write` also rewrites
+README.md's quality block (the drafter's figures, from drafter.json). Nothing here measures anything, and it imports
+nothing of the project.
 """
 
 from __future__ import annotations
@@ -1490,6 +1490,38 @@ def gpu(r: dict) -> list[str]:
     ]
 
 
+def modes(r: dict) -> list[str]:
+    s = r["setup"]
+    weights = " / ".join(f"{name} {m['weight']:g}" for name, m in s["modes"].items())
+    rows = [
+        [
+            num(b["budget"]),
+            name,
+            num(x["share"]),
+            num(x["tokens"]),
+            f"+{x['overshoot_pct']:.3f} %",
+            num(x["last_answer_tokens"]),
+            str(x["responses"]),
+            f"{b['generated_per_kept']:g}",
+        ]
+        for b in r["budgets"]
+        for name, x in b["shares"].items()
+    ]
+    return [
+        "### Modes by weight: `python -m bench.modes`",
+        "",
+        f"Modes {weights} on the tiny target with the qwen3_thinking template, in process, max_tokens "
+        f"{s['max_tokens']}; a source of {num(s['source_prompts'])} real prompts (the demo datasets' first user "
+        "turns); "
+        "the budgets one after another on one store. Each share is passed by less than its last answer (the one that "
+        "crosses it):",
+        "",
+        *table(["budget", "mode", "share", "tokens", "over", "last answer", "responses", "generated ÷ kept"], rows),
+        "",
+        goals_line(r["goals"]),
+    ]
+
+
 SECTIONS = (
     ("budget.json", "python -m bench.budget", budget),
     ("budget_live.json", "python -m bench.budget_live", budget_live),
@@ -1502,6 +1534,7 @@ SECTIONS = (
     ("hidden_states_vllm.json", "python -m bench.hidden_states_vllm", hidden_states_vllm),
     ("export_scaling.json", "python -m bench.export_scaling", export_scaling),
     ("reliability.json", "python -m bench.reliability kill|faults|inputs", reliability),
+    ("modes.json", "python -m bench.modes", modes),
     ("noop.json", "python -m bench.noop", noop),
     ("noop_turns.json", "python -m bench.noop --turns 3 --prompts 20000", noop),
     ("drafter.json", "python -m bench.drafter", drafter),

@@ -47,7 +47,8 @@ def main(cfg: Config) -> None:
         for _, sub, _, tok, run in plans:  # every part's requests checked before the first part sends one
             check_before_requests(sub, tok, [p for p in run.plan if needs_request(run.stored.get(p.key))])
         parts = [
-            Part(mode, sub, rows, run, run_generation(sub, tok, run, store), tok) for mode, sub, rows, tok, run in plans
+            Part(mode, sub, rows, run, run_generation(sub, tok, run, store, mode), tok)
+            for mode, sub, rows, tok, run in plans
         ]
         written = write_outputs(cfg, out, prompts, parts, store, time.time() - t0)
     finally:

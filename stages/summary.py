@@ -30,10 +30,11 @@ def summarise(generate: dict, tokenize: dict) -> dict:
     included): what share of the hidden states computed for the samples carries a training signal. The counts
     behind both, `tokens` and `trained_tokens`, are in tokenize_metrics.json; the hidden states' size is `bytes`
     in hidden_states_metrics.json, and what a trained token costs on disk `bytes_per_trained_token` there (one more
-    key here would take `dvc metrics show` past 120 columns)."""
+    key here would take `dvc metrics show` past 120 columns). A dataset with modes (`datasets.<D>.modes`) adds a
+    row per mode under `modes`: the demo has none, so its columns are not there."""
     new = generate.get("new_in_output_tokens", 0)
     budget, trained, every = generate["budget"], tokenize["trained_tokens"], tokenize["tokens"]
-    return {
+    summary = {
         "tokens": generate["budget_tokens"],
         "budget": budget,
         "samples": tokenize["samples"],
@@ -42,6 +43,20 @@ def summarise(generate: dict, tokenize: dict) -> dict:
         "trained_share": round(trained / every, 3) if every else 0.0,
         "new": new,
         "reused": generate["completion_tokens"] - new,
+    }
+    if "modes" in generate:  # a dataset with modes (only it has these columns): each share and how it landed
+        summary["modes"] = {name: mode_summary(m) for name, m in generate["modes"].items()}
+    return summary
+
+
+def mode_summary(generate: dict) -> dict:
+    """A mode's row: its tokens against its share of the budget, its responses, and its reasoning's share of their
+    completion tokens (0 where the template or server separates none)."""
+    return {
+        "tokens": generate["budget_tokens"],
+        "budget": generate["budget"],
+        "responses": generate["responses"],
+        "reasoning_share": generate["reasoning_share"],
     }
 
 

@@ -64,7 +64,7 @@ def test_a_bad_mode_is_refused_naming_its_key(project, mode, key):
         project.run("generate", "B3")
 
 
-def test_modes_on_the_thinking_template_split_land_and_record(project):
+def test_modes_on_the_thinking_template_split_land_and_record(project, capsys):
     """think 0.7 / plain 0.3 on the tiny target with the shipped qwen3_thinking template: each share lands exactly
     (past it by less than its last answer), each row's prompt is rendered in its mode, and the mode is on every
     row of responses.jsonl, samples.parquet, the hidden states and speculators' export; a rerun and a raised budget
@@ -79,6 +79,8 @@ def test_modes_on_the_thinking_template_split_land_and_record(project):
     project.save()
     for stage in ("prompts", "generate"):
         project.run(stage, "B3")
+    said = capsys.readouterr().out
+    assert all(f"generate dataset=B3 mode={name} committed=0 budget=" in said for name in THINK_PLAIN)  # whose share
     out = project.data("B3")
     rows = list(read_jsonl(out / "responses.jsonl"))
     metrics = json.loads((out / "generate_metrics.json").read_text())
@@ -128,23 +130,61 @@ def test_modes_on_the_thinking_template_split_land_and_record(project):
     more = {(a["mode"], sum(b["loss_mask"]) - sum(a["loss_mask"])) for a, b in zip(samples, again)}
     assert ("think", 0) in more and len(more) == 2 and min(n for m, n in more if m == "plain") > 0
     project.set("tokenize.empty_think", "auto")
-    # the summary counts the modes' rows as the dataset's; plan reads the config without tripping on them
-    from stages.summary import main as summary
-
-    summary("B3")
-    assert json.loads((out / "summary.json").read_text())["tokens"] == metrics["budget_tokens"]
-    from draftdata.cli.plan import main as plan
-    from draftdata.config.load import load_config
-
-    (planned,) = plan(load_config(None, [], params_path=project.path / "params.yaml", need_dataset=False), None)
-    # each mode's requests keyed as generate keys them: every stored answer is found, nothing is left to generate
-    assert planned.dataset == "B3" and planned.budget == 300
-    assert planned.reusable >= metrics["budget_tokens"] and planned.to_generate == 0
+    check_mode_rows(project, metrics, ds, samples)
     # a raised budget: every row of the smaller output is in the larger one, with its mode
     project.set("datasets.B3.token_budget", 380)
     project.run("generate", "B3")
     raised = {r["id"]: r["mode"] for r in read_jsonl(out / "responses.jsonl")}
     assert all(raised.get(i) == m for i, m in modes_of.items())
+
+
+def check_mode_rows(project, metrics: dict, ds: DatasetConfig, samples: list[dict]) -> None:
+    """Each mode's row in summary.json, compare, plan, and the online exports' mode on every row."""
+    from datasets import load_from_disk
+
+    out = project.data("B3")
+    modes_of = {s["id"]: s["mode"] for s in samples}
+    # the summary counts the modes' rows as the dataset's; plan reads the config without tripping on them
+    from stages.summary import main as summary
+
+    summary("B3")
+    summed = json.loads((out / "summary.json").read_text())
+    assert summed["tokens"] == metrics["budget_tokens"]
+    # and gives each mode's row: its tokens against its share, as compare prints them beneath the dataset's
+    for name, m in metrics["modes"].items():
+        assert summed["modes"][name] == {
+            "tokens": m["budget_tokens"],
+            "budget": m["budget"],
+            "responses": m["responses"],
+            "reasoning_share": m["reasoning_share"],
+        }
+    from draftdata.cli.compare import table
+
+    printed = table([("workspace", {"B3": summed})], "B3")
+    assert [line.split()[:3] for line in printed[3:]] == [
+        ["mode", name, f"{budget_shares(ds)[name]:,}"] for name in sorted(ds.modes)
+    ]
+    from draftdata.cli.plan import main as plan
+    from draftdata.cli.plan_table import render
+    from draftdata.config.load import load_config
+
+    cfg = load_config(None, [], params_path=project.path / "params.yaml", need_dataset=False)
+    (planned,) = plan(cfg, None)
+    # each mode's requests keyed as generate keys them: every stored answer is found, nothing is left to generate
+    assert planned.dataset == "B3" and planned.budget == 300
+    assert planned.reusable >= metrics["budget_tokens"] and planned.to_generate == 0
+    assert [(m.mode, m.budget, m.prompts, m.to_generate) for m in planned.modes] == [
+        (name, share, metrics["modes"][name]["prompts"], 0) for name, share in budget_shares(ds).items()
+    ]
+    assert all(m.reusable >= metrics["modes"][m.mode]["budget_tokens"] for m in planned.modes)
+    shown = [line.split()[:3] for line in render([planned], None, cfg).splitlines() if line.startswith("  mode ")]
+    assert shown == [["mode", m.mode, f"{m.prompts:,}"] for m in planned.modes]  # beneath the dataset's row
+    # the online exports: speculators' rows and SpecForge's conversations name their mode
+    project.run("export", "B3", "export.format=speculators_online")
+    assert list(load_from_disk(str(out / "export-speculators_online"))["mode"]) == [s["mode"] for s in samples]
+    project.run("export", "B3", "export.format=specforge_online")
+    convs = list(read_jsonl(out / "export-specforge_online" / "conversations.jsonl"))
+    assert convs and all(c["mode"] == modes_of[c["id"]] for c in convs)
 
 
 def test_one_mode_equal_to_the_datasets_settings_regenerates_nothing(project):

@@ -2,8 +2,9 @@
 
 `dvc exp show` names every column by its file and key (`data/B3_magicoder/summary.json:tokens`), so a budget sweep
 of one dataset is hundreds of columns wide. This reads the same data (`dvc exp show --json`) and prints, for each
-dataset, one short row per experiment: the figures of its `summary.json` (stages/summary.py). Without `dataset=`,
-the datasets whose figures differ between the rows are shown. Nothing is run or changed.
+dataset, one short row per experiment: the figures of its `summary.json` (stages/summary.py), and beneath it a row per
+mode where the dataset has modes (its share, tokens and overshoot). Without `dataset=`, the datasets whose figures
+differ between the rows are shown. Nothing is run or changed.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def changed(rows: list[tuple[str, dict]]) -> list[str]:
 
 
 def table(rows: list[tuple[str, dict]], dataset: str) -> list[str]:
-    width = max(len("experiment"), *(len(name) for name, _ in rows))
+    modes = {m for _, s in rows for m in ((s.get(dataset) or {}).get("modes") or {})}
+    width = max(len("experiment"), *(len(name) for name, _ in rows), *(len(f"  mode {m}") for m in modes))
     cells = [max(10, len(c) + 2) for c in COLUMNS]
     lines = [f"{dataset}", f"{'experiment':<{width}}" + "".join(f"{c:>{w}}" for c, w in zip(COLUMNS, cells))]
     for name, s in rows:
@@ -51,6 +53,11 @@ def table(rows: list[tuple[str, dict]], dataset: str) -> list[str]:
         if figures is not None:
             figures = with_overshoot(figures)
             lines.append(f"{name:<{width}}" + "".join(f"{_fmt(figures.get(c)):>{w}}" for c, w in zip(COLUMNS, cells)))
+            for mode, m in (figures.get("modes") or {}).items():  # each mode's share, beneath (datasets.<D>.modes)
+                m = with_overshoot(m)
+                lines.append(
+                    f"{'  mode ' + mode:<{width}}" + "".join(f"{_fmt(m.get(c)):>{w}}" for c, w in zip(COLUMNS, cells))
+                )
     return lines
 
 

@@ -49,6 +49,21 @@ class ModelShape:
 
 
 @dataclass
+class ModePlan:
+    """One mode's row (`datasets.<D>.modes`): its prompts, its share of the budget and what is left of it."""
+
+    mode: str
+    prompts: int  # its rows: prompts, or conversations under `turns: all`
+    budget: int  # its share
+    reusable: int
+    parked: int
+    to_generate: int
+    requests: int
+    mean_completion: float
+    mean_completion_from: str
+
+
+@dataclass
 class DatasetPlan:
     dataset: str
     prompts: int | None  # in prompts.jsonl, else the source's records (None: not counted)
@@ -77,6 +92,7 @@ class DatasetPlan:
     trained_share: float | None = None  # of the samples' tokens, those the loss mask trains (None: not known)
     trained_share_from: str = "-"  # measured (tokenize_metrics.json) | estimate (mean lengths) | -
     conversations_needed: int | None = None  # turns: all: conversations of the mean length the budget still takes
+    modes: list[ModePlan] = field(default_factory=list)  # a row per mode (datasets.<D>.modes), none without
 
     @property
     def turns_per_conversation(self) -> float | None:
@@ -212,16 +228,19 @@ def plan_dataset(
     planned = []
     prompts_path = out / "prompts.jsonl"
     turns = left_to_send = None
+    modes: list[ModePlan] = []
     if prompts_path.exists() and tokenizer is not None:
         records = list(read_jsonl(prompts_path))
         # each mode's rows under its own settings, as generate plans them (one part where there are no modes)
-        for _, sub, rows in split_rows(cfg, records):
+        for mode, sub, rows in split_rows(cfg, records):
             if ds.turns == Turns.all:
                 more, found, slots, left = _conversation_turns(sub, rows, tokenizer(), store)
                 turns, left_to_send = (turns or 0) + slots, (left_to_send or 0) + left
             else:  # the same keys generate computes (rendered prompt ids, model fingerprint, sampling, max_tokens)
                 more = plan_requests(sub, rows, tokenizer(), store)
                 found = store.get_many(p.key for p in more) if store is not None else {}
+            if mode is not None:  # its share lands on its own (a mode past its share takes nothing off another's)
+                modes.append(_mode_plan(mode, sub.ds, len(rows), more, found))
             planned += more
             stored |= found
         prompts, prompts_from = len(records) if turns is not None else len(planned), "prompts.jsonl"
@@ -236,10 +255,11 @@ def plan_dataset(
         left_to_send = len(todo)
     mean_prompt = _mean([p.prompt_tokens for p in planned])
     mean_c, mean_c_from = mean_completion(lengths, ds.max_tokens)
-    per_request = mean_c
-    if ds.budget_unit == BudgetUnit.total:  # as generate: the prompts of the requests still to send
-        per_request += _mean([prompt_count(p) for p in todo]) or mean_prompt or 0.0
     left = to_generate(ds.token_budget, reusable)
+    requests = expected_requests(left, _per_request(ds, planned, todo, mean_c))
+    if modes:  # the modes' shares, each landed on its own
+        reusable, parked = sum(m.reusable for m in modes), sum(m.parked for m in modes)
+        left, requests = sum(m.to_generate for m in modes), sum(m.requests for m in modes)
 
     gm = _read_json(out / "generate_metrics.json")
     tok_s, tok_s_from = generation_rate(opts.tok_s, gm)
@@ -262,7 +282,7 @@ def plan_dataset(
         mean_completion=round(mean_c, 1),
         mean_completion_from=mean_c_from,
         mean_prompt=None if mean_prompt is None else round(mean_prompt, 1),
-        requests=expected_requests(left, per_request),
+        requests=requests,
         prompts_left=left_to_send if planned else None,
         tok_s=tok_s,
         tok_s_from=tok_s_from,
@@ -277,7 +297,28 @@ def plan_dataset(
         conversations_needed=None if turns is None else expected_requests(left, mean_c * turns / max(prompts, 1)),
         trained_share=share,
         trained_share_from=share_from,
+        modes=modes,
     )
+
+
+def _per_request(ds: DatasetConfig, planned: list[Planned], todo: list[Planned], mean_c: float) -> float:
+    """What a request is expected to count toward the budget: its completion, and under `budget_unit: total` (as
+    generate counts) the prompt of a request still to send."""
+    if ds.budget_unit != BudgetUnit.total:
+        return mean_c
+    return mean_c + (_mean([prompt_count(p) for p in todo]) or _mean([p.prompt_tokens for p in planned]) or 0.0)
+
+
+def _mode_plan(
+    mode: str, ds: DatasetConfig, prompts: int, planned: list[Planned], stored: dict[str, StoredResponse]
+) -> ModePlan:
+    """A mode's row, `ds` its settings and share of the budget, as the dataset's own figures are computed."""
+    reusable, _, parked, lengths = _stored_tokens(planned, stored, ds)
+    mean_c, mean_c_from = mean_completion(lengths, ds.max_tokens)
+    todo = [p for p in planned if needs_request(stored.get(p.key))]
+    left = to_generate(ds.token_budget, reusable)
+    requests = expected_requests(left, _per_request(ds, planned, todo, mean_c))
+    return ModePlan(mode, prompts, ds.token_budget, reusable, parked, left, requests, round(mean_c, 1), mean_c_from)
 
 
 class _NoStore:

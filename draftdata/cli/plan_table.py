@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict
 
-from draftdata.cli.costs import DatasetPlan, ModelShape
+from draftdata.cli.costs import DatasetPlan, ModelShape, ModePlan
 from draftdata.config.schema import Config
 
 
@@ -84,22 +84,32 @@ def _tokens_table(plans: list[DatasetPlan]) -> list[str]:
     """Per dataset: its prompts, budget, what the store holds toward it, what is left to generate and in how many
     requests, at which mean completion length."""
     prompts_known = all(p.prompts is not None for p in plans)
-    rows = [
-        [
-            p.dataset,
-            fmt_tokens(p.prompts) + ("" if p.prompts_from == "prompts.jsonl" else "*"),
-            fmt_tokens(p.budget),
-            p.unit,
-            *(fmt_tokens(n) for n in (p.reusable, p.parked, p.to_generate, p.requests)),
-            f"{p.mean_completion:,.0f}",
-            p.mean_completion_from,
-        ]
-        for p in plans
-    ]
+    rows = []
+    for p in plans:
+        rows.append(
+            [
+                p.dataset,
+                fmt_tokens(p.prompts) + ("" if p.prompts_from == "prompts.jsonl" else "*"),
+                fmt_tokens(p.budget),
+                p.unit,
+                *(fmt_tokens(n) for n in (p.reusable, p.parked, p.to_generate, p.requests)),
+                f"{p.mean_completion:,.0f}",
+                p.mean_completion_from,
+            ]
+        )
+        rows += [_mode_row(m) for m in p.modes]  # beneath it, each mode's share (not in the total: the row holds it)
     total = [fmt_tokens(sum(getattr(p, f) for p in plans)) for f in ("reusable", "parked", "to_generate", "requests")]
     prompts = fmt_tokens(sum(p.prompts for p in plans)) if prompts_known else "-"
     rows.append(["total", prompts, fmt_tokens(sum(p.budget for p in plans)), "", *total, "", ""])
     return table(TOKENS_HEADERS, rows, left=(0, 3, 9))
+
+
+def _mode_row(m: ModePlan) -> list[str]:
+    figures = (m.reusable, m.parked, m.to_generate, m.requests)
+    return [f"  mode {m.mode}", fmt_tokens(m.prompts), fmt_tokens(m.budget), "", *(fmt_tokens(n) for n in figures)] + [
+        f"{m.mean_completion:,.0f}",
+        m.mean_completion_from,
+    ]
 
 
 def _cost_table(plans: list[DatasetPlan]) -> list[str]:

@@ -23,10 +23,12 @@ class Progress:
     RATE_WINDOW_S = 30.0
     MIN_RATE_SPAN_S = 3.0
 
-    def __init__(self, cfg: Config, committed: int):
+    def __init__(self, cfg: Config, committed: int, mode: str | None = None):
         from tqdm import tqdm
 
         self.cfg, self.ds = cfg, cfg.ds
+        # whose budget: the dataset's, or a mode's share of it (datasets.<D>.modes)
+        self.name = cfg.dataset if mode is None else f"{cfg.dataset} [{mode}]"
         self.t0 = time.monotonic()
         self.last_log = self.t0
         self.marks: deque = deque()  # (time, tokens generated, responses) of recent updates
@@ -35,7 +37,7 @@ class Progress:
             total=self.ds.token_budget,
             initial=min(committed, self.ds.token_budget),
             unit="tok",
-            desc=f"generate {cfg.dataset}",
+            desc=f"generate {self.name}",
             disable=not self.tty,
             dynamic_ncols=True,
             bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} tok {postfix}",
@@ -57,7 +59,7 @@ class Progress:
             self.bar.n = d.ctrl.committed
             self.bar.set_postfix_str(line.split(" | ", 1)[1], refresh=True)
         else:
-            print(f"generate {self.cfg.dataset}: {line}", flush=True)
+            print(f"generate {self.name}: {line}", flush=True)
 
     def _mark(self, now: float, generated: int, responses: int) -> None:
         if generated == 0:

@@ -29,12 +29,13 @@ async def _generate(
     store: ResponseStore,
     parked: dict[str, StoredResponse],
     landed: Landed | None,
+    mode: str | None = None,
 ) -> RunStats:
     stream = cfg.ds.on_budget == OnBudget.keep_partial or cfg.backend.stream
     ctrl.observes_rate = stream
     backend = make_backend(cfg, tok)
     await backend.start()  # health and model checks, before any prompt is sent
-    progress = Progress(cfg, ctrl.committed)
+    progress = Progress(cfg, ctrl.committed, mode)
     dispatcher = Dispatcher(backend, ctrl, store, cfg, tok, stream, parked, progress, landed)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -51,6 +52,7 @@ async def _generate(
         log(
             "generate",
             dataset=cfg.dataset,
+            **named(mode),
             new=s.new,
             parked=s.parked,
             continued=s.continued,
@@ -60,18 +62,23 @@ async def _generate(
         )
 
 
-def run_generation(cfg: Config, tok, run: RunPlan, store: ResponseStore) -> RunStats:
+def named(mode: str | None) -> dict[str, str]:
+    """A line's `mode=` field, where the run generates a mode's share (datasets.<D>.modes)."""
+    return {} if mode is None else {"mode": mode}
+
+
+def run_generation(cfg: Config, tok, run: RunPlan, store: ResponseStore, mode: str | None = None) -> RunStats:
     """Generate what the budget still needs over the store's answers (nothing where they meet it), then read back
-    what the store holds for the run's prompts."""
+    what the store holds for the run's prompts. `mode`: the mode whose share `cfg` holds, named in the lines."""
     ds = cfg.ds
     landed = run.landed()  # landing exact: the settled run from the first request decides (selection.py)
     committed = landed.total() if landed is not None else stored_total(run.plan, run.stored, ds)[0]
     usable = sum(unusable_reason(r, ds) is None for r in run.stored.values())
     if committed >= ds.token_budget:
         status = f"budget met: {committed:,} >= {ds.token_budget:,} tokens from the store's answers"
-        log("generate", dataset=cfg.dataset, status=status)
+        log("generate", dataset=cfg.dataset, **named(mode), status=status)
         return RunStats(reused=usable)
-    stats = generate_missing(cfg, tok, run.plan, run.stored, store, run.queue, landed)
+    stats = generate_missing(cfg, tok, run.plan, run.stored, store, run.queue, landed, mode)
     stats.reused = usable
     run.reread(store)
     return stats
@@ -95,6 +102,7 @@ def generate_missing(
     store: ResponseStore,
     conversations: ConversationQueue | None = None,
     landed: Landed | None = None,
+    mode: str | None = None,
 ) -> RunStats:
     """Generate what the budget still needs. Parked partials are continued rather than counted: the budget counts
     complete responses, and keep_partial's cut ones only once no more generation is wanted. `conversations`
@@ -121,6 +129,7 @@ def generate_missing(
     log(
         "generate",
         dataset=cfg.dataset,
+        **named(mode),
         committed=ctrl.committed,
         budget=ds.token_budget,
         stored=len(complete),
@@ -131,7 +140,7 @@ def generate_missing(
     )
     try:
         work = todo if conversations is None else conversations
-        return asyncio.run(_generate(cfg, tok, work, ctrl, store, parked, landed))
+        return asyncio.run(_generate(cfg, tok, work, ctrl, store, parked, landed, mode))
     except Interrupted:
         log(
             "generate",

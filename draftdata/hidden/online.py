@@ -167,12 +167,15 @@ def specforge_message(m: dict) -> dict:
 
 
 def conversation_record(rec: dict) -> dict:
-    """A response record as SpecForge's raw online input: its prompt's messages, then the regenerated answer."""
+    """A response record as SpecForge's raw online input: its prompt's messages, then the regenerated answer (and
+    its mode, where the dataset has modes)."""
     from draftdata.model.tokenizer import assistant_message
 
     out = {"id": rec["id"], "conversations": [specforge_message(m) for m in rec["messages"] + [assistant_message(rec)]]}
     if rec.get("tools"):
         out["tools"] = json.dumps(rec["tools"], ensure_ascii=False)
+    if rec.get("mode") is not None:  # datasets.<D>.modes: SpecForge's reader takes the keys it knows
+        out["mode"] = rec["mode"]
     return out
 
 
