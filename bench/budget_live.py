@@ -50,9 +50,9 @@ import time
 from pathlib import Path
 
 from bench.budget import ideal_through, slow_episodes
+from bench.stage import MODEL, id_plan, stage_config
 
 RESULTS = Path(__file__).parent / "results"
-MODEL = "bench-model"
 PROMPT_LEN = 64
 STRATEGIES = ("check_cancel", "ours")
 IDLE_POLL_S = 0.2
@@ -131,45 +131,26 @@ class ServerProcess:
 
 def run_ours(url: str, prompts: list[list[int]], args) -> dict:
     """The generate stage's generation and output selection, on a fresh store."""
-    from draftdata.config.schema import (
-        BackendConfig,
-        BackendKind,
-        Config,
-        DatasetConfig,
-        ModelConfig,
-        OnBudget,
-        RunConfig,
-        SourceConfig,
-    )
-    from draftdata.generate.request import Planned
+    from draftdata.config.schema import BackendConfig, BackendKind, OnBudget
     from draftdata.generate.run import generate_missing
     from draftdata.generate.selection import select_responses
     from draftdata.generate.store import ResponseStore
-    from draftdata.util.hashing import content_hash
 
-    ds = DatasetConfig(
-        source=SourceConfig(shape="messages", path="-"),
-        token_budget=args.budget,
-        max_tokens=args.max_tokens,
-        concurrency=args.concurrency,
-        on_budget=OnBudget.cancel,
-    )
-    plan = [
-        Planned({"id": f"p{i}", "messages": [{"role": "user", "content": "x"}]}, content_hash(ids, n=32), ids)
-        for i, ids in enumerate(prompts)
-    ]
+    plan = id_plan(prompts)
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = Config(
-            dataset="bench",
-            datasets={"bench": ds},
-            model=ModelConfig(path=MODEL),
-            backend=BackendConfig(kind=BackendKind.sglang, urls=[url], stream=True, max_retries=0),
-            run=RunConfig(store_path=f"{tmp}/store.sqlite", progress=False, log_every_s=3600),
+        backend = BackendConfig(kind=BackendKind.sglang, urls=[url], stream=True, max_retries=0)
+        cfg = stage_config(
+            tmp,
+            backend,
+            token_budget=args.budget,
+            max_tokens=args.max_tokens,
+            concurrency=args.concurrency,
+            on_budget=OnBudget.cancel,
         )
         store = ResponseStore(cfg.run.store_path)
         try:
             stats = generate_missing(cfg, None, plan, {}, store)
-            _, kept, _ = select_responses(plan, store.get_many(p.key for p in plan), ds)
+            _, kept, _ = select_responses(plan, store.get_many(p.key for p in plan), cfg.ds)
         finally:
             store.close()
     assert not stats.failed, dict(stats.failed)

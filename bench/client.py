@@ -38,8 +38,9 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+from bench.stage import MODEL, stage_config
+
 RESULTS = Path(__file__).parent / "results"
-MODEL = "bench-model"
 SHORT, LONG = 16, 128  # answer lengths in tokens
 PROMPT = list(range(100, 164))  # a 64-token prompt
 GOAL_CPU = 1.25  # ours ÷ openai, CPU per request and per token: at most
@@ -121,34 +122,16 @@ def start_server() -> tuple[subprocess.Popen, str]:
 
 
 def run_ours(url: str, n: int, concurrency: int, tokens: int, stream: bool = True) -> float:
-    from draftdata.config.schema import (
-        BackendConfig,
-        BackendKind,
-        Config,
-        DatasetConfig,
-        ModelConfig,
-        RunConfig,
-        SourceConfig,
-    )
+    from draftdata.config.schema import BackendConfig, BackendKind
     from draftdata.generate.budget.controller import BudgetController
     from draftdata.generate.connect import make_backend
     from draftdata.generate.dispatcher import Dispatcher
     from draftdata.generate.request import Planned
     from draftdata.generate.store import ResponseStore
 
-    ds = DatasetConfig(
-        source=SourceConfig(shape="messages", path="-"), token_budget=10**12, max_tokens=tokens, concurrency=concurrency
-    )
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = Config(
-            dataset="bench",
-            datasets={"bench": ds},
-            model=ModelConfig(path=MODEL),
-            backend=BackendConfig(
-                kind=BackendKind.openai, urls=[url], prompt_format="ids", stream=stream, max_retries=0
-            ),
-            run=RunConfig(store_path=f"{tmp}/store.sqlite", progress=False, log_every_s=3600),
-        )
+        backend = BackendConfig(kind=BackendKind.openai, urls=[url], prompt_format="ids", stream=stream, max_retries=0)
+        cfg = stage_config(tmp, backend, token_budget=10**12, max_tokens=tokens, concurrency=concurrency)
         # keys are hex digests, as the store's are
         plan = [
             Planned({"id": f"p{i}", "messages": [{"role": "user", "content": "x"}]}, f"{i:032x}", PROMPT)
@@ -160,7 +143,7 @@ def run_ours(url: str, n: int, concurrency: int, tokens: int, stream: bool = Tru
         async def go() -> float:
             backend = make_backend(cfg, tokenizer=None)
             await backend.start()
-            ctrl = BudgetController(ds.token_budget, ds.max_tokens, concurrency, observes_rate=stream)
+            ctrl = BudgetController(cfg.ds.token_budget, cfg.ds.max_tokens, concurrency, observes_rate=stream)
             t0 = time.perf_counter()
             stats = await Dispatcher(backend, ctrl, store, cfg, None, stream, {}, quiet).run(plan)
             wall = time.perf_counter() - t0
