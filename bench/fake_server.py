@@ -297,6 +297,7 @@ class Attempt:
     # /abort_request)
     outcome: str = ""
     t_end: float = 0.0
+    peer: int = 0  # the client's port: one per TCP connection, so requests that share it reused a connection
 
 
 # ---- the server ------------------------------------------------------------------------------------------------- #
@@ -321,6 +322,8 @@ class FakeServer:
     slow: list[tuple[float, float]] = field(default_factory=list)
     slow_factor: float = 1.0
     stream_interval: int = 1  # like --stream-interval: a stream chunk every this many tokens (and at the end)
+    # a stream's body ends this long after its `data: [DONE]` (its last chunk written apart, as through a proxy)
+    tail_delay_s: float = 0.0
     starting_s: float = 0.0  # /health answers 503 for this long after start
     has_model_info: bool = True  # False: an older server with /get_model_info only
     # vLLM's engine has died (EngineDeadError): /health answers 503 and every generation request HTTP 500 with
@@ -480,6 +483,7 @@ class FakeServer:
     def _arrive(self, request: web.Request, body: dict) -> Attempt:
         auth = request.headers.get("Authorization")
         a = Attempt(self.url, len(self.log) + 1, request.path, body, auth, time.monotonic(), dict(request.headers))
+        a.peer = (request.transport.get_extra_info("peername") or ("", 0))[1] if request.transport else 0
         self.log.append(a)
         return a
 
@@ -667,6 +671,8 @@ class FakeServer:
         if wire.wants_usage() and a.fault != "no_usage":
             await _sse(resp, wire.usage_chunk(out))
         await resp.write(b"data: [DONE]\n\n")
+        if self.tail_delay_s:
+            await asyncio.sleep(self.tail_delay_s)
         return resp
 
     async def _fail_mid_stream(self, request: web.Request, resp, a: Attempt, wire, fault: Fault, out, sent: int):

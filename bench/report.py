@@ -1522,6 +1522,63 @@ def modes(r: dict) -> list[str]:
     ]
 
 
+def fleet(r: dict) -> list[str]:
+    s, fit = r["settings"], r["client_cost_fit"]
+    rows = [
+        [
+            x["family"],
+            num(x.get("max_tokens", s["max_tokens"])),
+            str(x["stream_interval"]),
+            str(x["servers"]),
+            f"{x['time_scale']:g}",
+            f"+{x['overshoot_pct']:.3f} %",
+            f"{x['waste_pct']:.1f} %",
+            f"{x['time_vs_ideal']:.2f}",
+            f"{x['client_us_per_token']:.1f}",
+            num(x["client_us_per_request"]),
+            f"{x['client_cores_at_nominal']:.2f}",
+            f"{x['servers_over_client_cpu']:.2f}",
+            f"{x['share_over_speed'][0]:.2f} to {x['share_over_speed'][1]:.2f}",
+        ]
+        for x in r["runs"]
+    ]
+    return [
+        "### A fleet of servers: `python -m bench.fleet`",
+        "",
+        f"The generate stage's client (the sglang backend, streamed, landing exact) against N simulated SGLang servers "
+        f"in one other process: {s['per_server_in_flight']} in flight per server, a budget of "
+        f"{s['answers_per_server']} answers per server, full-batch rates of 0.5 to 1 × {num(s['full_rate_tok_s'])} "
+        "tok/s, knees of 16 to 64, noise up to 10 %, server 0 dead from 30 % to 60 % of the ideal time; time scaled "
+        f"where the fleet would send more than {num(s['max_events_per_s'])} chunks a second ({s['cpus']} cores). "
+        "Cores at nominal: the client's CPU per token × the fleet's unscaled rate (100 servers: 375k tok/s); "
+        "share: each server's share of the tokens over its share of the speed (servers 1 to N-1).",
+        "",
+        *table(
+            [
+                "lengths",
+                "max_tokens",
+                "interval",
+                "servers",
+                "scale",
+                "over",
+                "waste",
+                "time ÷ ideal",
+                "µs/token",
+                "µs/request",
+                "cores at nominal",
+                "servers ÷ client CPU",
+                "share ÷ speed",
+            ],
+            rows,
+        ),
+        "",
+        f"The client's CPU fitted over the runs: {fit['us_per_event']:g} µs per stream chunk and "
+        f"{num(fit['us_per_request'])} µs per request (r² {fit['r2']}).",
+        "",
+        goals_line(r["goals"]),
+    ]
+
+
 SECTIONS = (
     ("budget.json", "python -m bench.budget", budget),
     ("budget_live.json", "python -m bench.budget_live", budget_live),
@@ -1535,6 +1592,7 @@ SECTIONS = (
     ("export_scaling.json", "python -m bench.export_scaling", export_scaling),
     ("reliability.json", "python -m bench.reliability kill|faults|inputs", reliability),
     ("modes.json", "python -m bench.modes", modes),
+    ("fleet.json", "python -m bench.fleet", fleet),
     ("noop.json", "python -m bench.noop", noop),
     ("noop_turns.json", "python -m bench.noop --turns 3 --prompts 20000", noop),
     ("drafter.json", "python -m bench.drafter", drafter),

@@ -162,6 +162,21 @@ def test_sglang_stream_updates_the_partial_token_by_token(fake, incremental):
     assert (req.partial.output_ids, req.partial.text, req.partial.completion_tokens) == (expected, res.text, 12)
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_answers_one_after_another_reuse_one_connection(fake, stream):
+    """A streamed answer's reader stops at `data: [DONE]`; what follows (the chunked body's end) is read before the
+    connection is released, or aiohttp closes it and the next request opens another (here the body's end comes
+    apart, later, as through a proxy)."""
+    srv = fake(token_delay_s=0, tail_delay_s=0.05)
+
+    async def go():
+        async with started(sglang(srv.url)) as backend:
+            return [await backend.generate(request(f"r{i}", max_tokens=6, stream=stream)) for i in range(5)]
+
+    assert all(r.ok and r.completion_tokens == 6 for r in run(go()))
+    assert len(srv.log) == 5 and len({a.peer for a in srv.log}) == 1 and srv.log[0].peer
+
+
 def test_stream_lines_longer_than_aiohttp_readline_accepts(fake):
     """SGLang's cumulative chunks of a long answer are longer than aiohttp's readline accepts (512 KiB)."""
     srv = fake(token_delay_s=0, stream_interval=40000)

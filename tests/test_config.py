@@ -21,6 +21,7 @@ from draftdata.errors import ConfigError
         ("datasets.B3.token_budget=lots", "datasets.B3.token_budget", "Integer"),
         ("datasets.B3.max_tokens=0", "datasets.B3.max_tokens", "positive"),
         ("datasets.B3.concurrency=-1", "datasets.B3.concurrency", "positive"),
+        ("backend.concurrency_per_server=0", "backend.concurrency_per_server", "positive"),
         ("datasets.B3.source.shape=csv_rows", "datasets.B3.source.shape", "unknown source shape"),
         ("datasets.B3.source.path=missing.jsonl", "datasets.B3.source.path", "file not found"),
         ("datasets.B3.on_bad_record=maybe", "datasets.B3.on_bad_record", "fail, skip"),
@@ -45,6 +46,21 @@ def test_bad_override_names_the_key(project, override, key, words):
     msg = str(exc.value)
     assert msg.startswith(f"{key}:"), msg
     assert words in msg and "\n" not in msg
+
+
+def test_a_fleets_concurrency_grows_with_its_servers(project):
+    """A dataset that sets no `concurrency` gets backend.concurrency_per_server for each server; one that sets it
+    keeps it, over all servers."""
+    del project.params["datasets"]["B3"]["concurrency"]
+    project.save()
+    urls = "backend.urls=[http://a:1,http://b:1,http://c:1]"
+    fleet = load_config("B3", ["backend.kind=sglang", urls], params_path=project.path / "params.yaml")
+    assert fleet.concurrency == 3 * 64
+    per = ["backend.kind=sglang", urls, "backend.concurrency_per_server=150"]
+    assert load_config("B3", per, params_path=project.path / "params.yaml").concurrency == 450
+    assert load_config("B3", params_path=project.path / "params.yaml").concurrency == 64  # embedded: one engine
+    own = load_config("B3", [*per, "datasets.B3.concurrency=100"], params_path=project.path / "params.yaml")
+    assert own.concurrency == 100
 
 
 def test_typo_in_params_file_names_key_and_file(project):

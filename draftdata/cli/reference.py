@@ -84,7 +84,8 @@ MEANINGS = {
     "datasets.<name>.on_tool_divergence": "With `turns: all`, a regenerated turn that calls other tools than the "
     "source's (or answers in text where it called): `stop` ends the conversation there; `keep_source` gives it "
     "the source's tool results anyway and goes on.",
-    "datasets.<name>.concurrency": "Requests in flight at once for this dataset, over all servers.",
+    "datasets.<name>.concurrency": "Requests in flight at once for this dataset, over all servers; unset: "
+    "`backend.concurrency_per_server` for each server.",
     "datasets.<name>.sampling.temperature": "Sampling temperature (0: greedy).",
     "datasets.<name>.sampling.top_p": "Nucleus sampling: the smallest set of tokens with this much probability.",
     "datasets.<name>.sampling.top_k": "Sample among the k likeliest tokens; -1: off.",

@@ -242,14 +242,15 @@ class DatasetConfig:
     # online training, where the trainer computes the states from the samples itself (export.format=*_online)
     store_hidden_states: bool = True
     # run-time knob: read, but not declared as a DVC param (changing it reruns nothing)
-    concurrency: int = 64
+    concurrency: Optional[int] = None
 
     def check(self, key: str) -> None:
         self.source.check(f"{key}.source")
         self.sampling.check(f"{key}.sampling")
         _positive(f"{key}.token_budget", self.token_budget)
         _positive(f"{key}.max_tokens", self.max_tokens)
-        _positive(f"{key}.concurrency", self.concurrency)
+        if self.concurrency is not None:
+            _positive(f"{key}.concurrency", self.concurrency)
         if self.max_prompts is not None:
             _positive(f"{key}.max_prompts", self.max_prompts)
         if self.max_prompt_tokens is not None:
@@ -518,6 +519,9 @@ class BackendConfig:
     max_batch_tokens: int = 2048
     # embedded only: KV-cache blocks of 32 tokens, shared by the requests in flight (256: 8,192 tokens)
     num_blocks: int = 256
+    # A dataset's requests in flight where it sets no `concurrency`: this many per server (`urls`; the embedded engine
+    # counts as one), so that a fleet's batch grows with its servers
+    concurrency_per_server: int = 64
     # sglang and openai: what start() expects the server to serve; None = the basename of model.path
     served_model_name: Optional[str] = None
     # Retries of one request on 408/409/429/5xx, connection errors and timeouts; the delay before retry n is
@@ -566,6 +570,7 @@ class BackendConfig:
             if name in SET_FIELDS:
                 raise ConfigError(f"{key}.extra_body.{name}", "is a field draftdata sets itself; remove it")
         self._check_session_header(f"{key}.session_header")
+        _positive(f"{key}.concurrency_per_server", self.concurrency_per_server)
         if self.embedded_batching not in ("auto", "slots", "transformers"):
             raise ConfigError(
                 f"{key}.embedded_batching", f"must be auto, slots or transformers, got {self.embedded_batching!r}"
@@ -674,6 +679,13 @@ class Config:
     @property
     def ds(self) -> DatasetConfig:
         return self.datasets[self.dataset]
+
+    @property
+    def concurrency(self) -> int:
+        """The requests in flight of the dataset the stage runs on (the backend's default without one): its own
+        `concurrency`, else backend.concurrency_per_server for each server."""
+        own = self.ds.concurrency if self.dataset else None
+        return own if own is not None else self.backend.concurrency_per_server * max(1, len(self.backend.urls))
 
     @property
     def template_kwargs(self) -> dict:

@@ -152,7 +152,7 @@ class Dispatcher:
             admitted = True
         if admitted:
             progress, prompts = self.in_flight_progress(), self.in_flight_prompts()
-        room = self.ds.concurrency - len(self.flights)
+        room = self.cfg.concurrency - len(self.flights)
         pending = self.work.pending(room) if room > 0 else None
         for _ in range(self.ctrl.admit_count(progress, prompts, pending)):
             if (p := self._next(self.work.next_new)) is None:

@@ -111,7 +111,7 @@ def generate_missing(
     ctrl = BudgetController(
         ds.token_budget,
         ds.max_tokens,
-        ds.concurrency,
+        cfg.concurrency,
         keep_partial=ds.on_budget == OnBudget.keep_partial,
         committed=stored_total(plan, stored, ds, partial=False)[0],
         landed=None if landed is None else landed.total(),

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from draftdata.config.schema import Config, DatasetConfig
+from draftdata.config.schema import Config
 from draftdata.errors import UserError
 from draftdata.generate.backends.protocol import GenRequest, GenResult, cancel_as_stop, stopped_result
 from draftdata.util.log import log
@@ -44,6 +44,10 @@ PROBE_TIMEOUT_S = 30.0
 STARTUP_POLL_S = 1.0  # how often start() asks a loading server (503) again
 ABORT_TIMEOUT_S = 5.0  # an abort is best effort: it must not hold up the caller's stop for long
 CONNECTION_HEADROOM = 8  # connections beyond the concurrency: health probes and aborts must not queue behind work
+# What is read past an answer's end marker (`data: [DONE]`) so that its connection is reused: the chunked body's
+# last chunk, a few bytes that come at once. A server that sends more, or takes longer, costs its connection.
+TAIL_LIMIT_BYTES = 64 * 1024
+TAIL_TIMEOUT_S = 1.0
 
 
 class Failure(Exception):
@@ -222,7 +226,7 @@ class HttpBackend:
         # How much busier than the least busy server a conversation's previous server may be and still take its
         # next turn: a quarter of each server's share of the requests in flight (re-reading a conversation's
         # history costs less than waiting behind a queue much longer than the others')
-        concurrency = cfg.ds.concurrency if cfg.dataset else DatasetConfig().concurrency
+        concurrency = cfg.concurrency
         self._affinity_slack = concurrency // len(self.pool.servers) // 4
 
     # ---- protocol hooks -------------------------------------------------------------------------------------- #
@@ -270,7 +274,7 @@ class HttpBackend:
             self.session = None
 
     def _new_session(self) -> aiohttp.ClientSession:
-        concurrency = self.cfg.ds.concurrency if self.cfg.dataset else DatasetConfig().concurrency
+        concurrency = self.cfg.concurrency
         connector = aiohttp.TCPConnector(limit=concurrency + len(self.pool.servers) + CONNECTION_HEADROOM)
         timeout = aiohttp.ClientTimeout(total=self.bcfg.request_timeout_s, sock_connect=self.bcfg.connect_timeout_s)
         return aiohttp.ClientSession(connector=connector, timeout=timeout, headers=self._auth_headers())
@@ -515,11 +519,27 @@ class HttpBackend:
             if resp.status != 200:
                 raise status_failure(resp.status, await resp.text(errors="replace"), resp.headers.get("Retry-After"))
             yield resp
+            await _read_tail(resp)
         except BaseException:
             resp.close()
             raise
         finally:
             resp.release()
+
+
+async def _read_tail(resp: aiohttp.ClientResponse) -> None:
+    """Read what is left of a body whose reader stopped at the answer's end marker, so that the connection goes back
+    to the pool: aiohttp closes a connection released before its body's end, and where that end comes apart from
+    the marker (a proxy, a server that flushes it later) every answer would cost the next request a new connection
+    (tests/test_backends.py). A tail that does not end soon closes the connection, as before."""
+    content, left = resp.content, TAIL_LIMIT_BYTES
+    try:
+        while left > 0 and not content.at_eof():
+            left -= len(await asyncio.wait_for(content.readany(), TAIL_TIMEOUT_S))
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        pass
+    if not content.at_eof():
+        resp.close()
 
 
 _RUN_TAG = secrets.token_hex(4)  # this process's: attempt ids of different runs never meet on a server

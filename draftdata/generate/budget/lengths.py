@@ -64,8 +64,9 @@ class LengthModel:
 
     def censored(self, running: Sequence[int]) -> tuple[float, float, float]:
         """The mean length of a new request and the expected final lengths of the `running` requests (their
-        progress), summed, with the running requests counted as lengths not yet known (Kaplan-Meier; past the longest
-        length seen, the survival falling linearly to 0 at max_tokens, as `expected_final` assumes): the responses
+        progress), summed, with the running requests counted as lengths not yet known (Kaplan-Meier, read as far as
+        enough requests were at risk (`_supported`), held as far as a running request got; past that, the survival
+        falling linearly to 0 at max_tokens, as `expected_final` assumes past the longest length seen): the responses
         that complete first are the short ones, so the lengths seen alone understate what is in flight, and a
         controller that admits by them admits past the budget (bench/budget.py, landing exact). Before
         MIN_OBSERVED responses, the prior (`add_stored`). Also the lengths' standard deviation (the uniform one of
@@ -78,10 +79,16 @@ class LengthModel:
         alive = np.sort(np.asarray(running, dtype=np.float64))
         # at risk at each completion (in order): the completions not yet passed, and the running ones that got there
         at_risk = (len(ends) - np.arange(len(ends))) + (len(alive) - np.searchsorted(alive, ends, side="left"))
-        survival = np.concatenate(([1.0], np.cumprod(1.0 - 1.0 / at_risk)))  # S on [0, ends[0]), [ends[i], ...)
-        bounds = np.concatenate(([0.0], np.minimum(ends, self.max_tokens), [float(self.max_tokens)]))
-        # past the longest length seen nothing says where the rest end: S falls linearly to 0 at max_tokens there
-        last, top = float(bounds[-2]), float(self.max_tokens)
+        kept = _supported(ends, at_risk, len(ends) + len(alive))
+        top = float(self.max_tokens)
+        # S after the last completion kept holds as far as a running request got (none of them ended on the way), and
+        # past that nothing says where the rest end: S falls linearly to 0 at max_tokens there
+        reached = ends[kept - 1] if kept < len(ends) or not len(alive) else max(ends[-1], alive[-1])
+        ends, at_risk = ends[:kept], at_risk[:kept]
+        survival = np.cumprod(1.0 - 1.0 / at_risk)
+        survival = np.concatenate(([1.0], survival, survival[-1:]))  # S on [0, ends[0]), [ends[i], ...), the fall
+        bounds = np.concatenate(([0.0], np.minimum(ends, top), [min(float(reached), top), top]))
+        last = float(bounds[-2])
         pieces = survival * np.diff(bounds)
         pieces[-1] /= 2
         area = np.concatenate(([0.0], np.cumsum(pieces)))  # the integral of S up to each bound
@@ -138,3 +145,15 @@ class LengthModel:
         suffix = list(itertools.accumulate(reversed(self._snapshot)))
         suffix.reverse()
         self._suffix = suffix
+
+
+def _supported(ends: np.ndarray, at_risk: np.ndarray, total: int) -> int:
+    """How many of the completions (sorted) to read: those before the first that few requests were at risk of,
+    where the requests still running took most of them out. At the front of a wave the longest completions are the
+    few that got there before the running ones did, the last of them takes the survival to 0, and every running
+    request would be expected to end by the longest length seen. Past that point the lengths are unknown
+    (`LengthModel.censored` lets the survival fall linearly to max_tokens). With nothing running every completion
+    is read: the lengths seen are all there is."""
+    survival_before = np.concatenate(([1.0], np.cumprod(1.0 - 1.0 / at_risk)[:-1]))
+    thin = (at_risk < MIN_OBSERVED) & (at_risk < survival_before * total / 2)
+    return int(np.argmax(thin)) if thin.any() else len(ends)

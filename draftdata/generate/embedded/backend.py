@@ -66,7 +66,7 @@ class EmbeddedBackend:
             lambda: load_model(self.cfg.model, device="cpu"),  # its cache and its kernels are a CPU's
             Sampling(s.temperature, s.top_p, s.top_k),
             self.stop_ids,
-            slots=self.cfg.ds.concurrency,
+            slots=self.cfg.concurrency,
             prefill_tokens=self.cfg.backend.max_batch_tokens,
             compute_dtype=self.compute_dtype,
         )
