@@ -1572,7 +1572,8 @@ def fleet(r: dict) -> list[str]:
             rows,
         ),
         "",
-        f"The client's CPU fitted over the runs: {fit['us_per_event']:g} µs per stream chunk and "
+        f"The client's CPU fitted over the runs at max_tokens {num(s['max_tokens'])}: {fit['us_per_event']:g} µs "
+        "per stream chunk and "
         f"{num(fit['us_per_request'])} µs per request (r² {fit['r2']}).",
         "",
         goals_line(r["goals"]),
