@@ -1438,6 +1438,23 @@ def export_scaling(r: dict) -> list[str]:
     ]
 
 
+def gather(r: dict) -> list[str]:
+    g, c, m = r["gather"], r["copy"], r["machine"]
+    rows = [("gather", g), ("copy", c)]
+    return [
+        "### Gathering shards to rank 0 across nodes: `python -m bench.gather`",
+        "",
+        f"Two gloo processes over loopback on this {m['cores']}-core machine, as two nodes' ranks with "
+        f"`run.states_layout: local`: rank 1 sends {g['shards']} shards ({g['bytes'] / 1e9:.2f} GB) and rank 0 writes "
+        "each into its store and indexes it, against copying the same files on this disk (`shutil.copyfile`). "
+        "Loopback has no network's limit: on a cluster the gather goes at the smaller of its own rate and the link's.",
+        "",
+        *table(["path", "GB/s", "seconds"], [[k, f"{v['gb_s']:.3f}", f"{v['seconds']:.2f}"] for k, v in rows]),
+        "",
+        f"gather ÷ copy: {r['gather_over_copy']:.2f}. " + goals_line(r["goals"]),
+    ]
+
+
 def gpu_tok_s(row: dict) -> float:
     """A throughput point's ours, as either version of the part wrote it."""
     return row["ours"]["tok_s"] if "ours" in row else row["tok_s"]
@@ -1594,6 +1611,7 @@ SECTIONS = (
     ("reliability.json", "python -m bench.reliability kill|faults|inputs", reliability),
     ("modes.json", "python -m bench.modes", modes),
     ("fleet.json", "python -m bench.fleet", fleet),
+    ("gather.json", "python -m bench.gather", gather),
     ("noop.json", "python -m bench.noop", noop),
     ("noop_turns.json", "python -m bench.noop --turns 3 --prompts 20000", noop),
     ("drafter.json", "python -m bench.drafter", drafter),

@@ -16,15 +16,15 @@ from draftdata.errors import UserError
 from draftdata.hidden.compute import compute, n_layers_of, state_settings
 from draftdata.hidden.engines.factory import LazyEngine
 from draftdata.hidden.materialise import materialise
+from draftdata.hidden.nodes import agree, gather, node_facts
 from draftdata.hidden.output import index_doc, output_metrics
 from draftdata.hidden.ranks import Rank, join_group, leave_group
 from draftdata.hidden.reader import SKIPPED
-from draftdata.hidden.state_store import StateStore
+from draftdata.hidden.shared_store import open_state_store
 from draftdata.hidden.tally import HiddenTally
 from draftdata.util.files import data_dir, write_json
 from draftdata.util.hashing import content_hash
 from draftdata.util.log import log
-from draftdata.util.sqlite import resolve_store_path
 
 
 def main(cfg: Config) -> None:
@@ -41,16 +41,20 @@ def main(cfg: Config) -> None:
     layers = captured(families)
     settings = state_settings(cfg, layers)
     if rank.world > 1:
-        join_group(rank)
-    store = StateStore(resolve_store_path(cfg.run.store_path).parent / "states")
+        join_group(rank, gpu=hs.backend == "hf")
+    store = open_state_store(cfg.run)
     engine = LazyEngine(cfg, layers, store, content_hash(settings))
     # SIGTERM (a scheduler's, torchrun's when another rank failed) unwinds like Ctrl-C: the states computed so far
     # are written and indexed on the way out instead of dying with the process
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:
-        compute(cfg, src, engine, store, settings, rank, tally)
+        # across nodes: the same model, layers, dtype, code and samples on every rank, or none starts
+        facts = node_facts(settings, src, cfg.run.states_layout) if rank.world > 1 else {}
+        every = agree(rank, facts, store.identity(), store.root)
+        owned = compute(cfg, src, engine, store, settings, rank, tally)
         # the whole job's, for the metrics (`tally` stays this rank's share); every rank has finished once it returns
         total = rank.add_up(tally)
+        total.gathered_shards, total.gathered_bytes = gather(rank, store, every, owned)
         if rank.rank == 0:
             write_outputs(cfg, src, engine, store, settings, families, total)
     finally:

@@ -468,7 +468,7 @@ from draftdata.hidden.ranks import Rank, join_group, leave_group
 from draftdata.hidden.tally import HiddenTally
 
 rank = Rank.from_env()
-join_group(rank)
+join_group(rank, gpu=False)
 r = rank.rank
 mine = HiddenTally(owned=3 + r, computed=2 + r, computed_tokens=10 + r, pad_tokens=r, torn=1 + r, seconds=1.0 + r,
                    fp8_err_num=0.5, fp8_err_den=2.0)

@@ -107,8 +107,8 @@ MEANINGS = {
     "backend.backoff_base_s": "Base delay of the retry backoff (see `max_retries`).",
     "backend.backoff_max_s": "Longest delay between two retries (see `max_retries`).",
     "backend.connect_timeout_s": "Longest wait to connect to a server.",
-    "run.store_path": "The response store (SQLite); the hidden-state store sits beside it in `states/`. Local "
-    "disk, on the project's file system; `DRAFTDATA_STORE` overrides it.",
+    "run.store_path": "The response store (SQLite); the hidden-state store sits beside it in `states/` unless "
+    "`run.states_path` says otherwise. Local disk, on the project's file system; `DRAFTDATA_STORE` overrides it.",
     "run.log_every_s": "Seconds between two progress lines when no terminal shows the progress bar.",
     "run.progress": "Show a progress bar on a terminal.",
 }

@@ -651,6 +651,12 @@ class RunConfig:
     """Run-time knobs that do not change the data."""
 
     store_path: str = ".draftdata/store.sqlite"
+    # The hidden-state store's directory; null: `states/` beside store_path. Across nodes: a network file system every
+    # node sees (with states_layout: shared), or each node's own local disk (local: rank 0 gathers the shards).
+    states_path: Optional[str] = None
+    # local: an SQLite index, on a local disk (one node; or one per node, rank 0 gathering the others' shards) |
+    # shared: a network file system every node sees, a manifest beside each shard and no SQLite
+    states_layout: str = "local"
     log_every_s: float = 10.0
     progress: bool = True
     # Stop the run when this many requests in a row failed with one cause (0: never): a bad request, a wrong
@@ -658,6 +664,8 @@ class RunConfig:
     fail_fast_after: int = 16
 
     def check(self, key: str) -> None:
+        if self.states_layout not in ("local", "shared"):
+            raise ConfigError(f"{key}.states_layout", f"must be local or shared, got {self.states_layout!r}")
         if not isinstance(self.fail_fast_after, int) or self.fail_fast_after < 0:
             raise ConfigError(f"{key}.fail_fast_after", f"must be an integer >= 0, got {self.fail_fast_after!r}")
 

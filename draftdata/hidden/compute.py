@@ -12,12 +12,13 @@ every trainer's numbering, the final-state convention).
 
 Work goes in windows of `window_samples` samples streamed from `samples.parquet` (memory stays bounded whatever the
 dataset's size); in a window the samples still missing are sorted by length and batched up to `batch_tokens` padded
-tokens, and written by a `ShardWriter` (draftdata/hidden/writer.py). Under `torchrun`, ranks take disjoint samples
-(by key, draftdata/hidden/ranks.py) and rank 0 writes the output once all have finished.
+tokens, and written by a `ShardWriter` (draftdata/hidden/writer.py). Under `torchrun`, ranks take disjoint contiguous
+shares of the rows (draftdata/hidden/ranks.py) and rank 0 writes the output once all have finished.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -148,8 +149,8 @@ def windows(src: Path, size: int, carried: bool = False):
 
 def compute(
     cfg: Config, src: Path, engine: LazyEngine, store: StateStore, settings: dict, rank: Rank, tally: HiddenTally
-) -> None:
-    """Pass 1 (every rank): compute what the store lacks."""
+) -> list[str]:
+    """Pass 1 (every rank): compute what the store lacks of this rank's share; returns the share's keys."""
     hs = cfg.hidden_states
     computer = Computer(
         engine,
@@ -161,19 +162,35 @@ def compute(
         tally,
         background_writes=computes_off_cpu(hs),
     )
+    share = rank.share(sample_lengths(src)) if rank.world > 1 else range(sys.maxsize)
     try:
-        _compute_windows(src, hs.window_samples, computer, store, rank, tally)
+        owned = _compute_windows(src, hs.window_samples, computer, store, share, tally)
     finally:
         computer.close()
     tally.pad_tokens = engine.pad_tokens
+    return owned
+
+
+def sample_lengths(src: Path) -> list[int]:
+    """Every sample's token count, in the dataset's order, from the ids' list offsets (no id is decoded)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    pf = pq.ParquetFile(src)
+    return [n for b in pf.iter_batches(columns=["input_ids"]) for n in pc.list_value_length(b.column(0)).to_pylist()]
 
 
 def _compute_windows(
-    src: Path, window_samples: int, computer: Computer, store: StateStore, rank: Rank, tally: HiddenTally
-) -> None:
+    src: Path, window_samples: int, computer: Computer, store: StateStore, share: range, tally: HiddenTally
+) -> list[str]:
     sh = computer.settings_hash
     checked: set[str] = set()
+    mine: list[str] = []
+    start = 0  # the window's first row in the dataset
     for ids, input_ids, _ in windows(src, window_samples):
+        first, start = start, start + len(ids)
+        if first >= share.stop or start <= share.start:
+            continue  # another rank's rows
         keys = [state_key(sh, x) for x in input_ids]
         found = store.lookup(keys)
         unchecked = {loc.shard for loc in found.values()} - checked
@@ -182,11 +199,13 @@ def _compute_windows(
         checked |= unchecked - set(torn)
         if torn:
             found = store.lookup(keys)
-        owned = [(k, x) for k, x in zip(keys, input_ids) if rank.owns(k)]
+        owned = [(k, x) for row, k, x in zip(range(first, start), keys, input_ids) if row in share]
         tally.owned += len(owned)
+        mine += [k for k, _ in owned]
         missing = {k: x for k, x in owned if k not in found}
         computer.names = dict(zip(keys, ids))  # this window's: memory stays bounded
         computer.run(list(missing.items()))
+    return mine
 
 
 def state_settings(cfg: Config, layers: list[int]) -> dict:

@@ -75,6 +75,8 @@ def output_metrics(
         "computed_tokens": computed,
         "reused_samples": tally.samples - tally.computed,
         "torn_shards_redone": tally.torn,
+        "gathered_shards": tally.gathered_shards,  # from other nodes' stores (run.states_layout: local)
+        "gathered_bytes": tally.gathered_bytes,
         "dtype": hs.dtype,
         "bytes": size,
         "bytes_per_token": round(shard_bytes / shard_tokens, 2) if shard_tokens else 0.0,

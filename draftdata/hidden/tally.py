@@ -16,6 +16,8 @@ class HiddenTally:
     computed_tokens: int = 0
     pad_tokens: int = 0  # padded positions the engine computed and dropped
     torn: int = 0  # torn shards forgotten (their samples computed again)
+    gathered_shards: int = 0  # shards rank 0 received from other nodes' stores (local disks), and their bytes
+    gathered_bytes: int = 0
     seconds: float = 0.0
     fp8_err_num: float = 0.0
     fp8_err_den: float = 0.0
