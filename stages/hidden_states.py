@@ -49,8 +49,7 @@ def main(cfg: Config) -> None:
     previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         # across nodes: the same model, layers, dtype, code and samples on every rank, or none starts
-        facts = node_facts(settings, src, cfg.run.states_layout) if rank.world > 1 else {}
-        every = agree(rank, facts, store.identity(), store.root)
+        every = agree(rank, lambda: node_facts(settings, src, cfg.run.states_layout), store.identity(), store.root)
         owned = compute(cfg, src, engine, store, settings, rank, tally)
         # the whole job's, for the metrics (`tally` stays this rank's share); every rank has finished once it returns
         total = rank.add_up(tally)

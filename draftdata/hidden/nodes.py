@@ -12,6 +12,7 @@ Under torchrun a job's ranks may run on several nodes (`--nnodes`). Their state 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
@@ -36,7 +37,11 @@ def code_version() -> str:
     h = hashlib.sha256()
     for p in sorted(root.rglob("*.py")):
         h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes())
-    return f"{metadata.version('draftdata')}+{h.hexdigest()[:12]}"
+    try:
+        version = metadata.version("draftdata")
+    except metadata.PackageNotFoundError:  # run from a checkout that is not installed: its sources say it all
+        version = "source"
+    return f"{version}+{h.hexdigest()[:12]}"
 
 
 def file_sha256(path: Path) -> str:
@@ -57,14 +62,15 @@ def node_facts(settings: dict, samples: Path, layout: str) -> dict:
     }
 
 
-def agree(rank: Rank, facts: dict, store_id: str, store_root: Path) -> list[dict]:
-    """Every rank's facts and store, once all of them agree; else every rank refuses to start, in one line (the
-    first rank and fact that differ from rank 0's). Two nodes may not share an SQLite store: a network file system
-    takes `run.states_layout: shared`."""
-    mine = {"facts": facts, "node": rank.node, "host": HOST, "store": store_id}
+def agree(rank: Rank, facts: Callable[[], dict], store_id: str, store_root: Path) -> list[dict]:
+    """Every rank's facts (`facts()`, made only under torchrun: it reads samples.parquet whole) and store, once all
+    of them agree; else every rank refuses to start, in one line (the first rank and fact that differ from rank
+    0's). Two nodes may not share an SQLite store: a network file system takes `run.states_layout: shared`."""
     if rank.world == 1:
-        return [mine]
+        return [{"store": store_id}]
     import torch.distributed as dist
+
+    mine = {"facts": facts(), "node": rank.node, "host": HOST, "store": store_id}
 
     every: list = [None] * rank.world
     dist.all_gather_object(every, mine)
@@ -77,7 +83,7 @@ def agree(rank: Rank, facts: dict, store_id: str, store_root: Path) -> list[dict
                     f" (node {first['node']}, {first['host']}): {theirs['facts'].get(name)!r} against {value!r}; every"
                     " node must run the same params, model, code and samples"
                 )
-    if facts["run.states_layout"] == "local":
+    if mine["facts"]["run.states_layout"] == "local":
         nodes_of: dict[str, set] = {}
         for theirs in every:
             nodes_of.setdefault(theirs["store"], set()).add(theirs["node"])
