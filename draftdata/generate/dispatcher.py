@@ -121,9 +121,9 @@ class Dispatcher:
         return self.stats
 
     async def _loop(self) -> None:
-        progress, prompts = self.in_flight_progress(), self.in_flight_prompts()
         while not self.stop.is_set():
-            self._admit_work(progress, prompts)
+            if len(self.flights) < self.ctrl.concurrency:  # else nothing is admitted: no pass over what is in flight
+                self._admit_work(self.in_flight_progress(), self.in_flight_prompts())
             if not self.flights:
                 return
             await self._wake.wait()
@@ -131,13 +131,13 @@ class Dispatcher:
             self._observe_rate()
             finished, self._finished = self._finished, []
             self._record([(task.result(), self.flights.pop(task)) for task in finished])
-            progress, prompts = self.in_flight_progress(), self.in_flight_prompts()
-            if self.ctrl.reached(progress, prompts):
+            # only partials kept at the budget count what is in flight toward it
+            in_flight = (self.in_flight_progress(), self.in_flight_prompts()) if self.ctrl.keep_partial else ()
+            if self.ctrl.reached(*in_flight):
                 await self._stop_all(CUT)
                 if self.ctrl.reached():
                     return
                 # keep_partial: some cut partials were unusable (e.g. nothing but whitespace), so go on
-                progress, prompts = [], []
             self.progress.update(self)
 
     def _admit_work(self, progress: list[int], prompts: list[int]) -> None:

@@ -26,6 +26,7 @@ class LengthModel:
     _sum: int = 0
     _snapshot: list[int] = field(default_factory=list)
     _suffix: list[int] = field(default_factory=list)  # _suffix[i] = sum(_snapshot[i:])
+    _ends: object = None  # _snapshot as a float64 array
     prior: float | None = None  # landing exact's length before MIN_OBSERVED are seen (add_stored; max_tokens / 2)
 
     def add_stored(self, lengths: Sequence[int]) -> None:
@@ -75,7 +76,7 @@ class LengthModel:
             prior = self.prior if self.prior is not None else self.max_tokens / 2
             return prior, sum(max(float(p), prior) for p in running), self.max_tokens / 12**0.5
         self._fresh()
-        ends = np.asarray(self._snapshot, dtype=np.float64)
+        ends = self._ends
         alive = np.sort(np.asarray(running, dtype=np.float64))
         # at risk at each completion (in order): the completions not yet passed, and the running ones that got there
         at_risk = (len(ends) - np.arange(len(ends))) + (len(alive) - np.searchsorted(alive, ends, side="left"))
@@ -142,6 +143,7 @@ class LengthModel:
 
     def _rebuild(self) -> None:
         self._snapshot = sorted(self._lengths)
+        self._ends = np.asarray(self._snapshot, dtype=np.float64)  # `censored` reads it on every admission
         suffix = list(itertools.accumulate(reversed(self._snapshot)))
         suffix.reverse()
         self._suffix = suffix
