@@ -4,8 +4,9 @@ Each chain stage checks the schema and its own dataset's values when it runs, an
 declared params changed; so a typo in a run-time key (`concurency`) or a bad value in a dataset that nothing reruns
 would pass `dvc repro` unnoticed until that stage next ran, perhaps hours into a run. This stage depends on
 params.yaml itself, so DVC runs it on every edit; it loads the config as every stage does and checks the values of
-every dataset, and, where the target is on this disk, that its chat template ends the turn on a token the target
-stops on (and says which token that is) and that every drafter family's layers exist in it.
+every dataset, that a local model.path exists (or a dvc.yaml stage makes it), and, where the target is on this
+disk, that its chat template ends the turn on a token the target stops on (and says which token that is) and that
+every drafter family's layers exist in it.
 
 Every other stage depends on its output, data/params_checked.json: a refused config stops `dvc repro` here, before
 DVC removes the outputs of the stage asked for to rerun it. The file's bytes are the same whenever the check passes,
@@ -19,7 +20,7 @@ from pathlib import Path
 from draftdata.config.load import cli
 from draftdata.config.schema import Config, EmptyThink, check_all, length_warnings, template_kwargs_of
 from draftdata.drafters.layers import family_layers
-from draftdata.model.load import local_config, local_context
+from draftdata.model.load import ModelNotBuilt, check_model_path, local_config, local_context
 from draftdata.model.think import block_of
 from draftdata.model.tokenizer import check_local_target, has_tokenizer_files, load_tokenizer
 from draftdata.util.files import write_json
@@ -30,6 +31,10 @@ CHECKED = Path("data") / "params_checked.json"
 
 def main(cfg: Config) -> None:
     check_all(cfg)
+    try:  # a mistyped local path, refused here rather than by the first stage that loads it (after DVC's deletes)
+        check_model_path(cfg.model.path)
+    except ModelNotBuilt:
+        pass  # made by a stage of this pipeline (the demo's models), which runs after this one
     # a chat template that ends the turn where the target does not stop, under any dataset's (and mode's) kwargs
     kwargs = [template_kwargs_of(cfg, name) for name in cfg.datasets or [None]]
     kwargs += [

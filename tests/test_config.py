@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 from conftest import ROOT
 
 from draftdata.config.load import load_config
@@ -547,3 +548,16 @@ def test_a_template_for_another_model_is_refused_naming_its_marker(project, tiny
         ConfigError, match=r"^model.chat_template: .*'<\|eot_id\|>', which this tokenizer does not hold"
     ):
         check_local_target(model, [{}])
+
+
+def test_check_params_refuses_a_mistyped_model_path_and_waits_for_one_a_stage_makes(project, tmp_path):
+    """`models/smollm2-135m-instuct` where models/ holds the target: refused by check_params, naming the key, before
+    DVC deletes any stage's outputs to rerun it; a path dvc.yaml's stage makes (a fresh clone's) passes."""
+    (tmp_path / "models").mkdir()
+    project.set("model.path", "models/smollm2-135m-instuct")
+    with pytest.raises(ConfigError, match=r"^model.path: models/smollm2-135m-instuct: no such directory"):
+        project.run("check_params", None)
+    stage = {"stages": {"build": {"cmd": "make", "outs": ["models/smollm2-135m-instuct"]}}}
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump(stage))
+    project.run("check_params", None)
+    assert yaml.safe_load((tmp_path / "data" / "params_checked.json").read_text())["ok"] is True
