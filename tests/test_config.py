@@ -67,7 +67,16 @@ def test_a_fleets_concurrency_grows_with_its_servers(project):
 def test_typo_in_params_file_names_key_and_file(project):
     project.params["datasets"]["B3"]["max_tokns"] = 10
     project.save()
-    with pytest.raises(ConfigError, match=r"^datasets\.B3\.max_tokns: unknown key .*params\.yaml"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^datasets\.B3\.max_tokns: unknown key .*; did you mean datasets\.B3\.max_tokens\? .*params\.yaml",
+    ):
+        load_config("B3", params_path=project.path / "params.yaml")
+    # no key of run is near `concurency` (concurrency is a dataset's and the backend's): no guess
+    del project.params["datasets"]["B3"]["max_tokns"]
+    project.params["run"]["concurency"] = 3
+    project.save()
+    with pytest.raises(ConfigError, match=r"^run\.concurency: unknown key \([^;]*\) \[from .*params\.yaml\]$"):
         load_config("B3", params_path=project.path / "params.yaml")
 
 

@@ -138,6 +138,7 @@ def one_process(tmp_path_factory, tiny_model, samples) -> list:
         [sys.executable, "-m", "stages.hidden_states", "dataset=B3"], cwd=d, env=ENV, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "Loading weights" not in proc.stderr  # off a terminal, no library's progress bar in the stage's log
     return states(d / "data" / "B3" / "hidden_states")
 
 

@@ -58,8 +58,19 @@ def _omegaconf_error(e: BaseException, source: str) -> ConfigError:
     key = getattr(err, "full_key", None) or source
     msg = str(getattr(err, "msg", None) or err).strip().splitlines()[0]
     if msg.startswith("Key '") and " not in " in msg:  # a typo'd key: say so plainly
-        msg = f"unknown key ({msg})"
+        msg = f"unknown key ({msg}){_did_you_mean(str(key).split('.'))}"
     return ConfigError(key, f"{msg} [from {source}]")
+
+
+def _did_you_mean(parts: list[str]) -> str:
+    """`; did you mean <the nearest key>?` for an unknown key (its dotted parts), or nothing without a near one."""
+    import difflib
+    import typing
+
+    parent = _schema_node(parts[:-1])
+    known = list(typing.get_type_hints(parent)) if hasattr(parent, "__dataclass_fields__") else []
+    near = difflib.get_close_matches(parts[-1], known, n=1)
+    return f"; did you mean {'.'.join(parts[:-1] + near)}?" if near else ""
 
 
 def _backend_presets() -> list[str]:
@@ -140,7 +151,6 @@ def _checked_overrides(overrides: list[str]) -> list[str]:
     """The command line against the schema, before Hydra: `+key=v` adds a key, which a typo'd key must not be
     (`+datasets.D.token_budgt=5000` was taken silently); `key={a: b}` on a free-form mapping (template_kwargs,
     sampling.extra, extra_body, vllm_kwargs) replaces the mapping, which Hydra refuses for keys not yet in it."""
-    import difflib
     import typing
 
     out = []
@@ -153,11 +163,7 @@ def _checked_overrides(overrides: list[str]) -> list[str]:
         parts = bare.split(".")
         node = _schema_node(parts)
         if node is None:
-            parent = _schema_node(parts[:-1])
-            known = list(typing.get_type_hints(parent)) if hasattr(parent, "__dataclass_fields__") else []
-            near = difflib.get_close_matches(parts[-1], known, n=1)
-            hint = f"; did you mean {'.'.join(parts[:-1] + near)}?" if near else ""
-            raise ConfigError(bare, f"unknown key{hint} [from command line]")
+            raise ConfigError(bare, f"unknown key{_did_you_mean(parts)} [from command line]")
         free_mapping = node is _FREE or typing.get_args(node)[1:] == (Any,)
         if not key.startswith("+") and value.lstrip().startswith("{") and free_mapping:
             override = f"++{bare}={value}"
@@ -256,6 +262,19 @@ def _refuse_dashed(args: list[str], prog: str) -> None:
             )
 
 
+def _quiet_library_bars() -> None:
+    """Off a terminal (a log file, a pipe), the libraries' own progress bars (transformers' "Loading weights", the
+    hub's downloads) are noise in the stage's log, a line each refresh: off there, unless the user set
+    HF_HUB_DISABLE_PROGRESS_BARS. The stage's own progress lines say how far it is."""
+    if sys.stderr.isatty():
+        return
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read when huggingface_hub is imported
+    if "transformers" in sys.modules and os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1":
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # imported already: its switch was read then
+
+
 def cli(
     main: Callable[[Config], Any], need_dataset: bool = True, argv: list[str] | None = None, prog: str | None = None
 ) -> None:
@@ -275,6 +294,7 @@ def cli(
         _quiet_broken_pipe()
     try:
         _refuse_dashed(args, prog)
+        _quiet_library_bars()
         main(load_config(dataset=None, overrides=args, need_dataset=need_dataset))
     except BrokenPipeError:
         _quiet_broken_pipe()
