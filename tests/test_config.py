@@ -570,3 +570,10 @@ def test_check_params_refuses_a_mistyped_model_path_and_waits_for_one_a_stage_ma
     (tmp_path / "dvc.yaml").write_text(yaml.safe_dump(stage))
     project.run("check_params", None)
     assert yaml.safe_load((tmp_path / "data" / "params_checked.json").read_text())["ok"] is True
+
+
+def test_check_params_refuses_layer_ids_the_target_does_not_have(project):
+    """`hidden_states.layers: [1, 3, 40]` on the tiny target: refused by check_params, before any stage's outputs go."""
+    project.set("hidden_states.layers", [1, 3, 40])
+    with pytest.raises(ConfigError, match=r"^hidden_states\.layers: layer ids \[40\] out of range for the target's"):
+        project.run("check_params", None)

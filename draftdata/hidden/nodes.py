@@ -71,7 +71,6 @@ def agree(rank: Rank, facts: Callable[[], dict], store_id: str, store_root: Path
     import torch.distributed as dist
 
     mine = {"facts": facts(), "node": rank.node, "host": HOST, "store": store_id}
-
     every: list = [None] * rank.world
     dist.all_gather_object(every, mine)
     first = every[0]
