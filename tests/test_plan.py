@@ -363,3 +363,14 @@ def test_the_plan_says_which_token_ends_a_turn(project, capsys):
     assert out[target + 1] == (
         "end of turn: '<|im_end|>' (2), as the chat template writes it; generation stops on '<|im_end|>' (2)"
     )
+
+
+def test_a_few_stored_lengths_are_said_beside_the_prior_they_do_not_yet_replace():
+    """Fewer than the controller reads (MIN_OBSERVED): the mean is still max_tokens/2, and the line says how many
+    lengths are stored, so a user who sees measured runs is not left to guess why they are not used."""
+    from draftdata.cli.costs import mean_completion
+    from draftdata.generate.budget.lengths import MIN_OBSERVED
+
+    assert mean_completion([], 384) == (192.0, "max_tokens/2")
+    assert mean_completion([10] * 5, 384) == (192.0, f"max_tokens/2 (5 stored, {MIN_OBSERVED} read)")
+    assert mean_completion([10] * MIN_OBSERVED, 384) == (10.0, f"{MIN_OBSERVED} stored")

@@ -16,7 +16,7 @@ from importlib import import_module
 
 # command -> (module, one line); modules load only when their command runs (plan and export import torch)
 COMMANDS = {
-    "plan": ("draftdata.cli.plan", "what each dataset will cost: tokens to generate, requests, GPU time, disk"),
+    "plan": ("draftdata.cli.plan", "what each dataset will cost: tokens to generate, requests, generation time, disk"),
     "export": ("draftdata.cli.export", "a dataset's hidden states (or samples alone) in a trainer's own layout"),
     "verify": ("draftdata.cli.verify", "a few stored hidden states recomputed by another engine or batch size"),
     "compare": ("draftdata.cli.compare", "one short row per experiment from each dataset's summary.json"),

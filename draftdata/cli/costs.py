@@ -75,7 +75,7 @@ class DatasetPlan:
     parked: int  # completion tokens of parked partials (continued, not regenerated, when needed)
     to_generate: int
     mean_completion: float
-    mean_completion_from: str  # "<n> stored" | "max_tokens/2"
+    mean_completion_from: str  # "<n> stored" | "max_tokens/2" (with how many are stored, if any)
     mean_prompt: float | None  # rendered prompt tokens (None: prompts stage not run)
     requests: int
     prompts_left: int | None  # requests a run could still send (missing or parked): prompts, or turns (turns: all)
@@ -145,7 +145,10 @@ def mean_completion(lengths: list[int], max_tokens: int) -> tuple[float, str]:
     lm = LengthModel(max_tokens)
     for n in lengths:
         lm.add(n)
-    return lm.mean(), f"{lm.n} stored" if lm.n >= MIN_LENGTHS else "max_tokens/2"
+    if lm.n >= MIN_LENGTHS:
+        return lm.mean(), f"{lm.n} stored"
+    # a few stored lengths are not yet read (the controller waits for MIN_LENGTHS too): said, not left to guess
+    return lm.mean(), f"max_tokens/2 ({lm.n} stored, {MIN_LENGTHS} read)" if lm.n else "max_tokens/2"
 
 
 def generation_rate(given: float | None, metrics: dict) -> tuple[float | None, str]:

@@ -76,7 +76,7 @@ def render(
 
 TOKENS_HEADERS = ["dataset", "prompts", "budget", "unit", "reusable", "parked", "to generate", "requests"]
 TOKENS_HEADERS += ["mean len", "mean len from"]
-COST_HEADERS = ["dataset", "tok/s", "tok/s from", "GPU time", "seq tokens", "responses", "samples"]
+COST_HEADERS = ["dataset", "tok/s", "tok/s from", "gen time", "seq tokens", "responses", "samples"]
 COST_HEADERS += ["hidden states", "disk", "disk from"]
 
 
