@@ -524,6 +524,17 @@ def limit(model: Path, concurrencies: list[int], prompt_tokens: float, output_to
 CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16", "avx_ne_convert", "amx_bf16")
 
 
+def command(argv: list[str] | None) -> str:
+    """The command that wrote the results, as run, with the vLLM venv's path left out (it is this machine's)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    for i, a in enumerate(args):
+        if i > 0 and args[i - 1] == "--vllm-python":
+            args[i] = "<venv>/bin/python"
+        elif a.startswith("--vllm-python="):
+            args[i] = "--vllm-python=<venv>/bin/python"
+    return " ".join(["python -m bench.embedded", *args])
+
+
 def cpu(model: Path) -> dict:
     """The CPU the figures belong to: its model name, the vector and matrix extensions that decide the engines'
     kernels (from /proc/cpuinfo), torch's kernel level, and the dtype our engine computes this model in here."""
@@ -697,6 +708,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.command = command(argv)
     if args.one:
         return run_one(args)
     if not args.model.is_dir():
@@ -762,7 +774,7 @@ def report(raw: dict, lim: dict, concurrencies: list[int], load: dict, args, mac
         }
         goals["ours_of_limit_met"] = goals["ours_of_limit_at_32"]["workload"] >= GOAL_OF_LIMIT
     return {
-        "command": "python -m bench.embedded" + (" --vllm-python <venv>/bin/python" if "vllm" in raw else ""),
+        "command": args.command,
         "machine": {"cpus": os.cpu_count(), "torch_threads": lim["torch_threads"], **machine},
         "model": str(args.model.name),
         "workload": load,

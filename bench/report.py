@@ -487,8 +487,9 @@ def embedded(r: dict) -> list[str]:
         for c in cs
     )
     goals = r["goals"]
+    amx = "amx_bf16" in r["machine"].get("cpu", {}).get("flags", [])
     return [
-        "### The embedded engine: `python -m bench.embedded`",
+        "### The embedded engine: `python -m bench.embedded`" + (", on a CPU with AMX" if amx else ""),
         "",
         f"{r['model']}, the demo's prompts (mean {w['prompt_tokens_mean']:g} tokens, up to {w['prompt_tokens_max']}), "
         f"{w['new_tokens'][0]} to {w['new_tokens'][1]} new tokens, temperature {w['sampling']['temperature']}, top_p "
@@ -526,6 +527,7 @@ def embedded(r: dict) -> list[str]:
                 "ours >= 0.5 of the limit at 32": goals.get("ours_of_limit_met", False),
             }
         ),
+        *(["", f"Measured by: {r['command']}."] if "--engines" in r.get("command", "") else []),
     ]
 
 
@@ -1603,6 +1605,12 @@ SECTIONS = (
     ("budget_live_neighbour.json", "python -m bench.budget_live --family bimodal --neighbour --hog 2", budget_live),
     ("client.json", "python -m bench.client", client),
     ("embedded.json", "python -m bench.embedded --vllm-python <venv>/bin/python", embedded),
+    (
+        "embedded_amx.json",
+        "python -m bench.embedded --engines ours,vllm --vllm-python <venv>/bin/python --out "
+        "bench/results/embedded_amx.json (on a CPU with AMX)",
+        embedded,
+    ),
     ("tokenize.json", "python -m bench.tokenize", tokenize),
     ("hidden_states.json", "python -m bench.hidden_states", hidden_states),
     ("hidden_states_llama8b.json", "python -m bench.hidden_states --llama8b", hidden_states_llama8b),
