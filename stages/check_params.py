@@ -18,13 +18,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from draftdata.config.load import cli
-from draftdata.config.schema import Config, EmptyThink, check_all, length_warnings, template_kwargs_of
+from draftdata.config.schema import Config, EmptyThink, check_all, check_room, length_warnings, template_kwargs_of
 from draftdata.drafters.layers import family_layers
 from draftdata.model.load import ModelNotBuilt, check_model_path, local_config, local_context
 from draftdata.model.think import block_of
 from draftdata.model.tokenizer import check_local_target, has_tokenizer_files, load_tokenizer
 from draftdata.util.files import write_json
 from draftdata.util.log import log
+from draftdata.util.sqlite import check_store_path
 
 CHECKED = Path("data") / "params_checked.json"
 
@@ -49,7 +50,11 @@ def main(cfg: Config) -> None:
     if stored and (conf := local_config(cfg.model)) is not None and "num_hidden_layers" in conf:
         # every drafter family's layers exist in the target (the hidden_states stage resolves them again)
         family_layers(cfg, conf["num_hidden_layers"])
-    for line in length_warnings(cfg, context=local_context(cfg.model)):  # samples tokenize may drop: told, not refused
+    context = local_context(cfg.model)
+    for name, ds in cfg.datasets.items():  # generate's refusal, here before DVC deletes its outputs
+        check_room(ds, f"datasets.{name}", context)
+    check_store_path(cfg.run.store_path)  # a store that cannot open, refused here rather than by generate
+    for line in length_warnings(cfg, context=context):  # samples tokenize may drop: told, not refused
         log("check_params", warning=line)
     write_json(CHECKED, {"checked": "params.yaml", "ok": True})
     log("check_params", datasets=len(cfg.datasets), ok=True)

@@ -19,6 +19,7 @@ from draftdata.generate.accounting import needs_request
 from draftdata.generate.output import Part, write_outputs
 from draftdata.generate.planning import RunPlan
 from draftdata.generate.run import check_before_requests, run_generation
+from draftdata.generate.stale import check_stale
 from draftdata.generate.store import ResponseStore
 from draftdata.model.tokenizer import load_target_tokenizer
 from draftdata.util.files import data_dir, read_jsonl
@@ -44,8 +45,9 @@ def main(cfg: Config) -> None:
             (mode, sub, rows, tok, RunPlan.make(sub, rows, tok, store, limits.context))
             for (mode, sub, rows), (tok, limits) in zip(split, toks)
         ]
-        for _, sub, _, tok, run in plans:  # every part's requests checked before the first part sends one
+        for mode, sub, _, tok, run in plans:  # every part's requests checked before the first part sends one
             check_before_requests(sub, tok, [p for p in run.plan if needs_request(run.stored.get(p.key))])
+            check_stale(sub, run, store, out / "generate_metrics.json", mode)  # a change that regenerates: said
         parts = [
             Part(mode, sub, rows, run, run_generation(sub, tok, run, store, mode), tok)
             for mode, sub, rows, tok, run in plans

@@ -13,7 +13,7 @@ from draftdata.tokenize.parquet import SCHEMA_VERSION, samples_table, write_parq
 from draftdata.tokenize.samples import SKIP_REASONS, build_samples, check_skips, reject_rows, response_groups
 from draftdata.util.files import data_dir, read_jsonl, write_json
 from draftdata.util.log import log
-from draftdata.util.plots import write_csv
+from draftdata.util.plots import outcome_rows, write_csv
 from draftdata.util.rejected import Rejections
 
 
@@ -42,7 +42,7 @@ def main(cfg: Config) -> None:
     write_parquet(out / "samples.parquet", table)
     write_csv(
         out / "plots" / "skips.csv",
-        [{"reason": r, "responses": tally.skipped.get(r, 0)} for r in sorted(set(SKIP_REASONS) | set(tally.skipped))],
+        outcome_rows(len(recs), tally.skipped, SKIP_REASONS),
         ["reason", "responses"],
     )
     metrics = {

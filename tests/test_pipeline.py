@@ -122,9 +122,12 @@ def test_plot_files_and_the_summary(project, capsys):
     last = [line for line in capsys.readouterr().out.splitlines() if line.startswith("generate B3: ")][-1]
     assert fill[-1][1] == int(last.split()[2].split("/")[0].replace(",", "")) >= m["budget_tokens"]
     assert fill[-1][1] <= m["kept_tokens"] and fill == sorted(fill)
+    assert {r["budget"] for r in csv.DictReader((plots / "budget_fill.csv").open())} == {str(m["budget"])}
     skips = {r["reason"]: int(r["responses"]) for r in csv.DictReader((plots / "skips.csv").open())}
     t = metrics(project, "B3", "tokenize")
+    kept = skips.pop("kept")
     assert "no_end_of_turn" in skips and sum(skips.values()) == sum(t["skipped"].values())
+    assert kept + sum(skips.values()) == t["responses"]
 
     summary("B3")
     s = json.loads((project.data("B3") / "summary.json").read_text())

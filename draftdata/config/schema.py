@@ -662,6 +662,11 @@ class RunConfig:
     # Stop the run when this many requests in a row failed with one cause (0: never): a bad request, a wrong
     # server or a broken answer would otherwise be sent for every prompt.
     fail_fast_after: int = 16
+    # A change that leaves the store's answers behind (the model, chat template or its kwargs, sampling, max_tokens)
+    # is announced before any request, with what regenerating costs. true: the run stops there instead, until this
+    # is set false or the change undone. false by default: regenerating loses nothing (the old answers stay in the
+    # store, Ctrl-C keeps the new ones) and a sweep of `dvc exp run -S` over templates or sampling means it.
+    confirm_regenerate: bool = False
 
     def check(self, key: str) -> None:
         if self.states_layout not in ("local", "shared"):
@@ -784,6 +789,16 @@ def unpinned_sources(cfg: Config) -> list[str]:
                 f"{src.hf_name} can change while DVC calls the prompts up to date; pin the dataset's commit"
             )
     return out
+
+
+def check_room(ds: DatasetConfig, key: str, context: Optional[int]) -> None:
+    """A prompt must fit the target's context beside max_tokens (`context`: the target's, where known); refused by
+    check_params and again by generate, whose requests would all fail."""
+    if context is not None and ds.max_tokens >= context:
+        raise ConfigError(
+            f"{key}.max_tokens",
+            f"{ds.max_tokens:,} leaves no room for a prompt in the target's context of {context:,} tokens",
+        )
 
 
 def length_warnings(cfg: Config, names: Optional[List[str]] = None, context: Optional[int] = None) -> List[str]:

@@ -18,7 +18,7 @@ from draftdata.generate.selection import landing_rule, select_responses
 from draftdata.generate.store import CUT, ResponseStore, StoredResponse
 from draftdata.util.files import write_json, write_jsonl
 from draftdata.util.log import log
-from draftdata.util.plots import histogram, write_csv
+from draftdata.util.plots import fill_rows, histogram, write_csv
 from draftdata.util.rejected import Rejections
 
 
@@ -88,9 +88,9 @@ def write_outputs(cfg: Config, out: Path, prompts: list[dict], parts: list[Part]
             _reject(rejected, land, store)
     stats = merged_stats([part.stats for part in parts])
     total = sum(land.total for land in landed)
-    write_plots(
-        out / "plots", [r.completion_tokens for _, r in selected], cfg.ds.max_tokens, stats.fill or [(0.0, total)]
-    )
+    lengths = [r.completion_tokens for _, r in selected]
+    # a run that only reused the store fills the budget at its start: one point
+    write_plots(out / "plots", lengths, cfg.ds.max_tokens, stats.fill or [(0.0, total)], cfg.ds.token_budget)
     if len(landed) == 1 and landed[0].part.mode is None:
         metrics = part_metrics(landed[0], wall)
     else:
@@ -233,9 +233,9 @@ def run_metrics(
     }
 
 
-def write_plots(out: Path, lengths: list[int], max_tokens: int, fill: list[tuple[float, int]]) -> None:
+def write_plots(out: Path, lengths: list[int], max_tokens: int, fill: list[tuple[float, int]], budget: int) -> None:
     write_csv(out / "completion_lengths.csv", histogram(lengths, max_tokens), ["length", "responses"])
-    write_csv(out / "budget_fill.csv", [{"seconds": t, "tokens": n} for t, n in fill], ["seconds", "tokens"])
+    write_csv(out / "budget_fill.csv", fill_rows(fill, budget), ["seconds", "tokens", "budget"])
 
 
 def output_record(p: Planned, r: StoredResponse, end_reason: str | None = None, mode: str | None = None) -> dict:

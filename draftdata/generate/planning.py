@@ -12,8 +12,8 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from draftdata.config.schema import BackendKind, BudgetUnit, Config, DatasetConfig, TrainOn, Turns
-from draftdata.errors import ConfigError, UserError
+from draftdata.config.schema import BackendKind, BudgetUnit, Config, DatasetConfig, TrainOn, Turns, check_room
+from draftdata.errors import UserError
 from draftdata.generate.accounting import unusable_reason
 from draftdata.generate.conversation import TurnRendering, turns
 from draftdata.generate.request import Planned, request_keys
@@ -32,11 +32,7 @@ def check_context(plan: list[Planned], cfg: Config, context: int | None) -> None
     if context is None:
         return
     key = f"datasets.{cfg.dataset}"
-    if cfg.ds.max_tokens >= context:
-        raise ConfigError(
-            f"{key}.max_tokens",
-            f"{cfg.ds.max_tokens:,} leaves no room for a prompt in the target's context of {context:,} tokens",
-        )
+    check_room(cfg.ds, key, context)
     room = context - cfg.ds.max_tokens
     over = [p for p in plan if p.prompt_tokens > room]
     if over:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -151,6 +151,11 @@ class ResponseStore:
             r.tool_calls = _unids(r.tool_calls)
             out[r.key] = r
         return out
+
+    def answered_prompts(self, dataset: str) -> Iterator[tuple[str, str]]:
+        """(prompt id, key) of every complete answer stored for `dataset`: one pass over the table, once per run."""
+        sql = f"SELECT prompt_id, key FROM responses WHERE dataset = ? AND finish_reason NOT IN {_PARTIAL_SQL}"
+        return self.db.execute(sql, (dataset,))
 
     def failures(self, keys: Iterable[str]) -> dict[str, str]:
         """Key -> the reason its latest failed request ended with, for the keys with a failure on record."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import random
 import sqlite3
+import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -73,10 +74,8 @@ def transaction(db: sqlite3.Connection, immediate: bool = False) -> Iterator[Non
         raise
 
 
-def open_db(path: Path, what: str, schema: str) -> sqlite3.Connection:
-    """A store's SQLite database with its `schema`: WAL on a local disk; a rollback journal, with a warning, on a
-    network file system. A busy timeout lets several processes (torchrun ranks, two generate runs on one store)
-    commit side by side. isolation_level=None: no implicit transactions; writers open and commit their own."""
+def connect(path: Path, what: str) -> sqlite3.Connection:
+    """The database at `path`, its folder made; refused in one line naming run.store_path where it cannot open."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=600)
@@ -85,6 +84,30 @@ def open_db(path: Path, what: str, schema: str) -> sqlite3.Connection:
         from draftdata.errors import ConfigError
 
         raise ConfigError("run.store_path", f"cannot open the {what} at {path}: {e}") from None
+    return db
+
+
+def check_store_path(configured: str) -> None:
+    """check_params' twin of open_db's refusal, before DVC deletes any stage's outputs: the response store opens, or
+    where there is none yet, its folder can be made and written in (no store is left behind by the check)."""
+    path = resolve_store_path(configured)
+    if path.exists():
+        connect(path, "response store").close()
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path.parent).close()
+    except OSError as e:
+        from draftdata.errors import ConfigError
+
+        raise ConfigError("run.store_path", f"cannot open the response store at {path}: {e}") from None
+
+
+def open_db(path: Path, what: str, schema: str) -> sqlite3.Connection:
+    """A store's SQLite database with its `schema`: WAL on a local disk; a rollback journal, with a warning, on a
+    network file system. A busy timeout lets several processes (torchrun ranks, two generate runs on one store)
+    commit side by side. isolation_level=None: no implicit transactions; writers open and commit their own."""
+    db = connect(path, what)
     kind = fs_type(path.parent)
     network = kind in NETWORK_FS
     if network:

@@ -1,0 +1,83 @@
+"""Stored answers that a config change left behind, announced before anything is spent.
+
+A stored answer is found again by its request key: the model's fingerprint, the prompt's ids under the chat template
+(and its kwargs), sampling and max_tokens (request.py). Change any of them and every answer stored for a prompt
+stops matching: the run regenerates them all. That is what the change asks for, and nothing is lost (the old answers
+stay in the store: undoing the change finds them again; Ctrl-C keeps what was generated), but it may cost hours. So
+the first stage that meets it says, before any request, how many stored answers no longer match and what
+regenerating costs, as `draftdata plan` computes it: the tokens the budget still needs, and the time at the last
+run's rate (an expectation: under landing exact, the output's prompt-order run may need more of them). With
+`run.confirm_regenerate: true`, the run stops there instead.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from draftdata.config.schema import Config
+from draftdata.errors import UserError
+from draftdata.generate.accounting import needs_request, stored_total
+from draftdata.generate.planning import RunPlan
+from draftdata.generate.run import named
+from draftdata.generate.store import ResponseStore
+from draftdata.util.log import log
+
+
+@dataclass
+class Stale:
+    answers: int  # prompts of the plan that the store answered under another key, and not under this run's
+    tokens: int  # what the budget still needs beyond the answers that match (draftdata plan's "to generate")
+    tok_s: float | None  # the last run's generation rate (None: none measured)
+
+
+def stale_answers(store: ResponseStore, dataset: str, run: RunPlan) -> int:
+    """The plan's prompts that need a request while the store holds a complete answer for them under another key."""
+    missing = {p.prompt["id"]: p.key for p in run.plan if needs_request(run.stored.get(p.key))}
+    if not missing:
+        return 0
+    elsewhere = {pid for pid, key in store.answered_prompts(dataset) if pid in missing and key != missing[pid]}
+    return len(elsewhere)
+
+
+def last_rate(metrics: Path) -> float | None:
+    """Tokens/s of the dataset's last generate run that generated (its generate_metrics.json)."""
+    try:
+        rate = json.loads(metrics.read_text()).get("new_tok_per_s") or 0.0
+    except (OSError, ValueError):
+        return None
+    return rate if rate > 0 else None
+
+
+def check_stale(cfg: Config, run: RunPlan, store: ResponseStore, metrics: Path, mode: str | None = None) -> None:
+    """Before any request of a run that will generate: say what the store's answers left behind by a change cost to
+    regenerate, or stop (run.confirm_regenerate). `cfg`: the part's (its budget share, where `mode` is one)."""
+    landed = run.landed()  # landing exact: the run generates until the prompt-order run from the first is settled
+    if (landed.total() if landed is not None else stored_total(run.plan, run.stored, run.ds)[0]) >= cfg.ds.token_budget:
+        return  # nothing to generate
+    tokens = max(0, cfg.ds.token_budget - stored_total(run.plan, run.stored, run.ds)[0])  # draftdata plan's figure
+    answers = stale_answers(store, cfg.dataset, run)
+    if answers:
+        line = announce(cfg, Stale(answers, tokens, last_rate(metrics)))
+        log("generate", dataset=cfg.dataset, **named(mode), warning=line)
+
+
+def announce(cfg: Config, stale: Stale) -> str:
+    """The line that says what the change costs, or (run.confirm_regenerate) the refusal that stops the run."""
+    cost = f"regenerating costs {stale.tokens:,} tokens"
+    if not stale.tokens:
+        cost = "the answers that still match meet the budget, and the output regenerates those of the others it needs"
+    elif stale.tok_s:
+        cost += f", about {stale.tokens / stale.tok_s:,.0f} s at the last run's {stale.tok_s:,.1f} tok/s"
+    one = stale.answers == 1
+    line = (
+        f"{stale.answers:,} stored answer{'' if one else 's'} for these prompts no longer match{'es' if one else ''} "
+        f"(the model, chat template or its kwargs, sampling or max_tokens changed): {cost}"
+    )
+    if cfg.run.confirm_regenerate:
+        raise UserError(
+            f"generate {cfg.dataset}: {line}; nothing was sent. Undo the change to reuse them (they are still in "
+            "the store), or set run.confirm_regenerate: false to regenerate"
+        )
+    return line + "; undo the change to reuse them (they stay in the store)"
