@@ -132,6 +132,7 @@ class ServerProcess:
 def run_ours(url: str, prompts: list[list[int]], args) -> dict:
     """The generate stage's generation and output selection, on a fresh store."""
     from draftdata.config.schema import BackendConfig, BackendKind, OnBudget
+    from draftdata.generate.accounting import standing
     from draftdata.generate.run import generate_missing
     from draftdata.generate.selection import select_responses
     from draftdata.generate.store import ResponseStore
@@ -149,7 +150,7 @@ def run_ours(url: str, prompts: list[list[int]], args) -> dict:
         )
         store = ResponseStore(cfg.run.store_path)
         try:
-            stats = generate_missing(cfg, None, plan, {}, store)
+            stats = generate_missing(cfg, None, plan, {}, store, standing(plan, {}, cfg.ds))
             _, kept, _ = select_responses(plan, store.get_many(p.key for p in plan), cfg.ds)
         finally:
             store.close()

@@ -423,6 +423,7 @@ def generate(urls: list[str], run: Run, prompts: list[list[int]]) -> dict:
     """The generate stage's generation (generate_missing, the sglang backend) on a fresh store; its output selected
     as the stage selects it."""
     from draftdata.config.schema import BackendConfig, BackendKind
+    from draftdata.generate.accounting import standing
     from draftdata.generate.backends import sglang  # noqa: F401  (imported before the CPU is read: once a process)
     from draftdata.generate.run import generate_missing
     from draftdata.generate.selection import Landed, select_responses
@@ -439,7 +440,8 @@ def generate(urls: list[str], run: Run, prompts: list[list[int]]) -> dict:
         before, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         try:
             # landing exact, as the stage runs it (RunPlan.landed): the settled run from the first request decides
-            stats = generate_missing(cfg, Words(), plan, {}, store, landed=Landed.of(plan, {}, ds))
+            landed = Landed.of(plan, {}, ds)
+            stats = generate_missing(cfg, Words(), plan, {}, store, standing(plan, {}, ds), landed=landed)
         finally:
             wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
         selected, kept, _ = select_responses(plan, store.get_many(p.key for p in plan), ds)

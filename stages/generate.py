@@ -15,7 +15,6 @@ from draftdata.config.load import cli
 from draftdata.config.modes import split_rows
 from draftdata.config.schema import Config
 from draftdata.errors import UserError
-from draftdata.generate.accounting import needs_request
 from draftdata.generate.output import Part, write_outputs
 from draftdata.generate.planning import RunPlan
 from draftdata.generate.run import check_before_requests, run_generation
@@ -46,8 +45,8 @@ def main(cfg: Config) -> None:
             for (mode, sub, rows), (tok, limits) in zip(split, toks)
         ]
         for mode, sub, _, tok, run in plans:  # every part's requests checked before the first part sends one
-            check_before_requests(sub, tok, [p for p in run.plan if needs_request(run.stored.get(p.key))])
-            check_stale(sub, run, store, out / "generate_metrics.json", mode)  # a change that regenerates: said
+            check_before_requests(sub, tok, run.standing.todo)
+            check_stale(sub, run, out / "generate_metrics.json", mode)  # a change that regenerates: said first
         parts = [
             Part(mode, sub, rows, run, run_generation(sub, tok, run, store, mode), tok)
             for mode, sub, rows, tok, run in plans

@@ -11,9 +11,9 @@ from draftdata.errors import UserError
 from draftdata.model.tokenizer import load_tokenizer, tokenizer_fingerprint
 from draftdata.tokenize.parquet import SCHEMA_VERSION, samples_table, write_parquet
 from draftdata.tokenize.samples import SKIP_REASONS, build_samples, check_skips, reject_rows, response_groups
-from draftdata.util.files import data_dir, read_jsonl, write_json
+from draftdata.util.files import data_dir, read_jsonl, write_csv, write_json
 from draftdata.util.log import log
-from draftdata.util.plots import outcome_rows, write_csv
+from draftdata.util.plots import outcome_rows
 from draftdata.util.rejected import Rejections
 
 

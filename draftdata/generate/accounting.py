@@ -20,6 +20,7 @@ is what the samples hold, token for token.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from draftdata.config.schema import BudgetUnit, DatasetConfig, OnBudget, OnTruncation
 from draftdata.generate.request import Link, Planned
@@ -87,6 +88,34 @@ def stored_total(
         if (r := stored.get(p.key)) is not None and (partial or not r.partial) and unusable_reason(r, ds) is None
     ]
     return sum(counted(p, r, ds.budget_unit) for p, r in pairs), len(pairs)
+
+
+@dataclass
+class Standing:
+    """What a run's stored rows count before it sends anything, by the rules above, read once where the run is
+    planned: the run, its announcement of a change and the budget controller read these figures, not the rules."""
+
+    counted: int  # what the usable stored answers count toward the budget (draftdata plan's "reusable")
+    complete: int  # the same, keep_partial's cut ones left out: what the budget controller starts from
+    usable: int  # stored answers the output can use
+    lengths: list[int]  # completion lengths of the complete usable ones: the length model's first readings
+    todo: list[Planned]  # what a run that generates sends: missing, parked, or empty (needs_request)
+    prompt_mean: float | None  # the mean prompt tokens a request of `todo` adds (budget_unit total; else None)
+
+
+def standing(plan: Sequence[Planned], stored: dict[str, StoredResponse], ds: DatasetConfig) -> Standing:
+    complete = [r for r in stored.values() if not r.partial and unusable_reason(r, ds) is None]
+    todo = [p for p in plan if needs_request(stored.get(p.key))]
+    total = ds.budget_unit == BudgetUnit.total and todo
+    return Standing(
+        counted=stored_total(plan, stored, ds)[0],
+        complete=stored_total(plan, stored, ds, partial=False)[0],
+        usable=sum(unusable_reason(r, ds) is None for r in stored.values()),
+        # completion lengths only: bounded by max_tokens, whatever the unit
+        lengths=[r.completion_tokens for r in complete],
+        todo=todo,
+        prompt_mean=sum(prompt_count(p) for p in todo) / len(todo) if total else None,
+    )
 
 
 # ---- a conversation's turns --------------------------------------------------------------------------------- #

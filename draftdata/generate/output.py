@@ -16,9 +16,9 @@ from draftdata.generate.rejected import reject_conversations, reject_prompts
 from draftdata.generate.request import Planned
 from draftdata.generate.selection import landing_rule, select_responses
 from draftdata.generate.store import CUT, ResponseStore, StoredResponse
-from draftdata.util.files import write_json, write_jsonl
+from draftdata.util.files import write_csv, write_json, write_jsonl
 from draftdata.util.log import log
-from draftdata.util.plots import fill_rows, histogram, write_csv
+from draftdata.util.plots import fill_rows, histogram
 from draftdata.util.rejected import Rejections
 
 
@@ -78,19 +78,9 @@ def write_outputs(cfg: Config, out: Path, prompts: list[dict], parts: list[Part]
             key=lambda x: (order[x[1].prompt.get("conversation", x[1].prompt["id"])], x[1].prompt.get("turn", 0))
         )
     selected = [(p, r) for _, p, r in lines]
-    log("generate", dataset=cfg.dataset, writing=out / "responses.jsonl")  # the writing begins (seconds at 100k)
-    write_jsonl(
-        out / "responses.jsonl",
-        (output_record(p, r, land.reasons.get(p.prompt["id"]), land.part.mode) for land, p, r in lines),
-    )
-    with Rejections(out / "generate_rejected.jsonl", "generate") as rejected:
-        for land in landed:
-            _reject(rejected, land, store)
+    # the figures first, then every file: the walk from the metrics to the writers is one way
     stats = merged_stats([part.stats for part in parts])
     total = sum(land.total for land in landed)
-    lengths = [r.completion_tokens for _, r in selected]
-    # a run that only reused the store fills the budget at its start: one point
-    write_plots(out / "plots", lengths, cfg.ds.max_tokens, stats.fill or [(0.0, total)], cfg.ds.token_budget)
     if len(landed) == 1 and landed[0].part.mode is None:
         metrics = part_metrics(landed[0], wall)
     else:
@@ -99,10 +89,23 @@ def write_outputs(cfg: Config, out: Path, prompts: list[dict], parts: list[Part]
         metrics = run_metrics(cfg.ds, selected, total, skipped, stats, stats.reused, duplicates, wall)
         metrics |= reasoning_figures(selected, parts[0].tok)
         metrics["modes"] = {land.part.mode: part_metrics(land, wall) for land in landed}
-    metrics.update(prompts=len(prompts), prompts_in_output=len(prompts) - rejected.rows)
     # the arithmetic the output's answers were computed in, as their rows record it (null: a server's)
     metrics["compute_dtype"] = sorted({r.compute_dtype for _, r in selected if r.compute_dtype}) or None
+    lengths = histogram([r.completion_tokens for _, r in selected], cfg.ds.max_tokens)
+    # a run that only reused the store fills the budget at its start: one point
+    fill = fill_rows(stats.fill or [(0.0, total)], cfg.ds.token_budget)
+    with Rejections(out / "generate_rejected.jsonl", "generate") as rejected:
+        for land in landed:
+            _reject(rejected, land, store)
+    metrics["prompts"], metrics["prompts_in_output"] = len(prompts), len(prompts) - rejected.rows
     metrics["rejected"] = dict(sorted(rejected.counts.items()))
+    log("generate", dataset=cfg.dataset, writing=out / "responses.jsonl")  # the writing begins (seconds at 100k)
+    write_jsonl(
+        out / "responses.jsonl",
+        (output_record(p, r, land.reasons.get(p.prompt["id"]), land.part.mode) for land, p, r in lines),
+    )
+    write_csv(out / "plots" / "completion_lengths.csv", lengths, ["length", "responses"])
+    write_csv(out / "plots" / "budget_fill.csv", fill, ["seconds", "tokens", "budget"])
     write_json(out / "generate_metrics.json", metrics)
     return Written(
         len(selected),
@@ -231,11 +234,6 @@ def run_metrics(
         "wall_s": round(wall, 2),
         "new_tok_per_s": round(stats.generated / wall, 1) if wall > 0 else 0.0,
     }
-
-
-def write_plots(out: Path, lengths: list[int], max_tokens: int, fill: list[tuple[float, int]], budget: int) -> None:
-    write_csv(out / "completion_lengths.csv", histogram(lengths, max_tokens), ["length", "responses"])
-    write_csv(out / "budget_fill.csv", fill_rows(fill, budget), ["seconds", "tokens", "budget"])
 
 
 def output_record(p: Planned, r: StoredResponse, end_reason: str | None = None, mode: str | None = None) -> dict:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from draftdata.config.schema import BackendKind, BudgetUnit, Config, DatasetConfig, TrainOn, Turns, check_room
 from draftdata.errors import UserError
-from draftdata.generate.accounting import unusable_reason
+from draftdata.generate.accounting import Standing, standing, unusable_reason
 from draftdata.generate.conversation import TurnRendering, turns
 from draftdata.generate.request import Planned, request_keys
 from draftdata.generate.selection import Landed, LandedConversations, lands_exact
@@ -192,6 +192,14 @@ def turns_kept(
     return {"turns_kept_share": round(sum(turns_out[rec["id"]] for rec in own) / source, 3) if source else None}
 
 
+def left_behind(store: ResponseStore, dataset: str, todo: list[Planned]) -> int:
+    """The prompts of `todo` for which the store holds a complete answer of `dataset` under another key."""
+    missing = {p.prompt["id"]: p.key for p in todo}
+    if not missing:
+        return 0
+    return len({pid for pid, key in store.answered_prompts(dataset) if pid in missing and key != missing[pid]})
+
+
 @dataclass
 class RunPlan:
     """What a run asks: one request per prompt (`turns: last`), or each conversation's turns (`turns: all`), with
@@ -203,36 +211,47 @@ class RunPlan:
     convs: list[Conversation] | None = None
     queue: ConversationQueue | None = None
     ds: DatasetConfig = None  # type: ignore[assignment]
+    # read once where the run is planned (`settle`), so that the run and the announcement of a change read figures
+    landed: Landed | None = None  # landing exact: the settled run of requests from the first (None: finished)
+    standing: Standing | None = None  # what the store's rows count before anything is sent (accounting.py)
+    committed: int = 0  # what the output would count now: the settled run's total, or every usable answer's
+    stale: int = 0  # prompts to send that the store answered under another key: a change left them behind
 
     @classmethod
     def make(cls, cfg: Config, prompts: list[dict], tok, store: ResponseStore, context: int | None) -> RunPlan:
         if cfg.ds.turns != Turns.all:
             plan = plan_requests(cfg, prompts, tok, store)  # one per key: prompts rendered alike are asked once
             check_context(plan, cfg, context)
-            return cls(plan, store.get_many(p.key for p in plan), len(prompts) - len(plan), ds=cfg.ds)
+            run = cls(plan, store.get_many(p.key for p in plan), len(prompts) - len(plan), ds=cfg.ds)
+            return run.settle(store, cfg.dataset)
         convs, renders = plan_conversations(cfg, prompts, tok, store, context)  # each walked over its stored turns
         check_context([c.first for c in convs if c.first is not None], cfg, context)
         run = cls(*conversation_plan(convs, store), convs=convs, ds=cfg.ds)
         room = None if context is None else context - cfg.ds.max_tokens
         run.queue = ConversationQueue(convs, store, {}, room, cfg.ds.budget_unit == BudgetUnit.total, renders)
-        return run
+        return run.settle(store, cfg.dataset)
 
-    def landed(self) -> Landed | None:
-        """landing exact: the settled run of requests from the first, as the store leaves it (None: finished)."""
-        if not lands_exact(self.ds):
-            return None
-        if self.convs is None:
-            return Landed.of(self.plan, self.stored, self.ds)
-        return LandedConversations(self.convs, self.ds)
+    def settle(self, store: ResponseStore, dataset: str) -> RunPlan:
+        """The plan's standing by the rules of selection.py and accounting.py, read once; where the run will generate,
+        the prompts it sends that the store answered under another key (a changed template, model, sampling or
+        max_tokens: generate/stale.py announces them)."""
+        if lands_exact(self.ds):
+            exact = Landed.of(self.plan, self.stored, self.ds) if self.convs is None else None
+            self.landed = exact or LandedConversations(self.convs, self.ds)
+        self.standing = standing(self.plan, self.stored, self.ds)
+        self.committed = self.landed.total() if self.landed is not None else self.standing.counted
+        if self.committed < self.ds.token_budget:
+            self.stale = left_behind(store, dataset, self.standing.todo)
+        return self
 
     def reread(self, store: ResponseStore) -> None:
         """After generation: the rows the store holds now (and each conversation's turns as far as they went)."""
-        if self.convs is None:
-            self.stored = store.get_many(p.key for p in self.plan)
-        else:
+        if self.convs is not None:
             self.plan, self.stored = conversation_plan(self.convs, store)
             if self.queue is not None and self.queue.renders is not None:
                 self.queue.renders.keep(store)
+        else:
+            self.stored = store.get_many(p.key for p in self.plan)
 
     def end_reasons(self, selected: list[tuple[Planned, StoredResponse]]) -> dict[str, str]:
         return {} if self.convs is None else end_reasons(self.convs, selected, self.ds)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import signal
 
-from draftdata.config.schema import BackendKind, BudgetUnit, Config, OnBudget
-from draftdata.generate.accounting import needs_request, prompt_count, stored_total, unusable_reason
+from draftdata.config.schema import BackendKind, Config, OnBudget
+from draftdata.generate.accounting import Standing
 from draftdata.generate.budget.controller import BudgetController
 from draftdata.generate.connect import make_backend
 from draftdata.generate.dispatcher import Dispatcher, Interrupted, RunStats
@@ -70,15 +70,12 @@ def named(mode: str | None) -> dict[str, str]:
 def run_generation(cfg: Config, tok, run: RunPlan, store: ResponseStore, mode: str | None = None) -> RunStats:
     """Generate what the budget still needs over the store's answers (nothing where they meet it), then read back
     what the store holds for the run's prompts. `mode`: the mode whose share `cfg` holds, named in the lines."""
-    ds = cfg.ds
-    landed = run.landed()  # landing exact: the settled run from the first request decides (selection.py)
-    committed = landed.total() if landed is not None else stored_total(run.plan, run.stored, ds)[0]
-    usable = sum(unusable_reason(r, ds) is None for r in run.stored.values())
-    if committed >= ds.token_budget:
-        status = f"budget met: {committed:,} >= {ds.token_budget:,} tokens from the store's answers"
+    ds, usable = cfg.ds, run.standing.usable
+    if run.committed >= ds.token_budget:  # landing exact: the settled run from the first request decides
+        status = f"budget met: {run.committed:,} >= {ds.token_budget:,} tokens from the store's answers"
         log("generate", dataset=cfg.dataset, **named(mode), status=status)
         return RunStats(reused=usable)
-    stats = generate_missing(cfg, tok, run.plan, run.stored, store, run.queue, landed, mode)
+    stats = generate_missing(cfg, tok, run.plan, run.stored, store, run.standing, run.queue, run.landed, mode)
     stats.reused = usable
     run.reread(store)
     return stats
@@ -100,29 +97,29 @@ def generate_missing(
     plan: list[Planned],
     stored: dict[str, StoredResponse],
     store: ResponseStore,
+    standing: Standing,
     conversations: ConversationQueue | None = None,
     landed: Landed | None = None,
     mode: str | None = None,
 ) -> RunStats:
     """Generate what the budget still needs. Parked partials are continued rather than counted: the budget counts
-    complete responses, and keep_partial's cut ones only once no more generation is wanted. `conversations`
-    (`turns: all`): `plan` holds their answered turns and the next one of each, and the queue steps them on."""
+    complete responses, and keep_partial's cut ones only once no more generation is wanted. `standing`: what the
+    stored rows count (accounting.standing, read where the run was planned; check_before_requests has passed its
+    `todo`). `conversations` (`turns: all`): `plan` holds their answered turns and the next one of each, and the
+    queue steps them on."""
     ds = cfg.ds
     ctrl = BudgetController(
         ds.token_budget,
         ds.max_tokens,
         cfg.concurrency,
         keep_partial=ds.on_budget == OnBudget.keep_partial,
-        committed=stored_total(plan, stored, ds, partial=False)[0],
+        committed=standing.complete,
         landed=None if landed is None else landed.total(),
     )
-    complete = [r for r in stored.values() if not r.partial and unusable_reason(r, ds) is None]
-    # completion lengths only: bounded by max_tokens, whatever the unit
-    ctrl.lengths.add_stored([r.completion_tokens for r in complete])
-    todo = [p for p in plan if needs_request(stored.get(p.key))]
-    check_before_requests(cfg, tok, todo)
-    if ds.budget_unit == BudgetUnit.total and todo:
-        ctrl.prompt_mean = sum(prompt_count(p) for p in todo) / len(todo)
+    ctrl.lengths.add_stored(standing.lengths)
+    todo = standing.todo
+    if standing.prompt_mean is not None:
+        ctrl.prompt_mean = standing.prompt_mean
     parked = {k: r for k, r in stored.items() if r.partial}
     if conversations is not None:
         conversations.parked = parked  # partials met while stepping over stored turns are continued too
@@ -132,7 +129,7 @@ def generate_missing(
         **named(mode),
         committed=ctrl.committed,
         budget=ds.token_budget,
-        stored=len(complete),
+        stored=len(standing.lengths),  # the complete usable answers
         parked=sum(p.key in parked for p in todo),
         to_send=len(todo),
         backend=cfg.backend.kind.value,

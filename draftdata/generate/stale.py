@@ -18,10 +18,8 @@ from pathlib import Path
 
 from draftdata.config.schema import Config
 from draftdata.errors import UserError
-from draftdata.generate.accounting import needs_request, stored_total
 from draftdata.generate.planning import RunPlan
 from draftdata.generate.run import named
-from draftdata.generate.store import ResponseStore
 from draftdata.util.log import log
 
 
@@ -32,13 +30,14 @@ class Stale:
     tok_s: float | None  # the last run's generation rate (None: none measured)
 
 
-def stale_answers(store: ResponseStore, dataset: str, run: RunPlan) -> int:
-    """The plan's prompts that need a request while the store holds a complete answer for them under another key."""
-    missing = {p.prompt["id"]: p.key for p in run.plan if needs_request(run.stored.get(p.key))}
-    if not missing:
-        return 0
-    elsewhere = {pid for pid, key in store.answered_prompts(dataset) if pid in missing and key != missing[pid]}
-    return len(elsewhere)
+def check_stale(cfg: Config, run: RunPlan, metrics: Path, mode: str | None = None) -> None:
+    """Before any request of a run that will generate: say what the store's answers left behind by a change cost to
+    regenerate (`run.stale`, counted where it was planned), or stop (run.confirm_regenerate). `cfg`: the part's
+    (its budget share, where `mode` is one)."""
+    if run.stale and run.committed < cfg.ds.token_budget:
+        tokens = max(0, cfg.ds.token_budget - run.standing.counted)  # draftdata plan's figure
+        line = announce(cfg, Stale(run.stale, tokens, last_rate(metrics)))
+        log("generate", dataset=cfg.dataset, **named(mode), warning=line)
 
 
 def last_rate(metrics: Path) -> float | None:
@@ -48,19 +47,6 @@ def last_rate(metrics: Path) -> float | None:
     except (OSError, ValueError):
         return None
     return rate if rate > 0 else None
-
-
-def check_stale(cfg: Config, run: RunPlan, store: ResponseStore, metrics: Path, mode: str | None = None) -> None:
-    """Before any request of a run that will generate: say what the store's answers left behind by a change cost to
-    regenerate, or stop (run.confirm_regenerate). `cfg`: the part's (its budget share, where `mode` is one)."""
-    landed = run.landed()  # landing exact: the run generates until the prompt-order run from the first is settled
-    if (landed.total() if landed is not None else stored_total(run.plan, run.stored, run.ds)[0]) >= cfg.ds.token_budget:
-        return  # nothing to generate
-    tokens = max(0, cfg.ds.token_budget - stored_total(run.plan, run.stored, run.ds)[0])  # draftdata plan's figure
-    answers = stale_answers(store, cfg.dataset, run)
-    if answers:
-        line = announce(cfg, Stale(answers, tokens, last_rate(metrics)))
-        log("generate", dataset=cfg.dataset, **named(mode), warning=line)
 
 
 def announce(cfg: Config, stale: Stale) -> str:

@@ -3,6 +3,7 @@ leaves a half-written output that a later run would take as done."""
 
 from __future__ import annotations
 
+import csv
 import errno
 import glob
 import json
@@ -150,3 +151,10 @@ def write_json(path: Path | str, data: Any) -> None:
 
 def data_dir(dataset: str) -> Path:
     return Path("data") / dataset
+
+
+def write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)

@@ -16,12 +16,8 @@ copy of vega (scripts/vendor_plots.py), so it draws offline.
 
 from __future__ import annotations
 
-import csv
 import math
 from collections.abc import Iterable
-from pathlib import Path
-
-from draftdata.util.files import atomic_path
 
 HISTOGRAM_BINS = 16
 
@@ -37,13 +33,6 @@ def histogram(lengths: Iterable[int], max_tokens: int, bins: int = HISTOGRAM_BIN
         {"length": f"{i * width:0{digits}d}-{min(max_tokens, (i + 1) * width - 1):0{digits}d}", "responses": c}
         for i, c in enumerate(counts)
     ]
-
-
-def write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
-    with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
 
 
 def fill_rows(fill: list[tuple[float, int]], budget: int) -> list[dict]:
