@@ -3,7 +3,7 @@
 `draftdata plan [dataset=<D>] [plan.tok_s=<N>] [plan.out=<path>] [hydra overrides]` prints, per dataset:
 the prompts available, the budget, the tokens the response store already holds toward it (keys computed exactly
 as generate computes them: tokenizer and model fingerprint, no weights), the tokens and requests still to
-generate, the GPU time they take at a given or measured rate, and the disk the whole budget takes (responses,
+generate, the generation time they take at a given or measured rate, and the disk the whole budget takes (responses,
 samples, hidden states); it warns of a dataset whose longest sample (max_prompt_tokens + max_tokens) exceeds
 `tokenize.max_seq_len` or the target's context, and, where the target's tokenizer is on this disk, refuses in one
 line a chat template that ends the turn on a token the target does not stop on (as check_params and generate do).
