@@ -200,3 +200,30 @@ def test_a_cut_that_goes_on_records_each_request_once(tmp_path):
     s = stored(d)
     assert s.pop(first[0]) == "length" and set(s.values()) == {CUT} and len(s) == 7
     assert d.ctrl.reached() and d.flights == {} and d._finished == []
+
+
+class DiesThenResets:
+    """A server whose engine died: each request's first attempt was answered `engine_dead`, its retry found the
+    connection reset (vLLM's API server exits after its engine), so each request ends `retries_exhausted`."""
+
+    name = "dying"
+    takes_token_ids = True
+
+    async def generate(self, req: GenRequest) -> GenResult:
+        req.attempt_errors += ["engine_dead", "connection"]
+        return GenResult(req.rid, error="retries_exhausted", detail="connection: reset by peer", server=self.name)
+
+
+def test_a_stop_after_a_dead_engine_names_the_death_and_what_to_do(tmp_path):
+    """The requests that followed a dead engine fail with reset connections; the run's one line still says that the
+    engine died and how to avoid it, beside the cause the window saw."""
+    from draftdata.generate.dispatcher import RunFailed
+
+    d = dispatcher(tmp_path, DiesThenResets(), budget=1000, on_budget=OnBudget.cancel)
+    d.failfast = dispatcher_module.FailFastWindow(4)
+    with pytest.raises(RunFailed) as failed:
+        run(d.run(plan(12)))
+    message = str(failed.value)
+    assert message.startswith("the last 4 requests all failed with retries_exhausted: connection: reset by peer")
+    assert "a server's engine died (engine_dead, " in message and "--max-num-batched-tokens" in message
+    assert "\n" not in message

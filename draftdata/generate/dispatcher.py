@@ -25,7 +25,14 @@ import time
 from draftdata.config.schema import BudgetUnit, Config
 from draftdata.errors import UserError
 from draftdata.generate.accounting import prompt_count, unusable_reason
-from draftdata.generate.backends.protocol import Backend, GenRequest, GenResult, seed_of, stopped_result
+from draftdata.generate.backends.protocol import (
+    DEAD_ENGINE_HINT,
+    Backend,
+    GenRequest,
+    GenResult,
+    seed_of,
+    stopped_result,
+)
 from draftdata.generate.budget.controller import BudgetController
 from draftdata.generate.failfast import FailFastWindow
 from draftdata.generate.ledger import Flight, Ledger, RunStats
@@ -260,6 +267,9 @@ class Dispatcher:
             return
         detail = next((res.detail for res, _ in reversed(done) if res.error == cause), "") or UNUSABLE.get(cause, "")
         self.failing = self.failfast.message(cause, detail, self.stats.new)
+        died = self.stats.attempt_failures.get("engine_dead", 0)
+        if died and cause != "engine_dead":  # what followed a dead engine (reset connections) hides the cause
+            self.failing += f"; before them a server's engine died (engine_dead, {died} attempts): {DEAD_ENGINE_HINT}"
         self.interrupt()
 
     # ---- stopping ------------------------------------------------------------------------------------------- #

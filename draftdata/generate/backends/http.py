@@ -35,7 +35,7 @@ import aiohttp
 
 from draftdata.config.schema import Config
 from draftdata.errors import UserError
-from draftdata.generate.backends.protocol import GenRequest, GenResult, cancel_as_stop, stopped_result
+from draftdata.generate.backends.protocol import DEAD_ENGINE_HINT, GenRequest, GenResult, cancel_as_stop, stopped_result
 from draftdata.util.log import log
 
 RETRY_STATUSES = frozenset({408, 409, 429})
@@ -71,11 +71,6 @@ class Failure(Exception):
 # What a server says when its engine has died (vLLM: the API server answers every request so, then exits): no retry
 # on it can succeed until it is restarted, and the cause is in its own log.
 DEAD_ENGINE_MARKS = ("EngineCore encountered an issue", "EngineDeadError", "Engine loop has died")
-DEAD_ENGINE_HINT = (
-    "the server's engine died: restart it (its log has the cause). vLLM's CPU build dies so on a seeded request "
-    "whose prefill is chunked ('CPU Generator does not use offset'): serve it with --max-num-batched-tokens of at "
-    "least the longest prompt plus max_tokens (e.g. 32768)"
-)
 
 
 def dead_engine(message: str) -> Failure | None:

@@ -57,6 +57,15 @@ class Partial:
         return self.completion_tokens > 0 and len(self.output_ids) == self.completion_tokens
 
 
+# What to do when a server says its engine died (a failure `engine_dead`): said by the backend's failure, and by
+# the run's stop where the requests that followed the death failed otherwise (the server reset their connections).
+DEAD_ENGINE_HINT = (
+    "the server's engine died: restart it (its log has the cause). vLLM's CPU build dies so on a seeded request "
+    "whose prefill is chunked ('CPU Generator does not use offset'): serve it with --max-num-batched-tokens of at "
+    "least the longest prompt plus max_tokens (e.g. 32768)"
+)
+
+
 @dataclass
 class GenRequest:
     rid: str  # the logical request (the store key); every attempt sends its own unique id (`attempt_rid`)
