@@ -5,8 +5,9 @@ declared params changed; so a typo in a run-time key (`concurency`) or a bad val
 would pass `dvc repro` unnoticed until that stage next ran, perhaps hours into a run. This stage depends on
 params.yaml itself, so DVC runs it on every edit; it loads the config as every stage does and checks the values of
 every dataset, that a local model.path exists (or a dvc.yaml stage makes it), and, where the target is on this
-disk, that its chat template ends the turn on a token the target stops on (and says which token that is) and that
-every drafter family's layers exist in it.
+disk, that its chat template ends the turn on a token the target stops on (and says which token that is), that
+every drafter family's layers exist in it and that each dataset's max_tokens leaves room for a prompt in its
+context; and that the response store (run.store_path) opens.
 
 Every other stage depends on its output, data/params_checked.json: a refused config stops `dvc repro` here, before
 DVC removes the outputs of the stage asked for to rerun it. The file's bytes are the same whenever the check passes,

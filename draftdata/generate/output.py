@@ -78,7 +78,7 @@ def write_outputs(cfg: Config, out: Path, prompts: list[dict], parts: list[Part]
             key=lambda x: (order[x[1].prompt.get("conversation", x[1].prompt["id"])], x[1].prompt.get("turn", 0))
         )
     selected = [(p, r) for _, p, r in lines]
-    # the figures first, then every file: the walk from the metrics to the writers is one way
+    # the figures first, then every file, the writers together at the end
     stats = merged_stats([part.stats for part in parts])
     total = sum(land.total for land in landed)
     if len(landed) == 1 and landed[0].part.mode is None:

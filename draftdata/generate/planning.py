@@ -235,9 +235,10 @@ class RunPlan:
         """The plan's standing by the rules of selection.py and accounting.py, read once; where the run will generate,
         the prompts it sends that the store answered under another key (a changed template, model, sampling or
         max_tokens: generate/stale.py announces them)."""
-        if lands_exact(self.ds):
-            exact = Landed.of(self.plan, self.stored, self.ds) if self.convs is None else None
-            self.landed = exact or LandedConversations(self.convs, self.ds)
+        if lands_exact(self.ds) and self.convs is None:
+            self.landed = Landed.of(self.plan, self.stored, self.ds)
+        elif lands_exact(self.ds):
+            self.landed = LandedConversations(self.convs, self.ds)
         self.standing = standing(self.plan, self.stored, self.ds)
         self.committed = self.landed.total() if self.landed is not None else self.standing.counted
         if self.committed < self.ds.token_budget:
