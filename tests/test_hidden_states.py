@@ -228,7 +228,7 @@ def test_a_kept_buffer_writes_a_small_shard_after_a_big_one(tmp_path):
 def test_a_budget_round_trip_recomputes_nothing(hs_project):
     hs_project.run("hidden_states", "B3")
     first = hs_metrics(hs_project)
-    assert first["computed_samples"] == first["samples"] > 5
+    assert first["computed_samples"] == first["samples"] > 5 and first["load_s"] > 0
     index = (hs_project.data("B3") / "hidden_states" / "index.json").read_bytes()
     # the budget goes down and back up: generate reuses its store, hidden_states its own
     before = read_all(hs_project.data("B3") / "hidden_states")
@@ -237,6 +237,7 @@ def test_a_budget_round_trip_recomputes_nothing(hs_project):
         hs_project.run(stage, "B3")
     lower = hs_metrics(hs_project)
     assert lower["computed_samples"] == 0 and 0 < lower["samples"] < first["samples"]
+    assert lower["load_s"] == 0  # every state reused: the target was never loaded
     # the shards now hold more samples than this output uses: bytes per token is still the shards' own (up to the
     # headers' share where the output uses some of the shards), not the shards' bytes over the output's tokens
     assert lower["bytes_per_token"] == pytest.approx(first["bytes_per_token"], rel=1e-3)

@@ -83,6 +83,8 @@ def output_metrics(
         "limit_bytes_per_token": 2 * (len(layers) + 1) * target.hidden_size,  # bf16, k aux layers + final
         "padded_compute_share": round(tally.pad_tokens / (computed + tally.pad_tokens), 4) if computed else 0.0,
         "tok_s": round(computed / tally.seconds, 1) if tally.seconds else 0.0,
+        # starting the engine, the target's load included: once per stage that computes (0: all reused)
+        "load_s": round(engine.load_s, 3),
     }
     m["engines"] = dict(sorted(tally.engines.items()))  # which computed the output's samples (samples.parquet: each)
     if engine.vllm_path is not None:  # the vllm engine ran: which of its paths, and why not vLLM's extraction

@@ -3,6 +3,8 @@ loaded only when a sample is missing from the state store."""
 
 from __future__ import annotations
 
+import time
+
 from draftdata.config.schema import Config
 from draftdata.hidden.engines.base import Engine
 from draftdata.hidden.state_store import NormAndSizes, StateStore
@@ -36,10 +38,13 @@ class LazyEngine:
     def __init__(self, cfg: Config, layers: list[int], store: StateStore, settings_hash: str):
         self.cfg, self.layers, self.store, self.settings_hash = cfg, layers, store, settings_hash
         self.engine: Engine | None = None
+        self.load_s = 0.0  # seconds spent starting the engine, the target's load included (0: never started)
 
     def get(self) -> Engine:
         if self.engine is None:
+            t0 = time.perf_counter()
             self.engine = make_engine(self.cfg, self.layers)
+            self.load_s = time.perf_counter() - t0
             e = self.engine
             self.store.save_target(self.settings_hash, NormAndSizes(e.final_norm, e.n_layers, e.hidden_size))
         return self.engine
