@@ -7,7 +7,9 @@ params.yaml itself, so DVC runs it on every edit; it loads the config as every s
 every dataset, that a local model.path exists (or a dvc.yaml stage makes it), and, where the target is on this
 disk, that its chat template ends the turn on a token the target stops on (and says which token that is), that
 every drafter family's layers exist in it and that each dataset's max_tokens leaves room for a prompt in its
-context; and that the response store (run.store_path) opens.
+context; and that the response store (run.store_path) opens. It writes what each dataset's prompts are read from
+(a local file's content hash, a hub source's pin) to data/sources_checked/<dataset>.json: each prompts stage depends
+on its own dataset's file, so an edit of one source reruns that dataset's prompts alone.
 
 Every other stage depends on its output, data/params_checked.json: a refused config stops `dvc repro` here, before
 DVC removes the outputs of the stage asked for to rerun it. The file's bytes are the same whenever the check passes,
@@ -24,11 +26,13 @@ from draftdata.drafters.layers import family_layers
 from draftdata.model.load import ModelNotBuilt, check_model_path, local_config, local_context
 from draftdata.model.think import block_of
 from draftdata.model.tokenizer import check_local_target, has_tokenizer_files, load_tokenizer
+from draftdata.sources.files import identity
 from draftdata.util.files import write_json
 from draftdata.util.log import log
 from draftdata.util.sqlite import check_store_path
 
 CHECKED = Path("data") / "params_checked.json"
+SOURCES = Path("data") / "sources_checked"  # <dataset>.json: what its prompts are read from (dvc.yaml's prompts deps)
 
 
 def main(cfg: Config) -> None:
@@ -58,6 +62,8 @@ def main(cfg: Config) -> None:
     for line in length_warnings(cfg, context=context):  # samples tokenize may drop: told, not refused
         log("check_params", warning=line)
     write_json(CHECKED, {"checked": "params.yaml", "ok": True})
+    for name, ds in cfg.datasets.items():
+        write_json(SOURCES / f"{name}.json", identity(ds.source))
     log("check_params", datasets=len(cfg.datasets), ok=True)
 
 

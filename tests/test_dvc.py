@@ -3,6 +3,7 @@ dataset's budget reruns only that dataset's chain."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -112,6 +113,12 @@ def test_repro_noop_and_budget_edit_reruns_one_chain(repo):
         "hidden_states@B3_magicoder",
         "summary@B3_magicoder",
     }
+
+    # one source file's bytes change (its content does not: gzip's header time): that dataset's prompts rerun alone,
+    # write the same prompts, and nothing after them reruns; the tiny target trains its tokenizer on the demo folder
+    src = repo / "sources" / "demo" / "B1_glaive.jsonl.gz"
+    src.write_bytes(gzip.compress(gzip.decompress(src.read_bytes()), mtime=1))
+    assert ran(dvc("repro", cwd=repo)) == {"check_params", "tiny_model", "prompts@B1_glaive"}
 
     shown = dvc("metrics", "show", cwd=repo)
     for d in KEEP:  # the summaries only: the detailed metrics are outputs, not DVC metrics

@@ -59,7 +59,7 @@ def test_the_stage_makes_a_plain_model_and_says_where_it_came_from(smollm2):
         assert f.get_tensor("model.layers.0.mlp.up_proj.weight").dtype == torch.bfloat16
     assert abs(norm.mean().item() - model["final_norm_weight"]["mean"]) < 1e-3
     for name, digest in provenance["files_sha256"].items():
-        from draftdata.model.packaged import sha256_of
+        from draftdata.util.files import sha256_of
 
         assert sha256_of(smollm2 / name) == digest, name
 

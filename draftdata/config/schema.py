@@ -101,7 +101,8 @@ class BackendKind(str, Enum):
 @dataclass
 class SourceConfig:
     shape: str = "???"
-    # Exactly one of `path` (local .jsonl/.json/.parquet, optionally .gz) or `hf_name` (HF `datasets`).
+    # Exactly one of `path` (local .jsonl/.json/.parquet, optionally .gz) or `hf_name` (HF `datasets`). Keep local
+    # files under `sources/`: an edit there reruns check_params, which reruns the prompts of that file's datasets alone.
     path: Optional[str] = None
     hf_name: Optional[str] = None
     hf_config: Optional[str] = None

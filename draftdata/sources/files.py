@@ -13,6 +13,7 @@ from typing import Any
 
 from draftdata.config.schema import SourceConfig, file_kind
 from draftdata.errors import UserError
+from draftdata.util.files import sha256_of
 
 
 class SourceError(UserError):
@@ -127,3 +128,20 @@ def iter_hf(src: SourceConfig) -> Iterator[Row]:
     label = f"hf:{src.hf_name}/{src.hf_config or 'default'}/{src.split}"
     for i, value in enumerate(ds):
         yield Row(f"{label}:row {i}", value)
+
+
+def identity(src: SourceConfig) -> dict:
+    """What a dataset's prompts are read from, as one small record: a local file by its path and content hash (a hub
+    source by its pinned name, revision and files). check_params writes it per dataset, and each prompts stage
+    depends on its own dataset's record rather than on the whole `sources/` folder, so DVC reruns the prompts of the
+    dataset whose file changed and no other."""
+    if src.path is not None:
+        return {"path": src.path, "sha256": sha256_of(src.path)}
+    files = None if src.data_files is None else list(src.data_files)
+    return {
+        "hf_name": src.hf_name,
+        "hf_config": src.hf_config,
+        "split": src.split,
+        "revision": src.revision,
+        "data_files": files,
+    }

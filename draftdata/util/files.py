@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import errno
 import glob
+import hashlib
 import json
 import os
 import socket
@@ -142,6 +143,11 @@ def read_jsonl(path: Path | str) -> Iterator[dict]:
         for line in f:
             if line.strip():
                 yield json.loads(line)
+
+
+def sha256_of(path: Path | str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def write_json(path: Path | str, data: Any) -> None:
