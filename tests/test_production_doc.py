@@ -3,6 +3,7 @@ names the DVC params dvc.yaml declares, and agrees with the disk arithmetic writ
 
 from __future__ import annotations
 
+import json
 import re
 from urllib.parse import urlsplit
 
@@ -131,3 +132,64 @@ def test_every_source_says_to_pin_its_revision(params_path, capsys):
     assert [line.split("warning=")[1].split(".source.revision")[0] for line in warned] == [
         f"datasets.{d}" for d in DATASETS
     ]
+
+
+def test_time_arithmetic_is_what_plan_computes(params_path, monkeypatch, tmp_path):
+    """Section 1's generation times are `draftdata plan plan.tok_s=10000`'s own, on an empty store (nothing to reuse,
+    no prompts stage run: every budget is still to generate)."""
+    from draftdata.cli.costs import Options, plan_dataset
+    from draftdata.cli.plan_table import fmt_duration
+
+    cfg = load_config(None, params_path=params_path, need_dataset=False)
+    monkeypatch.chdir(tmp_path)  # no data/<D>/ here: nothing generated yet
+    text = " ".join(DOC.read_text().split())
+    total = 0.0
+    for name in DATASETS:
+        plan = plan_dataset(cfg, name, None, None, None, Options(tok_s=10_000))
+        assert plan.to_generate == plan.budget
+        total += plan.gpu_s
+        duration = fmt_duration(plan.gpu_s)
+        assert re.search(rf"{duration} for (\w+ and )?{name}\b", text), f"{name}: plan says {duration}"
+    budgets = sum(ds.token_budget for ds in cfg.datasets.values())
+    assert f"{fmt_duration(total)} in all, {budgets:,} ÷ 10,000 = {budgets // 10_000:,} s" in text
+    assert f"{fmt_duration(2 * total)} with `plan.tok_s=5000`" in text
+    # the capture's compute at section 5's rate, and eight loads of a 1 TB checkpoint at 2 GB/s
+    assert f"{budgets:,} ÷ (N × R) seconds on N nodes: {budgets // 20_000:,} s" in text
+    assert f"eight loads {8 * 10**12 // (2 * 10**9):,} s" in text
+
+
+def test_the_moe_vllm_kwargs_example_loads(params_path, tmp_path):
+    """Section 8's hidden_states example, put into the doc's params.yaml, loads and passes the checks; its
+    vllm_kwargs are among the EngineArgs fields the section names."""
+    text = DOC.read_text()
+    blocks = [b for b in re.findall(r"^```text\n(.*?)^```$", text, re.S | re.M) if b.startswith("hidden_states:")]
+    assert len(blocks) == 1
+    example = yaml.safe_load(blocks[0])["hidden_states"]
+    params = yaml.safe_load(params_path.read_text())
+    params["hidden_states"].update(example)
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    cfg = load_config(None, params_path=path, need_dataset=False)
+    check_all(cfg)
+    assert cfg.hidden_states.vllm_kwargs == example["vllm_kwargs"]
+    named = re.search(
+        r"a field of vLLM's `EngineArgs` \(`vllm/engine/arg_utils.py`\): ([^.]*)\.", " ".join(text.split())
+    )
+    assert named and set(example["vllm_kwargs"]) <= set(re.findall(r"`(\w+)`", named.group(1)))
+
+
+def test_a_quantized_checkpoint_is_another_target(tmp_path):
+    """Section 8: the stores key by the fingerprint of every file of model.path, so a checkpoint that differs only
+    in config.json's quantization_config is another target; the same files elsewhere are the same one."""
+    from draftdata.model.fingerprint import model_fingerprint
+
+    config = {"model_type": "llama", "hidden_size": 64, "torch_dtype": "bfloat16"}
+    fp = {}
+    for name, quant in (("bf16", None), ("bf16-copy", None), ("fp8", {"quant_method": "fp8"})):
+        folder = tmp_path / name
+        folder.mkdir()
+        conf = dict(config, **({"quantization_config": quant} if quant else {}))
+        (folder / "config.json").write_text(json.dumps(conf))
+        (folder / "model.safetensors").write_bytes(b"weights")
+        fp[name] = model_fingerprint(str(folder), None)
+    assert fp["bf16"] == fp["bf16-copy"] != fp["fp8"]
