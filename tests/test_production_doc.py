@@ -193,3 +193,15 @@ def test_a_quantized_checkpoint_is_another_target(tmp_path):
         (folder / "model.safetensors").write_bytes(b"weights")
         fp[name] = model_fingerprint(str(folder), None)
     assert fp["bf16"] == fp["bf16-copy"] != fp["fp8"]
+
+
+def test_the_capture_passes_trust_remote_code_on_to_vllm():
+    """Section 8: model.trust_remote_code reaches vllm.LLM without a vllm_kwargs key of its own (one wins)."""
+    from draftdata.config.schema import ModelConfig
+    from draftdata.hidden.engines.vllm import engine_kwargs
+
+    assert engine_kwargs(ModelConfig(path="m"), {"enable_expert_parallel": True}) == {"enable_expert_parallel": True}
+    trusting = ModelConfig(path="m", trust_remote_code=True)
+    assert engine_kwargs(trusting, None) == {"trust_remote_code": True}
+    assert engine_kwargs(trusting, {"trust_remote_code": False}) == {"trust_remote_code": False}
+    assert "`model.trust_remote_code: true`" in DOC.read_text()

@@ -211,6 +211,13 @@ def norm_from_file(path: str, info: dict) -> FinalNorm:
     return spec
 
 
+def engine_kwargs(model_cfg: ModelConfig, llm_kwargs: dict | None) -> dict:
+    """`hidden_states.vllm_kwargs` for vllm.LLM, with `model.trust_remote_code` passed on (a key of the user's own
+    wins): the stages read a checkpoint that ships its own code with it, and so must vLLM."""
+    trust = {"trust_remote_code": True} if model_cfg.trust_remote_code else {}
+    return {**trust, **dict(llm_kwargs or {})}
+
+
 class VLLMEngine:
     """See the module docstring. `path`: `extract` (vLLM's own hidden-state extraction), `hook` (draftdata's capture
     inside vLLM's forward) or `auto` (extract where it runs, else hook); `vllm_path` says which runs, `fallback` why
@@ -249,7 +256,7 @@ class VLLMEngine:
             "layers": self.layers,
             "tensor_parallel_size": tensor_parallel_size,
             "max_batch_tokens": max_batch_tokens,
-            "llm_kwargs": dict(llm_kwargs or {}),
+            "llm_kwargs": engine_kwargs(model_cfg, llm_kwargs),
             "mode": capture,
             "path": path,
         }
