@@ -575,7 +575,7 @@ def spec_for(
 def final_norm_weight(model) -> dict:
     """The spread of the target's final-norm weights: the post-norm state normalized a second time differs from
     the right one by about these weights over their mean, so the nearer alike they are, the less that error costs."""
-    from draftdata.hidden.engines.base import find_decoder
+    from draftdata.model.load import find_decoder
 
     w = find_decoder(model).norm.weight.detach().float()
     return {"mean": round(w.mean().item(), 4), "std": round(w.std().item(), 4)}

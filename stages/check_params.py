@@ -4,12 +4,15 @@ Each chain stage checks the schema and its own dataset's values when it runs, an
 declared params changed; so a typo in a run-time key (`concurency`) or a bad value in a dataset that nothing reruns
 would pass `dvc repro` unnoticed until that stage next ran, perhaps hours into a run. This stage depends on
 params.yaml itself, so DVC runs it on every edit; it loads the config as every stage does and checks the values of
-every dataset, that a local model.path exists (or a dvc.yaml stage makes it), and, where the target is on this
-disk, that its chat template ends the turn on a token the target stops on (and says which token that is), that
-every drafter family's layers exist in it and that each dataset's max_tokens leaves room for a prompt in its
-context; and that the response store (run.store_path) opens. It writes what each dataset's prompts are read from
-(a local file's content hash, a hub source's pin) to data/sources_checked/<dataset>.json: each prompts stage depends
-on its own dataset's file, so an edit of one source reruns that dataset's prompts alone.
+every dataset (and that the backend sends each one's sampling), that a local model.path exists (or a dvc.yaml stage
+makes it), and, where the target is on this disk, that its tokenizer fits its embeddings, that its chat template
+ends the turn on a token the target stops on (and says which token that is), that every drafter family's layers
+exist in it, that the hf engine finds its decoder (the model built on the meta device, where its weights are here)
+and that each dataset's max_tokens leaves room for a prompt in its context; and that the response store
+(run.store_path) opens; tests/test_refusals.py lists every refusal of a stage, and which of them this one makes. It
+writes what each dataset's prompts are read from (a local file's content hash, a hub source's pin) to
+data/sources_checked/<dataset>.json: each prompts stage depends on its own dataset's file, so an edit of one source
+reruns that dataset's prompts alone.
 
 Every other stage depends on its output, data/params_checked.json: a refused config stops `dvc repro` here, before
 DVC removes the outputs of the stage asked for to rerun it. The file's bytes are the same whenever the check passes,
@@ -23,7 +26,15 @@ from pathlib import Path
 from draftdata.config.load import cli
 from draftdata.config.schema import Config, EmptyThink, check_all, check_room, length_warnings, template_kwargs_of
 from draftdata.drafters.layers import family_layers
-from draftdata.model.load import ModelNotBuilt, check_model_path, local_config, local_context
+from draftdata.model.load import (
+    ModelNotBuilt,
+    check_model_path,
+    find_decoder,
+    has_weights,
+    local_config,
+    local_context,
+    model_skeleton,
+)
 from draftdata.model.think import block_of
 from draftdata.model.tokenizer import check_local_target, has_tokenizer_files, load_tokenizer
 from draftdata.sources.files import identity
@@ -52,9 +63,12 @@ def main(cfg: Config) -> None:
         for one in kwargs:
             block_of(tok, one, cfg.tokenize.empty_think)
     stored = any(ds.store_hidden_states for ds in cfg.datasets.values())
-    if stored and (conf := local_config(cfg.model)) is not None and "num_hidden_layers" in conf:
-        # every drafter family's layers exist in the target (the hidden_states stage resolves them again)
-        family_layers(cfg, conf["num_hidden_layers"])
+    if stored and (conf := local_config(cfg.model)) is not None:
+        if "num_hidden_layers" in conf:
+            # every drafter family's layers exist in the target (the hidden_states stage resolves them again)
+            family_layers(cfg, conf["num_hidden_layers"])
+        if cfg.hidden_states.backend == "hf" and has_weights(cfg.model.path):
+            find_decoder(model_skeleton(cfg.model))  # the decoder the hf engine hooks, found in the model built on meta
     context = local_context(cfg.model)
     for name, ds in cfg.datasets.items():  # generate's refusal, here before DVC deletes its outputs
         check_room(ds, f"datasets.{name}", context)

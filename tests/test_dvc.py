@@ -210,6 +210,18 @@ def test_a_refused_config_leaves_every_output_in_place(repo):
             "generate@B3_magicoder",
             "run.store_path",
         ),
+        # sampling the embedded backend would not send: refused by generate as it loaded its config (after DVC's
+        # deletes), and a mode's only once it connected
+        (
+            lambda p: p["datasets"]["B3_magicoder"]["sampling"].__setitem__("min_p", 0.1),
+            "generate@B3_magicoder",
+            "datasets.B3_magicoder.sampling.min_p",
+        ),
+        (
+            lambda p: p["datasets"]["B3_magicoder"].__setitem__("modes", {"m": {"sampling": {"min_p": 0.1}}}),
+            "generate@B3_magicoder",
+            "datasets.B3_magicoder.modes.m.sampling.min_p",
+        ),
     ]
     for edit, stage, key in cases:
         proc = repro_with(repo, edit, stage)

@@ -636,8 +636,8 @@ def test_the_decoder_is_found_inside_a_multimodal_wrapper():
     layers and final norm are found, and the norm's formula is checked against the module itself."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
-    from draftdata.hidden.engines.base import find_decoder
     from draftdata.hidden.engines.hf import final_norm_of
+    from draftdata.model.load import find_decoder
 
     text = LlamaConfig(
         hidden_size=64, num_hidden_layers=4, num_attention_heads=4, intermediate_size=128, vocab_size=512

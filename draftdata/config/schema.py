@@ -745,13 +745,21 @@ def validate(cfg: Config, need_dataset: bool) -> None:
     cfg.run.check("run")
 
 
-def check_sampling_sent(cfg: Config) -> None:
-    """Every sampling setting of the dataset reaches the backend, or the run stops here: none is dropped silently."""
-    s, key = cfg.ds.sampling, f"datasets.{cfg.dataset}.sampling"
-    if cfg.backend.kind == BackendKind.embedded:
+def check_sampling_sent(cfg: Config, name: Optional[str] = None) -> None:
+    """Every sampling setting of dataset `name` (the stage's by default), its modes' included, reaches the backend,
+    or the run stops here: none is dropped silently."""
+    name = cfg.dataset if name is None else name
+    ds = cfg.datasets[name]
+    _sampling_sent(cfg.backend, ds.sampling, f"datasets.{name}.sampling")
+    for mode_name, mode in ds.modes.items():
+        _sampling_sent(cfg.backend, mode_sampling(ds.sampling, mode), f"datasets.{name}.modes.{mode_name}.sampling")
+
+
+def _sampling_sent(backend: BackendConfig, s: SamplingConfig, key: str) -> None:
+    if backend.kind == BackendKind.embedded:
         unsent = ["min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"]
         why = "the embedded backend samples with temperature, top_p and top_k only"
-    elif cfg.backend.kind == BackendKind.openai and cfg.backend.openai_fields_only:
+    elif backend.kind == BackendKind.openai and backend.openai_fields_only:
         unsent = ["top_k", "min_p", "repetition_penalty"]
         why = "backend.openai_fields_only sends OpenAI's own sampling fields only"
     else:
@@ -759,15 +767,17 @@ def check_sampling_sent(cfg: Config) -> None:
     for name in unsent:
         if getattr(s, name) != NEUTRAL_SAMPLING[name]:
             raise ConfigError(f"{key}.{name}", f"{why}; leave it at {NEUTRAL_SAMPLING[name]}")
-    if cfg.backend.kind == BackendKind.embedded and s.extra:
+    if backend.kind == BackendKind.embedded and s.extra:
         raise ConfigError(f"{key}.extra", "the embedded backend takes no extra sampling fields")
 
 
 def check_all(cfg: Config) -> None:
     """The values of every dataset (the schema, types, enums and unknown keys were checked on loading); a warning
-    line for each hub source whose revision is not pinned."""
+    line for each hub source whose revision is not pinned. A stage checks its own dataset's values as it loads the
+    config (validate); check_params checks them all, before DVC removes any stage's outputs."""
     for name, ds in cfg.datasets.items():
         ds.check(f"datasets.{name}")
+        check_sampling_sent(cfg, name)
     for warning in unpinned_sources(cfg):
         log("config", warning=warning)
 

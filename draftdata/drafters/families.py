@@ -37,7 +37,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from draftdata.config.schema import DRAFTER_FAMILIES
-from draftdata.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -66,12 +65,6 @@ FAMILIES = {
 }
 assert tuple(FAMILIES) == DRAFTER_FAMILIES  # the config's names are these
 TRAINERS = ("specforge", "speculators")
-
-
-def family(name: str, key: str = "hidden_states.drafters") -> Family:
-    if name not in FAMILIES:
-        raise ConfigError(key, f"unknown drafter family {name!r}; one of {', '.join(FAMILIES)}")
-    return FAMILIES[name]
 
 
 def block_default_layers(n_layers: int, n: int) -> list[int]:

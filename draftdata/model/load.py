@@ -1,4 +1,5 @@
-"""The target model: where it lives, its limits (context, vocabulary) read from its config, and loading it."""
+"""The target model: where it lives, its limits (context, vocabulary) read from its config, loading it, and where it
+keeps its decoder."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftdata.config.schema import ModelConfig
-from draftdata.errors import ConfigError
+from draftdata.errors import ConfigError, UserError
 
 
 def looks_local(path: str) -> bool:
@@ -187,6 +188,46 @@ def load_model(model: ModelConfig, device_map: str | None = None, device: str | 
     if not device_map:
         net = net.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     return net.eval()
+
+
+def has_weights(directory: str) -> bool:
+    """Whether a local directory holds weights `load_model` reads (.safetensors or PyTorch .bin files), not only a
+    config and a tokenizer (a target served elsewhere)."""
+    root = Path(directory).expanduser()
+    return root.is_dir() and any(any(root.glob(f"*.{ext}")) for ext in ("safetensors", "bin"))
+
+
+def model_skeleton(model: ModelConfig):
+    """The target's modules as `load_model` builds them, from its config alone on the meta device: no weights read,
+    no memory taken. What check_params inspects (`find_decoder`) before any stage loads the model."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    check_model_path(model.path)
+    source = model_dir(model)
+    try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=model.trust_remote_code)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=model.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise load_error(e, "a model", model.path) from None
+
+
+def find_decoder(model):
+    """The text decoder (its `layers` and final `norm`) through the model's own accessors, so a multimodal wrapper
+    (a vision tower around a language model, as Kimi-K2.5's) is handled like a plain causal LM: transformers' models
+    name it with get_decoder(), vLLM's with get_language_model() or a `language_model` attribute."""
+    holders = []
+    if hasattr(model, "get_decoder"):
+        holders.append(model.get_decoder())
+    if hasattr(model, "get_language_model"):
+        holders.append(model.get_language_model())
+    holders += [getattr(model, "language_model", None), model]
+    for holder in filter(None, holders):
+        for candidate in (holder, getattr(holder, "model", None)):
+            if candidate is not None and hasattr(candidate, "layers") and hasattr(candidate, "norm"):
+                return candidate
+    raise UserError(f"model.path: cannot find the decoder layers and final norm of {type(model).__name__}")
 
 
 def local_config(model: ModelConfig) -> dict | None:

@@ -195,11 +195,12 @@ def has_tokenizer_files(directory: str) -> bool:
 
 def check_local_target(model: ModelConfig, template_kwargs: list[dict]) -> None:
     """What check_params can tell of a target whose tokenizer is on this disk already: it loads, has a chat
-    template, and that template ends the turn on a token the target stops on, under each of the datasets'
-    `template_kwargs`. A hub id, or a directory a stage has not built yet, is checked by the stages that load it
-    (generate before any request)."""
+    template, fits the model's embeddings (generate's refusal), and that template ends the turn on a token the
+    target stops on, under each of the datasets' `template_kwargs`. A hub id, or a directory a stage has not built
+    yet, is checked by the stages that load it (generate before any request)."""
     if has_tokenizer_files(model.path):
         tok = load_tokenizer(model)
+        check_tokenizer_fits(tok, model, model_limits(model))
         for line in sorted({end_of_turn_line(tok, model, kwargs) for kwargs in template_kwargs}):
             print(f"check_params {line}", flush=True)
 

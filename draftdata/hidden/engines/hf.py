@@ -16,8 +16,8 @@ from contextlib import contextmanager
 
 from draftdata.config.schema import ModelConfig
 from draftdata.errors import UserError
-from draftdata.hidden.engines.base import find_decoder
 from draftdata.hidden.norm import FinalNorm
+from draftdata.model.load import find_decoder
 
 
 def final_norm_of(norm) -> FinalNorm:

@@ -38,7 +38,7 @@ import os
 import sys
 from typing import Any
 
-from draftdata.hidden.engines.base import find_decoder
+from draftdata.model.load import find_decoder
 
 # Where the capture lives on vLLM's worker object, between the RPC calls that install, start and finish it.
 _HOOKED = "_draftdata_capture"
