@@ -27,8 +27,7 @@ from draftdata.config.load import cli
 from draftdata.config.schema import Config, EmptyThink, check_all, check_room, length_warnings, template_kwargs_of
 from draftdata.drafters.layers import family_layers
 from draftdata.model.load import (
-    ModelNotBuilt,
-    check_model_path,
+    check_tracked_model_path,
     find_decoder,
     has_weights,
     local_config,
@@ -48,10 +47,9 @@ SOURCES = Path("data") / "sources_checked"  # <dataset>.json: what its prompts a
 
 def main(cfg: Config) -> None:
     check_all(cfg)
-    try:  # a mistyped local path, refused here rather than by the first stage that loads it (after DVC's deletes)
-        check_model_path(cfg.model.path)
-    except ModelNotBuilt:
-        pass  # made by a stage of this pipeline (the demo's models), which runs after this one
+    # a mistyped local path or a hub id, refused here rather than by the first stage that loads it (after DVC's
+    # deletes); a path a stage of this pipeline makes (the demo's models) passes
+    check_tracked_model_path(cfg.model.path)
     # a chat template that ends the turn where the target does not stop, under any dataset's (and mode's) kwargs
     kwargs = [template_kwargs_of(cfg, name) for name in cfg.datasets or [None]]
     kwargs += [

@@ -195,6 +195,12 @@ def test_a_refused_config_leaves_every_output_in_place(repo):
         (rename("max_tokens", "max_tokns"), "summary@B3_magicoder", "datasets.B3_magicoder.max_tokns"),
         # what a stage refused only once it ran (after DVC's deletes), check_params' twins now refuse first
         (lambda p: p["model"].__setitem__("path", p["model"]["path"] + "-typo"), "prompts@B3_magicoder", "model.path"),
+        # a hub id: DVC deleted the outputs, then failed on the missing `${model.path}` dependency, naming no key
+        (
+            lambda p: p["model"].__setitem__("path", "HuggingFaceTB/SmolLM2-135M-Instruct"),
+            "generate@B3_magicoder",
+            "model.path",
+        ),
         (
             lambda p: p["hidden_states"].__setitem__("layers", [1, 2, 40]),
             "hidden_states@B3_magicoder",

@@ -440,12 +440,8 @@ REFUSALS: dict[str, dict | tuple[str, str]] = {
             ),
             "model.path: {path}: no such directory (a": twin("model.path-no-such-directory"),
         },
-        "hub_snapshot": {
-            "model.path: hub id {path} at model.revision": not_a_stage(
-                "a hub id for model.path: under dvc repro ${model.path} is a dependency DVC refuses as missing before "
-                "the stage's command runs, so only a stage run by hand meets it"
-            )
-        },
+        "check_tracked_model_path": {"model.path: {path} is a hub id,": twin("model.path-hub-id")},
+        "hub_snapshot": {"model.path: hub id {path} at model.revision": twin("model.path-hub-id")},
         "load_error": {
             "model.trust_remote_code: {path} ships its own code": twin("model.trust_remote_code"),
             "model.path: cannot load {what} from {path}:": twin("model.path-cannot-load"),
@@ -702,6 +698,8 @@ CASES: dict[str, tuple[dict | Callable, str | Callable]] = {
         "hidden_states.draft_numbering",
     ),
     "model.path-no-such-directory": ({"model.path": "./no-such-model"}, "model.path"),
+    # a hub id: dvc.yaml's `${model.path}` dependency would be missing, after DVC deleted the stage's outputs
+    "model.path-hub-id": ({"model.path": "HuggingFaceTB/SmolLM2-135M-Instruct"}, "model.path"),
     "model.trust_remote_code": (
         target(lambda c: {**c, "model_type": "own", "auto_map": {"AutoConfig": "own.OwnConfig"}}),
         "model.trust_remote_code",

@@ -44,6 +44,23 @@ def check_model_path(path: str) -> None:
         raise ConfigError("model.path", f"{path}: no such directory (a local path; a hub id is 'org/name')")
 
 
+def check_tracked_model_path(path: str) -> None:
+    """Under `dvc repro`, where dvc.yaml makes `${model.path}` a dependency of every stage that reads the target: a
+    local directory, or one a stage makes. A hub id there is refused by check_params, since DVC would first delete
+    the outputs of the stage it reruns, then fail on the missing dependency with an error that names no key."""
+    try:
+        check_model_path(path)
+    except ModelNotBuilt:
+        return  # a dvc.yaml stage makes it, before the stages that depend on it
+    if not Path(path).expanduser().exists():
+        name = path.rstrip("/").rsplit("/", 1)[-1]
+        raise ConfigError(
+            "model.path",
+            f"{path} is a hub id, but dvc.yaml tracks model.path as a local directory (a dependency of every "
+            f"stage); download it (hf download {path} --local-dir models/{name}) and set model.path: models/{name}",
+        )
+
+
 def stage_making(path: str, dvc_yaml: Path = Path("dvc.yaml")) -> str | None:
     """The stage of the project's dvc.yaml (stages run from the project's root) whose `outs` list `path`; an out
     such as `${packaged_model.path}` is read from params.yaml beside it, as DVC does."""
