@@ -78,3 +78,29 @@ def test_states_computed_in_another_dtype_are_keyed_apart_and_vllm_s_are_not_our
     assert model_of("model.compute_dtype=bfloat16") != model_of()
     vllm = "hidden_states.backend=vllm"
     assert model_of(vllm, "model.compute_dtype=bfloat16") == model_of(vllm)
+
+
+def test_states_vllm_computes_quantized_or_in_another_dtype_are_keyed_apart(project):
+    """`hidden_states.vllm_kwargs` that change vLLM's arithmetic (dtype, quantization, the KV cache's dtype) key its
+    states apart: fp8 states are never reused as, or mixed with, the ones computed in the weights' dtype. vLLM's
+    defaults (absent or auto) keep the weights' fingerprint, the one the hf engine's states have here."""
+    from draftdata.hidden.compute import state_settings
+
+    def model_of(**vllm_kwargs) -> str:
+        overrides = ["hidden_states.backend=vllm"]
+        overrides += [f"+hidden_states.vllm_kwargs.{k}={v}" for k, v in vllm_kwargs.items()]
+        cfg = load_config("B3", overrides, params_path=project.path / "params.yaml")
+        return state_settings(cfg, [1, 3, 4])["model"]
+
+    default = model_of()
+    hf = state_settings(load_config("B3", [], params_path=project.path / "params.yaml"), [1, 3, 4])["model"]
+    assert default == hf == model_of(dtype="auto") == model_of(quantization="auto")
+    assert model_of(dtype="float32") == default  # the tiny target's weights are float32: its own arithmetic
+    others = [
+        model_of(dtype="bfloat16"),
+        model_of(quantization="fp8"),
+        model_of(kv_cache_dtype="fp8"),
+        model_of(quantization="fp8", kv_cache_dtype="fp8"),
+    ]
+    assert len({default, *others}) == 5
+    assert model_of(dtype="half") == model_of(dtype="float16") != model_of(dtype="bfloat16")

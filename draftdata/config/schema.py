@@ -403,7 +403,9 @@ class HiddenStatesConfig:
     tensor_parallel_size: int = 1  # vllm
     data_parallel_size: int = 1  # vllm
     vllm_python: Optional[str] = None  # vllm: the Python that has vLLM (its own venv); None = this one
-    vllm_kwargs: Dict[str, Any] = field(default_factory=dict)  # vllm: extra vllm.LLM options (dtype, memory, ...)
+    # vllm: extra vllm.LLM options (memory, expert parallel, ...); a dtype, quantization or kv_cache_dtype other than
+    # auto keys the states apart (run-time: `dvc repro -f hidden_states@D` recomputes under it)
+    vllm_kwargs: Dict[str, Any] = field(default_factory=dict)
     # vllm: extract (vLLM's own extract_hidden_states) | hook (a capture inside vLLM's forward) | auto (extract where
     # the installed vLLM runs it with its own connector, on CUDA; else hook; the metrics say which ran)
     vllm_path: str = "auto"

@@ -30,6 +30,7 @@ from draftdata.hidden.shards import FORMAT_VERSION, SampleStates, check, encode
 from draftdata.hidden.state_store import StateStore, state_key
 from draftdata.hidden.tally import HiddenTally
 from draftdata.hidden.writer import ShardWriter
+from draftdata.model.compute import vllm_fingerprint, weights_dtype
 from draftdata.model.fingerprint import run_model_fingerprint
 from draftdata.model.load import check_tokenizer_fits, model_dir, model_limits
 from draftdata.model.tokenizer import load_tokenizer
@@ -214,9 +215,18 @@ def state_settings(cfg: Config, layers: list[int]) -> dict:
         "version": FORMAT_VERSION,
         "layers": layers,
         "dtype": cfg.hidden_states.dtype,
-        # the hf engine computes the target itself: in a dtype other than the weights', states are keyed apart
-        "model": run_model_fingerprint(cfg, in_process=cfg.hidden_states.backend == "hf"),
+        "model": states_fingerprint(cfg),
     }
+
+
+def states_fingerprint(cfg: Config) -> str:
+    """The target as the stage's engine computes it: the hf engine in `model.compute_dtype` (resolved), vLLM with
+    the dtype, quantization and KV-cache dtype of `hidden_states.vllm_kwargs`. Where either differs from the
+    weights' own arithmetic, the states are keyed apart; under both engines' defaults they share the weights'
+    fingerprint, so a switch of backend reuses what is stored (within `draftdata verify`'s tolerance)."""
+    if cfg.hidden_states.backend == "hf":
+        return run_model_fingerprint(cfg, in_process=True)
+    return vllm_fingerprint(run_model_fingerprint(cfg), weights_dtype(cfg.model), cfg.hidden_states.vllm_kwargs)
 
 
 def n_layers_of(cfg: Config) -> int:

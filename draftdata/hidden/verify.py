@@ -29,11 +29,11 @@ from pathlib import Path
 
 from draftdata.config.schema import Config
 from draftdata.errors import UserError
+from draftdata.hidden.compute import states_fingerprint
 from draftdata.hidden.engines.factory import make_engine
 from draftdata.hidden.reader import SKIPPED, HiddenStates, Sample
 from draftdata.hidden.shards import torn
-from draftdata.model.compute import compute_dtype, weights_dtype
-from draftdata.model.fingerprint import run_model_fingerprint
+from draftdata.model.compute import compute_dtype, vllm_dtype, weights_dtype
 
 # The largest relative error of one token's state, per dtype: rounding to it (bf16 keeps 8 significant bits, an
 # error of at most 2^-9 per value; fp8 e4m3 3 bits, 2^-4) with a margin for kernels that add in another order.
@@ -114,9 +114,7 @@ def forward_dtype(engine: str, own: str, vllm_kwargs: dict, hf: str | None = Non
     if engine.startswith("hf:"):
         asked = engine.removeprefix("hf:")
     elif engine.startswith("vllm"):
-        option = str(vllm_kwargs.get("dtype", "auto")).removeprefix("torch.")
-        option = {"half": "float16", "float": "float32"}.get(option, option)
-        asked = option if option != "auto" else own if own != "float32" else "bfloat16"
+        asked = vllm_dtype(vllm_kwargs) or (own if own != "float32" else "bfloat16")
     return asked if asked in EPS else "bfloat16"
 
 
@@ -183,7 +181,7 @@ def check_shards(path: Path, shards: list[str], dataset: str) -> None:
 def check_model(cfg: Config, index: dict, path: Path) -> None:
     """The states were computed by the target configured now: a recomputation by another model would only
     measure the difference between the two."""
-    now = run_model_fingerprint(cfg, in_process=cfg.hidden_states.backend == "hf")
+    now = states_fingerprint(cfg)
     if index["model"]["fingerprint"] != now:
         raise UserError(
             f"{path}: computed by another model than model.path={cfg.model.path} now is (fingerprint "

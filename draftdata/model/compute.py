@@ -85,6 +85,27 @@ def computed_fingerprint(model_fp: str, computed_in: str | None, weights: str) -
     return content_hash({"model": model_fp, "compute_dtype": computed_in})
 
 
+# vllm.LLM options that change the arithmetic of what it computes (hidden_states.vllm_kwargs); "auto" or absent is
+# vLLM's own default
+VLLM_NUMERICS = ("dtype", "quantization", "kv_cache_dtype")
+
+
+def vllm_dtype(vllm_kwargs: dict) -> str | None:
+    """The `dtype` vLLM is asked to compute in, by torch's name (None: auto, vLLM's choice from the weights)."""
+    option = str(vllm_kwargs.get("dtype", AUTO)).removeprefix("torch.")
+    option = {"half": "float16", "float": "float32"}.get(option, option)
+    return None if option == AUTO else option
+
+
+def vllm_fingerprint(model_fp: str, weights: str, vllm_kwargs: dict) -> str:
+    """The fingerprint of a target as vLLM computes it: the weights' own under vLLM's defaults, else one that names
+    the dtype asked (as `computed_fingerprint`), the quantization and the KV cache's dtype. States computed with
+    `quantization: fp8` are another model's and are never reused as the bf16 ones, nor mixed with them."""
+    fp = computed_fingerprint(model_fp, vllm_dtype(vllm_kwargs), weights)
+    numerics = {k: str(vllm_kwargs[k]) for k in VLLM_NUMERICS[1:] if vllm_kwargs.get(k) not in (None, AUTO)}
+    return content_hash({"model": fp, **numerics}) if numerics else fp
+
+
 def torch_dtype(name: str):
     import torch
 
