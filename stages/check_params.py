@@ -24,8 +24,17 @@ from __future__ import annotations
 from pathlib import Path
 
 from draftdata.config.load import cli
-from draftdata.config.schema import Config, EmptyThink, check_all, check_room, length_warnings, template_kwargs_of
+from draftdata.config.schema import (
+    BackendKind,
+    Config,
+    EmptyThink,
+    check_all,
+    check_room,
+    length_warnings,
+    template_kwargs_of,
+)
 from draftdata.drafters.layers import family_layers
+from draftdata.model.compute import check_embedded_target, check_hf_cast, compute_dtype
 from draftdata.model.load import (
     check_tracked_model_path,
     find_decoder,
@@ -61,6 +70,11 @@ def main(cfg: Config) -> None:
         for one in kwargs:
             block_of(tok, one, cfg.tokenize.empty_think)
     stored = any(ds.store_hidden_states for ds in cfg.datasets.values())
+    if local_config(cfg.model) is not None:  # a quantized target the in-process engines would cast
+        if cfg.backend.kind == BackendKind.embedded:
+            check_embedded_target(cfg.model)  # generate's refusal
+        if stored and cfg.hidden_states.backend == "hf":  # the hf engine's, on this node (a GPU: its own dtype)
+            check_hf_cast(cfg.model, compute_dtype(cfg.model, on_gpu=bool(cfg.hidden_states.device_map) or None))
     if stored and (conf := local_config(cfg.model)) is not None:
         if "num_hidden_layers" in conf:
             # every drafter family's layers exist in the target (the hidden_states stage resolves them again)

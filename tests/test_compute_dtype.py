@@ -104,3 +104,40 @@ def test_states_vllm_computes_quantized_or_in_another_dtype_are_keyed_apart(proj
     ]
     assert len({default, *others}) == 5
     assert model_of(dtype="half") == model_of(dtype="float16") != model_of(dtype="bfloat16")
+
+
+def _fp8_copy(tiny_model, tmp_path):
+    import shutil
+
+    out = tmp_path / "fp8"
+    shutil.copytree(tiny_model, out)
+    conf = json.loads((out / "config.json").read_text())
+    conf["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (out / "config.json").write_text(json.dumps(conf))
+    return out
+
+
+def test_a_quantized_target_is_never_cast_by_an_in_process_engine(project, tiny_model, tmp_path, monkeypatch):
+    """An FP8 checkpoint cast to another dtype loses its scales with no error: the embedded backend (which always
+    casts and packs the weights itself) refuses it, the hf engine refuses a compute dtype other than the weights',
+    both before a weight is read; at the weights' own dtype the hf engine goes on to load it."""
+    from draftdata.config.schema import ModelConfig
+    from draftdata.generate.embedded.backend import EmbeddedBackend
+    from draftdata.hidden.engines.hf import HFEngine
+    from draftdata.model import load
+
+    fp8 = _fp8_copy(tiny_model, tmp_path)
+    assert compute.quantization_method(ModelConfig(path=str(fp8))) == "fp8"
+    assert compute.quantization_method(ModelConfig(path=str(tiny_model))) is None
+    loads = []
+    monkeypatch.setattr(load, "load_model", lambda *a, **k: loads.append(a) or (_ for _ in ()).throw(RuntimeError))
+
+    cfg = load_config("B3", [f"model.path={fp8}"], params_path=project.path / "params.yaml")
+    with pytest.raises(ConfigError, match=r"^backend\.kind: embedded cannot run .*fp8.* \(fp8\)"):
+        EmbeddedBackend(cfg, tokenizer=None)
+    with pytest.raises(ConfigError, match=r"^model\.compute_dtype: .* is quantized \(fp8\): computing it in bfloat16"):
+        HFEngine(ModelConfig(path=str(fp8), compute_dtype="bfloat16"), [1])
+    assert not loads
+    with pytest.raises(RuntimeError):  # its own dtype (the tiny target's float32): no refusal, the load is reached
+        HFEngine(ModelConfig(path=str(fp8), compute_dtype="float32"), [1])
+    assert len(loads) == 1

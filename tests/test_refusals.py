@@ -432,6 +432,12 @@ REFUSALS: dict[str, dict | tuple[str, str]] = {
             "sample {...}: non-finite values in its": after("the states the target computed", HIDDEN),
         },
     },
+    "draftdata/model/compute.py": {
+        "check_embedded_target": {"backend.kind: embedded cannot run {model.path}: its": twin("embedded-quantized")},
+        "check_hf_cast": {
+            "model.compute_dtype: {model.path} is quantized ({method}): computing": twin("hf-cast-quantized")
+        },
+    },
     "draftdata/model/load.py": {
         "check_model_path": {
             "model.path: {path} does not exist yet;": not_a_stage(
@@ -590,6 +596,18 @@ def target(config: Callable[[dict], dict] = dict, tokenizer_config: Callable[[di
     return edit
 
 
+def quantized(keys: dict) -> Callable:
+    """An edit: a copy of the tiny target whose config.json says its weights are FP8, and `keys` set."""
+
+    def edit(project) -> None:
+        fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+        target(lambda c: {**c, "quantization_config": fp8})(project)
+        for dotted, value in keys.items():
+            put(project, dotted, value)
+
+    return edit
+
+
 def written(name: str, text: str, key: str) -> Callable:
     """An edit: a file of the project's, named by params.yaml's `key`."""
     return lambda project: put(project, key, file(project, name, text))
@@ -709,6 +727,9 @@ CASES: dict[str, tuple[dict | Callable, str | Callable]] = {
     "tokenizer-past-embeddings": (target(lambda c: {**c, "vocab_size": 100}), "model.path"),
     # the hf engine's: a model whose decoder layers and final norm it cannot find (GPT-2's are `h` and `ln_f`)
     "no-decoder": (target(lambda c: {**GPT2, "vocab_size": c["vocab_size"]}), "model.path"),
+    # the in-process engines': a quantized target they would cast without its scales
+    "embedded-quantized": (quantized({}), "backend.kind"),
+    "hf-cast-quantized": (quantized({**OPENAI, "model.compute_dtype": "bfloat16"}), "model.compute_dtype"),
     "tokenize.empty_think": ({"tokenize.empty_think": "train"}, "tokenize.empty_think"),
     "template-ends-where-target-goes-on": (
         written("t.jinja", ENDS_ON_PAD, "model.chat_template"),

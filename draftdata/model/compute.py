@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 from draftdata.config.schema import ModelConfig
+from draftdata.errors import ConfigError
 from draftdata.model.load import model_dir
 from draftdata.util.hashing import content_hash
 
@@ -34,6 +35,44 @@ def weights_dtype(model: ModelConfig) -> str:
     text = conf.get("text_config") or {}
     name = conf.get("dtype") or conf.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
     return name if name in DTYPES else "float32"
+
+
+def quantization_method(model: ModelConfig) -> str | None:
+    """The quantization of the target's checkpoint as its config.json names it (`quantization_config`, or
+    `compression_config` for compressed-tensors; the text config's too): fp8, gptq, awq, ...; None for plain weights."""
+    local = Path(model_dir(model)).expanduser() / "config.json"
+    if not local.is_file():
+        return None
+    conf = json.loads(local.read_text())
+    for holder in (conf, conf.get("text_config") or {}):
+        for key in ("quantization_config", "compression_config"):
+            if isinstance(q := holder.get(key), dict):
+                return str(q.get("quant_method") or q.get("format") or key)
+    return None
+
+
+def check_embedded_target(model: ModelConfig) -> None:
+    """The embedded backend casts the whole model to its compute dtype and packs the linear layers' weights itself:
+    a quantized checkpoint's weights would lose their scales (FP8) or be refused by transformers (GPTQ)."""
+    method = quantization_method(model)
+    if method is not None:
+        raise ConfigError(
+            "backend.kind",
+            f"embedded cannot run {model.path}: its weights are quantized ({method}) and the embedded engine casts "
+            "them without their scales; serve it (backend.kind: sglang or openai) and generate from the server",
+        )
+
+
+def check_hf_cast(model: ModelConfig, computed: str) -> None:
+    """The hf engine casts the loaded model where it computes in another dtype than the weights': a quantized
+    checkpoint's weights would lose their scales (FP8, with no error) or be refused (GPTQ)."""
+    method, weights = quantization_method(model), weights_dtype(model)
+    if method is not None and computed != weights:
+        raise ConfigError(
+            "model.compute_dtype",
+            f"{model.path} is quantized ({method}): computing it in {computed}, not its own {weights}, casts its "
+            f"weights without their scales; set model.compute_dtype: {weights}, or auto and capture on a GPU",
+        )
 
 
 def native_16bit(dtype: str) -> bool:

@@ -22,7 +22,7 @@ from draftdata.generate.backends.protocol import GenRequest, GenResult, cancel_a
 from draftdata.generate.embedded import varlen_attention
 from draftdata.generate.embedded.forward import LeanForward
 from draftdata.generate.embedded.loop import Sampling, SlotBatching, Unsupported
-from draftdata.model.compute import compute_dtype, embedded_on_gpu, torch_dtype
+from draftdata.model.compute import check_embedded_target, compute_dtype, embedded_on_gpu, torch_dtype
 from draftdata.model.load import load_model
 from draftdata.model.tokenizer import end_of_turn_ids
 from draftdata.util.log import log
@@ -37,6 +37,7 @@ class EmbeddedBackend:
         self.tokenizer = tokenizer
         # the arithmetic every answer is computed in (as the request keys were made), recorded on its row; `slots`
         # computes on the CPU even where a GPU is
+        check_embedded_target(cfg.model)  # a quantized checkpoint: refused before the weights are read
         self.compute_dtype = compute_dtype(cfg.model, on_gpu=embedded_on_gpu(cfg))
         self.manager = None
         self.seeded = False

@@ -55,15 +55,16 @@ class HFEngine:
     def __init__(self, model_cfg: ModelConfig, layers: list[int], device_map: str | None = None):
         import torch
 
-        from draftdata.model.compute import compute_dtype, torch_dtype
+        from draftdata.model.compute import check_hf_cast, compute_dtype, torch_dtype
         from draftdata.model.load import load_model
 
-        model = load_model(model_cfg, device_map=device_map)
         # `model.compute_dtype`: a 16-bit model on a CPU that does not multiply it in hardware runs in float32 under
         # auto (the same states, more precise, stored in hidden_states.dtype all the same); a model on GPUs,
         # dispatched by device_map, is left as it is
         on_gpu = bool(device_map) or torch.cuda.is_available()
         self.compute_dtype = compute_dtype(model_cfg, on_gpu=on_gpu)  # recorded with every shard it computes
+        check_hf_cast(model_cfg, self.compute_dtype)  # before the weights are read
+        model = load_model(model_cfg, device_map=device_map)
         dtype = torch_dtype(self.compute_dtype)
         self.model = model if device_map or dtype == next(model.parameters()).dtype else model.to(dtype)
         self.decoder = find_decoder(self.model)
