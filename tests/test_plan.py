@@ -91,6 +91,18 @@ def test_reusable_tokens_are_what_the_store_holds(project, capsys, tiny_model):
     assert (p.reusable, p.to_generate) == (held, 500)
     assert p.requests == math.ceil(500 / (held / len(lengths)))
     assert (p.tok_s_from, p.gpu_s) == ("given", 2.0)
+    # counted as prompt + completion: the rate is the completions', so the time is that of their share alone
+    stored_total = one(project, "datasets.B3.budget_unit=total").reusable  # the stored answers' prompts count too
+    total = one(
+        project,
+        "datasets.B3.budget_unit=total",
+        f"datasets.B3.token_budget={stored_total + 2000}",
+        opts=_opts(tok_s=250.0),
+    )
+    assert total.mean_prompt > 0 and total.to_generate == 2000
+    share = total.mean_completion / (total.mean_completion + total.mean_prompt)
+    assert total.gpu_s == pytest.approx(total.to_generate * share / 250.0, rel=0.01)
+    assert total.gpu_s < total.to_generate / 250.0
     fp8 = one(project, "hidden_states.dtype=fp8")
     assert 0.5 < fp8.hidden_bytes / p.hidden_bytes < 0.55
 

@@ -259,7 +259,8 @@ def plan_dataset(
     mean_prompt = _mean([p.prompt_tokens for p in planned])
     mean_c, mean_c_from = mean_completion(lengths, ds.max_tokens)
     left = to_generate(ds.token_budget, reusable)
-    requests = expected_requests(left, _per_request(ds, planned, todo, mean_c))
+    per_request = _per_request(ds, planned, todo, mean_c)
+    requests = expected_requests(left, per_request)
     if modes:  # the modes' shares, each landed on its own
         reusable, parked = sum(m.reusable for m in modes), sum(m.parked for m in modes)
         left, requests = sum(m.to_generate for m in modes), sum(m.requests for m in modes)
@@ -289,7 +290,9 @@ def plan_dataset(
         prompts_left=left_to_send if planned else None,
         tok_s=tok_s,
         tok_s_from=tok_s_from,
-        gpu_s=left / tok_s if tok_s else None,
+        # the rate counts generated tokens: under budget_unit total, the completions' part of what is left (the
+        # prompts are prefilled, far faster than decoded)
+        gpu_s=left * (mean_c / per_request if per_request else 1.0) / tok_s if tok_s else None,
         sequence_tokens=seq,
         responses_bytes=round(seq * (resp_rate or RESPONSES_BYTES_PER_TOKEN)),
         samples_bytes=round(seq * (samp_rate or SAMPLES_BYTES_PER_TOKEN)),
