@@ -34,6 +34,7 @@ from draftdata.config.schema import (
     template_kwargs_of,
 )
 from draftdata.drafters.layers import family_layers
+from draftdata.hidden.shared_store import check_states_path
 from draftdata.model.compute import check_embedded_target, check_hf_cast, compute_dtype
 from draftdata.model.load import (
     check_tracked_model_path,
@@ -85,6 +86,8 @@ def main(cfg: Config) -> None:
     for name, ds in cfg.datasets.items():  # generate's refusal, here before DVC deletes its outputs
         check_room(ds, f"datasets.{name}", context)
     check_store_path(cfg.run.store_path)  # a store that cannot open, refused here rather than by generate
+    if stored:
+        check_states_path(cfg.run)  # and the state store, rather than by hidden_states
     for line in length_warnings(cfg, context=context):  # samples tokenize may drop: told, not refused
         log("check_params", warning=line)
     write_json(CHECKED, {"checked": "params.yaml", "ok": True})

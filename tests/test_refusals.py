@@ -426,6 +426,9 @@ REFUSALS: dict[str, dict | tuple[str, str]] = {
         },
         "_receive": {"{path}: the shard rank {src} sent": after("a shard another rank sent, cut short", HIDDEN)},
     },
+    "draftdata/hidden/state_store.py": {
+        "ShardFolder.__init__": {"{key}: cannot open the hidden-state store": twin("run.store_path-unmakeable")},
+    },
     "draftdata/hidden/shards.py": {
         "check": {
             "sample {...}: states for {...} tokens,": after("the states the target computed", HIDDEN),
@@ -524,8 +527,8 @@ REFUSALS: dict[str, dict | tuple[str, str]] = {
     },
     "draftdata/util/sqlite.py": {
         # the response store as check_store_path opens it where it exists (hidden_states opens the state store too)
-        "connect": {"run.store_path: cannot open the {what} at": twin("run.store_path-a-directory")},
-        "check_store_path": {"run.store_path: cannot open the response store": twin("run.store_path-unmakeable")},
+        "connect": {"{key}: cannot open the {what} at": twin("run.store_path-a-directory")},
+        "check_db_path": {"{key}: cannot open the {what} at": twin("run.store_path-unmakeable")},
     },
     "stages/generate.py": {"main": {"{...}: not found; run the prompts": BY_HAND}},
     "stages/tokenize.py": {"main": {"{src}: not found; run the generate": BY_HAND}},
@@ -742,6 +745,11 @@ CASES: dict[str, tuple[dict | Callable, str | Callable]] = {
         "model.chat_template",
     ),
     "run.store_path-a-directory": (lambda project: put(project, "run.store_path", str(project.path)), "run.store_path"),
+    # the state store's folder (run.states_path), where a dataset stores states: hidden_states' refusal
+    "run.states_path-unmakeable": (
+        lambda project: put(project, "run.states_path", str(project.path / "params.yaml" / "states")),
+        "run.states_path",
+    ),
     "run.store_path-unmakeable": (
         lambda project: put(project, "run.store_path", str(project.path / "params.yaml" / "store.sqlite")),
         "run.store_path",

@@ -132,3 +132,29 @@ def test_a_torn_shard_found_by_two_ranks_is_forgotten_once(tmp_path):
     assert not ranks[1].lookup(["k1", "k2"]) and not ranks[0].path("h/a.safetensors").exists()
     for store in ranks:
         store.close()
+
+
+@pytest.mark.parametrize("layout", ["local", "shared"])
+def test_a_state_store_that_cannot_open_names_the_key_that_places_it(tmp_path, layout):
+    """run.states_path where a folder cannot be made (under a file), or whose index is not a database: one line
+    naming run.states_path (it named run.store_path, or was a traceback from mkdir); without run.states_path the
+    store sits beside the response store, and run.store_path is named."""
+    from draftdata.config.schema import RunConfig
+    from draftdata.errors import ConfigError
+    from draftdata.hidden.shared_store import check_states_path, open_state_store
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for run, key in (
+        (RunConfig(states_path=str(a_file / "states"), states_layout=layout), "run.states_path"),
+        (RunConfig(store_path=str(a_file / "store.sqlite"), states_layout=layout), "run.store_path"),
+    ):
+        for attempt in (open_state_store, check_states_path):  # the stage's refusal and check_params' twin
+            with pytest.raises(ConfigError, match=rf"^{key}: cannot open the hidden-state store at "):
+                attempt(run)
+    if layout == "local":
+        (tmp_path / "states" / "index.sqlite").mkdir(parents=True)  # a directory where the index should be
+        run = RunConfig(states_path=str(tmp_path / "states"))
+        for attempt in (open_state_store, check_states_path):
+            with pytest.raises(ConfigError, match=r"^run\.states_path: cannot open the hidden-state store at .*index"):
+                attempt(run)

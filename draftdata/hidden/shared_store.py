@@ -18,14 +18,14 @@ from pathlib import Path
 
 from draftdata.hidden.state_store import Location, ShardFolder, StateStore
 from draftdata.util.files import HOST, atomic_path
-from draftdata.util.sqlite import resolve_store_path
+from draftdata.util.sqlite import check_db_path, resolve_store_path
 
 MANIFEST = ".manifest.json"
 
 
 class ManifestStore(ShardFolder):
-    def __init__(self, root: Path):
-        super().__init__(root)
+    def __init__(self, root: Path, key: str = "run.store_path"):
+        super().__init__(root, key)
         self._docs: dict[str, dict] = {}  # shard name -> its manifest
         self._where: dict[str, Location] = {}  # key -> where its states are
 
@@ -101,7 +101,17 @@ def states_root(run) -> Path:
     return Path(run.states_path) if run.states_path else resolve_store_path(run.store_path).parent / "states"
 
 
+def states_key(run) -> str:
+    """The setting that places the state store, named where it cannot be opened."""
+    return "run.states_path" if run.states_path else "run.store_path"
+
+
 def open_state_store(run) -> StateStore | ManifestStore:
     """The state store of `run` (the config's RunConfig), in its layout."""
     root = states_root(run)
-    return ManifestStore(root) if run.states_layout == "shared" else StateStore(root)
+    return (ManifestStore if run.states_layout == "shared" else StateStore)(root, states_key(run))
+
+
+def check_states_path(run) -> None:
+    """check_params' twin of the stage's refusal: the state store's index opens, or its folder can be made."""
+    check_db_path(states_root(run) / "index.sqlite", "hidden-state store", states_key(run))

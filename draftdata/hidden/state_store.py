@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from draftdata.errors import ConfigError
 from draftdata.hidden.shards import torn
 from draftdata.util.files import FILE_MODE, sweep_abandoned, temp_prefix
 from draftdata.util.hashing import content_hash
@@ -70,9 +71,14 @@ class ShardFolder:
     target (final norm, sizes) and the store's identity. Its two indexes: `StateStore` (SQLite, a local disk) and
     draftdata/hidden/shared_store.py's `ManifestStore` (a network file system that several nodes write)."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, key: str = "run.store_path"):
+        """`key`: the setting that places `root` (run.states_path, else run.store_path), named where it cannot be
+        made."""
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(key, f"cannot open the hidden-state store at {self.root}: {e}") from None
         self._sweep_temp_files()
 
     def _sweep_temp_files(self) -> None:
@@ -166,9 +172,9 @@ class StateStore(ShardFolder):
     """The index in SQLite (WAL): the ranks of one node share it. Not on a network file system (its locks are not to
     be trusted there): across nodes, `ManifestStore` or a store per node."""
 
-    def __init__(self, root: Path):
-        super().__init__(root)
-        self.db = open_db(self.root / "index.sqlite", "hidden-state store", SCHEMA)
+    def __init__(self, root: Path, key: str = "run.store_path"):
+        super().__init__(root, key)
+        self.db = open_db(self.root / "index.sqlite", "hidden-state store", SCHEMA, key)
         add_columns(self.db, "shards", ADDED_COLUMNS)
 
     def close(self) -> None:

@@ -74,8 +74,9 @@ def transaction(db: sqlite3.Connection, immediate: bool = False) -> Iterator[Non
         raise
 
 
-def connect(path: Path, what: str) -> sqlite3.Connection:
-    """The database at `path`, its folder made; refused in one line naming run.store_path where it cannot open."""
+def connect(path: Path, what: str, key: str = "run.store_path") -> sqlite3.Connection:
+    """The database at `path`, its folder made; refused in one line naming `key`, the setting that places it, where
+    it cannot open."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(path, isolation_level=None, check_same_thread=False, timeout=600)
@@ -83,16 +84,20 @@ def connect(path: Path, what: str) -> sqlite3.Connection:
     except (OSError, sqlite3.Error) as e:
         from draftdata.errors import ConfigError
 
-        raise ConfigError("run.store_path", f"cannot open the {what} at {path}: {e}") from None
+        raise ConfigError(key, f"cannot open the {what} at {path}: {e}") from None
     return db
 
 
 def check_store_path(configured: str) -> None:
-    """check_params' twin of open_db's refusal, before DVC deletes any stage's outputs: the response store opens, or
-    where there is none yet, its folder can be made and written in (no store is left behind by the check)."""
-    path = resolve_store_path(configured)
+    """check_params' twin of open_db's refusal for the response store (run.store_path)."""
+    check_db_path(resolve_store_path(configured), "response store", "run.store_path")
+
+
+def check_db_path(path: Path, what: str, key: str) -> None:
+    """check_params' twin of open_db's refusal, before DVC deletes any stage's outputs: the database at `path`
+    opens, or where there is none yet, its folder can be made and written in (nothing is left behind by the check)."""
     if path.exists():
-        connect(path, "response store").close()
+        connect(path, what, key).close()
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -100,14 +105,14 @@ def check_store_path(configured: str) -> None:
     except OSError as e:
         from draftdata.errors import ConfigError
 
-        raise ConfigError("run.store_path", f"cannot open the response store at {path}: {e}") from None
+        raise ConfigError(key, f"cannot open the {what} at {path}: {e}") from None
 
 
-def open_db(path: Path, what: str, schema: str) -> sqlite3.Connection:
+def open_db(path: Path, what: str, schema: str, key: str = "run.store_path") -> sqlite3.Connection:
     """A store's SQLite database with its `schema`: WAL on a local disk; a rollback journal, with a warning, on a
     network file system. A busy timeout lets several processes (torchrun ranks, two generate runs on one store)
     commit side by side. isolation_level=None: no implicit transactions; writers open and commit their own."""
-    db = connect(path, what)
+    db = connect(path, what, key)
     kind = fs_type(path.parent)
     network = kind in NETWORK_FS
     if network:
