@@ -56,8 +56,8 @@ def check_tracked_model_path(path: str) -> None:
         name = path.rstrip("/").rsplit("/", 1)[-1]
         raise ConfigError(
             "model.path",
-            f"{path} is a hub id, but dvc.yaml tracks model.path as a local directory (a dependency of every "
-            f"stage); download it (hf download {path} --local-dir models/{name}) and set model.path: models/{name}",
+            f"{path} is a hub id, but the pipeline tracks model.path as a local directory (a DVC dependency of "
+            f"every stage); download it (hf download {path} --local-dir models/{name}) and set model.path: models/{name}",
         )
 
 
