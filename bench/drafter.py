@@ -1,5 +1,5 @@
 """The end-to-end measure of the data: train drafters on our export with speculators' own models and losses (EAGLE-3,
-and the block drafters DFlash and DSpark), and report their acceptance on held-out samples.
+P-EAGLE, and the block drafters DFlash, DFlash2 and DSpark), and report their acceptance on held-out samples.
 
     python -m bench.drafter [--seeds 3] [--steps 1000] [--max-len 512] [--target-steps 1500] [--jobs 2] [--workdir D]
     python -m bench.drafter --device cuda [--hidden 256] [--layers 16] [--concurrency 128] ...     (on a GPU)
@@ -14,16 +14,17 @@ is trained there, by bench/drafter_train.py in a subprocess. Everything else run
    and the drafters train on the GPU; the stages take the GPU by themselves;
 2. the data, by the project's own stages run in a temp workdir with its own params.yaml (prompts → generate with the
    embedded backend, which decodes with the target in-process → tokenize → hidden_states → `draftdata export`
-   format speculators, family eagle3, dflash or dspark), from every demo conversation (the eight sources' ~1,800,
-   read by the project's own readers into one `messages` file; one file's ~230 left the drafter so little data that
-   the seeds' spread hid the errors' costs) at temperature 0.3, so that the target's answers follow its own likeliest
-   tokens: `all` (every turn regenerated, the main set), `mid` and `small` (the same at smaller budgets: where does
-   acceptance flatten?) and `last` (the last turn only, at `small`'s budget); and `source` (`source_answers`), which
-   skips regeneration: the same conversations with the source's own answers, at `all`'s budget, through tokenize and
-   hidden_states (the target's states over answers it did not write). The hidden_states stage serves eagle3, dflash
-   and dspark and keeps every layer a variant reads (`captured_layers`: EAGLE-3's, the block drafters' and each one
-   above), so each convention error below is cut from the same states; `all` is exported for each block family too
-   (`all_dflash`, `all_dspark`: its layers, the rows it can train on), and captured a second time in fp8;
+   format speculators, family eagle3, peagle, dflash, dflash2 or dspark), from every demo conversation (the eight
+   sources' ~1,800, read by the project's own readers into one `messages` file; one file's ~230 left the drafter so
+   little data that the seeds' spread hid the errors' costs) at temperature 0.3, so that the target's answers follow
+   its own likeliest tokens: `all` (every turn regenerated, the main set), `mid` and `small` (the same at smaller
+   budgets: where does acceptance flatten?) and `last` (the last turn only, at `small`'s budget); and `source`
+   (`source_answers`), which skips regeneration: the same conversations with the source's own answers, at `all`'s
+   budget, through tokenize and hidden_states (the target's states over answers it did not write). The hidden_states
+   stage serves every family here and keeps every layer a variant reads (`captured_layers`: EAGLE-3's, which P-EAGLE
+   reads too, the block drafters' and each one above), so each convention error below is cut from the same states;
+   `all` is exported for each family but EAGLE-3 too (`all_peagle`, `all_dflash`, `all_dflash2`, `all_dspark`: its
+   layers, the rows it can train on), and captured a second time in fp8;
 3. the split: by source conversation (its file:line), the same conversations held out of every training set; the
    held-out samples of `all` (bf16) judge every variant;
 4. the drafters: one per variant and seed, the same steps of the same packed tokens each, under speculators' own
@@ -33,20 +34,25 @@ is trained there, by bench/drafter_train.py in a subprocess. Everything else run
    target's ids against the target's argmax over its whole vocabulary, and how much of the trained tokens it covers
    reported, on the training rows and on the held-out ones. `no_states` (zeros for states, in training and when
    judged) is the scale: what the states are worth to this drafter, against which the convention errors' costs read;
-5. the block drafters: speculators' `DFlashDraftModel` (`dflash`) and `DSparkDraftModel` (`dspark`) on their
-   family's export, each beside its own convention error, with the same seeds, steps, packs and schedule:
-   `dflash_layers_off_by_one` is the same drafter given the layers one above its own (vLLM's and speculators'
-   numbering, physical + 1, taken for the physical one), `dspark_post_norm_as_pre` the verifier's last state already
-   through the target's final norm where speculators expects it before the norm. Both are judged on the held-out
-   samples of `all` served right (their own layers, the pre-norm last state) by the model's own forward, a block
-   anchored at every trained position, by speculators' own expected accepted length.
+5. the block drafters: speculators' `DFlashDraftModel` (`dflash`), `DFlash2DraftModel` (`dflash2`) and
+   `DSparkDraftModel` (`dspark`) on their family's export, each beside its own convention error, with the same seeds,
+   steps, packs and schedule: `dflash_layers_off_by_one` and `dflash2_layers_off_by_one` are the same drafter given
+   the layers one above its own (vLLM's and speculators' numbering, physical + 1, taken for the physical one),
+   `dspark_post_norm_as_pre` the verifier's last state already through the target's final norm where speculators
+   expects it before the norm. They are judged on the held-out samples of `all` served right (their own layers, the
+   pre-norm last state) by the model's own forward, a block anchored at every trained position, by speculators' own
+   expected accepted length. DFlash2 drafts over the target's whole vocabulary (speculators refuses it a draft
+   vocabulary), so a run with a draft vocabulary refuses it before any work;
+6. P-EAGLE: speculators' `PEagleDraftModel` (`peagle`) on its family's export (EAGLE-3's layers), beside
+   `peagle_post_norm_as_pre` (EAGLE-3's `post_norm_as_pre` for it), judged on the same held-out samples served right,
+   each trained position drafting every one of its parallel depths, by the accepted length as EAGLE-3's is counted.
 
 Writes bench/results/drafter.json: per variant, the accepted length (vLLM's convention) and speculators' per-step
-(EAGLE-3) or per-position (block drafters) accuracies, mean and spread (max - min) over the seeds, each run's figures,
-and the goals: each family's correct export (`correct`, `dflash`, `dspark`) beats each of its convention errors by
-more than 3 times the larger of the two spreads, and beside them the paired differences (the same seed, hence the same
-initial weights and order of packs, with and without the error) and, for the final-state errors, what they do to the
-targets the drafter is fitted to (`target_shift`).
+(EAGLE-3) or per-position (block drafters, P-EAGLE's depths) accuracies, mean and spread (max - min) over the seeds,
+each run's figures, and the goals: each family's correct export (`correct`, `peagle`, `dflash`, `dflash2`, `dspark`)
+beats each of its convention errors by more than 3 times the larger of the two spreads, and beside them the paired
+differences (the same seed, hence the same initial weights and order of packs, with and without the error) and, for
+the final-state errors, what they do to the targets the drafter is fitted to (`target_shift`).
 """
 
 from __future__ import annotations
@@ -79,14 +85,15 @@ DRAFT_VOCAB, LARGE_VOCAB = 8192, 32768  # --draft-vocab's default, for a target 
 # thread of a 2-core machine) so that 11 variants x 3 seeds with `--jobs 2` and the data stay within 2.5 hours, `all`
 # at about one epoch. Too few steps for a drafter that wide to learn the target: on a CPU this only checks the path.
 # Sized for the EAGLE-3 variants: a block drafter's step costs more on a CPU (the toy's: DFlash about 19x EAGLE-3's
-# at 512 anchors, DSpark about 7x), so a CPU run of them takes --variants or a smaller --max-anchors
+# at 512 anchors, DSpark about 7x; at 128, DFlash2 about EAGLE-3's and P-EAGLE about half), so a CPU run of them takes
+# --variants or a smaller --max-anchors
 DEFAULTS = {"toy": (1000, "120000,40000,13000"), "given_cpu": (120, "40000,13000,4500")}
 
 
 def variants_for(n_layers: int) -> dict:
     """name -> (training export, layers in the order the drafter sees them (physical ids), how the final state
     reaches the loss, the drafter family), for a target of `n_layers` layers: EAGLE-3's default aux layers for the
-    EAGLE-3 variants, the block drafters' default target layers (`block_layers`) for dflash's and dspark's."""
+    EAGLE-3 and P-EAGLE variants, the block drafters' default target layers (`block_layers`) for the others."""
     eagle3, block = default_layers(n_layers), block_layers(n_layers)
     return {
         "correct": ("all", eagle3, "pre", "eagle3"),
@@ -104,8 +111,12 @@ def variants_for(n_layers: int) -> dict:
         "dflash": ("all_dflash", block, "pre", "dflash"),
         # vLLM's and speculators' ids (physical + 1) taken for physical ones: each layer one above
         "dflash_layers_off_by_one": ("all", [i + 1 for i in block], "pre", "dflash"),
+        "dflash2": ("all_dflash2", block, "pre", "dflash2"),
+        "dflash2_layers_off_by_one": ("all", [i + 1 for i in block], "pre", "dflash2"),
         "dspark": ("all_dspark", block, "pre", "dspark"),
         "dspark_post_norm_as_pre": ("all_dspark", block, "post", "dspark"),
+        "peagle": ("all_peagle", eagle3, "pre", "peagle"),
+        "peagle_post_norm_as_pre": ("all_peagle", eagle3, "post", "peagle"),
     }
 
 
@@ -126,13 +137,17 @@ ERRORS = (
     "post_norm_as_pre",
     "pre_norm_as_post",
     "dflash_layers_off_by_one",
+    "dflash2_layers_off_by_one",
     "dspark_post_norm_as_pre",
+    "peagle_post_norm_as_pre",
 )
 # each family's variant that its errors are judged against: the same drafter on the states served right
-CORRECT = {"eagle3": "correct", "dflash": "dflash", "dspark": "dspark"}
-BLOCK_FAMILIES = ("dflash", "dspark")
+CORRECT = {"eagle3": "correct", "peagle": "peagle", "dflash": "dflash", "dflash2": "dflash2", "dspark": "dspark"}
+BLOCK_FAMILIES = ("dflash", "dflash2", "dspark")
+# the families trained on their own export of `all` (EAGLE-3's is `all` itself)
+OWN_EXPORT = ("peagle", *BLOCK_FAMILIES)
 # an export cut from another dataset's states: name -> (that dataset, the family exported)
-CUT_FROM = {"all_fp8": ("all", "eagle3"), "all_dflash": ("all", "dflash"), "all_dspark": ("all", "dspark")}
+CUT_FROM = {"all_fp8": ("all", "eagle3")} | {f"all_{f}": ("all", f) for f in OWN_EXPORT}
 
 
 def correct_for(name: str) -> str:
@@ -192,10 +207,11 @@ def params(work: Path, target: Path, budgets: dict, args, gpu: bool = False) -> 
     return {
         "model": {"path": str(target)},
         "tokenize": {"max_seq_len": 2048, "on_too_long": "drop", "train_on": "all_turns"},
-        # `layers` is EAGLE-3's list (the union, which holds its own); the block families read their default layers
+        # `layers` is EAGLE-3's list (the union, which holds its own), P-EAGLE's too; the block families read their
+        # default layers
         "hidden_states": {
             "layers": captured_layers(args.layers),
-            "drafters": ["eagle3", *BLOCK_FAMILIES],
+            "drafters": ["eagle3", *OWN_EXPORT],
             "block_draft_layers": BLOCK_TARGET_LAYERS,
             "dtype": "bfloat16",
         },
@@ -234,15 +250,15 @@ def run_stage(work: Path, module: str, name: str, *overrides: str) -> None:
 
 def make_data(work: Path, needed: set[str]) -> dict:
     """The datasets the variants train on (and `all`, which holds the held-out samples) through the stages and
-    exported; `all_dflash` and `all_dspark` are `all`'s states exported for those families (before `all_fp8`, which
-    is `all` captured again in fp8, replaces them). name -> export dir."""
+    exported; `all_<family>` is `all`'s states exported for that family (before `all_fp8`, which is `all` captured
+    again in fp8, replaces them). name -> export dir."""
     exports = {}
     for name in ("all", "mid", "small", "last"):
         if name == "all" or name in needed:
             for stage in ("prompts", "generate", "tokenize", "hidden_states"):
                 run_stage(work, f"stages.{stage}", name)
             exports[name] = export(work, name, name)
-    for family in BLOCK_FAMILIES:
+    for family in OWN_EXPORT:
         if f"all_{family}" in needed:
             exports[f"all_{family}"] = export(work, "all", f"all_{family}", family)
     if "source" in needed:
@@ -453,6 +469,17 @@ def check_variants(ap, chosen: list[str]) -> None:
     missing = sorted(({"correct"} | {correct_for(v) for v in chosen}) - set(chosen))
     if missing:
         ap.error(f"--variants: also give {', '.join(missing)}, which the others are judged against")
+
+
+def check_vocab(ap, chosen: list[str], draft_vocab: int) -> None:
+    """Before any work: speculators' DFlash2 drafts over the target's whole vocabulary (`DFlash2DraftModel.__init__`
+    raises on a draft vocabulary), which a large one's default --draft-vocab would give it."""
+    dflash2 = [v for v in chosen if VARIANTS[v][3] == "dflash2"]
+    if dflash2 and draft_vocab:
+        ap.error(
+            f"--variants {','.join(dflash2)} with --draft-vocab {draft_vocab}: speculators' DFlash2 requires the "
+            "target's whole vocabulary; give --draft-vocab 0 or leave them out"
+        )
 
 
 def check_depth(ap, n_layers: int) -> None:
@@ -764,7 +791,9 @@ def main(argv: list[str] | None = None) -> None:
     steps, budgets = DEFAULTS["given_cpu" if args.target and args.device == "cpu" else "toy"]
     args.steps = args.steps or steps
     args.budgets = args.budgets or budgets_arg(budgets)
-    check_variants(ap, list(VARIANTS) if args.variants == "all" else args.variants.split(","))
+    chosen = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
+    check_variants(ap, chosen)
+    check_vocab(ap, chosen, args.draft_vocab)
     out = run(args)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps({"goals": out["goals"], "wall_s": out["wall_s"]}))

@@ -13,10 +13,13 @@ tokens plus the verifier's bonus token). Also the library's: the optimizer
 steps, then linear decay to zero). Ours: the loop below (gradient clipping at 1.0 as its Trainer does, float32 on a
 CPU where its Trainer moves batches to a GPU), the variants, and the blocks the accepted length is counted over.
 
-The block drafters (a variant's `family`: dflash, dspark) are the library's too: `DFlashDraftModel` and
-`DSparkDraftModel.from_training_args`, their forward (anchored blocks, the family's loss and per-position weight from
-`get_trainer_kwargs`) and its metrics, whose expected accepted length (`eal`) and per-position accuracies judge them;
-the same loop, optimizer, schedule, packs and seeds train them.
+The block drafters (a variant's `family`: dflash, dflash2, dspark) are the library's too: `DFlashDraftModel`,
+`DFlash2DraftModel` and `DSparkDraftModel.from_training_args`, their forward (anchored blocks, the family's loss and
+per-position weight from `get_trainer_kwargs`; DFlash2's candidate selector beside its KL loss) and its metrics, whose
+expected accepted length (`eal`) and per-position accuracies judge them; the same loop, optimizer, schedule, packs and
+seeds train them. So is P-EAGLE (`peagle`): `PEagleDraftModel.from_training_args` on EAGLE-3's layers, its samples
+shifted as its CLI shifts them (`shift_batch`), its forward (COD-sampled parallel depths, KL loss) in training; judged
+by its own forward over every depth of a rollout at every trained position (`evaluate_peagle`).
 
 A variant trains on an export's states as some pipeline might have got them wrong: which of the captured layers feed the
 drafter (`layers`, physical ids, in that order), and how the final state reaches the loss (`final`: `pre` as speculators
@@ -43,25 +46,41 @@ TTT_STEPS = 3
 # The block drafters as speculators' trainer builds them by default (train/config/schema.py: `_DEFAULT_LOSS_FN`,
 # `_DEFAULT_BLOCK_SIZE`, the per-position weight), but with one draft layer, as the EAGLE-3 drafter here: its default
 # of 5 for these families makes a step too slow for the CPU bench.
+# DFlash2's is DSpark's recipe (schema.py `_resolve_derived_defaults`: "keeping block_size=8, fixed exponential
+# position weights, and KL loss for direct comparison with DSpark"); its selector's knobs are left at the defaults
+# that `DFlash2DraftModel.from_training_args` and `get_trainer_kwargs` share with its CLI (`DFlash2Args`).
 BLOCK = {
     "dflash": {"loss_fn": "ce", "block_size": 16, "per_position_loss_weight": "dpace"},
+    "dflash2": {"loss_fn": "kl_div", "block_size": 8, "per_position_loss_weight": "fixed-exp-decay"},
     "dspark": {"loss_fn": "kl_div", "block_size": 8, "per_position_loss_weight": "fixed-exp-decay"},
 }
 BLOCK_DRAFT_LAYERS = 1
+# P-EAGLE as its CLI trains it by default (schema.py `PEagleArgs`; `_DEFAULT_LOSS_FN` has no entry for it: kl_div):
+# 8 parallel depths, the COD sampler's geometric keep ratio and its floor
+PEAGLE = {"loss_fn": "kl_div", "num_depths": 8, "down_sample_ratio": 0.7, "down_sample_ratio_min": 0.2}
 
 
 def block_class(family: str):
     from speculators.models.dflash import DFlashDraftModel
+    from speculators.models.dflash2 import DFlash2DraftModel
     from speculators.models.dspark import DSparkDraftModel
 
-    return {"dflash": DFlashDraftModel, "dspark": DSparkDraftModel}[family]
+    return {"dflash": DFlashDraftModel, "dflash2": DFlash2DraftModel, "dspark": DSparkDraftModel}[family]
 
 
 @functools.cache
 def call_kwargs(family: str = "eagle3", max_anchors: int = 512) -> dict:
     """The forward's arguments as speculators' CLI builds them (`get_trainer_kwargs`): EAGLE-3's defaults (KL loss,
     no decay over the steps), a block family's (its loss and per-position weight, `max_anchors` blocks sampled per
-    pack); the losses' eager implementation, as the fused ones need Triton."""
+    pack), P-EAGLE's (KL loss, its depths and COD ratios, `max_anchors` rollouts per pack); the losses' eager
+    implementation, as the fused ones need Triton."""
+    if family == "peagle":
+        from speculators.models.peagle import PEagleDraftModel
+
+        train_kwargs, _ = PEagleDraftModel.get_trainer_kwargs(
+            **PEAGLE, loss_implementation="eager", max_anchors=max_anchors
+        )
+        return train_kwargs
     if family != "eagle3":
         train_kwargs, _ = block_class(family).get_trainer_kwargs(
             loss_fn=BLOCK[family]["loss_fn"],
@@ -92,6 +111,17 @@ class Select:
             with torch.no_grad():
                 item["verifier_last_hidden_states"] = self.norm(item["verifier_last_hidden_states"].float())
         return item
+
+
+def preprocess(family: str, select: Select):
+    """CollateFn's `preprocess` for a family: the variant's states, then for P-EAGLE its CLI's own `shift_batch`
+    (cli.py `main`, `preprocess_fns`), which pairs position t's states with token t + 1 and the target's state
+    there (its forward takes the samples as that leaves them)."""
+    if family != "peagle":
+        return select
+    from speculators.models.eagle3.data import shift_batch
+
+    return lambda item: shift_batch(select(item))
 
 
 def load_export(path: str, max_len: int):
@@ -128,13 +158,13 @@ def build_drafter(spec: dict, seed: int, variant: dict):
     training export (or the target's whole)."""
     torch.manual_seed(seed)
     t2d, d2t = vocab_mapping(spec, variant["export"])
-    build = build_eagle3 if variant["family"] == "eagle3" else build_block
+    build = {"eagle3": build_eagle3, "peagle": build_peagle}.get(variant["family"], build_block)
     return build(spec, variant["family"], t2d, d2t).float().to(spec.get("device", "cpu"))
 
 
 def layer_config(spec: dict, family: str):
     """The draft decoder's config as speculators' CLI makes it: one layer, of its default architecture for the
-    family (llama for EAGLE-3, qwen3 for the block drafters)."""
+    family (llama for EAGLE-3, qwen3 for the others: schema.py `_resolve_derived_defaults`, P-EAGLE included)."""
     from speculators.train.cli import create_transformer_layer_config
 
     return create_transformer_layer_config(
@@ -167,9 +197,37 @@ def build_eagle3(spec: dict, family: str, t2d, d2t):
     )
 
 
+def build_peagle(spec: dict, family: str, t2d, d2t):
+    """speculators' P-EAGLE drafter (`PEagleDraftModel.from_training_args`) with what its CLI passes a non-eagle3
+    type by default (schema.py `DraftArgs`, `_resolve_derived_defaults`): norm before the residual, no norm before the
+    fc and none on the output, its embeddings trained (`PEagleSpeculatorConfig.embed_requires_grad`); its mask token
+    (the depths past the first) by its trainer's rule; EAGLE-3's layers; eager attention, as the EAGLE-3 drafter's."""
+    from speculators.models.peagle import PEagleDraftModel
+    from speculators.train.utils import resolve_mask_token_id
+
+    config = layer_config(spec, family)
+    return PEagleDraftModel.from_training_args(
+        verifier_config=config,
+        verifier_name_or_path=spec["target"],
+        draft_vocab_size=int(t2d.sum()) if t2d is not None else config.vocab_size,
+        t2d=t2d,
+        d2t=d2t,
+        norm_before_residual=True,
+        norm_before_fc=False,
+        fc_norm=False,
+        norm_output=False,
+        num_depths=PEAGLE["num_depths"],
+        mask_token_id=resolve_mask_token_id(spec["target"], config.vocab_size),
+        target_layer_ids=[i + 1 for i in spec["eval_layers"]],
+        draft_attn_impl="eager",
+    )
+
+
 def build_block(spec: dict, family: str, t2d, d2t):
-    """speculators' DFlash or DSpark drafter (`from_training_args`, as its trainer builds it), its mask token by its
-    trainer's own rule (`resolve_mask_token_id`); sdpa attention, as its default flex attention wants a GPU."""
+    """speculators' DFlash, DFlash2 or DSpark drafter (`from_training_args`, as its trainer builds it), its mask token
+    by its trainer's own rule (`resolve_mask_token_id`); sdpa attention, as its default flex attention wants a GPU.
+    DFlash2 drafts over the target's whole vocabulary (its `__init__` refuses a draft vocabulary; bench.drafter
+    refuses the pair before any work)."""
     from speculators.train.utils import resolve_mask_token_id
 
     config = layer_config(spec, family)
@@ -208,7 +266,9 @@ def train(model, variant: dict, spec: dict, seed: int) -> float:
     idx = [spec["exports"][variant["export"]]["layers"].index(i) for i in variant["layers"]]
     norm = model.verifier_norm if variant["final"] == "post" else None
     select = Select(idx, spec["hidden_size"], n_aux, norm, zero=variant["final"] == "no_states")
-    collate = CollateFn(spec["max_len"], spec["hidden_size"], len(idx), torch.float32, select)
+    collate = CollateFn(
+        spec["max_len"], spec["hidden_size"], len(idx), torch.float32, preprocess(variant["family"], select)
+    )
     rows = spec["train_rows"][variant["export"]]
     gen = torch.Generator().manual_seed(seed)
     true_norm = model.verifier_norm
@@ -222,6 +282,8 @@ def train(model, variant: dict, spec: dict, seed: int) -> float:
         for pack in packs(ds, order, spec["max_len"]):
             batch = collate([ds[r] for r in pack])
             batch = {k: v.to(model.device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+            if variant["family"] == "peagle":
+                batch = unpadded(batch)
             _, loss, _ = model(**batch, **call_kwargs(variant["family"], spec["max_anchors"]))
             for opt in opts:
                 opt.zero_grad()
@@ -237,9 +299,20 @@ def train(model, variant: dict, spec: dict, seed: int) -> float:
     return time.perf_counter() - t0
 
 
+def unpadded(batch: dict) -> dict:
+    """A pack without the padding after its samples (document id -1). P-EAGLE's mask gives a padded position no key
+    (peagle/attention.py `create_peagle_mask_mod`: `is_not_padding`): flex attention, its trainer's on a GPU, outputs
+    zeros there, eager attention NaN, which its loss's masked sum carries into every step. Every other position sees
+    the same keys either way."""
+    n = int((batch["document_ids"][0] >= 0).sum())
+    return {k: v[:, :n] for k, v in batch.items()}
+
+
 def evaluate(model, spec: dict, variant: dict) -> dict:
     if variant["family"] == "eagle3":
         return evaluate_eagle3(model, spec, zero=variant["final"] == "no_states")
+    if variant["family"] == "peagle":
+        return evaluate_peagle(model, spec)
     return evaluate_block(model, spec, variant["family"])
 
 
@@ -326,6 +399,89 @@ def evaluate_block(model, spec: dict, family: str) -> dict:
     return out
 
 
+def full_rollouts(seq_length: int, loss_mask, num_depths: int) -> tuple:
+    """P-EAGLE's sample indices (`generate_cod_sample_indices`' (anchor_pos, depth)) with nothing dropped: every
+    position at depth 0 (the context, as its sampler keeps it), then at each depth d every rollout anchored at a
+    trained position (its sampler's seeds) whose slot a + d is in the sample. In training the COD sampler keeps a
+    shrinking random share of each depth; served, every depth of a rollout is drafted."""
+    anchors = torch.nonzero(loss_mask.squeeze(0) == 1).flatten()
+    pos, depth = [torch.arange(seq_length)], [torch.zeros(seq_length, dtype=torch.long)]
+    for d in range(1, num_depths):
+        a = anchors[anchors + d < seq_length]
+        pos.append(a)
+        depth.append(torch.full_like(a, d))
+    return torch.cat(pos).to(loss_mask.device), torch.cat(depth).to(loss_mask.device)
+
+
+@torch.no_grad()
+def evaluate_peagle(model, spec: dict) -> dict:
+    """Held-out samples one at a time, served right (EAGLE-3's layers, the pre-norm last state), shifted as in
+    training, through the model's own forward in eval mode over every rollout (`full_rollouts`): each trained
+    position drafts its `num_depths` tokens in parallel (depth d: the token d after the first), as vLLM serves
+    P-EAGLE. The accepted length is a rollout's leading run of drafts equal to the target's argmax over its whole
+    vocabulary, plus the verifier's bonus token, by speculators' own count (`compute_accepted_length_counts`, as the
+    EAGLE-3 and block drafters' figures); the per-depth accuracies are its own metrics' (peagle/metrics.py
+    `compute_metrics`)."""
+    from speculators.train.data import CollateFn
+
+    ev = spec["eval"]
+    ds = EXPORTS[ev["export"]]
+    layers = spec["exports"][ev["export"]]["layers"]
+    idx = [layers.index(i) for i in spec["eval_layers"]]
+    select = Select(idx, spec["hidden_size"], len(layers))
+    collate = CollateFn(spec["max_len"], spec["hidden_size"], len(idx), torch.float32, preprocess("peagle", select))
+    model.eval()
+    sums: dict[str, float] = {}
+    accepted, blocks = 0.0, 0.0
+    for r in ev["rows"]:
+        item = ds[r]
+        n = min(item["input_ids"].shape[0] - 1, spec["max_len"])  # shift_batch drops a position
+        batch = collate([item])
+        batch = {k: v[:, :n].to(model.device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        metrics, a, b = judge_rollouts(model, spec, batch)
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+        accepted, blocks = accepted + a, blocks + b
+    out = {"accepted_length": accepted / blocks, "blocks": int(blocks)}
+    out["full_acc"] = sums["full_acc_sum"] / sums["full_acc_total"]
+    for k in sorted((k for k in sums if k.startswith("position_") and k.endswith("_acc_sum")), key=position):
+        out[k.removesuffix("_sum")] = sums[k] / max(1.0, sums[k.replace("_sum", "_total")])
+    return out
+
+
+def judge_rollouts(model, spec: dict, batch: dict) -> tuple[dict, float, float]:
+    """One sample's every rollout through P-EAGLE's own forward (its sampler replaced by `full_rollouts`, its
+    drafts read off its draft head): (its metrics, the accepted lengths' sum, the rollouts counted)."""
+    from unittest import mock
+
+    import speculators.models.peagle.core as peagle_core
+    from speculators.models.metrics import compute_accepted_length_counts
+
+    depths, mask = PEAGLE["num_depths"], batch["loss_mask"][0].bool()
+    anchor, depth = full_rollouts(mask.shape[0], batch["loss_mask"], depths)
+    logits: list = []
+    hook = model.lm_head.register_forward_hook(lambda _m, _i, out: logits.append(out))
+    try:
+        with mock.patch.object(peagle_core, "generate_cod_sample_indices", lambda **_: (anchor, depth)):
+            _, _, metrics = model(**batch, **call_kwargs("peagle"))
+    finally:
+        hook.remove()
+    draft = to_target_ids(model, logits[-1][0].argmax(-1))
+    # the verifier's token: its argmax over its whole vocabulary, as in evaluate_eagle3
+    target = (model.verifier_norm(batch["verifier_last_hidden_states"]) @ full_head(spec).T).argmax(-1)[0]
+    anchors = torch.nonzero(mask).flatten()
+    rollout = torch.full_like(mask, -1, dtype=torch.long)
+    rollout[anchors] = torch.arange(len(anchors), device=mask.device)
+    keep = rollout[anchor] >= 0  # depth 0 holds every position: the anchored ones open a rollout
+    row, col, slot = rollout[anchor[keep]], depth[keep], (anchor + depth)[keep]
+    correct = torch.zeros(len(anchors), depths, dtype=torch.bool, device=mask.device)
+    valid = torch.zeros_like(correct)
+    correct[row, col] = draft[keep] == target[slot]
+    valid[row, col] = mask[slot]
+    a, b = compute_accepted_length_counts(correct, valid)
+    return metrics, float(a), float(b)
+
+
 def position(key: str) -> int:
     """`position_<k>_acc_sum` -> k."""
     return int(key.split("_")[1])
@@ -409,11 +565,14 @@ def main(spec_path: str, out_path: str) -> None:
 
 
 def built(variant: dict, spec: dict) -> dict:
-    """A block drafter's recipe, for the report: the model and the settings it was trained with."""
+    """A block or P-EAGLE drafter's recipe, for the report: the model and the settings it was trained with."""
     family = variant["family"]
     if family == "eagle3":
         return {}
-    recipe = {"model": block_class(family).__name__, "draft_layers": BLOCK_DRAFT_LAYERS, **BLOCK[family]}
+    if family == "peagle":
+        recipe = {"model": "PEagleDraftModel", "draft_layers": 1, **PEAGLE}
+    else:
+        recipe = {"model": block_class(family).__name__, "draft_layers": BLOCK_DRAFT_LAYERS, **BLOCK[family]}
     return {"drafter": recipe | {"max_anchors": spec["max_anchors"]}}
 
 

@@ -929,8 +929,14 @@ DRAFTER_LABELS = {
     "no_states": "no states (zeros, in training and when judged)",
     "dflash": "DFlash on our export for dflash",
     "dflash_layers_off_by_one": "DFlash given the layers one above its own (speculators' ids taken for physical ones)",
+    "dflash2": "DFlash2 on our export for dflash2",
+    "dflash2_layers_off_by_one": (
+        "DFlash2 given the layers one above its own (speculators' ids taken for physical ones)"
+    ),
     "dspark": "DSpark on our export for dspark",
     "dspark_post_norm_as_pre": "DSpark given the post-norm last state where pre-norm is expected",
+    "peagle": "P-EAGLE on our export for peagle",
+    "peagle_post_norm_as_pre": "P-EAGLE given the post-norm last state where pre-norm is expected",
 }
 # The data's choices side by side: (what is compared, the variant, the one it is compared with); the difference is
 # the first's accepted length less the second's, seed by seed (the same initial weights and order of packs).
@@ -1061,26 +1067,40 @@ def drafter_blocks(r: dict) -> list[str]:
 def unbeaten_blocks(r: dict) -> list[str]:
     """Why an error is not separated, from the run's own figures: the seeds' spread beside the paired difference."""
     v, paired = r["variants"], r.get("paired", {})
+    missed = [
+        (correct, error)
+        for correct, error in (goal_parts(k) for k, ok in r["goals"].items() if not ok)
+        if error in paired and family(v[error]) != "eagle3"
+    ]
+    if not missed:
+        return []
     parts = [
         f"`{error}`: the family's own drafter spreads by {v[correct]['accepted_length']['spread']:.3f} over the "
         f"seeds, the error's by {v[error]['accepted_length']['spread']:.3f}, and the paired difference runs from "
         f"{min(paired[error]['per_seed']):+.3f} to {max(paired[error]['per_seed']):+.3f} (mean "
         f"{paired[error]['mean']:+.3f})"
-        for correct, error in (goal_parts(k) for k, ok in r["goals"].items() if not ok)
-        if error in paired and family(v[error]) != "eagle3"
+        for correct, error in missed
     ]
-    if not parts:
-        return []
-    return [
-        "",
-        "Not separated at these steps (" + "; ".join(parts) + "): on this 8-layer target a layer's output and the "
-        "next one's are nearly the same states (the cosine above), and the error's cost is not told apart from "
-        "the seeds' drift.",
-    ]
+    why = unbeaten_why({v[error]["variant"]["final"] for _, error in missed})
+    return ["", "Not separated at these steps (" + "; ".join(parts) + "): " + why + "."]
+
+
+def unbeaten_why(finals: set[str]) -> str:
+    """What the unseparated errors change too little: a layer error, neighbouring layers' states; a final-state
+    error, the targets the drafter is fitted to (its KL, said with the table)."""
+    why = []
+    if "pre" in finals:
+        why.append(
+            "on this 8-layer target a layer's output and the next one's are nearly the same states (the cosine above)"
+        )
+    if "post" in finals:
+        why.append("the post-norm last state moves the targets the drafter is fitted to by the KL said above")
+    return " and ".join(why) + ", and the error's cost is not told apart from the seeds' drift"
 
 
 def block_lines(r: dict) -> list[str]:
-    """The block drafters (DFlash, DSpark), each beside its own convention errors (a result without them, none)."""
+    """The block drafters (DFlash, DFlash2, DSpark) and P-EAGLE, each beside its own convention errors (a result
+    without them, none)."""
     v = r["variants"]
     blocks = {k: x for k, x in v.items() if family(x) != "eagle3"}
     if not blocks:
@@ -1111,25 +1131,65 @@ def beats_line(lead: str, v: dict, goals: dict) -> str:
 
 
 def block_intro(r: dict, blocks: dict) -> str:
-    """What the block drafters are, how they were trained and judged, and a training step's time."""
+    """What the block drafters (and P-EAGLE, where trained) are, how they were trained and judged, and a training
+    step's time."""
     s = r["settings"]
     recipes = {x["drafter"]["model"]: (x["drafter"], x["runs"]) for x in blocks.values() if "drafter" in x}
     parts = [
-        f"`{model}` ({d['draft_layers']} draft layer, where speculators' default is 5; block {d['block_size']}, "
-        f"loss {d['loss_fn']}, per-position weight {d['per_position_loss_weight']}, {num(d['max_anchors'])} blocks a "
-        f"pack; a training step {statistics.fmean(run['train_s'] for run in runs) / s['steps']:.2f} s)"
+        recipe(model, d, statistics.fmean(run["train_s"] for run in runs) / s["steps"])
         for model, (d, runs) in recipes.items()
     ]
     layers = s.get("block_layers")
     served = f"their layers {', '.join(map(str, layers))}" if layers else "their layers"
+    peagle = any(family(x) == "peagle" for x in blocks.values())
     return (
-        "Block drafters, speculators' own models: " + "; ".join(parts) + ". Each trains on its family's export of "
+        f"{'Block and parallel' if peagle else 'Block'} drafters, speculators' own models: "
+        + "; ".join(parts)
+        + ". Each trains on its family's export of "
         "`all` with the EAGLE-3 drafters' steps, packs, seeds and schedule, and is judged on the same held-out "
         f"samples of `all` served right ({served}, the pre-norm last state) by its own forward, a block anchored at "
         "every trained position outside a sample's last block. Accepted length: speculators' own (`eal`: a block's "
         "leading run of tokens equal to the target's argmax, plus the verifier's bonus token: at most the block "
-        "size for DFlash, whose first slot is the anchor, one more for DSpark); accuracy: `full_acc` over every "
-        "drafted position, and the first drafted position's. Cells: mean (spread, max − min over the seeds)."
+        f"size for {anchored(blocks)}, whose first slot is the anchor, one more for DSpark); accuracy: `full_acc` over "
+        "every drafted position, and the first drafted position's."
+        + (peagle_judged(s) if peagle else "")
+        + " Cells: mean (spread, max − min over the seeds)."
+    )
+
+
+def anchored(blocks: dict) -> str:
+    """The trained families whose block's first slot is the anchor (DFlash's, DFlash2's: speculators'
+    `sample_from_anchor` off), DFlash's name where none is."""
+    names = [BLOCK_NAMES[f] for f in ("dflash", "dflash2") if any(family(x) == f for x in blocks.values())]
+    return and_list(names or ["DFlash"])
+
+
+def recipe(model: str, d: dict, step_s: float) -> str:
+    """A drafter's recipe in a few words: a block drafter's block and loss, P-EAGLE's depths and COD sampling."""
+    if "num_depths" in d:
+        return (
+            f"`{model}` ({d['draft_layers']} draft layer, speculators' default; {d['num_depths']} parallel depths, "
+            f"COD sampling keeping {d['down_sample_ratio']:g}^d of a depth's rollouts, at least "
+            f"{d['down_sample_ratio_min']:g}, loss {d['loss_fn']}, {num(d['max_anchors'])} rollouts a pack; a training "
+            f"step {step_s:.2f} s)"
+        )
+    return (
+        f"`{model}` ({d['draft_layers']} draft layer, where speculators' default is 5; block {d['block_size']}, "
+        f"loss {d['loss_fn']}, per-position weight {d['per_position_loss_weight']}, {num(d['max_anchors'])} blocks a "
+        f"pack; a training step {step_s:.2f} s)"
+    )
+
+
+def peagle_judged(s: dict) -> str:
+    """How P-EAGLE is judged, unlike the blocks: every depth of a rollout from every trained position."""
+    layers = s.get("eagle3_layers")
+    served = f"EAGLE-3's layers {', '.join(map(str, layers))}" if layers else "EAGLE-3's layers"
+    return (
+        f" P-EAGLE reads {served} and is judged by its own forward over every depth of a rollout anchored at each "
+        "trained position (depth d drafts the token d after the first, all in one pass, as served); its accepted "
+        "length is counted as EAGLE-3's (speculators' `compute_accepted_length_counts`: the leading run of drafts "
+        "equal to the target's argmax, plus the bonus token: at most one more than its depths), its accuracy is its "
+        "own metrics' (`full_acc` over every depth, and the first depth's)."
     )
 
 
@@ -1400,7 +1460,7 @@ def readme_quality(r: dict) -> str:
     return text + block_quality(r)
 
 
-BLOCK_NAMES = {"dflash": "DFlash", "dflash2": "DFlash2", "dspark": "DSpark", "domino": "Domino"}
+BLOCK_NAMES = {"dflash": "DFlash", "dflash2": "DFlash2", "dspark": "DSpark", "domino": "Domino", "peagle": "P-EAGLE"}
 
 
 def block_quality(r: dict) -> str:
@@ -1415,11 +1475,17 @@ def block_quality(r: dict) -> str:
         for correct, error in (goal_parts(k) for k in r["goals"] if goal_parts(k)[1] in errors)
     )
     beaten = [DRAFTER_LABELS[goal_parts(k)[1]] for k, ok in r["goals"].items() if ok and goal_parts(k)[1] in errors]
+    kinds = "Block and parallel" if any(family(v[e]) == "peagle" for e in errors) else "Block"
     return (
-        f"\nBlock drafters (speculators' own {' and '.join(sorted({BLOCK_NAMES[family(v[e])] for e in errors}))}, "
+        f"\n{kinds} drafters (speculators' own {and_list(sorted({BLOCK_NAMES[family(v[e])] for e in errors}))}, "
         f"one draft layer, {num(r['settings']['steps'])} steps), each with its own convention error: {pairs}. "
         f"Beaten by more than 3× the larger spread of the two: {', '.join(beaten) or 'none'}.\n"
     )
+
+
+def and_list(names: list[str]) -> str:
+    """ "A", "A and B", "A, B and C"."""
+    return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else "".join(names)
 
 
 def eagle3_quality(r: dict) -> str:

@@ -18,7 +18,7 @@ import torch
 from conftest import ROOT
 from test_bench_report import renderings
 
-from bench import drafter, report
+from bench import drafter, drafter_train, report
 from bench.drafter_train import Select
 
 TRAINERS_PYTHON = os.environ.get("DRAFTDATA_TRAINERS_PYTHON")
@@ -55,12 +55,63 @@ def test_the_block_variants_read_their_familys_export_and_layers():
     assert v["dflash_layers_off_by_one"] == ("all", [2, 3, 4, 5, 6], "pre", "dflash")
     assert v["dspark"] == ("all_dspark", block, "pre", "dspark")
     assert v["dspark_post_norm_as_pre"] == ("all_dspark", block, "post", "dspark")
-    assert all(x[3] == "eagle3" for n, x in v.items() if not n.startswith(("dflash", "dspark")))
-    assert [drafter.correct_for(n) for n in drafter.ERRORS] == ["correct"] * 4 + ["dflash", "dspark"]
+    assert all(x[3] == "eagle3" for n, x in v.items() if not n.startswith(("dflash", "dspark", "peagle")))
+    assert [drafter.correct_for(n) for n in drafter.ERRORS] == ["correct"] * 4 + [
+        "dflash",
+        "dflash2",
+        "dspark",
+        "peagle",
+    ]
     assert drafter.captured_layers(8) == [1, 2, 3, 4, 5, 6]
     deep = drafter.variants_for(16)
     assert deep["dflash"][1] == [1, 4, 7, 10, 13] and deep["dflash_layers_off_by_one"][1] == [2, 5, 8, 11, 14]
     assert set(drafter.captured_layers(16)) == {1, 2, 4, 5, 7, 8, 10, 11, 12, 13, 14}
+
+
+def test_dflash2_and_peagle_read_their_familys_export_beside_their_own_errors():
+    """dflash2 as dflash (its export of `all`, the block layers; its error each layer one above, out of `all`);
+    peagle EAGLE-3's layers from its own export, its error the post-norm last state as EAGLE-3's `post_norm_as_pre`;
+    each error judged against its own family's drafter, and both families exported from `all`'s states."""
+    v = drafter.VARIANTS
+    block, eagle3 = [1, 2, 3, 4, 5], v["correct"][1]
+    assert v["dflash2"] == ("all_dflash2", block, "pre", "dflash2")
+    assert v["dflash2_layers_off_by_one"] == ("all", [i + 1 for i in block], "pre", "dflash2")
+    assert v["peagle"] == ("all_peagle", eagle3, "pre", "peagle")
+    assert v["peagle_post_norm_as_pre"] == ("all_peagle", eagle3, "post", "peagle")
+    assert v["peagle_post_norm_as_pre"][2] == v["post_norm_as_pre"][2]
+    assert drafter.correct_for("dflash2_layers_off_by_one") == "dflash2"
+    assert drafter.correct_for("peagle_post_norm_as_pre") == "peagle"
+    assert drafter.CUT_FROM["all_dflash2"] == ("all", "dflash2") and drafter.CUT_FROM["all_peagle"] == ("all", "peagle")
+    assert drafter.captured_layers(8) == sorted({i for x in v.values() for i in x[1]})  # nothing new to capture
+
+
+def test_a_dflash2_variant_with_a_draft_vocabulary_is_refused_before_any_work(capsys):
+    """speculators' DFlash2 drafts over the target's whole vocabulary: a large target's default draft vocabulary
+    would fail in its constructor after the data, so the pair is one line up front; the other families take it."""
+    ap = argparse.ArgumentParser(prog="bench.drafter")
+    with pytest.raises(SystemExit) as err:
+        drafter.check_vocab(ap, ["correct", "dflash2", "dflash2_layers_off_by_one"], 8192)
+    msg = capsys.readouterr().err
+    assert err.value.code == 2 and "dflash2,dflash2_layers_off_by_one" in msg and "--draft-vocab 0" in msg
+    drafter.check_vocab(ap, ["correct", "dflash2"], 0)
+    drafter.check_vocab(ap, ["correct", "peagle", "dflash", "dspark"], 8192)
+
+
+def test_peagle_is_judged_on_every_depth_of_every_rollout_and_trained_without_padding():
+    """P-EAGLE's sampler replaced when judged: every position at depth 0, then a rollout from each trained position
+    through every depth that stays in the sample; a pack is cut before its padding (document id -1), which its mask
+    leaves no key."""
+    anchor, depth = drafter_train.full_rollouts(5, torch.tensor([[0, 1, 1, 0, 1]]), 3)
+    assert list(zip(anchor.tolist(), depth.tolist())) == [
+        *((i, 0) for i in range(5)),
+        (1, 1),
+        (2, 1),  # anchor 4's slot 5 is past the sample
+        (1, 2),
+        (2, 2),
+    ]
+    batch = {"document_ids": torch.tensor([[0, 0, 1, -1, -1]]), "input_ids": torch.arange(5).unsqueeze(0)}
+    cut = drafter_train.unpadded(batch)
+    assert cut["input_ids"].tolist() == [[0, 1, 2]] and cut["document_ids"].tolist() == [[0, 0, 1]]
 
 
 def test_the_capture_serves_every_family_with_the_layers_the_variants_read(tmp_path):
@@ -76,7 +127,9 @@ def test_the_capture_serves_every_family_with_the_layers_the_variants_read(tmp_p
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
     cfg = load_config("all", [], params_path=tmp_path / "params.yaml")
     got = family_layers(cfg, 16)
-    assert got == {"eagle3": drafter.captured_layers(16), "dflash": [1, 4, 7, 10, 13], "dspark": [1, 4, 7, 10, 13]}
+    block = [1, 4, 7, 10, 13]
+    union = drafter.captured_layers(16)
+    assert got == {"eagle3": union, "peagle": union, "dflash": block, "dflash2": block, "dspark": block}
 
 
 def test_a_block_familys_export_rows_are_the_samples_it_can_train_on(tmp_path):
@@ -100,7 +153,12 @@ def test_a_block_familys_export_rows_are_the_samples_it_can_train_on(tmp_path):
 
 
 def test_a_block_error_needs_its_familys_own_variant_and_a_deep_enough_target_before_any_work(capsys, tmp_path):
-    for variants, missing in (("correct,dflash_layers_off_by_one", "dflash"), ("dspark", "correct")):
+    for variants, missing in (
+        ("correct,dflash_layers_off_by_one", "dflash"),
+        ("dspark", "correct"),
+        ("correct,dflash2_layers_off_by_one", "dflash2"),
+        ("correct,peagle_post_norm_as_pre", "peagle"),
+    ):
         with pytest.raises(SystemExit) as err:
             drafter.main(["--variants", variants, "--workdir", str(tmp_path / "w")])
         assert err.value.code == 2 and f"also give {missing}" in capsys.readouterr().err
@@ -284,6 +342,64 @@ def test_the_report_gives_the_block_drafters_their_own_table():
     assert (
         "`dflash` 1.500 (0.02)" in quality and "Beaten by more than 3× the larger spread of the two: DFlash" in quality
     )
+
+
+def smoke_shaped(name: str, seeds: list[int], base: float, positions: range) -> dict:
+    """A variant's entry as bench.drafter writes it (drafter_train `main`, `summary`, `built`): its row of
+    VARIANTS, a run per seed with its accepted length, accuracies and training time, their means and spreads, and a
+    block or P-EAGLE drafter's recipe (a block family's named by hand: its class needs speculators)."""
+    export, layers, final, fam = drafter.VARIANTS[name]
+    variant = {"name": name, "export": export, "layers": layers, "final": final, "family": fam}
+    accs = {f"position_{k}_acc": base / (k + 2) for k in positions}
+    runs = [
+        {"accepted_length": base + 0.01 * s, "blocks": 100, "full_acc": base / 4, **accs, "seed": s, "train_s": 2.0}
+        for s in seeds
+    ]
+    spec = {"max_anchors": 16}
+    if fam == "peagle":
+        recipe = drafter_train.built(variant, spec)
+    else:
+        model = {"dflash2": "DFlash2DraftModel"}[fam]
+        recipe = {
+            "drafter": {"model": model, "draft_layers": drafter_train.BLOCK_DRAFT_LAYERS, **drafter_train.BLOCK[fam]}
+        }
+        recipe["drafter"]["max_anchors"] = spec["max_anchors"]
+    return {"variant": variant, "runs": runs, **drafter_train.summary(runs)} | recipe
+
+
+def test_the_report_renders_dflash2_and_peagle_beside_their_errors():
+    """A block run holding DFlash2 and P-EAGLE (the shape bench.drafter writes): their rows and recipes, each error's
+    paired lead and goal against its own family, P-EAGLE's way of being judged, and the README's paragraph naming
+    both; EAGLE-3's table keeps EAGLE-3's variants alone."""
+    r = json.loads((ROOT / "bench" / "results" / "drafter_blocks.json").read_text())
+    seeds = [run["seed"] for run in r["variants"]["correct"]["runs"]]
+    r["variants"] = {"correct": r["variants"]["correct"]}
+    for name, base in (("dflash2", 2.0), ("dflash2_layers_off_by_one", 1.5)):
+        r["variants"][name] = smoke_shaped(name, seeds, base, range(1, drafter_train.BLOCK["dflash2"]["block_size"]))
+    for name, base in (("peagle", 1.8), ("peagle_post_norm_as_pre", 1.79)):
+        r["variants"][name] = smoke_shaped(name, seeds, base, range(drafter_train.PEAGLE["num_depths"]))
+    r["goals"], r["paired"] = drafter.goals(r["variants"]), drafter.paired(r["variants"])
+    assert set(r["goals"]) == {"dflash2_beats_dflash2_layers_off_by_one", "peagle_beats_peagle_post_norm_as_pre"}
+    text = "\n".join(report.drafter_blocks(r))
+    v = r["variants"]
+    for name in ("dflash2", "dflash2_layers_off_by_one", "peagle", "peagle_post_norm_as_pre"):
+        (row,) = [line for line in text.splitlines() if line.startswith(f"| {report.DRAFTER_LABELS[name]} |")]
+        assert f"`{v[name]['variant']['export']}` | {report.pm(v[name]['accepted_length'])}" in row
+    lead = ", ".join(f"{d:+.3f}" for d in r["paired"]["peagle_post_norm_as_pre"]["per_seed"])
+    assert lead in text and "`DFlash2DraftModel` (1 draft layer" in text and "`PEagleDraftModel` (1 draft layer" in text
+    assert f"{drafter_train.PEAGLE['num_depths']} parallel depths" in text and "Block and parallel drafters" in text
+    assert "at most the block size for DFlash2," in text and "P-EAGLE reads EAGLE-3's layers" in text
+    for goal, ok in r["goals"].items():
+        assert f"`{report.goal_parts(goal)[1]}` {'yes' if ok else '**no**'}" in text
+    assert "`dflash2_layers_off_by_one` yes" in text and "`peagle_post_norm_as_pre`: the family's own" in text
+    assert "the post-norm last state moves the targets" in text and "layer's output and the next" not in text
+    quality = report.block_quality(r)
+    assert (
+        "speculators' own DFlash2 and P-EAGLE" in quality
+        and report.DRAFTER_LABELS["peagle_post_norm_as_pre"] in quality
+    )
+    eagle3 = [line for line in report.drafter(r) if line.startswith("| our export as it is")]
+    assert len(eagle3) == 1
 
 
 def test_the_report_names_only_the_missed_errors_with_their_lead_and_shift():
