@@ -57,7 +57,8 @@ def check_tracked_model_path(path: str) -> None:
         raise ConfigError(
             "model.path",
             f"{path} is a hub id, but the pipeline tracks model.path as a local directory (a DVC dependency of "
-            f"every stage); download it (hf download {path} --local-dir models/{name}) and set model.path: models/{name}",
+            f"every stage); download it (hf download {path} --local-dir models/{name}) and set "
+            f"model.path: models/{name}",
         )
 
 
