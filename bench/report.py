@@ -1042,8 +1042,8 @@ def drafter(r: dict) -> list[str]:
 
 
 BLOCKS_COMMAND = (
-    "python -m bench.drafter --steps 2000 --max-anchors 128 --variants correct,dflash,dflash_layers_off_by_one "
-    "--jobs 2 --out bench/results/drafter_blocks.json"
+    "python -m bench.drafter --steps 2000 --max-anchors 128 --variants correct,dflash,dflash_layers_off_by_one,"
+    "dspark,dspark_post_norm_as_pre --jobs 2 --out bench/results/drafter_blocks.json"
 )
 
 
