@@ -71,17 +71,7 @@ def main(cfg: Config) -> None:
         for one in kwargs:
             block_of(tok, one, cfg.tokenize.empty_think)
     stored = any(ds.store_hidden_states for ds in cfg.datasets.values())
-    if local_config(cfg.model) is not None:  # a quantized target the in-process engines would cast
-        if cfg.backend.kind == BackendKind.embedded:
-            check_embedded_target(cfg.model)  # generate's refusal
-        if stored and cfg.hidden_states.backend == "hf":  # the hf engine's, on this node (a GPU: its own dtype)
-            check_hf_cast(cfg.model, compute_dtype(cfg.model, on_gpu=bool(cfg.hidden_states.device_map) or None))
-    if stored and (conf := local_config(cfg.model)) is not None:
-        if "num_hidden_layers" in conf:
-            # every drafter family's layers exist in the target (the hidden_states stage resolves them again)
-            family_layers(cfg, conf["num_hidden_layers"])
-        if cfg.hidden_states.backend == "hf" and has_weights(cfg.model.path):
-            find_decoder(model_skeleton(cfg.model))  # the decoder the hf engine hooks, found in the model built on meta
+    check_engines(cfg, stored)
     context = local_context(cfg.model)
     for name, ds in cfg.datasets.items():  # generate's refusal, here before DVC deletes its outputs
         check_room(ds, f"datasets.{name}", context)
@@ -94,6 +84,25 @@ def main(cfg: Config) -> None:
     for name, ds in cfg.datasets.items():
         write_json(SOURCES / f"{name}.json", identity(ds.source))
     log("check_params", datasets=len(cfg.datasets), ok=True)
+
+
+def check_engines(cfg: Config, stored: bool) -> None:
+    """What the engines would refuse of a target on this disk: a quantized one an in-process engine would cast, and
+    where states are stored, every drafter family's layers and the decoder the hf engine hooks."""
+    if local_config(cfg.model) is None:
+        return
+    if cfg.backend.kind == BackendKind.embedded:
+        check_embedded_target(cfg.model)  # generate's refusal
+    if not stored:
+        return
+    if cfg.hidden_states.backend == "hf":  # the hf engine's, on this node (a GPU: its own dtype)
+        check_hf_cast(cfg.model, compute_dtype(cfg.model, on_gpu=bool(cfg.hidden_states.device_map) or None))
+    conf = local_config(cfg.model)
+    if "num_hidden_layers" in conf:
+        # every drafter family's layers exist in the target (the hidden_states stage resolves them again)
+        family_layers(cfg, conf["num_hidden_layers"])
+    if cfg.hidden_states.backend == "hf" and has_weights(cfg.model.path):
+        find_decoder(model_skeleton(cfg.model))  # the decoder the hf engine hooks, found in the model built on meta
 
 
 if __name__ == "__main__":
