@@ -89,7 +89,8 @@ def main(cfg: Config) -> None:
 def check_engines(cfg: Config, stored: bool) -> None:
     """What the engines would refuse of a target on this disk: a quantized one an in-process engine would cast, and
     where states are stored, every drafter family's layers and the decoder the hf engine hooks."""
-    if local_config(cfg.model) is None:
+    conf = local_config(cfg.model)
+    if conf is None:
         return
     if cfg.backend.kind == BackendKind.embedded:
         check_embedded_target(cfg.model)  # generate's refusal
@@ -97,7 +98,6 @@ def check_engines(cfg: Config, stored: bool) -> None:
         return
     if cfg.hidden_states.backend == "hf":  # the hf engine's, on this node (a GPU: its own dtype)
         check_hf_cast(cfg.model, compute_dtype(cfg.model, on_gpu=bool(cfg.hidden_states.device_map) or None))
-    conf = local_config(cfg.model)
     if "num_hidden_layers" in conf:
         # every drafter family's layers exist in the target (the hidden_states stage resolves them again)
         family_layers(cfg, conf["num_hidden_layers"])
