@@ -5,8 +5,9 @@ speculators and torch only, never the project.
 
 The library's own parts: the data path (`speculators.train.data.ArrowDataset` reads our export, `CollateFn` packs it),
 the drafter (`Eagle3DraftModel.from_training_args`, its draft decoder config from `create_transformer_layer_config`,
-the verifier's embeddings, LM head and final norm loaded from the target), its training-time-test forward with its
-KL loss and per-step accuracies (`full_acc_k`, `cond_acc_k`), and the accepted-length count
+the verifier's embeddings, LM head and final norm loaded from the target), its samples shifted as its CLI shifts
+them (`shift_batch`), its training-time-test forward with its KL loss and per-step accuracies (`full_acc_k`,
+`cond_acc_k`), and the accepted-length count
 (`speculators.models.metrics.compute_accepted_length_counts`, vLLM's convention: the leading run of correct draft
 tokens plus the verifier's bonus token). Also the library's: the optimizer
 (`build_optimizers`: AdamW with its weight decay) and its Trainer's default schedule (linear warm-up over 1 % of the
@@ -113,11 +114,17 @@ class Select:
         return item
 
 
+# the families speculators' CLI shifts (cli.py `main`, `preprocess_fns`: `shift_batch` for eagle3 and peagle; the
+# block drafters take the samples unshifted, their anchors read the ids)
+SHIFTED = ("eagle3", "peagle")
+
+
 def preprocess(family: str, select: Select):
-    """CollateFn's `preprocess` for a family: the variant's states, then for P-EAGLE its CLI's own `shift_batch`
-    (cli.py `main`, `preprocess_fns`), which pairs position t's states with token t + 1 and the target's state
-    there (its forward takes the samples as that leaves them)."""
-    if family != "peagle":
+    """CollateFn's `preprocess` for a family: the variant's states, then for EAGLE-3 and P-EAGLE their CLI's own
+    `shift_batch`, which pairs position t's states with token t + 1 and the target's state there: the drafter sees
+    the token the target chose after t beside the states that chose it, and predicts the next, as vLLM serves it.
+    Unshifted, its first step would predict the token the same position's states already encode."""
+    if family not in SHIFTED:
         return select
     from speculators.models.eagle3.data import shift_batch
 
@@ -318,8 +325,8 @@ def evaluate(model, spec: dict, variant: dict) -> dict:
 
 @torch.no_grad()
 def evaluate_eagle3(model, spec: dict, zero: bool = False) -> dict:
-    """Held-out samples one at a time (no block crosses a sample), served right (with `zero`, with no states, as
-    the drafter was trained): the library's per-step accuracies, and the accepted length of a block starting at
+    """Held-out samples one at a time (no block crosses a sample), served right (shifted as in training; with
+    `zero`, with no states, as the drafter was trained): the library's per-step accuracies, and the accepted length of a block starting at
     every position."""
     from speculators.models.metrics import compute_accepted_length_counts
     from speculators.train.data import CollateFn
@@ -329,13 +336,13 @@ def evaluate_eagle3(model, spec: dict, zero: bool = False) -> dict:
     layers = spec["exports"][ev["export"]]["layers"]
     idx = [layers.index(i) for i in spec["eval_layers"]]
     select = Select(idx, spec["hidden_size"], len(layers), zero=zero)
-    collate = CollateFn(spec["max_len"], spec["hidden_size"], len(idx), torch.float32, select)
+    collate = CollateFn(spec["max_len"], spec["hidden_size"], len(idx), torch.float32, preprocess("eagle3", select))
     model.eval()
     sums: dict[str, float] = {}
     accepted, blocks = 0.0, 0.0
     for r in ev["rows"]:
         item = ds[r]
-        n = min(item["input_ids"].shape[0], spec["max_len"])
+        n = min(item["input_ids"].shape[0] - 1, spec["max_len"])  # shift_batch drops a position
         batch = collate([item])
         batch = {k: v[:, :n].to(model.device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
         drafts, _, metrics = model(**batch, **call_kwargs())
