@@ -326,8 +326,8 @@ def evaluate(model, spec: dict, variant: dict) -> dict:
 @torch.no_grad()
 def evaluate_eagle3(model, spec: dict, zero: bool = False) -> dict:
     """Held-out samples one at a time (no block crosses a sample), served right (shifted as in training; with
-    `zero`, with no states, as the drafter was trained): the library's per-step accuracies, and the accepted length of a block starting at
-    every position."""
+    `zero`, with no states, as the drafter was trained): the library's per-step accuracies, and the accepted length
+    of a block starting at every position."""
     from speculators.models.metrics import compute_accepted_length_counts
     from speculators.train.data import CollateFn
 
