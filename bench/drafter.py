@@ -28,12 +28,14 @@ is trained there, by bench/drafter_train.py in a subprocess. Everything else run
 3. the split: by source conversation (its file:line), the same conversations held out of every training set; the
    held-out samples of `all` (bf16) judge every variant;
 4. the drafters: one per variant and seed, the same steps of the same packed tokens each, under speculators' own
-   optimizer and schedule (bench/drafter_train.py). A target whose vocabulary is large (over 32k tokens:
-   SmolLM2's 49,152) gets EAGLE-3's draft vocabulary (`--draft-vocab`, 8,192 by default): each training set's most
-   frequent trained tokens (speculators' rule, from its training rows only) as `d2t`/`t2d`, its drafts judged as the
-   target's ids against the target's argmax over its whole vocabulary, and how much of the trained tokens it covers
-   reported, on the training rows and on the held-out ones. `no_states` (zeros for states, in training and when
-   judged) is the scale: what the states are worth to this drafter, against which the convention errors' costs read;
+   optimizer and schedule (bench/drafter_train.py); EAGLE-3's and P-EAGLE's samples shifted as its CLI shifts them
+   (`shift_batch`: position t's states beside token t + 1, as vLLM serves the drafter), in training and when judged.
+   A target whose vocabulary is large (over 32k tokens: SmolLM2's 49,152) gets EAGLE-3's draft vocabulary
+   (`--draft-vocab`, 8,192 by default): each training set's most frequent trained tokens (speculators' rule, from its
+   training rows only) as `d2t`/`t2d`, its drafts judged as the target's ids against the target's argmax over its
+   whole vocabulary, and how much of the trained tokens it covers reported, on the training rows and on the held-out
+   ones. `no_states` (zeros for states, in training and when judged) is the scale: what the states are worth to this
+   drafter, against which the convention errors' costs read;
 5. the block drafters: speculators' `DFlashDraftModel` (`dflash`), `DFlash2DraftModel` (`dflash2`) and
    `DSparkDraftModel` (`dspark`) on their family's export, each beside its own convention error, with the same seeds,
    steps, packs and schedule: `dflash_layers_off_by_one` and `dflash2_layers_off_by_one` are the same drafter given

@@ -475,6 +475,43 @@ def test_no_hand_written_drafter_figures():
         assert not found, f"{name} restates the drafter's figures by hand: {found}"
 
 
+SHIFTS = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from drafter_train import Select, preprocess
+t, h = 5, 2
+states = torch.arange(t * h, dtype=torch.float32).reshape(t, h)
+item = {"input_ids": torch.arange(t), "hidden_states": states, "verifier_last_hidden_states": 100 + states,
+        "loss_mask": torch.tensor([0, 1, 1, 1, 0]), "lengths": torch.tensor([t]), "position_ids": torch.arange(t)}
+got = {f: preprocess(f, Select([0], h, 1))(dict(item)) for f in ("eagle3", "peagle", "dflash", "dspark")}
+print(json.dumps({f: {k: v.tolist() for k, v in b.items()} for f, b in got.items()}))
+"""
+
+
+@pytest.mark.trainers
+@pytest.mark.skipif(not TRAINERS_PYTHON, reason="set DRAFTDATA_TRAINERS_PYTHON to a Python with speculators")
+def test_eagle3_and_peagle_samples_are_shifted_as_the_trainers_cli_shifts_them():
+    """speculators' CLI shifts EAGLE-3's and P-EAGLE's samples (`shift_batch`): position t's states beside token
+    t + 1, the target's state and the loss mask there, as vLLM serves the drafter; unshifted, its first step would
+    predict the token its own states already encode. The block drafters read their samples as exported."""
+    import subprocess
+
+    r = subprocess.run(
+        [TRAINERS_PYTHON, "-c", SHIFTS, str(ROOT / "bench")], capture_output=True, text=True, check=False
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    rows = [[2.0 * i, 2.0 * i + 1] for i in range(5)]
+    for family in ("eagle3", "peagle"):
+        b = got[family]
+        assert b["input_ids"] == [1, 2, 3, 4] and b["position_ids"] == [1, 2, 3, 4], family
+        assert b["hidden_states"] == rows[:4], family  # the states at t beside token t + 1
+        assert b["verifier_last_hidden_states"] == [[100 + x for x in r] for r in rows[1:]], family
+        assert b["loss_mask"] == [1, 1, 1, 0] and b["lengths"] == [4], family
+    for family in ("dflash", "dspark"):
+        assert got[family]["input_ids"] == [0, 1, 2, 3, 4] and got[family]["hidden_states"] == rows, family
+
+
 @pytest.mark.trainers
 @pytest.mark.timeout(1800)
 @pytest.mark.skipif(not TRAINERS_PYTHON, reason="set DRAFTDATA_TRAINERS_PYTHON to a Python with speculators")
