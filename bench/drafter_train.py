@@ -566,6 +566,8 @@ def main(spec_path: str, out_path: str) -> None:
             runs.append(dict(judged, seed=seed, train_s=round(train_s, 1)))
             print(f"{variant['name']} seed {seed}: accepted length {runs[-1]['accepted_length']:.4f}", flush=True)
         results[variant["name"]] = {"variant": variant, "runs": runs, **summary(runs)} | built(variant, spec)
+        if variant["family"] in SHIFTED:  # said in the results: those from before the shift were not
+            results[variant["name"]]["samples"] = "shifted"
         if variant["final"] in ("post", "pre_as_post"):  # the verifier's head and norm: the target's, any seed
             results[variant["name"]]["target_shift"] = target_shift(model, spec, variant["final"])
         Path(out_path).write_text(json.dumps(results, indent=1))  # after each variant: a cut run keeps what it did
