@@ -143,6 +143,16 @@ ERRORS = (
     "dspark_post_norm_as_pre",
     "peagle_post_norm_as_pre",
 )
+# the families the hidden_states stage serves (draftdata/drafters/families.py) that no variant here trains, and why:
+# the report says so beside the figures
+UNTRAINED = {
+    "domino": "SpecForge's alone (speculators has no Domino model), and its accepted length needs a judge of "
+    "SpecForge's own block sampling (`DominoDraftModel._sample_draft_tokens`) that this bench has not got; its "
+    "export is read, and a training step of SpecForge's own model taken on it, by the trainers' tests",
+    "mtp": "speculators' `MTPDraftModel` starts from the target's own MTP weights (`mtp.*`, which its `MTPConverter` "
+    "reads) and builds Qwen3-family layers alone (qwen3, qwen3_next, qwen3_5); the bench's target is a Llama-family "
+    "toy without MTP weights",
+}
 # each family's variant that its errors are judged against: the same drafter on the states served right
 CORRECT = {"eagle3": "correct", "peagle": "peagle", "dflash": "dflash", "dflash2": "dflash2", "dspark": "dspark"}
 BLOCK_FAMILIES = ("dflash", "dflash2", "dspark")

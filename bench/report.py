@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.drafter import ERRORS as DRAFTER_ERRORS  # the convention errors the bench trains, named once
+from bench.drafter import UNTRAINED as DRAFTER_UNTRAINED
 from draftdata.util.blocks import between, replace_between
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -1038,7 +1039,15 @@ def drafter(r: dict) -> list[str]:
         *choice_lines(v),
         *field_lines(r),
         *block_lines(r),
+        *untrained_lines(r["variants"]),
     ]
+
+
+def untrained_lines(v: dict) -> list[str]:
+    """The families the stage serves that this bench does not train, each with why (none where every one is)."""
+    trained = {family(x) for x in v.values()}
+    missing = [f"{BLOCK_NAMES.get(f, f.upper())}: {why}" for f, why in DRAFTER_UNTRAINED.items() if f not in trained]
+    return ["", "Not trained by this bench: " + "; ".join(missing) + "."] if missing else []
 
 
 BLOCKS_COMMAND = (

@@ -582,3 +582,14 @@ def test_eagle3_beside_the_block_drafters_is_quoted_only_where_its_samples_were_
     assert "reaches 3.220" in report.eagle3_beside({"accepted_length": m, "samples": "shifted"})
     old = report.eagle3_beside({"accepted_length": m})
     assert "3.220" not in old and "unshifted" in old
+
+
+def test_the_families_no_variant_trains_are_named_with_why():
+    """Every family the stage serves is trained by a variant, or named in the report with the reason it is not."""
+    from draftdata.drafters.families import FAMILIES
+
+    trained = {v[3] for v in drafter.VARIANTS.values()}
+    assert set(FAMILIES) == trained | set(drafter.UNTRAINED) and not trained & set(drafter.UNTRAINED)
+    line = report.untrained_lines({"correct": {"variant": {"family": "eagle3"}}})[-1]
+    assert "Domino:" in line and "MTP:" in line
+    assert report.untrained_lines({f: {"variant": {"family": f}} for f in drafter.UNTRAINED}) == []
