@@ -1018,7 +1018,10 @@ def drafter(r: dict) -> list[str]:
         f"{', '.join(str(run['seed']) for run in v['correct']['runs'])}; judged on the held-out samples of `all` "
         "served the right way. Accepted length in vLLM's convention (the bonus token included, 3 draft tokens: "
         "at most 4); per-step accuracy is speculators' `full_acc_k`. Cells: mean (spread, max − min over the "
-        f"seeds). {wall(r['wall_s'])}{jobs(s)}{step_time(r)}",
+        "seeds; each run generates its data afresh, and a fresh generation is not bit-reproducible (docs/"
+        "generation.md: a logit's last bits follow the batch it was computed in), so another run of this command "
+        "trains on slightly other answers, a drift the seeds' spread leaves out; the variants of one run share "
+        f"theirs). {wall(r['wall_s'])}{jobs(s)}{step_time(r)}",
         "",
         *table(
             [
