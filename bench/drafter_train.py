@@ -184,23 +184,31 @@ def layer_config(spec: dict, family: str):
     )
 
 
+def eagle_kwargs(spec: dict, family: str, t2d, d2t) -> dict:
+    """What EAGLE-3's and P-EAGLE's `from_training_args` are given alike: the draft decoder's config, the target,
+    the draft vocabulary (EAGLE-3's for a large one: its head and loss over the tokens the data uses; else all),
+    EAGLE-3's layers in vLLM's numbering (id L is layer L-1's output), eager attention."""
+    config = layer_config(spec, family)
+    return {
+        "verifier_config": config,
+        "verifier_name_or_path": spec["target"],
+        "draft_vocab_size": int(t2d.sum()) if t2d is not None else config.vocab_size,
+        "t2d": t2d,
+        "d2t": d2t,
+        "target_layer_ids": [i + 1 for i in spec["eval_layers"]],
+        "draft_attn_impl": "eager",
+    }
+
+
 def build_eagle3(spec: dict, family: str, t2d, d2t):
     from speculators.models.eagle3 import Eagle3DraftModel
 
-    config = layer_config(spec, family)
     return Eagle3DraftModel.from_training_args(
-        verifier_config=config,
-        verifier_name_or_path=spec["target"],
-        # EAGLE-3's draft vocabulary for a large one (its head and loss over the tokens the data uses), else all
-        draft_vocab_size=int(t2d.sum()) if t2d is not None else config.vocab_size,
-        t2d=t2d,
-        d2t=d2t,
+        **eagle_kwargs(spec, family, t2d, d2t),
         norm_before_residual=True,
         norm_before_fc=True,
         norm_output=True,
         ttt_steps=TTT_STEPS,
-        target_layer_ids=[i + 1 for i in spec["eval_layers"]],  # vLLM's numbering: id L is layer L-1's output
-        draft_attn_impl="eager",
     )
 
 
@@ -212,21 +220,15 @@ def build_peagle(spec: dict, family: str, t2d, d2t):
     from speculators.models.peagle import PEagleDraftModel
     from speculators.train.utils import resolve_mask_token_id
 
-    config = layer_config(spec, family)
+    kwargs = eagle_kwargs(spec, family, t2d, d2t)
     return PEagleDraftModel.from_training_args(
-        verifier_config=config,
-        verifier_name_or_path=spec["target"],
-        draft_vocab_size=int(t2d.sum()) if t2d is not None else config.vocab_size,
-        t2d=t2d,
-        d2t=d2t,
+        **kwargs,
         norm_before_residual=True,
         norm_before_fc=False,
         fc_norm=False,
         norm_output=False,
         num_depths=PEAGLE["num_depths"],
-        mask_token_id=resolve_mask_token_id(spec["target"], config.vocab_size),
-        target_layer_ids=[i + 1 for i in spec["eval_layers"]],
-        draft_attn_impl="eager",
+        mask_token_id=resolve_mask_token_id(spec["target"], kwargs["verifier_config"].vocab_size),
     )
 
 
