@@ -1003,7 +1003,7 @@ def drafter(r: dict) -> list[str]:
     sets = [[f"`{n}`", num(d["samples"]), num(d["tokens"]), num(d["trained_tokens"])] for n, d in ds.items()]
     goals = eagle3_goals(r["goals"])
     return [
-        "### Drafter trained on our data: `python -m bench.drafter`",
+        f"### Drafter trained on our data: `{DRAFTER_COMMAND}`",
         "",
         f"{target_line(t)}{alike(t)} Data by the stages from the demo's conversations (all eight sources in one "
         f"`messages` file) at temperature {s['dataset_params']['all']['sampling']['temperature']:g}, budgets "
@@ -1053,6 +1053,12 @@ def untrained_lines(v: dict) -> list[str]:
     return ["", "Not trained by this bench: " + "; ".join(missing) + "."] if missing else []
 
 
+# drafter.json's run: EAGLE-3's variants and DFlash2's and P-EAGLE's on one capture of the same data
+DRAFTER_COMMAND = (
+    "python -m bench.drafter --jobs 2 --max-anchors 128 --variants correct,aux_off_by_one,aux_reversed,"
+    "post_norm_as_pre,pre_norm_as_post,fp8,mid_budget,small_budget,last_turn,source_answers,no_states,dflash2,"
+    "dflash2_layers_off_by_one,peagle,peagle_post_norm_as_pre"
+)
 BLOCKS_COMMAND = (
     "python -m bench.drafter --steps 2000 --max-anchors 128 --variants correct,dflash,dflash_layers_off_by_one,"
     "dspark,dspark_post_norm_as_pre --jobs 2 --out bench/results/drafter_blocks.json"
@@ -1759,7 +1765,7 @@ SECTIONS = (
     ("gather.json", "python -m bench.gather", gather),
     ("noop.json", "python -m bench.noop", noop),
     ("noop_turns.json", "python -m bench.noop --turns 3 --prompts 20000", noop),
-    ("drafter.json", "python -m bench.drafter", drafter),
+    ("drafter.json", DRAFTER_COMMAND, drafter),
     ("drafter_blocks.json", BLOCKS_COMMAND, drafter_blocks),
     ("gpu_h200.json", "python -m bench.gpu.bundle (then bench/gpu/device.sh on the GPU machine)", gpu),
 )
