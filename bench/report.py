@@ -1053,15 +1053,16 @@ def untrained_lines(v: dict) -> list[str]:
     return ["", "Not trained by this bench: " + "; ".join(missing) + "."] if missing else []
 
 
-# drafter.json's run: EAGLE-3's variants and DFlash2's and P-EAGLE's on one capture of the same data
+# drafter.json's run: EAGLE-3's variants and DFlash2's and P-EAGLE's on one capture of the same data; the block
+# drafters' run after it in the same workdir, on that target and data
 DRAFTER_COMMAND = (
     "python -m bench.drafter --jobs 2 --max-anchors 128 --variants correct,aux_off_by_one,aux_reversed,"
     "post_norm_as_pre,pre_norm_as_post,fp8,mid_budget,small_budget,last_turn,source_answers,no_states,dflash2,"
-    "dflash2_layers_off_by_one,peagle,peagle_post_norm_as_pre"
+    "dflash2_layers_off_by_one,peagle,peagle_post_norm_as_pre --workdir W"
 )
 BLOCKS_COMMAND = (
     "python -m bench.drafter --steps 2000 --max-anchors 128 --variants correct,dflash,dflash_layers_off_by_one,"
-    "dspark,dspark_post_norm_as_pre --jobs 2 --out bench/results/drafter_blocks.json"
+    "dspark,dspark_post_norm_as_pre --jobs 2 --workdir W --out bench/results/drafter_blocks.json"
 )
 
 
@@ -1072,7 +1073,7 @@ def drafter_blocks(r: dict) -> list[str]:
     return [
         f"### Block drafters trained on our data: `{BLOCKS_COMMAND}`",
         "",
-        f"{target_line(t)}{alike(t)} Data made as in the section above, by this run (`all`: "
+        f"{target_line(t)}{alike(t)} The section above's target and data (the same `--workdir W`; `all`: "
         f"{num(r['datasets']['all']['samples'])} samples, {num(r['datasets']['all']['tokens'])} tokens; "
         f"{captured(s, t)}); {num(s['steps'])} steps a run; {eagle3_beside(r['variants']['correct'])} "
         f"{wall(r['wall_s'])}{jobs(s)}",
