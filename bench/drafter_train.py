@@ -308,6 +308,24 @@ def train(model, variant: dict, spec: dict, seed: int) -> float:
     return time.perf_counter() - t0
 
 
+def held_out(spec: dict, family: str, layers_key: str, device, zero: bool = False):
+    """The held-out samples of `all` one at a time (no block crosses a sample) as the family is served: the layers
+    `spec[layers_key]` in order, shifted where its CLI shifts them, cut to a pack, on `device`: (row, batch)."""
+    from speculators.train.data import CollateFn
+
+    ev = spec["eval"]
+    ds = EXPORTS[ev["export"]]
+    layers = spec["exports"][ev["export"]]["layers"]
+    idx = [layers.index(i) for i in spec[layers_key]]
+    select = Select(idx, spec["hidden_size"], len(layers), zero=zero)
+    collate = CollateFn(spec["max_len"], spec["hidden_size"], len(idx), torch.float32, preprocess(family, select))
+    for r in ev["rows"]:
+        item = ds[r]
+        n = min(item["input_ids"].shape[0] - (family in SHIFTED), spec["max_len"])  # shift_batch drops a position
+        batch = collate([item])
+        yield r, {k: v[:, :n].to(device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+
+
 def unpadded(batch: dict) -> dict:
     """A pack without the padding after its samples (document id -1). P-EAGLE's mask gives a padded position no key
     (peagle/attention.py `create_peagle_mask_mod`: `is_not_padding`): flex attention, its trainer's on a GPU, outputs
@@ -331,22 +349,12 @@ def evaluate_eagle3(model, spec: dict, zero: bool = False) -> dict:
     `zero`, with no states, as the drafter was trained): the library's per-step accuracies, and the accepted length
     of a block starting at every position."""
     from speculators.models.metrics import compute_accepted_length_counts
-    from speculators.train.data import CollateFn
 
-    ev = spec["eval"]
-    ds = EXPORTS[ev["export"]]
-    layers = spec["exports"][ev["export"]]["layers"]
-    idx = [layers.index(i) for i in spec["eval_layers"]]
-    select = Select(idx, spec["hidden_size"], len(layers), zero=zero)
-    collate = CollateFn(spec["max_len"], spec["hidden_size"], len(idx), torch.float32, preprocess("eagle3", select))
     model.eval()
     sums: dict[str, float] = {}
     accepted, blocks = 0.0, 0.0
-    for r in ev["rows"]:
-        item = ds[r]
-        n = min(item["input_ids"].shape[0] - 1, spec["max_len"])  # shift_batch drops a position
-        batch = collate([item])
-        batch = {k: v[:, :n].to(model.device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    for _, batch in held_out(spec, "eagle3", "eval_layers", model.device, zero=zero):
+        n = batch["input_ids"].shape[1]
         drafts, _, metrics = model(**batch, **call_kwargs())
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + float(v)
@@ -377,23 +385,11 @@ def evaluate_block(model, spec: dict, family: str) -> dict:
     a block's leading run of tokens equal to the target's argmax plus the verifier's bonus token, vLLM's convention
     as the EAGLE-3 figure (over a draft vocabulary, the target's argmax within it); and its per-position
     accuracies."""
-    from speculators.train.data import CollateFn
-
-    ev = spec["eval"]
-    ds = EXPORTS[ev["export"]]
-    layers = spec["exports"][ev["export"]]["layers"]
-    idx = [layers.index(i) for i in spec["block_layers"]]
-    collate = CollateFn(
-        spec["max_len"], spec["hidden_size"], len(idx), torch.float32, Select(idx, spec["hidden_size"], len(layers))
-    )
     block = BLOCK[family]["block_size"]
     model.eval()
     sums: dict[str, float] = {}
-    for r in ev["rows"]:
-        item = ds[r]
-        n = min(item["input_ids"].shape[0], spec["max_len"])
-        batch = collate([item])
-        batch = {k: v[:, :n].to(model.device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    for r, batch in held_out(spec, family, "block_layers", model.device):
+        n = batch["input_ids"].shape[1]
         anchors = int(batch["loss_mask"][0, : max(0, n - block)].sum())  # select_anchors' candidates, every one
         if anchors == 0:
             continue
@@ -431,22 +427,10 @@ def evaluate_peagle(model, spec: dict) -> dict:
     vocabulary, plus the verifier's bonus token, by speculators' own count (`compute_accepted_length_counts`, as the
     EAGLE-3 and block drafters' figures); the per-depth accuracies are its own metrics' (peagle/metrics.py
     `compute_metrics`)."""
-    from speculators.train.data import CollateFn
-
-    ev = spec["eval"]
-    ds = EXPORTS[ev["export"]]
-    layers = spec["exports"][ev["export"]]["layers"]
-    idx = [layers.index(i) for i in spec["eval_layers"]]
-    select = Select(idx, spec["hidden_size"], len(layers))
-    collate = CollateFn(spec["max_len"], spec["hidden_size"], len(idx), torch.float32, preprocess("peagle", select))
     model.eval()
     sums: dict[str, float] = {}
     accepted, blocks = 0.0, 0.0
-    for r in ev["rows"]:
-        item = ds[r]
-        n = min(item["input_ids"].shape[0] - 1, spec["max_len"])  # shift_batch drops a position
-        batch = collate([item])
-        batch = {k: v[:, :n].to(model.device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    for _, batch in held_out(spec, "peagle", "eval_layers", model.device):
         metrics, a, b = judge_rollouts(model, spec, batch)
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + float(v)
