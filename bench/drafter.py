@@ -1,12 +1,14 @@
-"""The end-to-end measure of the data: train drafters on our export with speculators' own models and losses (EAGLE-3,
-P-EAGLE, and the block drafters DFlash, DFlash2 and DSpark), and report their acceptance on held-out samples.
+"""The end-to-end measure of the data: train drafters on our export with the trainers' own models and losses
+(speculators' EAGLE-3, P-EAGLE and block drafters DFlash, DFlash2 and DSpark; SpecForge's Domino), and report their
+acceptance on held-out samples.
 
     python -m bench.drafter [--seeds 3] [--steps 1000] [--max-len 512] [--target-steps 1500] [--jobs 2] [--workdir D]
     python -m bench.drafter --device cuda [--hidden 256] [--layers 16] [--concurrency 128] ...     (on a GPU)
     python -m bench.drafter --target DIR ...                                  (a given model as the target)
 
-Needs DRAFTDATA_TRAINERS_PYTHON: a Python with speculators 0.9.0 (see tests/test_export.py for the venv); the drafter
-is trained there, by bench/drafter_train.py in a subprocess. Everything else runs here, with the project's own code:
+Needs DRAFTDATA_TRAINERS_PYTHON: a Python with speculators 0.9.0 and SpecForge 0.2.0 (scripts/test_envs.sh builds
+it); the drafter is trained there, by bench/drafter_train.py in a subprocess. Everything else runs here, with the
+project's own code:
 
 1. the target: the demo target (same tokenizer, shape and seed) trained on the demo corpus (bench/drafter_target.py).
    The demo target's random weights make noise that no drafter predicts, so acceptance would mean nothing. With
@@ -47,14 +49,17 @@ is trained there, by bench/drafter_train.py in a subprocess. Everything else run
    vocabulary), so a run with a draft vocabulary refuses it before any work;
 6. P-EAGLE: speculators' `PEagleDraftModel` (`peagle`) on its family's export (EAGLE-3's layers), beside
    `peagle_post_norm_as_pre` (EAGLE-3's `post_norm_as_pre` for it), judged on the same held-out samples served right,
-   each trained position drafting every one of its parallel depths, by the accepted length as EAGLE-3's is counted.
+   each trained position drafting every one of its parallel depths, by the accepted length as EAGLE-3's is counted;
+7. Domino: SpecForge's `DominoDraftModel` (`domino`; speculators has none) on DFlash's export (its layers and rows,
+   which SpecForge's own Domino export holds too), beside `domino_layers_off_by_one` (DFlash's error for it), judged on
+   the same held-out samples served right, each block drafting what SpecForge's decoding loop drafts.
 
 Writes bench/results/drafter.json: per variant, the accepted length (vLLM's convention) and speculators' per-step
 (EAGLE-3) or per-position (block drafters, P-EAGLE's depths) accuracies, mean and spread (max - min) over the seeds,
-each run's figures, and the goals: each family's correct export (`correct`, `peagle`, `dflash`, `dflash2`, `dspark`)
-beats each of its convention errors by more than 3 times the larger of the two spreads, and beside them the paired
-differences (the same seed, hence the same initial weights and order of packs, with and without the error) and, for
-the final-state errors, what they do to the targets the drafter is fitted to (`target_shift`).
+each run's figures, and the goals: each family's correct export (`correct`, `peagle`, `dflash`, `dflash2`, `dspark`,
+`domino`) beats each of its convention errors by more than 3 times the larger of the two spreads, and beside them the
+paired differences (the same seed, hence the same initial weights and order of packs, with and without the error)
+and, for the final-state errors, what they do to the targets the drafter is fitted to (`target_shift`).
 """
 
 from __future__ import annotations
@@ -117,6 +122,10 @@ def variants_for(n_layers: int) -> dict:
         "dflash2_layers_off_by_one": ("all", [i + 1 for i in block], "pre", "dflash2"),
         "dspark": ("all_dspark", block, "pre", "dspark"),
         "dspark_post_norm_as_pre": ("all_dspark", block, "post", "dspark"),
+        # SpecForge's Domino on DFlash's export (its layers and rows: SpecForge's own Domino export holds the same,
+        # tests/test_families.py), and its error as DFlash's
+        "domino": ("all_dflash", block, "pre", "domino"),
+        "domino_layers_off_by_one": ("all", [i + 1 for i in block], "pre", "domino"),
         "peagle": ("all_peagle", eagle3, "pre", "peagle"),
         "peagle_post_norm_as_pre": ("all_peagle", eagle3, "post", "peagle"),
     }
@@ -142,19 +151,17 @@ ERRORS = (
     "dflash2_layers_off_by_one",
     "dspark_post_norm_as_pre",
     "peagle_post_norm_as_pre",
+    "domino_layers_off_by_one",
 )
 # the families the hidden_states stage serves (draftdata/drafters/families.py) that no variant here trains, and why:
 # the report says so beside the figures
 UNTRAINED = {
-    "domino": "SpecForge's alone (speculators has no Domino model), and its accepted length needs a judge of "
-    "SpecForge's own block sampling (`DominoDraftModel._sample_draft_tokens`) that this bench has not got; its "
-    "export is read, and a training step of SpecForge's own model taken on it, by the trainers' tests",
     "mtp": "speculators' `MTPDraftModel` starts from the target's own MTP weights (`mtp.*`, which its `MTPConverter` "
     "reads) and builds Qwen3-family layers alone (qwen3, qwen3_next, qwen3_5); the bench's target is a Llama-family "
     "toy without MTP weights",
 }
 # each family's variant that its errors are judged against: the same drafter on the states served right
-CORRECT = {"eagle3": "correct", "peagle": "peagle", "dflash": "dflash", "dflash2": "dflash2", "dspark": "dspark"}
+CORRECT = {f: f for f in ("peagle", "dflash", "dflash2", "dspark", "domino")} | {"eagle3": "correct"}
 BLOCK_FAMILIES = ("dflash", "dflash2", "dspark")
 # the families trained on their own export of `all` (EAGLE-3's is `all` itself)
 OWN_EXPORT = ("peagle", *BLOCK_FAMILIES)
@@ -513,7 +520,10 @@ def check_device(device: str) -> None:
 def trainers_python() -> str:
     py = os.environ.get("DRAFTDATA_TRAINERS_PYTHON")
     if not py:
-        sys.exit("bench.drafter: set DRAFTDATA_TRAINERS_PYTHON to a Python with speculators 0.9.0 (see --help)")
+        sys.exit(
+            "bench.drafter: set DRAFTDATA_TRAINERS_PYTHON to a Python with speculators 0.9.0 and SpecForge 0.2.0 "
+            "(see --help)"
+        )
     return py
 
 

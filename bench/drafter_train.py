@@ -1,5 +1,5 @@
 """The training half of `python -m bench.drafter`, run by the trainers' Python (DRAFTDATA_TRAINERS_PYTHON): it imports
-speculators and torch only, never the project.
+speculators, SpecForge (for Domino) and torch only, never the project.
 
     <trainers python> bench/drafter_train.py SPEC.json OUT.json
 
@@ -20,7 +20,11 @@ per-position weight from `get_trainer_kwargs`; DFlash2's candidate selector besi
 expected accepted length (`eal`) and per-position accuracies judge them; the same loop, optimizer, schedule, packs and
 seeds train them. So is P-EAGLE (`peagle`): `PEagleDraftModel.from_training_args` on EAGLE-3's layers, its samples
 shifted as its CLI shifts them (`shift_batch`), its forward (COD-sampled parallel depths, KL loss) in training; judged
-by its own forward over every depth of a rollout at every trained position (`evaluate_peagle`).
+by its own forward over every depth of a rollout at every trained position (`evaluate_peagle`). Domino (`domino`),
+which speculators has not got, is SpecForge's: `DominoDraftModel` in its `OnlineDominoModel`, built by its own
+`build_model_bundle`, trained through its Domino train strategy's loss (the base-loss weight decaying with the step)
+on batches its own collator pads, in the same loop, optimizer, schedule and seeds; judged by that forward as its own
+decoding loop drafts (`evaluate_domino`).
 
 A variant trains on an export's states as some pipeline might have got them wrong: which of the captured layers feed the
 drafter (`layers`, physical ids, in that order), and how the final state reaches the loss (`final`: `pre` as speculators
@@ -59,6 +63,11 @@ BLOCK_DRAFT_LAYERS = 1
 # P-EAGLE as its CLI trains it by default (schema.py `PEagleArgs`; `_DEFAULT_LOSS_FN` has no entry for it: kl_div):
 # 8 parallel depths, the COD sampler's geometric keep ratio and its floor
 PEAGLE = {"loss_fn": "kl_div", "num_depths": 8, "down_sample_ratio": 0.7, "down_sample_ratio_min": 0.2}
+# Domino (SpecForge's alone) as SpecForge's own recipe trains it (configs/qwen3-8b-domino.json: a block of 16, its
+# labels shifted one on, one pure-draft prefix position, an embedding a sixteenth and a GRU a quarter of the target's
+# width: 256 and 1,024 at 4,096), with one draft layer as the others here; its base-loss weight decays as its train
+# strategy decays it (`linear_lambda_base`: from 1 to 0 over the first half of the steps)
+DOMINO = {"block_size": 16, "shift_label": True, "pure_draft_prefix_len": 1, "emb_width": 1 / 16, "gru_width": 1 / 4}
 
 
 def block_class(family: str):
@@ -162,8 +171,10 @@ def vocab_mapping(spec: dict, export: str) -> tuple:
 
 def build_drafter(spec: dict, seed: int, variant: dict):
     """The variant's family's drafter, its initial weights from `seed`, its vocabulary the one chosen from its
-    training export (or the target's whole)."""
+    training export (or the target's whole; Domino drafts over the target's whole, with its LM head)."""
     torch.manual_seed(seed)
+    if variant["family"] == "domino":
+        return build_domino(spec).float().to(spec.get("device", "cpu"))
     t2d, d2t = vocab_mapping(spec, variant["export"])
     build = {"eagle3": build_eagle3, "peagle": build_peagle}.get(variant["family"], build_block)
     return build(spec, variant["family"], t2d, d2t).float().to(spec.get("device", "cpu"))
@@ -253,6 +264,53 @@ def build_block(spec: dict, family: str, t2d, d2t):
     )
 
 
+def build_domino(spec: dict):
+    """SpecForge's Domino as `specforge train` builds it: a run config naming the family and its draft config, then
+    `build_model_bundle` (the draft from its registry, the target's embeddings and LM head, the mask token by its
+    rule, `OnlineDominoModel` around them). The draft config is the one SpecForge derives for DFlash from the target
+    (Domino's backbone; SpecForge derives none for Domino itself), with Domino's architecture and head (`DOMINO`),
+    one layer, and the block layers as its target layers (SpecForge numbers layers as HF does: the physical ids).
+    Float32 and sdpa attention: flex attention and bf16 are its GPU run's settings. Returns the training model, its
+    train strategy (`strategy`) and its draft (`draft`, what the optimizer holds, as SpecForge's trainer's does)."""
+    import tempfile
+
+    from specforge.algorithms.builtin import builtin_algorithm_registry
+    from specforge.config.schema import Config
+    from specforge.training.assembly import build_model_bundle
+    from specforge.training.model_loading import resolve_draft_config
+
+    registry = builtin_algorithm_registry()
+    alg = registry.resolve("domino")
+
+    def config(strategy: str, **model) -> Config:
+        return Config(
+            model={"target_model_path": spec["target"], "torch_dtype": "float32", **model},
+            data={"hidden_states_path": spec["exports"][spec["eval"]["export"]]["path"]},
+            training={"strategy": strategy, "attention_backend": "sdpa", "num_anchors": spec["max_anchors"]},
+        )
+
+    derived = resolve_draft_config(config("dflash"), provider=registry.resolve("dflash").providers.model.draft_config)
+    width = derived.hidden_size
+    head = {"projector_type": "domino", "shift_label": DOMINO["shift_label"]}
+    head |= {"pure_draft_prefix_len": DOMINO["pure_draft_prefix_len"]}
+    head |= {"emb_dim": int(width * DOMINO["emb_width"]), "gru_hidden_dim": int(width * DOMINO["gru_width"])}
+    draft = derived.to_dict() | {
+        "architectures": [alg.providers.model.draft_config.architecture],
+        "num_hidden_layers": BLOCK_DRAFT_LAYERS,
+        "layer_types": ["full_attention"] * BLOCK_DRAFT_LAYERS,
+        "block_size": DOMINO["block_size"],
+        "dflash_config": {"target_layer_ids": spec["block_layers"], **head},
+    }
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "draft.json"
+        path.write_text(json.dumps(draft))
+        bundle = build_model_bundle(config("domino", draft_model_config=str(path)), algorithm=alg)
+    model = bundle.model
+    model.strategy = alg.providers.step.build(model, **bundle.strategy_kwargs.options)
+    model.draft = bundle.draft_model
+    return model
+
+
 def optimizers(model, spec: dict) -> tuple[list, list]:
     """speculators' own optimizer (`build_optimizers`: AdamW, its weight decay) and learning-rate schedule, as its
     Trainer sets them up for a run of `steps` steps: linear warm-up over its default 1 % of the steps, then linear
@@ -268,32 +326,29 @@ def optimizers(model, spec: dict) -> tuple[list, list]:
 
 
 def train(model, variant: dict, spec: dict, seed: int) -> float:
-    from speculators.train.data import CollateFn
-
     ds = EXPORTS[variant["export"]]
     n_aux = len(spec["exports"][variant["export"]]["layers"])
     idx = [spec["exports"][variant["export"]]["layers"].index(i) for i in variant["layers"]]
     norm = model.verifier_norm if variant["final"] == "post" else None
     select = Select(idx, spec["hidden_size"], n_aux, norm, zero=variant["final"] == "no_states")
-    collate = CollateFn(
-        spec["max_len"], spec["hidden_size"], len(idx), torch.float32, preprocess(variant["family"], select)
-    )
     rows = spec["train_rows"][variant["export"]]
+    if variant["family"] == "domino":
+        collate, loss_of, trained, rows = domino_step(model, spec, select, ds, rows)
+    else:
+        collate, loss_of, trained = speculators_step(model, variant, spec, select, len(idx))
     gen = torch.Generator().manual_seed(seed)
-    true_norm = model.verifier_norm
+    true_norm = getattr(model, "verifier_norm", None)
     if variant["final"] == "pre_as_post":
         model.verifier_norm = torch.nn.Identity()
-    opts, schedulers = optimizers(model, spec)
+    opts, schedulers = optimizers(trained, spec)
     model.train()
     step, t0 = 0, time.perf_counter()
     while step < spec["steps"]:
         order = [rows[i] for i in torch.randperm(len(rows), generator=gen).tolist()]
         for pack in packs(ds, order, spec["max_len"]):
             batch = collate([ds[r] for r in pack])
-            batch = {k: v.to(model.device) for k, v in batch.items() if isinstance(v, torch.Tensor)}
-            if variant["family"] == "peagle":
-                batch = unpadded(batch)
-            _, loss, _ = model(**batch, **call_kwargs(variant["family"], spec["max_anchors"]))
+            batch = {k: v.to(spec.get("device", "cpu")) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+            loss = loss_of(batch, step)
             for opt in opts:
                 opt.zero_grad()
             loss.backward()
@@ -304,8 +359,54 @@ def train(model, variant: dict, spec: dict, seed: int) -> float:
             step += 1
             if step == spec["steps"]:
                 break
-    model.verifier_norm = true_norm
+    if variant["final"] == "pre_as_post":
+        model.verifier_norm = true_norm
     return time.perf_counter() - t0
+
+
+def speculators_step(model, variant: dict, spec: dict, select: Select, n_layers: int) -> tuple:
+    """(collate, loss of a batch at a step, what the optimizer holds) for speculators' drafters: its CollateFn packs
+    the samples into one row (its document ids keep them apart), the family's forward with its CLI's arguments."""
+    from speculators.train.data import CollateFn
+
+    family = variant["family"]
+    collate = CollateFn(spec["max_len"], spec["hidden_size"], n_layers, torch.float32, preprocess(family, select))
+
+    def loss_of(batch: dict, _step: int):
+        if family == "peagle":
+            batch = unpadded(batch)
+        return model(**batch, **call_kwargs(family, spec["max_anchors"]))[1]
+
+    return collate, loss_of, model
+
+
+def domino_step(model, spec: dict, select: Select, ds, rows: list[int]) -> tuple:
+    """(collate, loss of a batch at a step, what the optimizer holds, the rows it trains on) for SpecForge's Domino:
+    the rows its reader keeps (`has_consecutive_supervised_tokens`, its loss-mask filter: an anchor needs two
+    adjacent trained tokens), a pack's samples padded into rows by its own collator (its blocks attend to everything
+    before them in a row, so samples are never packed into one), its train strategy's loss with the step's context
+    (Domino's base-loss weight decays with it); the optimizer holds the draft alone, as its trainer's does."""
+    from specforge.algorithms.common.dflash_family_data import build_collator
+    from specforge.data.loss_mask import has_consecutive_supervised_tokens
+    from specforge.runtime.contracts import TrainBatch
+    from specforge.training.strategies.base import StepContext
+
+    pad = build_collator()
+
+    def collate(items: list[dict]) -> dict:
+        feats = []
+        for item in map(select, items):
+            n = min(item["input_ids"].shape[0], spec["max_len"])
+            feats.append({k: item[k][None, :n] for k in ("input_ids", "loss_mask", "hidden_states")})
+            feats[-1]["hidden_states"] = feats[-1]["hidden_states"].float()  # stored bf16; the drafter trains in fp32
+        return pad(feats)
+
+    def loss_of(batch: dict, step: int):
+        tb = TrainBatch(sample_ids=[], strategy="domino", tensors=batch)
+        return model.strategy.forward_loss(tb, StepContext(global_step=step, total_steps=spec["steps"])).loss
+
+    keep = [r for r in rows if has_consecutive_supervised_tokens(ds[r]["loss_mask"][: spec["max_len"]])]
+    return collate, loss_of, model.draft, keep
 
 
 def held_out(spec: dict, family: str, layers_key: str, device, zero: bool = False):
@@ -340,6 +441,8 @@ def evaluate(model, spec: dict, variant: dict) -> dict:
         return evaluate_eagle3(model, spec, zero=variant["final"] == "no_states")
     if variant["family"] == "peagle":
         return evaluate_peagle(model, spec)
+    if variant["family"] == "domino":
+        return evaluate_domino(model, spec)
     return evaluate_block(model, spec, variant["family"])
 
 
@@ -402,6 +505,82 @@ def evaluate_block(model, spec: dict, family: str) -> dict:
     for k in sorted((k for k in sums if k.startswith("position_") and k.endswith("_acc_sum")), key=position):
         out[k.removesuffix("_sum")] = sums[k] / max(1.0, sums[k.replace("_sum", "_total")])
     return out
+
+
+@torch.no_grad()
+def evaluate_domino(model, spec: dict) -> dict:
+    """Held-out samples one at a time, served right (the block layers), through SpecForge's own `OnlineDominoModel`
+    forward in eval mode with no base-loss weight, a block anchored at every position its anchor rule allows (this
+    token and the next trained) whose drafts lie in the sample, as the other block drafters are judged. A block
+    drafts what SpecForge's own decoding loop drafts (`spec_generate`, `_sample_draft_tokens`): its block size less
+    one tokens after the anchor, greedily, the GRU reading the anchor and then each earlier draft. Judged against
+    the target's argmax over its whole vocabulary (its final norm and head over the pre-norm last state) as
+    speculators' block drafters are, a block is accepted up to its first draft that differs from the target's
+    choice, so up to there every earlier draft is the target's choice: the GRU is given those (`teacher`), and the
+    leading run of matching drafts is the greedy sampler's. Counted by speculators' own rule
+    (`compute_accepted_length_counts`: the leading run plus the verifier's bonus token); and the per-position
+    accuracies."""
+    from speculators.models.metrics import compute_accepted_length_counts
+
+    drafts = DOMINO["block_size"] - 1
+    model.eval()
+    accepted = blocks = 0.0
+    right, total = torch.zeros(drafts), torch.zeros(drafts)
+    for _, batch in held_out(spec, "domino", "block_layers", spec.get("device", "cpu")):
+        mask, ids = batch["loss_mask"][0].bool(), batch["input_ids"][0]
+        anchors = torch.nonzero(mask[:-1] & mask[1:])[:, 0]
+        anchors = anchors[anchors + drafts < len(ids)]
+        if len(anchors) == 0:
+            continue
+        chose = target_argmax(spec, batch["verifier_last_hidden_states"][0])  # [t]: the target's token after t
+        slot = anchors[:, None] + torch.arange(1, drafts + 1, device=ids.device)[None]  # the token each drafts
+        finals = judge_domino(model, batch, anchors, teacher(model, ids, anchors, chose))
+        correct = (finals[:, :drafts].argmax(-1) == chose[slot - 1]).cpu()
+        valid = mask[slot].cpu()
+        a, b = compute_accepted_length_counts(correct, valid)
+        accepted, blocks = accepted + float(a), blocks + float(b)
+        right += (correct & valid).sum(0)
+        total += valid.sum(0)
+    out = {"accepted_length": accepted / blocks, "blocks": int(blocks), "full_acc": float(right.sum() / total.sum())}
+    for k in range(drafts):
+        out[f"position_{k}_acc"] = float(right[k] / max(1.0, float(total[k])))
+    return out
+
+
+def teacher(model, ids, anchors, chose):
+    """The tokens Domino's GRU reads in each block ([blocks, block size]): the anchor, then the target's choices
+    after it (with its labels shifted, position j reads the token before the one it drafts)."""
+    block = model.block_size
+    offsets = torch.arange(block - 1, device=ids.device)[None]
+    return torch.cat([ids[anchors][:, None], chose[(anchors[:, None] + offsets).clamp(max=len(chose) - 1)]], dim=1)
+
+
+def judge_domino(model, batch: dict, anchors, prev_ids):
+    """Domino's final logits ([blocks, block size, vocab]) through its own forward: the anchors given (its sampler
+    replaced), the GRU reading `prev_ids`, the logits read as its head computes them (in chunks, in order)."""
+    from unittest import mock
+
+    if not model.shift_label:
+        raise SystemExit("drafter_train: Domino is judged with its labels shifted (DOMINO['shift_label'])")
+    finals: list = []
+    head, inputs = model.draft_model.apply_logits_head, model._build_domino_head_inputs
+
+    def record(*args, **kwargs):
+        finals.append(head(*args, **kwargs))
+        return finals[-1]
+
+    def given(**kwargs):
+        hidden, _ = inputs(**kwargs)
+        return hidden, prev_ids[None]
+
+    keep = torch.ones_like(anchors[None], dtype=torch.bool)
+    with (
+        mock.patch.object(model, "_sample_anchor_positions", lambda *_: (anchors[None], keep)),
+        mock.patch.object(model, "_build_domino_head_inputs", given),
+        mock.patch.object(model.draft_model, "apply_logits_head", record),
+    ):
+        model(batch["input_ids"], batch["hidden_states"], batch["loss_mask"], lambda_base=0.0)
+    return torch.cat(finals, dim=1)[0]
 
 
 def full_rollouts(seq_length: int, loss_mask, num_depths: int) -> tuple:
@@ -483,23 +662,36 @@ def position(key: str) -> int:
 FULL_HEAD: dict = {}
 
 
-def full_head(spec: dict):
-    """The target's LM head over its whole vocabulary ([vocab, hidden], float32; its tied embedding where it has no
-    head of its own), read from its safetensors once."""
-    if "w" not in FULL_HEAD:
+def target_weights(spec: dict) -> dict:
+    """The target's LM head over its whole vocabulary (`head`: [vocab, hidden], float32; its tied embedding where it
+    has no head of its own) and its final norm's weight (`norm`), read from its safetensors once."""
+    if not FULL_HEAD:
         from safetensors import safe_open
 
         found = {}
         for f in sorted(Path(spec["target"]).glob("*.safetensors")):
             with safe_open(str(f), "pt") as st:
-                for key in ("lm_head.weight", "model.embed_tokens.weight"):
+                for key in ("lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"):
                     if key in st.keys():
-                        found[key] = st.get_tensor(key)
+                        found[key] = st.get_tensor(key).float().to(spec.get("device", "cpu"))
         w = found.get("lm_head.weight", found.get("model.embed_tokens.weight"))
-        if w is None:
-            raise SystemExit(f"drafter_train: no lm_head.weight or model.embed_tokens.weight in {spec['target']}")
-        FULL_HEAD["w"] = w.float().to(spec.get("device", "cpu"))
-    return FULL_HEAD["w"]
+        if w is None or "model.norm.weight" not in found:
+            raise SystemExit(f"drafter_train: no LM head or final norm (model.norm.weight) in {spec['target']}")
+        FULL_HEAD.update(head=w, norm=found["model.norm.weight"])
+    return FULL_HEAD
+
+
+def full_head(spec: dict):
+    return target_weights(spec)["head"]
+
+
+def target_argmax(spec: dict, last):
+    """The target's token after each position ([t]) from its pre-norm last state ([t, hidden]): its final RMS norm
+    (as transformers' Llama and Qwen norms compute it, in float32, with the epsilon of its config) and its head."""
+    eps = json.loads((Path(spec["target"]) / "config.json").read_text()).get("rms_norm_eps", 1e-6)
+    x = last.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return ((target_weights(spec)["norm"] * x) @ full_head(spec).T).argmax(-1)
 
 
 def to_target_ids(model, draft):
@@ -566,6 +758,8 @@ def built(variant: dict, spec: dict) -> dict:
         return {}
     if family == "peagle":
         recipe = {"model": "PEagleDraftModel", "draft_layers": 1, **PEAGLE}
+    elif family == "domino":
+        recipe = {"model": "DominoDraftModel", "draft_layers": BLOCK_DRAFT_LAYERS, **DOMINO}
     else:
         recipe = {"model": block_class(family).__name__, "draft_layers": BLOCK_DRAFT_LAYERS, **BLOCK[family]}
     return {"drafter": recipe | {"max_anchors": spec["max_anchors"]}}

@@ -938,6 +938,8 @@ DRAFTER_LABELS = {
     "dspark_post_norm_as_pre": "DSpark given the post-norm last state where pre-norm is expected",
     "peagle": "P-EAGLE on our export for peagle",
     "peagle_post_norm_as_pre": "P-EAGLE given the post-norm last state where pre-norm is expected",
+    "domino": "Domino (SpecForge's) on our export for dflash",
+    "domino_layers_off_by_one": "Domino given the layers one above its own (speculators' ids taken for physical ones)",
 }
 # The data's choices side by side: (what is compared, the variant, the one it is compared with); the difference is
 # the first's accepted length less the second's, seed by seed (the same initial weights and order of packs).
@@ -1172,8 +1174,10 @@ def block_intro(r: dict, blocks: dict) -> str:
     layers = s.get("block_layers")
     served = f"their layers {', '.join(map(str, layers))}" if layers else "their layers"
     peagle = any(family(x) == "peagle" for x in blocks.values())
+    domino = any(family(x) == "domino" for x in blocks.values())
     return (
-        f"{'Block and parallel' if peagle else 'Block'} drafters, speculators' own models: "
+        f"{'Block and parallel' if peagle else 'Block'} drafters, "
+        f"{'the trainers' if domino else 'speculators'}' own models: "
         + "; ".join(parts)
         + ". Each trains on its family's export of "
         "`all` with the EAGLE-3 drafters' steps, packs, seeds and schedule, and is judged on the same held-out "
@@ -1183,6 +1187,7 @@ def block_intro(r: dict, blocks: dict) -> str:
         f"size for {anchored(blocks)}, whose first slot is the anchor, one more for DSpark); accuracy: `full_acc` over "
         "every drafted position, and the first drafted position's."
         + (peagle_judged(s) if peagle else "")
+        + (DOMINO_JUDGED if domino else "")
         + " Cells: mean (spread, max − min over the seeds)."
     )
 
@@ -1194,8 +1199,28 @@ def anchored(blocks: dict) -> str:
     return and_list(names or ["DFlash"])
 
 
+# how Domino is judged, unlike speculators' block drafters (bench/drafter_train.py `evaluate_domino`)
+DOMINO_JUDGED = (
+    " Domino trains on DFlash's export (the same layers and rows as SpecForge's own Domino export) through SpecForge's "
+    "`OnlineDominoModel` and its train strategy's loss, a pack's samples padded into rows by SpecForge's collator, and "
+    "is judged by that forward with a block anchored at every position whose token and the next are trained: each "
+    "block drafts what SpecForge's decoding loop drafts (its block size less one tokens, its GRU reading the anchor "
+    "and then the drafts before), counted as the others (the leading run equal to the target's argmax, plus the "
+    "bonus token: at most its block size)."
+)
+
+
 def recipe(model: str, d: dict, step_s: float) -> str:
-    """A drafter's recipe in a few words: a block drafter's block and loss, P-EAGLE's depths and COD sampling."""
+    """A drafter's recipe in a few words: a block drafter's block and loss, P-EAGLE's depths and COD sampling,
+    Domino's GRU head."""
+    if "gru_width" in d:
+        return (
+            f"SpecForge's `DominoDraftModel` ({d['draft_layers']} draft layer, where its Qwen3-8B recipe has 5; "
+            f"block {d['block_size']}, labels shifted one on, its GRU {d['gru_width']:g} and its embedding "
+            f"{d['emb_width']:g} of the target's width as that recipe has them, the base-loss weight decaying to 0 "
+            f"over the first half of the steps as its strategy does, {num(d['max_anchors'])} blocks a pack; a training "
+            f"step {step_s:.2f} s)"
+        )
     if "num_depths" in d:
         return (
             f"`{model}` ({d['draft_layers']} draft layer, speculators' default; {d['num_depths']} parallel depths, "
@@ -1507,10 +1532,17 @@ def block_quality(r: dict) -> str:
     beaten = [DRAFTER_LABELS[goal_parts(k)[1]] for k, ok in r["goals"].items() if ok and goal_parts(k)[1] in errors]
     kinds = "Block and parallel" if any(family(v[e]) == "peagle" for e in errors) else "Block"
     return (
-        f"\n{kinds} drafters (speculators' own {and_list(sorted({BLOCK_NAMES[family(v[e])] for e in errors}))}, "
+        f"\n{kinds} drafters ({owners({family(v[e]) for e in errors})}, "
         f"one draft layer, {num(r['settings']['steps'])} steps), each with its own convention error: {pairs}. "
         f"Beaten by more than 3× the larger spread of the two: {', '.join(beaten) or 'none'}.\n"
     )
+
+
+def owners(families: set[str]) -> str:
+    """Whose models the trained block families are: speculators' and, for Domino, SpecForge's."""
+    theirs = and_list(sorted(BLOCK_NAMES[f] for f in families if f != "domino"))
+    own = [f"speculators' own {theirs}"] if theirs else []
+    return and_list(own + (["SpecForge's own Domino"] if "domino" in families else []))
 
 
 def and_list(names: list[str]) -> str:

@@ -55,13 +55,17 @@ def test_the_block_variants_read_their_familys_export_and_layers():
     assert v["dflash_layers_off_by_one"] == ("all", [2, 3, 4, 5, 6], "pre", "dflash")
     assert v["dspark"] == ("all_dspark", block, "pre", "dspark")
     assert v["dspark_post_norm_as_pre"] == ("all_dspark", block, "post", "dspark")
-    assert all(x[3] == "eagle3" for n, x in v.items() if not n.startswith(("dflash", "dspark", "peagle")))
+    assert all(x[3] == "eagle3" for n, x in v.items() if not n.startswith(("dflash", "dspark", "peagle", "domino")))
     assert [drafter.correct_for(n) for n in drafter.ERRORS] == ["correct"] * 4 + [
         "dflash",
         "dflash2",
         "dspark",
         "peagle",
+        "domino",
     ]
+    # SpecForge's Domino reads DFlash's layers and rows (speculators has no export for it), its error DFlash's
+    assert v["domino"] == ("all_dflash", block, "pre", "domino")
+    assert v["domino_layers_off_by_one"] == v["dflash_layers_off_by_one"][:3] + ("domino",)
     assert drafter.captured_layers(8) == [1, 2, 3, 4, 5, 6]
     deep = drafter.variants_for(16)
     assert deep["dflash"][1] == [1, 4, 7, 10, 13] and deep["dflash_layers_off_by_one"][1] == [2, 5, 8, 11, 14]
@@ -539,16 +543,57 @@ def test_a_drafter_trained_on_our_export_beats_a_convention_error(tmp_path):
     assert len(r["target"]["after"]["adjacent_layer_cosine"]) == r["target"]["shape"]["num_layers"] - 2
 
 
+# SpecForge's own greedy block sampler (`DominoDraftModel._sample_draft_tokens`, what its `spec_generate` drafts a block
+# with) beside the bench's judge, on the same draft hidden states: given the sampler's own drafts to read, the judge's
+# forward drafts exactly them, so given the target's choices it drafts what the sampler would up to its first miss
+DOMINO_SAMPLER = """
+import json, sys, types, torch
+from unittest import mock
+sys.path.insert(0, sys.argv[1])
+import drafter_train as dt
+spec = json.loads(open(sys.argv[2]).read())
+for name, e in spec["exports"].items():
+    dt.EXPORTS[name] = dt.load_export(e["path"], spec["max_len"])
+torch.manual_seed(0)
+model = dt.build_domino(spec).float().eval()
+for p in model.draft.parameters():  # weights far from their start, so that drafts differ block to block
+    p.data.normal_(0, 0.5)
+_, batch = next(dt.held_out(spec, "domino", "block_layers", "cpu"))
+ids, mask, block = batch["input_ids"][0], batch["loss_mask"][0].bool(), model.block_size
+anchors = torch.nonzero(mask[:-1] & mask[1:])[:, 0]
+anchors = anchors[anchors + block <= len(ids)][:12]
+hidden, inputs = [], model._build_domino_head_inputs
+def grab(**kw):
+    h, p = inputs(**kw)
+    hidden.append(h)
+    return h, p
+with torch.no_grad(), mock.patch.object(model, "_build_domino_head_inputs", grab):
+    dt.judge_domino(model, batch, anchors, torch.zeros(len(anchors), block, dtype=torch.long))
+target = types.SimpleNamespace(lm_head=model.lm_head, model=types.SimpleNamespace(embed_tokens=model.embed_tokens))
+drafts = []
+with torch.no_grad():
+    for n, a in enumerate(anchors.tolist()):
+        start = torch.full((1, block), model.mask_token_id, dtype=torch.long)
+        start[0, 0] = ids[a]
+        drafts.append(model.draft_model._sample_draft_tokens(target, hidden[0][0, n][None], start)[0])
+    drafts = torch.stack(drafts)
+    judged = dt.judge_domino(model, batch, anchors, torch.cat([ids[anchors][:, None], drafts], dim=1))
+print(json.dumps({"sampled": drafts.tolist(), "judged": judged[:, : block - 1].argmax(-1).tolist()}))
+"""
+
+
 @pytest.mark.trainers
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(1500)
 @pytest.mark.skipif(not TRAINERS_PYTHON, reason="set DRAFTDATA_TRAINERS_PYTHON to a Python with speculators")
 def test_the_block_drafters_train_on_their_familys_export_and_are_judged(tmp_path):
-    """A short run of speculators' DFlash and DSpark on our exports (few steps and anchors: the path, not the
-    figures): each export holds its family's layers, each drafter is judged on the same held-out blocks as its
-    error, its accepted length between 1 (the bonus token alone) and its block's longest, its per-position
-    accuracies fractions."""
+    """A short run of speculators' DFlash and DSpark and SpecForge's Domino on our exports (few steps and anchors: the
+    path, not the figures): each export holds its family's layers, each drafter is judged on the same held-out blocks
+    as its error, its accepted length between 1 (the bonus token alone) and its block's longest, its per-position
+    accuracies fractions. Domino's judge drafts what SpecForge's own greedy sampler drafts."""
+    import subprocess
+
     out, work = tmp_path / "drafter.json", tmp_path / "work"
-    variants = "correct,dflash,dflash_layers_off_by_one,dspark"
+    variants = "correct,dflash,dflash_layers_off_by_one,dspark,domino,domino_layers_off_by_one"
     drafter.main(
         [
             *("--seeds", "1", "--budgets", "8000,4000,2000", "--variants", variants),
@@ -564,15 +609,27 @@ def test_the_block_drafters_train_on_their_familys_export_and_are_judged(tmp_pat
         ("dflash", 16, range(1, 16)),  # its first slot is the anchor, the verifier's token
         ("dflash_layers_off_by_one", 16, range(1, 16)),
         ("dspark", 9, range(8)),  # every slot drafts
+        ("domino", 16, range(15)),  # its labels shifted: the slot after the anchor drafts, the last one does not
+        ("domino_layers_off_by_one", 16, range(15)),
     ):
         (run,) = r["variants"][name]["runs"]
         assert math.isfinite(run["accepted_length"]) and 1 <= run["accepted_length"] <= longest, (name, run)
         assert sorted(k for k in run if k.startswith("position_")) == sorted(f"position_{k}_acc" for k in positions)
         assert all(0 <= run[k] <= 1 for k in run if k.startswith(("position_", "full_acc"))), (name, run)
-    blocks = [r["variants"][n]["runs"][0]["blocks"] for n in ("dflash", "dflash_layers_off_by_one")]
-    assert blocks[0] == blocks[1] > 0
+    for family in ("dflash", "domino"):
+        blocks = [r["variants"][n]["runs"][0]["blocks"] for n in (family, f"{family}_layers_off_by_one")]
+        assert blocks[0] == blocks[1] > 0, family
     assert r["variants"]["dspark"]["drafter"]["model"] == "DSparkDraftModel"
-    assert set(r["goals"]) == {"dflash_beats_dflash_layers_off_by_one"}
+    assert r["variants"]["domino"]["drafter"]["model"] == "DominoDraftModel"
+    assert set(r["goals"]) == {"dflash_beats_dflash_layers_off_by_one", "domino_beats_domino_layers_off_by_one"}
+
+    (tmp_path / "sampler.py").write_text(DOMINO_SAMPLER)
+    cmd = [TRAINERS_PYTHON, "-I", str(tmp_path / "sampler.py"), str(ROOT / "bench"), str(work / "spec0.json")]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["judged"] == got["sampled"]
+    assert len({tuple(d) for d in got["sampled"]}) > 1  # blocks that differ: the check could fail
 
 
 def test_eagle3_beside_the_block_drafters_is_quoted_only_where_its_samples_were_shifted():
@@ -591,5 +648,5 @@ def test_the_families_no_variant_trains_are_named_with_why():
     trained = {v[3] for v in drafter.VARIANTS.values()}
     assert set(FAMILIES) == trained | set(drafter.UNTRAINED) and not trained & set(drafter.UNTRAINED)
     line = report.untrained_lines({"correct": {"variant": {"family": "eagle3"}}})[-1]
-    assert "Domino:" in line and "MTP:" in line
+    assert "MTP:" in line and "Domino" not in line  # SpecForge's Domino is trained
     assert report.untrained_lines({f: {"variant": {"family": f}} for f in drafter.UNTRAINED}) == []
