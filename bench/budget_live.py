@@ -50,6 +50,7 @@ import time
 from pathlib import Path
 
 from bench.budget import ideal_through, slow_episodes
+from bench.servers import bare_target
 from bench.stage import MODEL, id_plan, stage_config
 
 RESULTS = Path(__file__).parent / "results"
@@ -150,7 +151,7 @@ def run_ours(url: str, prompts: list[list[int]], args) -> dict:
         )
         store = ResponseStore(cfg.run.store_path)
         try:
-            stats = generate_missing(cfg, None, plan, {}, store, standing(plan, {}, cfg.ds))
+            stats = generate_missing(cfg, bare_target(), plan, {}, store, standing(plan, {}, cfg.ds))
             _, kept, _ = select_responses(plan, store.get_many(p.key for p in plan), cfg.ds)
         finally:
             store.close()

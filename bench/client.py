@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+from bench.servers import bare_target
 from bench.stage import MODEL, stage_config
 
 RESULTS = Path(__file__).parent / "results"
@@ -141,7 +142,7 @@ def run_ours(url: str, n: int, concurrency: int, tokens: int, stream: bool = Tru
         quiet = SimpleNamespace(update=lambda _dispatcher: None)
 
         async def go() -> float:
-            backend = make_backend(cfg, tokenizer=None)
+            backend = make_backend(cfg, bare_target())
             await backend.start()
             ctrl = BudgetController(cfg.ds.token_budget, cfg.ds.max_tokens, concurrency, observes_rate=stream)
             t0 = time.perf_counter()

@@ -212,13 +212,13 @@ class StepTimes:
 
 
 def measure_backend(model: Path, c: int, reqs: list[dict], kind: str, **backend) -> dict:
-    from draftdata.config.schema import ModelConfig
     from draftdata.generate.connect import make_backend
     from draftdata.generate.embedded.loop import SlotBatching
-    from draftdata.model.tokenizer import load_tokenizer
+    from draftdata.model.target import load_target
 
     async def go():
-        b = make_backend(_config(model, c, kind, **backend), load_tokenizer(ModelConfig(path=str(model))))
+        cfg = _config(model, c, kind, **backend)
+        b = make_backend(cfg, load_target(cfg, None))
         await b.start()
         if kind == "embedded":  # every request generates its count (see the module docstring): no end of turn
             b.stop_ids.clear()

@@ -59,6 +59,7 @@ from pathlib import Path
 
 from bench.budget import MAX_TOKENS as FAMILY_MAX_TOKENS
 from bench.budget import draw
+from bench.servers import bare_target
 from bench.stage import MODEL, id_plan, stage_config
 
 RESULTS = Path(__file__).parent / "results"
@@ -441,7 +442,7 @@ def generate(urls: list[str], run: Run, prompts: list[list[int]]) -> dict:
         try:
             # landing exact, as the stage runs it (RunPlan.landed): the settled run from the first request decides
             landed = Landed.of(plan, {}, ds)
-            stats = generate_missing(cfg, Words(), plan, {}, store, standing(plan, {}, ds), landed=landed)
+            stats = generate_missing(cfg, bare_target(Words()), plan, {}, store, standing(plan, {}, ds), landed=landed)
         finally:
             wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
         selected, kept, _ = select_responses(plan, store.get_many(p.key for p in plan), ds)

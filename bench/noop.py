@@ -43,8 +43,7 @@ RESULTS = ROOT / "bench" / "results"
 FLOOR = (
     "import stages.generate; from draftdata.config.load import load_config; "
     "from draftdata.config.schema import template_kwargs_of; "
-    "from draftdata.model.tokenizer import load_target_tokenizer; cfg = load_config('S', []); "
-    "load_target_tokenizer(cfg.model, template_kwargs_of(cfg, 'S'))"
+    "from draftdata.model.target import load_target; cfg = load_config('S', []); load_target(cfg, None)"
 )
 
 
@@ -88,12 +87,14 @@ def fill() -> None:
     from draftdata.config.load import load_config
     from draftdata.generate.planning import plan_requests
     from draftdata.generate.store import ResponseStore, StoredResponse
-    from draftdata.model.tokenizer import load_tokenizer
+    from draftdata.model.target import load_target
     from draftdata.util.files import read_jsonl
+    from draftdata.util.sqlite import hash_cache_path
 
     cfg = load_config("S", [])
     store = ResponseStore("store.sqlite")
-    plan = plan_requests(cfg, list(read_jsonl("data/S/prompts.jsonl")), load_tokenizer(cfg.model), store)
+    target = load_target(cfg, hash_cache_path(Path("store.sqlite")))
+    plan = plan_requests(cfg, list(read_jsonl("data/S/prompts.jsonl")), target, store)
     store.put_many(
         [StoredResponse(p.key, "S", p.prompt["id"], "ok fine", p.prompt_tokens, 8, "stop", "", 0) for p in plan]
     )
@@ -106,14 +107,16 @@ def fill_turns() -> None:
     from draftdata.config.load import load_config
     from draftdata.generate.planning import plan_conversations
     from draftdata.generate.store import ResponseStore, StoredResponse
-    from draftdata.model.tokenizer import load_tokenizer
+    from draftdata.model.target import load_target
     from draftdata.util.files import read_jsonl
+    from draftdata.util.sqlite import hash_cache_path
 
     cfg = load_config("S", [])
-    tok, store = load_tokenizer(cfg.model), ResponseStore("store.sqlite")
+    target, store = load_target(cfg, hash_cache_path(Path("store.sqlite"))), ResponseStore("store.sqlite")
+    tok = target.tok
     prompts = list(read_jsonl("data/S/prompts.jsonl"))
     ids = tok.encode("ok fine", add_special_tokens=False) + [tok.eos_token_id]
-    while todo := {c.next.key: c.next for c in plan_conversations(cfg, prompts, tok, store, None)[0] if c.next}:
+    while todo := {c.next.key: c.next for c in plan_conversations(cfg, prompts, target, store, None)[0] if c.next}:
         rows = [
             StoredResponse(p.key, "S", p.prompt["id"], "ok fine", p.prompt_tokens, len(ids), "stop", "", 0)
             for p in todo.values()

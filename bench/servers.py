@@ -65,3 +65,11 @@ def transformers_serve(model: Path, log_path: Path, timeout: float = 90.0):
 
     # OMP_NUM_THREADS=1: a tiny model on 2 cores, threads only contend
     return server_process(argv, log_path, {"OMP_NUM_THREADS": "1"}, timeout)
+
+
+def bare_target(tok=None):
+    """The target as a client of servers whose model this process never reads sees it (a fake server's fleet, a
+    bench of the client alone): its tokenizer (None: none), no template facts, no fingerprints."""
+    from draftdata.model.target import Target
+
+    return Target(tok, None, frozenset(), (), "", "", None, False)

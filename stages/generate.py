@@ -20,10 +20,10 @@ from draftdata.generate.planning import RunPlan
 from draftdata.generate.run import check_before_requests, run_generation
 from draftdata.generate.stale import check_stale
 from draftdata.generate.store import ResponseStore
-from draftdata.model.tokenizer import load_target_tokenizer
+from draftdata.model.target import load_target
 from draftdata.util.files import data_dir, read_jsonl
 from draftdata.util.log import log
-from draftdata.util.sqlite import resolve_store_path
+from draftdata.util.sqlite import hash_cache_path, resolve_store_path
 
 
 def main(cfg: Config) -> None:
@@ -35,21 +35,23 @@ def main(cfg: Config) -> None:
         )
     prompts = list(read_jsonl(out / "prompts.jsonl"))
     split = split_rows(cfg, prompts)  # one part, or one per mode
-    # each part's tokenizer, before the store opens: its ids fit the model, its template ends the turn where it stops
-    toks = [load_target_tokenizer(sub.model, sub.template_kwargs) for _, sub, _ in split]
-    store = ResponseStore(resolve_store_path(cfg.run.store_path))
+    store_path = resolve_store_path(cfg.run.store_path)
+    hashes = hash_cache_path(store_path)
+    # each part's target, before the store opens: found, its tokenizer and template checked, its fingerprints
+    targets = [load_target(sub, hashes) for _, sub, _ in split]
+    store = ResponseStore(store_path)
     try:
         # every part planned (its prompts rendered and checked) before any request
         plans = [
-            (mode, sub, rows, tok, RunPlan.make(sub, rows, tok, store, limits.context))
-            for (mode, sub, rows), (tok, limits) in zip(split, toks)
+            (mode, sub, rows, target, RunPlan.make(sub, rows, target, store))
+            for (mode, sub, rows), target in zip(split, targets)
         ]
-        for mode, sub, _, tok, run in plans:  # every part's requests checked before the first part sends one
-            check_before_requests(sub, tok, run.standing.todo)
+        for mode, sub, _, target, run in plans:  # every part's requests checked before the first part sends one
+            check_before_requests(sub, target, run.standing.todo)
             check_stale(sub, run, out / "generate_metrics.json", mode)  # a change that regenerates: said first
         parts = [
-            Part(mode, sub, rows, run, run_generation(sub, tok, run, store, mode), tok)
-            for mode, sub, rows, tok, run in plans
+            Part(mode, sub, rows, run, run_generation(sub, target, run, store, mode), target.tok)
+            for mode, sub, rows, target, run in plans
         ]
         written = write_outputs(cfg, out, prompts, parts, store, time.time() - t0)
     finally:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bench.servers import free_port, server_process, transformers_serve  # noqa: F401 (tests import them from here)
+from bench.servers import bare_target, free_port, server_process, transformers_serve  # noqa: F401 (tests import them from here)
 
 ROOT = Path(__file__).resolve().parents[1]
 # DVC runs a stage's `python -m stages.X` from the PATH: the Python running the tests, activated or not
@@ -108,6 +108,14 @@ def dataset_params(name: str, shape: str, **over) -> dict:
     for k, v in over.items():
         ds[k] = v
     return ds
+
+
+def target_for(cfg, tok=None):
+    """The target as the generate stage loads it (`load_target`: found, its tokenizer and template checked, its
+    fingerprints; its file hashes not cached); `tok`: a tokenizer loaded already."""
+    from draftdata.model.target import load_target
+
+    return load_target(cfg, None, tok)
 
 
 def expected_tokens(tok, rec: dict, answer: dict) -> list[int]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from conftest import ROOT, free_port, transformers_serve
+from conftest import ROOT, bare_target, free_port, target_for, transformers_serve
 
 from bench.fake_server import EOS_ID, VLLM_ENGINE_DEAD, FakeServer, Fault, Faults, fake_output_ids, fake_text
 from draftdata.config.schema import (
@@ -89,8 +89,10 @@ def request(rid: str = "r1", ids=IDS, max_tokens: int = 16, stream: bool = False
 
 
 @asynccontextmanager
-async def started(cfg: Config, tokenizer=None):
-    backend = make_backend(cfg, tokenizer)
+async def started(cfg: Config, target=None):
+    """The configured backend, started, for `target` (as generate loads it: `target_for`; None: a client that knows
+    no tokenizer)."""
+    backend = make_backend(cfg, target or bare_target())
     await backend.start()
     try:
         yield backend
@@ -98,8 +100,8 @@ async def started(cfg: Config, tokenizer=None):
         await backend.close()
 
 
-async def generate(cfg: Config, req: GenRequest, tokenizer=None):
-    async with started(cfg, tokenizer) as backend:
+async def generate(cfg: Config, req: GenRequest, target=None):
+    async with started(cfg, target) as backend:
         return await backend.generate(req)
 
 
@@ -556,7 +558,7 @@ def test_embedded_streams_the_partial_and_keeps_it_on_cancel(endless_model):
     ids = render_prompt_ids(tok, MESSAGES, None, {})
 
     async def go():
-        async with started(cfg, tok) as backend:
+        async with started(cfg, target_for(cfg, tok)) as backend:
             done = request(ids=ids, max_tokens=24, stream=True)
             res = await backend.generate(done)
             cut = request("r2", ids=ids, max_tokens=2000, stream=True)
@@ -589,7 +591,7 @@ def test_embedded_partial_ends_as_the_response_when_its_last_token_splits_a_char
     async def answer(max_tokens: int, seed: int):
         req = request(ids=ids, max_tokens=max_tokens, stream=True)
         req.seed = seed
-        async with started(cfg, tok) as backend:
+        async with started(cfg, target_for(cfg, tok)) as backend:
             return req, await backend.generate(req)
 
     cut_at = None
@@ -615,7 +617,7 @@ def test_embedded_stops_on_every_end_of_turn_of_the_generation_config(endless_mo
         tok = load_tokenizer(cfg.model)
 
         async def go():
-            async with started(cfg, tok) as backend:
+            async with started(cfg, target_for(cfg, tok)) as backend:
                 req = request(ids=render_prompt_ids(tok, MESSAGES, None, {}), max_tokens=8)
                 req.seed = 7
                 return await backend.generate(req)
@@ -644,7 +646,7 @@ def test_embedded_goes_on_past_gpt_oss_end_of_message(harmony_model):
     end, ret, call = tok.convert_tokens_to_ids(["<|end|>", "<|return|>", "<|call|>"])
 
     async def go():
-        async with started(cfg, tok) as backend:
+        async with started(cfg, target_for(cfg, tok)) as backend:
             res = await backend.generate(request(ids=render_prompt_ids(tok, MESSAGES, None, {}), max_tokens=6))
             return backend.stop_ids, res
 
@@ -674,7 +676,8 @@ def test_transformers_serve_completions_and_chat(serve, endless_model, prompt_fo
     tok = load_tokenizer(ModelConfig(path=str(endless_model)))
     ids = render_prompt_ids(tok, MESSAGES, None, {})
     req = request(ids=ids, max_tokens=8, stream=stream)
-    res = run(generate(openai(serve, endless_model, prompt_format=prompt_format), req, tok))
+    cfg = openai(serve, endless_model, prompt_format=prompt_format)
+    res = run(generate(cfg, req, target_for(cfg, tok)))
     assert res.ok, res.detail
     assert res.finish_reason == "length" and res.completion_tokens == 8 and res.text
     assert res.output_ids is None  # transformers serve returns text only
@@ -688,7 +691,8 @@ def test_transformers_serve_limits_are_reported_not_retried(serve, endless_model
     ids_prompt = run(generate(openai(serve, endless_model, prompt_format="ids"), request()))
     assert ids_prompt.error == "http_400" and "prompt must be a string" in ids_prompt.detail
     tok = load_tokenizer(ModelConfig(path=str(endless_model)))
-    token_ids = run(generate(openai(serve, endless_model, prompt_format="chat", return_token_ids=True), request(), tok))
+    cfg = openai(serve, endless_model, prompt_format="chat", return_token_ids=True)
+    token_ids = run(generate(cfg, request(), target_for(cfg, tok)))
     assert token_ids.error == "http_422" and "return_token_ids" in token_ids.detail
 
 
@@ -706,7 +710,7 @@ def test_transformers_serve_disconnect_stops_generation(serve, endless_model):
     cfg = openai(serve, endless_model, prompt_format="text", request_timeout_s=60.0)
 
     async def go():
-        async with started(cfg, tok) as backend:
+        async with started(cfg, target_for(cfg, tok)) as backend:
             long = request("long", ids=ids, max_tokens=4000, stream=True)
             task = asyncio.create_task(backend.generate(long))
             await until(lambda: long.partial.completion_tokens >= 1, timeout=20)
@@ -851,7 +855,7 @@ def test_embedded_stop_cancels_in_the_manager_and_returns_the_streamed_partial(e
     tok = load_tokenizer(cfg.model)
 
     async def go():
-        async with started(cfg, tok) as backend:
+        async with started(cfg, target_for(cfg, tok)) as backend:
             req = request(ids=render_prompt_ids(tok, MESSAGES, None, {}), max_tokens=2000, stream=True)
             task = asyncio.create_task(backend.generate(req))
             await until(lambda: req.partial.completion_tokens >= 5, timeout=30)
@@ -978,7 +982,7 @@ def test_a_datasets_template_kwargs_win_over_the_models_in_what_is_sent(fake, ti
     tok = load_tokenizer(model)
     native = sglang(srv.url)
     native.model.template_kwargs, native.ds.template_kwargs = {"enable_thinking": True}, {"enable_thinking": False}
-    assert run(generate(native, request(ids=None), tok)).ok
+    assert run(generate(native, request(ids=None), bare_target(tok))).ok  # a fake server's: only the tokenizer
     assert srv.generate_calls[1]["input_ids"] == render_prompt_ids(tok, MESSAGES, None, {"enable_thinking": False})
     assert tok.decode(srv.generate_calls[1]["input_ids"]).endswith("<think>\n\n</think>\n\n")
 

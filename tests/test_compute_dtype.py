@@ -34,12 +34,12 @@ def test_a_bad_compute_dtype_is_refused_naming_the_key(project):
 
 def keys(project, *overrides: str) -> set[str]:
     from draftdata.generate.planning import plan_requests
-    from draftdata.model.tokenizer import load_tokenizer
+    from draftdata.model.target import load_target
     from draftdata.util.files import read_jsonl
 
     cfg = load_config("B3", list(overrides), params_path=project.path / "params.yaml")
     prompts = list(read_jsonl(project.data("B3") / "prompts.jsonl"))
-    return {p.key for p in plan_requests(cfg, prompts, load_tokenizer(cfg.model))}
+    return {p.key for p in plan_requests(cfg, prompts, load_target(cfg, None))}
 
 
 def test_an_arithmetic_other_than_the_weights_is_keyed_apart_and_a_server_s_is_not_ours(project):
@@ -119,12 +119,13 @@ def _fp8_copy(tiny_model, tmp_path):
 
 def test_a_quantized_target_is_never_cast_by_an_in_process_engine(project, tiny_model, tmp_path, monkeypatch):
     """An FP8 checkpoint cast to another dtype loses its scales with no error: the embedded backend (which always
-    casts and packs the weights itself) refuses it, the hf engine refuses a compute dtype other than the weights',
-    both before a weight is read; at the weights' own dtype the hf engine goes on to load it."""
+    casts and packs the weights itself) refuses it where its target is loaded, the hf engine refuses a compute dtype
+    other than the weights', both before a weight is read; at the weights' own dtype the hf engine goes on to load
+    it."""
     from draftdata.config.schema import ModelConfig
-    from draftdata.generate.embedded.backend import EmbeddedBackend
     from draftdata.hidden.engines.hf import HFEngine
     from draftdata.model import load
+    from draftdata.model.target import load_target
 
     fp8 = _fp8_copy(tiny_model, tmp_path)
     assert compute.quantization_method(ModelConfig(path=str(fp8))) == "fp8"
@@ -134,7 +135,7 @@ def test_a_quantized_target_is_never_cast_by_an_in_process_engine(project, tiny_
 
     cfg = load_config("B3", [f"model.path={fp8}"], params_path=project.path / "params.yaml")
     with pytest.raises(ConfigError, match=r"^backend\.kind: embedded cannot run .*fp8.* \(fp8\)"):
-        EmbeddedBackend(cfg, tokenizer=None)
+        load_target(cfg, None)
     with pytest.raises(ConfigError, match=r"^model\.compute_dtype: .* is quantized \(fp8\): computing it in bfloat16"):
         HFEngine(ModelConfig(path=str(fp8), compute_dtype="bfloat16"), [1])
     assert not loads

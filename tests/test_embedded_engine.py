@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+from conftest import target_for
 
 from draftdata.config.schema import BackendConfig, BackendKind, Config, DatasetConfig, ModelConfig, SamplingConfig
 from draftdata.errors import ConfigError
@@ -66,7 +67,7 @@ def generate_once(cfg, tok, request, after_start=lambda: None):
     and the request's result."""
 
     async def go():
-        backend = make_backend(cfg, tok)
+        backend = make_backend(cfg, target_for(cfg, tok))
         await backend.start()
         try:
             after_start()
@@ -96,7 +97,7 @@ def test_a_model_without_llamas_config_fields_is_a_config_error_under_slots(gpt2
     cfg = config(gpt2_model, "slots")
 
     async def go():
-        backend = make_backend(cfg, load_tokenizer(cfg.model))
+        backend = make_backend(cfg, target_for(cfg))
         try:
             await backend.start()
         finally:
@@ -120,7 +121,7 @@ def test_slots_on_a_machine_with_a_gpu_runs_on_its_cpu(tiny_model, monkeypatch):
     prompt = render_prompt_ids(tok, [{"role": "user", "content": "Hello there"}], None, {})
 
     async def go():
-        backend = make_backend(cfg, tok)
+        backend = make_backend(cfg, target_for(cfg, tok))
         await backend.start()
         try:
             device = next(backend.manager.model.parameters()).device.type

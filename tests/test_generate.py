@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, target_for
 
 from draftdata.util.files import read_jsonl
 
@@ -271,7 +271,7 @@ def test_an_embedded_continuation_draws_what_the_uninterrupted_answer_drew(tiny_
         return GenRequest(f"a{seed}", list(prompt), [], None, 40, sampling, partial=parked or Partial(), seed=seed)
 
     async def go():
-        backend = make_backend(cfg, tok)
+        backend = make_backend(cfg, target_for(cfg, tok))
         await backend.start()
         try:
             wholes = await asyncio.gather(*(backend.generate(request(s)) for s in seeds))
@@ -366,12 +366,12 @@ def test_prompts_the_template_renders_alike_are_one_sample(project, tmp_path, mo
     """The prompts stage dedups by message JSON; a template that trims the content renders "Hello" and "Hello\\n" to
     the same ids, hence one store key. Generate asks it once and outputs it once, the first prompt's, with its
     tokens counted once toward the budget, and says how many it dropped."""
-    import draftdata.generate.embedded.backend as embedded
+    import draftdata.model.target as target
     from draftdata.model.tiny import CHAT_TEMPLATE
 
     # the tiny target may end an answer at its first token, an empty answer the output skips (and a later run asks
     # again): without a stop token every answer runs to max_tokens, so each of the three keys has one in the output
-    monkeypatch.setattr(embedded, "end_of_turn_ids", lambda *args, **kwargs: set())
+    monkeypatch.setattr(target, "end_of_turn_ids", lambda *args, **kwargs: set())
 
     untrimmed = "(message.content or '')"
     assert untrimmed in CHAT_TEMPLATE
@@ -444,7 +444,7 @@ def test_a_changed_template_kwargs_or_tokenizer_file_renders_again(project, tiny
 
     def planned(*overrides: str, cached: bool = True):
         cfg = load_config("B3", list(overrides), params_path=project.path / "params.yaml")
-        plan = plan_requests(cfg, prompts, load_tokenizer(cfg.model), store if cached else None)
+        plan = plan_requests(cfg, prompts, target_for(cfg), store if cached else None)
         return [(p.key, p.prompt_ids) for p in plan]
 
     def renders_of(*overrides: str) -> int:
@@ -486,8 +486,9 @@ def test_a_plan_from_the_cache_neither_decodes_nor_encodes_prompt_ids(project, t
     cfg = load_config("B3", [], params_path=project.path / "params.yaml")
     tok = load_tokenizer(cfg.model)
     store = ResponseStore(tmp_path / "cache.sqlite")
-    expected = [(p.key, p.prompt_ids) for p in plan_requests(cfg, prompts, tok, None)]
-    plan_requests(cfg, prompts, tok, store)  # renders and caches
+    target = target_for(cfg, tok)
+    expected = [(p.key, p.prompt_ids) for p in plan_requests(cfg, prompts, target, None)]
+    plan_requests(cfg, prompts, target, store)  # renders and caches
     with sqlite3.connect(tmp_path / "cache.sqlite") as db:  # the text earlier versions stored too: still read as is
         stored = {json.dumps(ids, separators=(",", ":")) for _, ids in expected}
         assert {ids for (ids,) in db.execute("SELECT ids FROM rendered")} == stored
@@ -506,7 +507,7 @@ def test_a_plan_from_the_cache_neither_decodes_nor_encodes_prompt_ids(project, t
 
     monkeypatch.setattr(json, "loads", counted_loads)
     monkeypatch.setattr(json, "dumps", counted_dumps)
-    cached = plan_requests(cfg, prompts, tok, store)
+    cached = plan_requests(cfg, prompts, target, store)
     assert decoded[0] == 0 and encoded[0] <= 1  # one template of the key's JSON, none per prompt
     assert [(p.key, p.prompt_ids) for p in cached] == expected  # decoded when asked for
     assert [p.prompt_tokens for p in cached] == [len(ids) for _, ids in expected]

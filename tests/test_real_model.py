@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEMO, ROOT
+from conftest import DEMO, ROOT, target_for
 from test_conversation import chat_conv, drive, target
 from test_tokenize_turns import config as turns_config
 from test_tokenize_turns import responses, runs, trained
@@ -114,7 +114,6 @@ def demo_prompts(tok, n: int) -> list[list[int]]:
 def generate(model_dir: Path, prompts: list[list[int]], max_tokens: int, concurrency: int) -> list:
     from draftdata.generate.backends.protocol import GenRequest
     from draftdata.generate.connect import make_backend
-    from draftdata.model.tokenizer import load_tokenizer
 
     cfg = Config(
         model=ModelConfig(path=str(model_dir)),
@@ -125,7 +124,7 @@ def generate(model_dir: Path, prompts: list[list[int]], max_tokens: int, concurr
     cfg.datasets["d"].sampling = SamplingConfig(temperature=0.0, top_p=1.0)
 
     async def go():
-        backend = make_backend(cfg, load_tokenizer(cfg.model))
+        backend = make_backend(cfg, target_for(cfg))
         await backend.start()
         try:
             gate = asyncio.Semaphore(concurrency)

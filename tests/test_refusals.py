@@ -436,7 +436,7 @@ REFUSALS: dict[str, dict | tuple[str, str]] = {
         },
     },
     "draftdata/model/compute.py": {
-        "check_embedded_target": {"backend.kind: embedded cannot run {model.path}: its": twin("embedded-quantized")},
+        "refuse_quantized": {"backend.kind: embedded cannot run {model.path}: its": twin("embedded-quantized")},
         "check_hf_cast": {
             "model.compute_dtype: {model.path} is quantized ({method}): computing": twin("hf-cast-quantized")
         },
@@ -455,7 +455,6 @@ REFUSALS: dict[str, dict | tuple[str, str]] = {
             "model.trust_remote_code: {path} ships its own code": twin("model.trust_remote_code"),
             "model.path: cannot load {what} from {path}:": twin("model.path-cannot-load"),
         },
-        "check_tokenizer_fits": {"model.path: the tokenizer at {model.path} has": twin("tokenizer-past-embeddings")},
         "find_decoder": {"model.path: cannot find the decoder layers": twin("no-decoder")},
     },
     "draftdata/model/packaged.py": {
@@ -490,7 +489,8 @@ REFUSALS: dict[str, dict | tuple[str, str]] = {
         "check_template_end": {"{key}: the chat template ends an": twin("template-ends-where-target-goes-on")},
         "_template_end_token": {"model.chat_template: the chat template fails on": twin("template-fails")},
         "_refuse_foreign_marker": {"model.chat_template: the chat template ends an": twin("template-of-another-model")},
-        "load_tokenizer": {"model.chat_template: the tokenizer at {model.path} has": twin("no-chat-template")},
+        "tokenizer_at": {"model.chat_template: the tokenizer at {model.path} has": twin("no-chat-template")},
+        "check_tokenizer_fits": {"model.path: the tokenizer at {model.path} has": twin("tokenizer-past-embeddings")},
     },
     "draftdata/sources/files.py": {
         "_unreadable": {

@@ -11,7 +11,7 @@ import sqlite3
 from collections import Counter
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, target_for
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from bench.fake_server import FakeServer, GreedyModel
@@ -439,7 +439,7 @@ def test_a_later_turn_past_the_context_ends_its_conversation(conv_project, tiny_
     store = ResponseStore(project.path / "store.sqlite")
     try:
         room = max(len(line["prompt_ids"]) for line in lines if line["turn"] == 1)  # every turn 1 fits
-        convs, _ = plan_conversations(cfg, prompts, tok, store, room + MAX_TOKENS)
+        convs, _ = plan_conversations(cfg, prompts, target_for(cfg, tok), store, room + MAX_TOKENS)
     finally:
         store.close()
     turn2 = {line["conversation"]: len(line["prompt_ids"]) for line in lines if line["turn"] == 2}

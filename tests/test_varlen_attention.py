@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 import torch
+from conftest import target_for
 
 from draftdata.config.schema import BackendConfig, BackendKind, Config, DatasetConfig, ModelConfig, SamplingConfig
 from draftdata.generate.embedded import varlen_attention
@@ -148,7 +149,7 @@ def test_greedy_answers_from_packed_chunked_prefills_equal_one_prompt_generation
     async def go():
         from draftdata.generate.backends.protocol import GenRequest
 
-        backend = make_backend(cfg, tok)
+        backend = make_backend(cfg, target_for(cfg, tok))
         await backend.start()
         try:
             reqs = [GenRequest(f"r{i}", ids, None, None, 12, {}) for i, ids in enumerate(prompts)]

@@ -18,7 +18,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
-from conftest import DEMO, dataset_params, expected_tokens, server_process, trained_text
+from conftest import DEMO, dataset_params, expected_tokens, server_process, target_for, trained_text
 
 from draftdata.config.schema import BackendConfig, BackendKind, Config, DatasetConfig, ModelConfig, TinyModelConfig
 from draftdata.generate.backends.protocol import GenRequest, Partial
@@ -99,7 +99,7 @@ def serve_project(project, url: str, model: Path, **backend) -> None:
 
 @asynccontextmanager
 async def started(cfg: Config, tok):
-    backend = make_backend(cfg, tok)
+    backend = make_backend(cfg, target_for(cfg, tok))
     await backend.start()
     try:
         yield backend

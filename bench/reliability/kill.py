@@ -588,11 +588,13 @@ def seeds_to_keys(base: Project) -> dict[int, str]:
     from draftdata.config.load import load_config
     from draftdata.generate.backends.protocol import seed_of
     from draftdata.generate.planning import plan_requests
-    from draftdata.model.tokenizer import load_tokenizer
+    from draftdata.model.target import load_target
+    from draftdata.util.sqlite import hash_cache_path
 
-    # an absolute store path: the model's file hashes are cached beside it, not in this process's directory
-    cfg = load_config(DATASET, [f"run.store_path={base.store}"], params_path=base.path / "params.yaml")
-    plan = plan_requests(cfg, read_jsonl(base.data / "prompts.jsonl"), load_tokenizer(cfg.model))
+    # the model's file hashes are cached beside the store, not in this process's directory
+    cfg = load_config(DATASET, [], params_path=base.path / "params.yaml")
+    target = load_target(cfg, hash_cache_path(Path(base.store)))
+    plan = plan_requests(cfg, read_jsonl(base.data / "prompts.jsonl"), target)
     return {seed_of(p.key): p.key for p in plan}
 
 

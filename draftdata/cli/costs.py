@@ -19,7 +19,9 @@ from draftdata.generate.planning import conversation_plan, plan_conversations, p
 from draftdata.generate.request import Planned
 from draftdata.generate.store import ResponseStore, StoredResponse
 from draftdata.hidden.shards import bytes_per_token, disk_per_token
+from draftdata.model.target import Target, load_target
 from draftdata.util.files import data_dir, read_jsonl
+from draftdata.util.sqlite import hash_cache_path, resolve_store_path
 
 # Disk estimates where no output exists yet to measure, in bytes per token of prompt + completion.
 # responses.jsonl holds each token about twice: as a JSON id (5-7 bytes with its comma) and as text (the prompt in
@@ -236,11 +238,13 @@ def plan_dataset(
         records = list(read_jsonl(prompts_path))
         # each mode's rows under its own settings, as generate plans them (one part where there are no modes)
         for mode, sub, rows in split_rows(cfg, records):
+            # its keys as generate computes them (rendered prompt ids, model fingerprint, sampling, max_tokens)
+            target = load_target(sub, hash_cache_path(resolve_store_path(cfg.run.store_path)), tokenizer())
             if ds.turns == Turns.all:
-                more, found, slots, left = _conversation_turns(sub, rows, tokenizer(), store)
+                more, found, slots, left = _conversation_turns(sub, rows, target, store)
                 turns, left_to_send = (turns or 0) + slots, (left_to_send or 0) + left
-            else:  # the same keys generate computes (rendered prompt ids, model fingerprint, sampling, max_tokens)
-                more = plan_requests(sub, rows, tokenizer(), store)
+            else:
+                more = plan_requests(sub, rows, target, store)
                 found = store.get_many(p.key for p in more) if store is not None else {}
             if mode is not None:  # its share lands on its own (a mode past its share takes nothing off another's)
                 modes.append(_mode_plan(mode, sub.ds, len(rows), more, found))
@@ -341,12 +345,12 @@ class _NoStore:
 
 
 def _conversation_turns(
-    cfg: Config, records: list[dict], tok, store: ResponseStore | None
+    cfg: Config, records: list[dict], target: Target, store: ResponseStore | None
 ) -> tuple[list[Planned], dict[str, StoredResponse], int, int]:
     """`turns: all`: each conversation walked over the turns the store holds, as generate walks it. The turns
     answered and each one's next, the store's rows for them, the source turns of all conversations (their
     `slots`), and the turns a run could still send (those left of the conversations that have not ended)."""
-    convs, _ = plan_conversations(cfg, records, tok, store or _NoStore(), None)
+    convs, _ = plan_conversations(cfg, records, target, store or _NoStore(), None)
     planned, stored = conversation_plan(convs, store or _NoStore())
     left = sum(len(c.rec["slots"]) - len(c.done) for c in convs if c.next is not None)
     return planned, stored, sum(len(r["slots"]) for r in records), left

@@ -319,6 +319,11 @@ def chat_template_file(name: str) -> Path:
     raise ConfigError("model.chat_template", f"file not found: {name} (a .jinja file, or a preset: {known})")
 
 
+def chat_template_text(model: ModelConfig) -> str | None:
+    """The chat template `model.chat_template` names, read (None: the tokenizer's own)."""
+    return None if model.chat_template is None else chat_template_file(model.chat_template).read_text()
+
+
 @dataclass
 class TinyModelConfig:
     path: str = "models/tiny-llama"

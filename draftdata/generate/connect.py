@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from draftdata.config.schema import BackendKind, Config, check_sampling_sent
 from draftdata.generate.backends.protocol import Backend
+from draftdata.model.target import Target
 
 
-def make_backend(cfg: Config, tokenizer) -> Backend:
+def make_backend(cfg: Config, target: Target) -> Backend:
+    """The configured backend, for the target as load_target found it (its tokenizer, what its template does)."""
     cfg.backend.check("backend")  # before any connection is opened
     if cfg.dataset is not None:
         check_sampling_sent(cfg)  # no sampling setting is dropped silently
@@ -15,11 +17,11 @@ def make_backend(cfg: Config, tokenizer) -> Backend:
     if kind == BackendKind.embedded:
         from draftdata.generate.embedded.backend import EmbeddedBackend
 
-        return EmbeddedBackend(cfg, tokenizer)
+        return EmbeddedBackend(cfg, target)
     if kind == BackendKind.sglang:
         from draftdata.generate.backends.sglang import SGLangBackend
 
-        return SGLangBackend(cfg, tokenizer)
+        return SGLangBackend(cfg, target)
     from draftdata.generate.backends.openai import OpenAIBackend
 
-    return OpenAIBackend(cfg, tokenizer)
+    return OpenAIBackend(cfg, target)

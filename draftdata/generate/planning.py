@@ -12,7 +12,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from draftdata.config.schema import BackendKind, BudgetUnit, Config, DatasetConfig, TrainOn, Turns, check_room
+from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, TrainOn, Turns
 from draftdata.errors import UserError
 from draftdata.generate.accounting import Standing, standing, unusable_reason
 from draftdata.generate.conversation import TurnRendering, turns
@@ -20,19 +20,16 @@ from draftdata.generate.request import Planned, request_keys
 from draftdata.generate.selection import Landed, LandedConversations, lands_exact
 from draftdata.generate.store import ResponseStore, StoredResponse, ids_json
 from draftdata.generate.work import BUDGET, FAILED, Conversation, ConversationQueue, Renders, step_over_stored
-from draftdata.model.compute import embedded_on_gpu
-from draftdata.model.fingerprint import run_model_fingerprint
-from draftdata.model.tokenizer import render_prompt_ids, tokenizer_fingerprint
-from draftdata.util.hashing import content_hash
+from draftdata.model.target import Target
+from draftdata.model.tokenizer import render_prompt_ids
 
 
 def check_context(plan: list[Planned], cfg: Config, context: int | None) -> None:
     """Before any request: a prompt and its max_tokens must fit the target's context, or every such request would
-    come back an error (or be cut short) after costing a round trip."""
+    come back an error (or be cut short) after costing a round trip (a max_tokens that leaves no room at all was
+    refused with the target: load_target)."""
     if context is None:
         return
-    key = f"datasets.{cfg.dataset}"
-    check_room(cfg.ds, key, context)
     room = context - cfg.ds.max_tokens
     over = [p for p in plan if p.prompt_tokens > room]
     if over:
@@ -40,72 +37,59 @@ def check_context(plan: list[Planned], cfg: Config, context: int | None) -> None
         raise UserError(
             f"{first.prompt.get('where', first.prompt['id'])}: a prompt of {first.prompt_tokens:,} "
             f"tokens + max_tokens {cfg.ds.max_tokens:,} exceeds the target's context of {context:,} "
-            f"({len(over)} prompts like it); set {key}.max_prompt_tokens to at most {room:,} (the "
+            f"({len(over)} prompts like it); set datasets.{cfg.dataset}.max_prompt_tokens to at most {room:,} (the "
             "prompts stage then drops them) or lower max_tokens"
         )
 
 
-def plan_requests(cfg: Config, prompts: Iterable[dict], tok, store: ResponseStore | None = None) -> list[Planned]:
+def plan_requests(
+    cfg: Config, prompts: Iterable[dict], target: Target, store: ResponseStore | None = None
+) -> list[Planned]:
     """One request per store key, in prompt order. The prompts stage dedups by message JSON, but prompts that differ
     only in what the chat template drops (a template that trims whitespace renders "Hello" and "Hello\\n" alike)
     get one key. The first is kept and the others dropped: else one response would be sent, output and counted
     toward the budget once per prompt. The number dropped is the number of prompts less the plan's length
     (generate_metrics' duplicate_after_template). With a store, rendered prompts are cached there."""
     ds, prompts = cfg.ds, list(prompts)
-    model_fp, render_fp = fingerprints(cfg, tok)
-    key_of = request_keys(model_fp, ds.sampling.as_dict(), ds.max_tokens)
+    rendered = rendered_prompts(cfg, target, prompts, store)
+    key_of = request_keys(target.model_fp, ds.sampling.as_dict(), ds.max_tokens)
     plan: dict[str, Planned] = {}
-    for rec, ids in zip(prompts, rendered_prompts(cfg, render_fp, prompts, tok, store)):
+    for rec, ids in zip(prompts, rendered):
         key = key_of(ids)
         if key not in plan:
             plan[key] = Planned(rec, key, ids)
     return list(plan.values())
 
 
-def rendered_prompts(cfg: Config, fp: str, prompts: list[dict], tok, store: ResponseStore | None) -> list[str]:
+def rendered_prompts(cfg: Config, target: Target, prompts: list[dict], store: ResponseStore | None) -> list[str]:
     """Each prompt's ids under the chat template, as `ids_json` text; those rendered by an earlier run under the same
-    model, tokenizer files, template, template kwargs and tokenizer libraries (`fp`, the render fingerprint) come
+    model, tokenizer files, template, template kwargs and tokenizer libraries (the target's render fingerprint) come
     from the store (a 100k-prompt rerun would otherwise render them all again, also when the budget is already
     met)."""
-    kwargs = cfg.template_kwargs
+    kwargs, fp = cfg.template_kwargs, target.render_fp
     cached = store.get_rendered(fp, (rec["id"] for rec in prompts)) if store is not None else {}
     new: dict[str, str] = {}
     out = []
     for rec in prompts:
         ids = cached.get(rec["id"])
         if ids is None:  # the id is a hash of the messages and tools: all the template reads of a prompt
-            ids = new[rec["id"]] = ids_json(render_prompt_ids(tok, rec["messages"], rec.get("tools"), kwargs))
+            ids = new[rec["id"]] = ids_json(render_prompt_ids(target.tok, rec["messages"], rec.get("tools"), kwargs))
         out.append(ids)
     if store is not None and new:
         store.put_rendered(fp, new)
     return out
 
 
-def fingerprints(cfg: Config, tok) -> tuple[str, str]:
-    """A run's two fingerprints, derived once where it is planned: the model's (its files: part of every request
-    key) and the render cache's (the model's, the tokenizer's files, template and the dataset's template kwargs, and
-    the tokenizer libraries' versions)."""
-    import tokenizers
-    import transformers
-
-    embedded = cfg.backend.kind == BackendKind.embedded
-    model_fp = run_model_fingerprint(cfg, in_process=embedded, on_gpu=embedded_on_gpu(cfg) if embedded else None)
-    libraries = {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
-    tokenizer = tokenizer_fingerprint(tok, cfg.model, cfg.template_kwargs)
-    return model_fp, content_hash({"model": model_fp, "tokenizer": tokenizer, **libraries}, n=32)
-
-
 def plan_conversations(
-    cfg: Config, prompts: list[dict], tok, store: ResponseStore, context: int | None
+    cfg: Config, prompts: list[dict], target: Target, store: ResponseStore, context: int | None
 ) -> tuple[list[Conversation], Renders]:
     """Every conversation walked over the turns the store holds, in prompt order, and the turns' renders (those
     made on the way are kept). `context`: the target's (None: unknown); a later turn that does not fit it with
     max_tokens ends its conversation."""
     ds = cfg.ds
-    fp, render_fp = fingerprints(cfg, tok)
-    renders = Renders.load(render_fp, store, prompts)
+    renders = Renders.load(target.render_fp, store, prompts)
     kwargs = cfg.template_kwargs
-    rendering = TurnRendering(tok, kwargs, fp, ds.sampling.as_dict(), ds.max_tokens, renders.turns)
+    rendering = TurnRendering(target.tok, kwargs, target.model_fp, ds.sampling.as_dict(), ds.max_tokens, renders.turns)
     commands = ds.source.shape == "swe_agent"  # its actions are fenced shell commands in the text
     every_turn = cfg.tokenize.train_on == TrainOn.all_turns
     walks = [(rec, turns(rec, rendering, ds.on_tool_divergence.value, commands)) for rec in prompts]
@@ -218,13 +202,14 @@ class RunPlan:
     stale: int = 0  # prompts to send that the store answered under another key: a change left them behind
 
     @classmethod
-    def make(cls, cfg: Config, prompts: list[dict], tok, store: ResponseStore, context: int | None) -> RunPlan:
+    def make(cls, cfg: Config, prompts: list[dict], target: Target, store: ResponseStore) -> RunPlan:
+        context = target.context
         if cfg.ds.turns != Turns.all:
-            plan = plan_requests(cfg, prompts, tok, store)  # one per key: prompts rendered alike are asked once
+            plan = plan_requests(cfg, prompts, target, store)  # one per key: prompts rendered alike are asked once
             check_context(plan, cfg, context)
             run = cls(plan, store.get_many(p.key for p in plan), len(prompts) - len(plan), ds=cfg.ds)
             return run.settle(store, cfg.dataset)
-        convs, renders = plan_conversations(cfg, prompts, tok, store, context)  # each walked over its stored turns
+        convs, renders = plan_conversations(cfg, prompts, target, store, context)  # each walked over its stored turns
         check_context([c.first for c in convs if c.first is not None], cfg, context)
         run = cls(*conversation_plan(convs, store), convs=convs, ds=cfg.ds)
         room = None if context is None else context - cfg.ds.max_tokens

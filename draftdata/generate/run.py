@@ -18,12 +18,13 @@ from draftdata.generate.request import Planned
 from draftdata.generate.selection import Landed
 from draftdata.generate.store import ResponseStore, StoredResponse
 from draftdata.generate.work import ConversationQueue, WorkQueue
+from draftdata.model.target import Target
 from draftdata.util.log import log
 
 
 async def _generate(
     cfg: Config,
-    tok,
+    target: Target,
     todo: list[Planned] | WorkQueue,
     ctrl: BudgetController,
     store: ResponseStore,
@@ -33,10 +34,10 @@ async def _generate(
 ) -> RunStats:
     stream = cfg.ds.on_budget == OnBudget.keep_partial or cfg.backend.stream
     ctrl.observes_rate = stream
-    backend = make_backend(cfg, tok)
+    backend = make_backend(cfg, target)
     await backend.start()  # health and model checks, before any prompt is sent
     progress = Progress(cfg, ctrl.committed, mode)
-    dispatcher = Dispatcher(backend, ctrl, store, cfg, tok, stream, parked, progress, landed)
+    dispatcher = Dispatcher(backend, ctrl, store, cfg, target.tok, stream, parked, progress, landed)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, dispatcher.interrupt)
@@ -67,7 +68,9 @@ def named(mode: str | None) -> dict[str, str]:
     return {} if mode is None else {"mode": mode}
 
 
-def run_generation(cfg: Config, tok, run: RunPlan, store: ResponseStore, mode: str | None = None) -> RunStats:
+def run_generation(
+    cfg: Config, target: Target, run: RunPlan, store: ResponseStore, mode: str | None = None
+) -> RunStats:
     """Generate what the budget still needs over the store's answers (nothing where they meet it), then read back
     what the store holds for the run's prompts. `mode`: the mode whose share `cfg` holds, named in the lines."""
     ds, usable = cfg.ds, run.standing.usable
@@ -75,25 +78,25 @@ def run_generation(cfg: Config, tok, run: RunPlan, store: ResponseStore, mode: s
         status = f"budget met: {run.committed:,} >= {ds.token_budget:,} tokens from the store's answers"
         log("generate", dataset=cfg.dataset, **named(mode), status=status)
         return RunStats(reused=usable)
-    stats = generate_missing(cfg, tok, run.plan, run.stored, store, run.standing, run.queue, run.landed, mode)
+    stats = generate_missing(cfg, target, run.plan, run.stored, store, run.standing, run.queue, run.landed, mode)
     stats.reused = usable
     run.reread(store)
     return stats
 
 
-def check_before_requests(cfg: Config, tok, todo: list[Planned]) -> None:
+def check_before_requests(cfg: Config, target: Target, todo: list[Planned]) -> None:
     """What only the requests to send can show wrong, refused before any is sent: a chat-format server's answers
     that tokenize could not render as the model wrote them (check_chat_rendering)."""
     if cfg.backend.kind == BackendKind.openai and todo:
         # imported here, as make_backend imports the backends: a run that sends nothing does not import aiohttp
         from draftdata.generate.backends.openai import check_chat_rendering
 
-        check_chat_rendering(cfg, tok, [p.prompt for p in todo])
+        check_chat_rendering(cfg, target, [p.prompt for p in todo])
 
 
 def generate_missing(
     cfg: Config,
-    tok,
+    target: Target,
     plan: list[Planned],
     stored: dict[str, StoredResponse],
     store: ResponseStore,
@@ -137,7 +140,7 @@ def generate_missing(
     )
     try:
         work = todo if conversations is None else conversations
-        return asyncio.run(_generate(cfg, tok, work, ctrl, store, parked, landed, mode))
+        return asyncio.run(_generate(cfg, target, work, ctrl, store, parked, landed, mode))
     except Interrupted:
         log(
             "generate",

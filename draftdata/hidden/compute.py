@@ -32,8 +32,8 @@ from draftdata.hidden.tally import HiddenTally
 from draftdata.hidden.writer import ShardWriter
 from draftdata.model.compute import vllm_fingerprint, weights_dtype
 from draftdata.model.fingerprint import run_model_fingerprint
-from draftdata.model.load import check_tokenizer_fits, model_dir, model_limits
-from draftdata.model.tokenizer import load_tokenizer
+from draftdata.model.load import model_dir, model_limits
+from draftdata.model.tokenizer import check_tokenizer_fits, load_tokenizer
 from draftdata.util.hashing import content_hash
 
 

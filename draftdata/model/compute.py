@@ -28,22 +28,32 @@ DTYPES = ("float32", "bfloat16", "float16")
 def weights_dtype(model: ModelConfig) -> str:
     """The dtype of the target's weights as its config.json states it (float32 when it says nothing, as transformers
     loads such a model)."""
+    return config_dtype(_config(model))
+
+
+def quantization_method(model: ModelConfig) -> str | None:
+    """The quantization of the target's checkpoint as its config.json names it: fp8, gptq, awq, ...; None for plain
+    weights."""
+    return config_quantization(_config(model))
+
+
+def _config(model: ModelConfig) -> dict | None:
     local = Path(model_dir(model)).expanduser() / "config.json"
-    if not local.is_file():
-        return "float32"
-    conf = json.loads(local.read_text())
+    return json.loads(local.read_text()) if local.is_file() else None
+
+
+def config_dtype(conf: dict | None) -> str:
+    """The weights' dtype a config.json (`conf`; None: none) states, its text config's for a multimodal wrapper."""
+    conf = conf or {}
     text = conf.get("text_config") or {}
     name = conf.get("dtype") or conf.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
     return name if name in DTYPES else "float32"
 
 
-def quantization_method(model: ModelConfig) -> str | None:
-    """The quantization of the target's checkpoint as its config.json names it (`quantization_config`, or
-    `compression_config` for compressed-tensors; the text config's too): fp8, gptq, awq, ...; None for plain weights."""
-    local = Path(model_dir(model)).expanduser() / "config.json"
-    if not local.is_file():
-        return None
-    conf = json.loads(local.read_text())
+def config_quantization(conf: dict | None) -> str | None:
+    """The quantization a config.json names (`quantization_config`, or `compression_config` for
+    compressed-tensors; the text config's too)."""
+    conf = conf or {}
     for holder in (conf, conf.get("text_config") or {}):
         for key in ("quantization_config", "compression_config"):
             if isinstance(q := holder.get(key), dict):
@@ -54,7 +64,11 @@ def quantization_method(model: ModelConfig) -> str | None:
 def check_embedded_target(model: ModelConfig) -> None:
     """The embedded backend casts the whole model to its compute dtype and packs the linear layers' weights itself:
     a quantized checkpoint's weights would lose their scales (FP8) or be refused by transformers (GPTQ)."""
-    method = quantization_method(model)
+    refuse_quantized(model, quantization_method(model))
+
+
+def refuse_quantized(model: ModelConfig, method: str | None) -> None:
+    """`check_embedded_target` of a checkpoint whose quantization (`method`, None: plain weights) is known."""
     if method is not None:
         raise ConfigError(
             "backend.kind",

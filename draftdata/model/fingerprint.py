@@ -20,7 +20,7 @@ from draftdata.model.tokenizer import _SHA256_HEX
 from draftdata.util.files import atomic_path
 from draftdata.util.hashing import content_hash
 from draftdata.util.log import log
-from draftdata.util.sqlite import hash_cache_path
+from draftdata.util.sqlite import hash_cache_path, resolve_store_path
 
 if TYPE_CHECKING:
     from draftdata.config.schema import Config
@@ -53,7 +53,7 @@ def run_model_fingerprint(cfg: Config, in_process: bool = False, on_gpu: bool | 
     for every stage. `in_process`: the step runs the target itself (the embedded backend, the hf hidden-states
     engine), so the dtype it computes in (`model.compute_dtype`, resolved) is part of it where it is not the
     weights' own (model/compute.py); `on_gpu`: where it computes (default: a GPU if there is one)."""
-    fp = model_fingerprint(cfg.model.path, cfg.model.revision, hash_cache_path(cfg.run.store_path))
+    fp = model_fingerprint(cfg.model.path, cfg.model.revision, hash_cache_path(resolve_store_path(cfg.run.store_path)))
     if not in_process:
         return fp
     return computed_fingerprint(fp, compute_dtype(cfg.model, on_gpu), weights_dtype(cfg.model))
@@ -80,6 +80,12 @@ def model_fingerprint(path: str, revision: str | None, cache_path: Path | None =
     root = Path(path)
     if not root.is_dir():
         root, revision = hub_snapshot(path, revision)
+    return files_fingerprint(str(root), revision, cache_path)
+
+
+def files_fingerprint(folder: str, revision: str | None, cache_path: Path | None = None) -> str:
+    """`model_fingerprint` of a target found already (`model.load.locate`: its directory, its revision resolved)."""
+    root = Path(folder)
     files = [f for f in sorted(root.iterdir()) if f.is_file() and not f.name.startswith(".")]
     # The same formula as when every file was read in full, so existing response stores keep their keys.
     return content_hash({"files": _files_sha256(root, files, cache_path), "revision": revision})

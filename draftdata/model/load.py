@@ -125,6 +125,12 @@ def hub_snapshot(path: str, revision: str | None) -> tuple[Path, str]:
     return folder, folder.name
 
 
+@dataclass(frozen=True)
+class ModelLimits:
+    context: int | None  # max_position_embeddings of the text model
+    vocab: int | None  # rows of its embedding matrix
+
+
 def model_dir(model: ModelConfig) -> str:
     """Where the target's files are loaded from: a local path as given; for a hub id, its snapshot in the local HF
     cache at the commit `model.revision` resolves to, the one the fingerprint names, so that what is loaded is
@@ -132,6 +138,38 @@ def model_dir(model: ModelConfig) -> str:
     if looks_local(model.path) or Path(model.path).expanduser().is_dir():
         return model.path
     return str(hub_snapshot(model.path, model.revision)[0])
+
+
+@dataclass(frozen=True)
+class Located:
+    """The target's files as a stage finds them, once: their directory (`model_dir`), the revision they are
+    identified by (a hub id's commit; a local directory's `model.revision` as given), and its config.json (None:
+    none there, a directory holding only the tokenizer of a model served elsewhere)."""
+
+    dir: str
+    revision: str | None
+    config: dict | None
+
+    @property
+    def limits(self) -> ModelLimits:
+        """The target's context length and vocabulary size, from its config alone (unknown without one)."""
+        if self.config is None:
+            return ModelLimits(None, None)
+        conf = self.config.get("text_config") or self.config  # a multimodal wrapper's language model
+        return ModelLimits(_context(conf), conf.get("vocab_size"))
+
+
+def locate(model: ModelConfig) -> Located:
+    """`model.path` found (a mistyped local path refused at once), a hub id at its cached snapshot, and its config
+    read: what every later look at the target reads, without finding it again."""
+    check_model_path(model.path)
+    if looks_local(model.path) or Path(model.path).expanduser().is_dir():
+        folder, revision = model.path, model.revision
+    else:
+        snapshot, revision = hub_snapshot(model.path, model.revision)
+        folder = str(snapshot)
+    local = Path(folder).expanduser() / "config.json"
+    return Located(folder, revision, json.loads(local.read_text()) if local.is_file() else None)
 
 
 def load_error(e: Exception, what: str, path: str) -> ConfigError:
@@ -145,22 +183,10 @@ def load_error(e: Exception, what: str, path: str) -> ConfigError:
     return ConfigError("model.path", f"cannot load {what} from {path!r}: {first}")
 
 
-@dataclass(frozen=True)
-class ModelLimits:
-    context: int | None  # max_position_embeddings of the text model
-    vocab: int | None  # rows of its embedding matrix
-
-
 def model_limits(model: ModelConfig) -> ModelLimits:
     """The target's context length and vocabulary size, from its config alone (no weights). Unknown (None) where
     there is no config to read: a directory holding only the tokenizer, for a model that lives on the server."""
-    check_model_path(model.path)
-    local = Path(model_dir(model)).expanduser() / "config.json"
-    if local.is_file():
-        conf = json.loads(local.read_text())
-        conf = conf.get("text_config") or conf  # a multimodal wrapper's language model
-        return ModelLimits(_context(conf), conf.get("vocab_size"))
-    return ModelLimits(None, None)
+    return locate(model).limits
 
 
 def _context(conf: dict) -> int | None:
@@ -173,17 +199,6 @@ def _context(conf: dict) -> int | None:
     if n and factor and scaling.get("original_max_position_embeddings", n) == n:
         return int(n * factor)
     return n
-
-
-def check_tokenizer_fits(tok, model: ModelConfig, limits: ModelLimits) -> None:
-    """A tokenizer with ids the model has no embedding for is another model's: refused before any work (the
-    target would index past its embeddings, or a server would answer for ids that mean something else)."""
-    if limits.vocab is not None and len(tok) > limits.vocab:
-        raise ConfigError(
-            "model.path",
-            f"the tokenizer at {model.path!r} has {len(tok):,} tokens but the model's "
-            f"embeddings only {limits.vocab:,}: they are not a pair (a tokenizer from another model?)",
-        )
 
 
 def load_model(model: ModelConfig, device_map: str | None = None, device: str | None = None):

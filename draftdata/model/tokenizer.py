@@ -8,16 +8,9 @@ import json
 import re
 from pathlib import Path
 
-from draftdata.config.schema import ModelConfig, chat_template_file
+from draftdata.config.schema import ModelConfig, chat_template_text
 from draftdata.errors import ConfigError
-from draftdata.model.load import (
-    ModelLimits,
-    check_model_path,
-    check_tokenizer_fits,
-    load_error,
-    model_dir,
-    model_limits,
-)
+from draftdata.model.load import ModelLimits, load_error, locate, model_limits
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
@@ -168,8 +161,12 @@ def plain_fast_tokenizer(path: str) -> bool:
 
 
 def load_tokenizer(model: ModelConfig, need_template: bool = True):
-    check_model_path(model.path)
-    source = model_dir(model)
+    return tokenizer_at(locate(model).dir, model, chat_template_text(model), need_template)
+
+
+def tokenizer_at(source: str, model: ModelConfig, template: str | None, need_template: bool = True):
+    """The target's tokenizer from its directory `source` (`model_dir`), with the chat template `template` (None:
+    its own), which it must have where `need_template`."""
     try:
         if Path(source).expanduser().is_dir() and plain_fast_tokenizer(source):
             from transformers import PreTrainedTokenizerFast  # TokenizersBackend: what AutoTokenizer returns here
@@ -181,11 +178,22 @@ def load_tokenizer(model: ModelConfig, need_template: bool = True):
             tok = AutoTokenizer.from_pretrained(source, trust_remote_code=model.trust_remote_code)
     except (OSError, ValueError) as e:
         raise load_error(e, "a tokenizer", model.path) from None
-    if model.chat_template is not None:
-        tok.chat_template = chat_template_file(model.chat_template).read_text()
+    if template is not None:
+        tok.chat_template = template
     if need_template and not tok.chat_template:
         raise ConfigError("model.chat_template", f"the tokenizer at {model.path!r} has no chat template; set one")
     return tok
+
+
+def check_tokenizer_fits(tok, model: ModelConfig, limits: ModelLimits) -> None:
+    """A tokenizer with ids the model has no embedding for is another model's: refused before any work (the
+    target would index past its embeddings, or a server would answer for ids that mean something else)."""
+    if limits.vocab is not None and len(tok) > limits.vocab:
+        raise ConfigError(
+            "model.path",
+            f"the tokenizer at {model.path!r} has {len(tok):,} tokens but the model's "
+            f"embeddings only {limits.vocab:,}: they are not a pair (a tokenizer from another model?)",
+        )
 
 
 def has_tokenizer_files(directory: str) -> bool:
@@ -203,17 +211,6 @@ def check_local_target(model: ModelConfig, template_kwargs: list[dict]) -> None:
         check_tokenizer_fits(tok, model, model_limits(model))
         for line in sorted({end_of_turn_line(tok, model, kwargs) for kwargs in template_kwargs}):
             print(f"check_params {line}", flush=True)
-
-
-def load_target_tokenizer(model: ModelConfig, template_kwargs: dict) -> tuple[object, ModelLimits]:
-    """The tokenizer generate works with and the model's limits, refused before any request where it cannot be the
-    target's: ids past the model's embeddings, or a chat template that ends the turn (under the dataset's
-    `template_kwargs`) on a token the target does not stop on."""
-    tok = load_tokenizer(model)
-    limits = model_limits(model)  # after the tokenizer: a hub id's config is cached beside it
-    check_tokenizer_fits(tok, model, limits)
-    end_of_turn_ids(tok, model, template_kwargs)
-    return tok, limits
 
 
 def render_prompt_ids(tok, messages: list[dict], tools: list[dict] | None, template_kwargs: dict) -> list[int]:

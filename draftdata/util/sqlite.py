@@ -179,10 +179,10 @@ def _missing(db: sqlite3.Connection, table: str, columns: dict[str, str]) -> lis
     return [name for name in columns if name not in have]
 
 
-def hash_cache_path(store_path: str) -> Path:
+def hash_cache_path(store_path: Path) -> Path:
     """Where file hashes of the model are cached between runs (draftdata.model.fingerprint.model_fingerprint):
-    beside the store, so experiments that share the store share the cache."""
-    return resolve_store_path(store_path).parent / "file_hashes.json"
+    beside the store (`store_path`, resolved), so experiments that share the store share the cache."""
+    return store_path.parent / "file_hashes.json"
 
 
 def resolve_store_path(configured: str, cwd: Path | None = None) -> Path:

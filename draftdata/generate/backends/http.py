@@ -36,6 +36,7 @@ import aiohttp
 from draftdata.config.schema import Config
 from draftdata.errors import UserError
 from draftdata.generate.backends.protocol import DEAD_ENGINE_HINT, GenRequest, GenResult, cancel_as_stop, stopped_result
+from draftdata.model.target import Target
 from draftdata.util.log import log
 
 RETRY_STATUSES = frozenset({408, 409, 429})
@@ -210,10 +211,10 @@ class HttpBackend:
     # ends the stream with what it produced; without an abort endpoint only what is already on its way can come.
     grace_s = 0.05
 
-    def __init__(self, cfg: Config, tokenizer):
+    def __init__(self, cfg: Config, target: Target):
         self.cfg = cfg
         self.bcfg = cfg.backend
-        self.tokenizer = tokenizer
+        self.tokenizer = target.tok
         self.expected_model = self.bcfg.served_model_name or cfg.model.path
         self.session: aiohttp.ClientSession | None = None
         self.pool = ServerPool(self.bcfg.urls, self._problem, self.bcfg.probe_interval_s)

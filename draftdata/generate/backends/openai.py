@@ -45,7 +45,6 @@ from draftdata.generate.backends.http import (
     stream_cut,
 )
 from draftdata.generate.backends.protocol import GenRequest, GenResult, Partial
-from draftdata.model.tokenizer import unrendered_parts
 
 OPENAI_ABSENT = ("top_k", "min_p", "repetition_penalty")  # not OpenAI fields: `backend.openai_fields_only` omits them
 ENDED_TURN = ("stop", "tool_calls", "function_call")  # OpenAI's finish reasons of a model that ended its turn
@@ -76,14 +75,14 @@ class OpenAIBackend(HttpBackend):
     name = "openai"
     health_path = "/v1/models"
 
-    def __init__(self, cfg, tokenizer):
-        super().__init__(cfg, tokenizer)
+    def __init__(self, cfg, target):
+        super().__init__(cfg, target)
         self.model_ids: dict[str, str] = {}  # server url -> the `model` to send, as that server lists it
         self.takes_token_ids = cfg.backend.takes_token_ids()
         # what the chat template drops from an answer; with token ids back the ids are the sample, not a rendering
-        ids_back = self.bcfg.return_token_ids or tokenizer is None
+        ids_back = self.bcfg.return_token_ids or target.tok is None
         self.template_kwargs = cfg.template_kwargs
-        self.unrendered = set() if ids_back else set(unrendered_parts(tokenizer, self.template_kwargs))
+        self.unrendered = set() if ids_back else set(target.unrendered)
 
     async def _served_models(self, url: str) -> list[str]:
         status, doc = await self._get_json(url + "/v1/models")
@@ -290,13 +289,12 @@ def unrenderable_detail(parts: list[str]) -> str:
     )
 
 
-def check_chat_rendering(cfg: Config, tok, prompts: list[dict]) -> None:
+def check_chat_rendering(cfg: Config, target, prompts: list[dict]) -> None:
     """Before any request: a chat-format run over prompts with tools whose template drops tool calls from the
     assistant turn would store answers that tokenize cannot render as the model wrote them."""
     if cfg.backend.prompt_format != "chat" or cfg.backend.return_token_ids:
         return
-    kwargs = cfg.template_kwargs
-    if any(p.get("tools") for p in prompts) and "tool_calls" in unrendered_parts(tok, kwargs):
+    if any(p.get("tools") for p in prompts) and "tool_calls" in target.unrendered:
         raise UserError(
             f"backend.prompt_format chat: dataset {cfg.dataset} has tools, and a server's tool-call parser moves a "
             "call out of the answer's text, but the chat template drops tool_calls from the assistant turn; set "

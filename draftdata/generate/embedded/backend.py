@@ -22,9 +22,9 @@ from draftdata.generate.backends.protocol import GenRequest, GenResult, cancel_a
 from draftdata.generate.embedded import varlen_attention
 from draftdata.generate.embedded.forward import LeanForward
 from draftdata.generate.embedded.loop import Sampling, SlotBatching, Unsupported
-from draftdata.model.compute import check_embedded_target, compute_dtype, embedded_on_gpu, torch_dtype
+from draftdata.model.compute import torch_dtype
 from draftdata.model.load import load_model
-from draftdata.model.tokenizer import end_of_turn_ids
+from draftdata.model.target import Target
 from draftdata.util.log import log
 
 
@@ -32,24 +32,22 @@ class EmbeddedBackend:
     name = "embedded"
     takes_token_ids = True
 
-    def __init__(self, cfg: Config, tokenizer):
+    def __init__(self, cfg: Config, target: Target):
         self.cfg = cfg
-        self.tokenizer = tokenizer
+        self.tokenizer = target.tok
         # the arithmetic every answer is computed in (as the request keys were made), recorded on its row; `slots`
-        # computes on the CPU even where a GPU is
-        check_embedded_target(cfg.model)  # a quantized checkpoint: refused before the weights are read
-        self.compute_dtype = compute_dtype(cfg.model, on_gpu=embedded_on_gpu(cfg))
+        # computes on the CPU even where a GPU is. A quantized checkpoint was refused with the target (load_target)
+        self.compute_dtype = target.compute_dtype
+        self.on_gpu = target.on_gpu
+        # the turn ends where a server's would: on the tokenizer's eos and every id of the generation config's
+        # eos_token_id (gpt-oss: <|return|>, <|call|>; never <|end|>, which closes its reasoning)
+        self.stop_ids = target.stop_ids
         self.manager = None
         self.seeded = False
         self.varlen = False
-        self.stop_ids: set[int] = set()
         self._attempts = itertools.count()
 
     async def start(self) -> None:
-        # the turn ends where a server's would: on the tokenizer's eos and every id of the generation config's
-        # eos_token_id (gpt-oss: <|return|>, <|call|>; never <|end|>, which closes its reasoning); checked before the
-        # weights are loaded
-        self.stop_ids = end_of_turn_ids(self.tokenizer, self.cfg.model, self.cfg.template_kwargs)
         self.manager = await self._slots()  # started: its thread loaded the model and checked it
         if self.manager is None:
             # computed in the dtype the run's keys name (model/compute.py), as slot batching would
@@ -60,7 +58,7 @@ class EmbeddedBackend:
         """Slot batching where `backend.embedded_batching` asks for it (auto: on a CPU) and the model passes its
         check, started; None: transformers' continuous batching is to run instead."""
         choice = self.cfg.backend.embedded_batching
-        if choice == "transformers" or embedded_on_gpu(self.cfg):
+        if choice == "transformers" or self.on_gpu:
             return None
         s = self.cfg.ds.sampling
         engine = SlotBatching(
