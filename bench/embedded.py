@@ -221,7 +221,7 @@ def measure_backend(model: Path, c: int, reqs: list[dict], kind: str, **backend)
         b = make_backend(cfg, load_target(cfg, None))
         await b.start()
         if kind == "embedded":  # every request generates its count (see the module docstring): no end of turn
-            b.stop_ids.clear()
+            b.stop_ids = frozenset()
             if isinstance(getattr(b.manager, "stop_ids", None), set):  # slot batching's (transformers' keeps its)
                 b.manager.stop_ids.clear()
         sampling = {**SAMPLING, "extra": {"ignore_eos": True}} if kind == "openai" else dict(SAMPLING)
