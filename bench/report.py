@@ -1044,6 +1044,7 @@ def drafter(r: dict) -> list[str]:
         *choice_lines(v),
         *field_lines(r),
         *block_lines(r),
+        *unbeaten_blocks(r),
         *untrained_lines(r["variants"]),
     ]
 
@@ -1055,13 +1056,9 @@ def untrained_lines(v: dict) -> list[str]:
     return ["", "Not trained by this bench: " + "; ".join(missing) + "."] if missing else []
 
 
-# drafter.json's run: EAGLE-3's variants and DFlash2's and P-EAGLE's on one capture of the same data; the block
-# drafters' run after it in the same workdir, on that target and data
-DRAFTER_COMMAND = (
-    "python -m bench.drafter --jobs 2 --max-anchors 128 --variants correct,aux_off_by_one,aux_reversed,"
-    "post_norm_as_pre,pre_norm_as_post,fp8,mid_budget,small_budget,last_turn,source_answers,no_states,dflash2,"
-    "dflash2_layers_off_by_one,peagle,peagle_post_norm_as_pre --workdir W"
-)
+# drafter.json's run: every variant (each family the bench trains beside its convention errors) on one capture of
+# the same data; the block drafters' longer run after it in the same workdir, on that target and data
+DRAFTER_COMMAND = "python -m bench.drafter --jobs 2 --max-anchors 128 --workdir W"
 BLOCKS_COMMAND = (
     "python -m bench.drafter --steps 2000 --max-anchors 128 --variants correct,dflash,dflash_layers_off_by_one,"
     "dspark,dspark_post_norm_as_pre --jobs 2 --workdir W --out bench/results/drafter_blocks.json"
@@ -1542,7 +1539,7 @@ def owners(families: set[str]) -> str:
     """Whose models the trained block families are: speculators' and, for Domino, SpecForge's."""
     theirs = and_list(sorted(BLOCK_NAMES[f] for f in families if f != "domino"))
     own = [f"speculators' own {theirs}"] if theirs else []
-    return and_list(own + (["SpecForge's own Domino"] if "domino" in families else []))
+    return ", ".join(own + (["SpecForge's own Domino"] if "domino" in families else []))
 
 
 def and_list(names: list[str]) -> str:
