@@ -42,8 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 FLOOR = (
     "import stages.generate; from draftdata.config.load import load_config; "
-    "from draftdata.config.schema import template_kwargs_of; "
-    "from draftdata.model.target import load_target; cfg = load_config('S', []); load_target(cfg, None)"
+    "from draftdata.model.tokenizer import end_of_turn_ids, load_tokenizer; cfg = load_config('S', []); "
+    "end_of_turn_ids(load_tokenizer(cfg.model), cfg.model, cfg.template_kwargs)"
 )
 
 
