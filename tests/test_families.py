@@ -259,6 +259,19 @@ FAMILY_READERS = textwrap.dedent("""
         ds = ArrowDataset(max_len=BIG, datapath=exports["speculators_" + name], on_missing="raise")
         dump(f"speculators_{name}", [(i, ds[i]) for i in range(len(ds))])
 
+    # MTP: the rows its CLI trains on, packed by CollateFn with the CLI's own preprocess for it (shift_batch_mtp: the
+    # verifier's last state as the states), each cut back to its sample's length
+    import json
+    from speculators.models.mtp.data import shift_batch_mtp
+    from speculators.train.data import CollateFn
+
+    ds = ArrowDataset(max_len=4096, datapath=exports["speculators_mtp"], on_missing="raise")
+    width = json.loads((Path(exports["speculators_mtp"]) / "draftdata_export.json").read_text())["hidden_size"]
+    mtp = CollateFn(4096, width, 0, torch.float32, shift_batch_mtp)
+    rows = [(i, mtp([ds[i]]), len(ds[i]["input_ids"])) for i in range(len(ds))]
+    cut = lambda b, n: {k: v[0, :n] for k, v in b.items() if torch.is_tensor(v) and k != "document_ids"}
+    dump("speculators_mtp", [(i, cut(b, n)) for i, b, n in rows])
+
     # speculators' own model of each family, built as its trainer builds it (from_training_args, a one-layer draft
     # from create_transformer_layer_config, the layer ids from the export's marker, the family's default loss),
     # trained two steps on a packed batch of the export (its CollateFn): the loss it reports, before and after a step
@@ -357,19 +370,21 @@ FAMILY_READERS = textwrap.dedent("""
     not TRAINERS_PYTHON, reason="set DRAFTDATA_TRAINERS_PYTHON to a Python with specforge and speculators"
 )
 def test_trainers_own_readers_load_every_block_family(captured_project, tmp_path):
-    """One capture, exported for DFlash, DSpark and Domino (SpecForge) and DFlash, DFlash2 and DSpark (speculators):
-    every row the trainers' own data paths return holds the family's layers and the last state its trainer reads,
-    exactly; each trainer's own model of each family, built as its trainer builds it (SpecForge's from a run config
-    through build_model_bundle), trains on its export: a finite loss that one optimizer step lowers."""
+    """One capture, exported for DFlash, DSpark and Domino (SpecForge) and DFlash, DFlash2, DSpark and MTP
+    (speculators): every row the trainers' own data paths return holds the family's layers and the last state its
+    trainer reads, exactly (MTP's through its CLI's own preprocess, `shift_batch_mtp`); each trainer's own model of
+    each block family, built as its trainer builds it (SpecForge's from a run config through build_model_bundle),
+    trains on its export: a finite loss that one optimizer step lowers. speculators' MTP model starts from the
+    target's own MTP weights (`mtp.*`), which the demo's target has not got: its rows are checked, no step taken."""
     from test_export import exact_bf16, read_dump
 
     project = captured_project
-    project.set("hidden_states.drafters", ["eagle3", "dflash", "dspark", "domino", "dflash2"])
+    project.set("hidden_states.drafters", ["eagle3", "dflash", "dspark", "domino", "dflash2", "mtp"])
     project.run("hidden_states", "B3")
     dirs = {}
     for fmt, family in (("specforge", "dflash"), ("specforge", "dspark"), ("specforge", "domino")):
         dirs[family] = export(project, fmt, family, f"export.dir=export-{fmt}-{family}")
-    for family in ("dflash", "dflash2", "dspark"):
+    for family in ("dflash", "dflash2", "dspark", "mtp"):
         dirs["speculators_" + family] = export(
             project, "speculators", family, f"export.dir=export-speculators-{family}"
         )
@@ -409,6 +424,15 @@ def test_trainers_own_readers_load_every_block_family(captured_project, tmp_path
             assert torch.equal(g["input_ids"], s.input_ids) and torch.equal(g["loss_mask"], s.loss_mask)
             assert torch.equal(g["hidden_states"].float(), s.aux.reshape(n, 5 * h))
             assert torch.equal(g["verifier_last_hidden_states"].float(), s.final_pre_norm)
+    # MTP's rows as its CLI trains them: every sample, its ids and loss mask, and the verifier's pre-norm last state as
+    # the states (exactly: bf16 as stored, read as float32)
+    got = read_dump(dumps / "speculators_mtp.safetensors")
+    mtp = kept(hs, False)
+    assert sorted(got) == list(range(len(mtp)))
+    for i, s in enumerate(mtp):
+        g = got[i]
+        assert torch.equal(g["input_ids"], s.input_ids) and torch.equal(g["loss_mask"], s.loss_mask), i
+        assert torch.equal(g["hidden_states"], s.final_pre_norm.to(torch.bfloat16).float()), i
     # each family's own model trains on its export: a finite loss that its optimizer's step lowers
     steps = json.loads((dumps / "steps.json").read_text())
     assert set(steps) == {"dflash", "dflash2", "dspark", "specforge_dflash", "specforge_dspark", "specforge_domino"}
