@@ -271,7 +271,7 @@ def build_domino(spec: dict):
     (Domino's backbone; SpecForge derives none for Domino itself), with Domino's architecture and head (`DOMINO`),
     one layer, and the block layers as its target layers (SpecForge numbers layers as HF does: the physical ids).
     Float32 and sdpa attention: flex attention and bf16 are its GPU run's settings. Returns the training model, its
-    train strategy (`strategy`) and its draft (`draft`, what the optimizer holds, as SpecForge's trainer's does)."""
+    train strategy (`strategy`); its draft (`draft_model`) is what the optimizer holds, as SpecForge's trainer's."""
     import tempfile
 
     from specforge.algorithms.builtin import builtin_algorithm_registry
@@ -307,7 +307,6 @@ def build_domino(spec: dict):
         bundle = build_model_bundle(config("domino", draft_model_config=str(path)), algorithm=alg)
     model = bundle.model
     model.strategy = alg.providers.step.build(model, **bundle.strategy_kwargs.options)
-    model.draft = bundle.draft_model
     return model
 
 
@@ -405,8 +404,9 @@ def domino_step(model, spec: dict, select: Select, ds, rows: list[int]) -> tuple
         tb = TrainBatch(sample_ids=[], strategy="domino", tensors=batch)
         return model.strategy.forward_loss(tb, StepContext(global_step=step, total_steps=spec["steps"])).loss
 
-    keep = [r for r in rows if has_consecutive_supervised_tokens(ds[r]["loss_mask"][: spec["max_len"]])]
-    return collate, loss_of, model.draft, keep
+    masks = ds.data.select(rows)["loss_mask"]  # the export's table alone: no state file read to filter rows
+    keep = [r for r, mask in zip(rows, masks) if has_consecutive_supervised_tokens(mask[: spec["max_len"]])]
+    return collate, loss_of, model.draft_model, keep
 
 
 def held_out(spec: dict, family: str, layers_key: str, device, zero: bool = False):

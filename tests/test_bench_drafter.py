@@ -577,7 +577,7 @@ for name, e in spec["exports"].items():
     dt.EXPORTS[name] = dt.load_export(e["path"], spec["max_len"])
 torch.manual_seed(0)
 model = dt.build_domino(spec).float().eval()
-for p in model.draft.parameters():  # weights far from their start, so that drafts differ block to block
+for p in model.draft_model.parameters():  # weights far from their start, so that drafts differ block to block
     p.data.normal_(0, 0.5)
 _, batch = next(dt.held_out(spec, "domino", "block_layers", "cpu"))
 ids, mask, block = batch["input_ids"][0], batch["loss_mask"][0].bool(), model.block_size

@@ -13,12 +13,9 @@ flip on a busy machine), and a dtype other than the weights' own is part of the 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from draftdata.config.schema import ModelConfig
 from draftdata.errors import ConfigError
-from draftdata.model.load import model_dir
+from draftdata.model.load import model_dir, read_config
 from draftdata.util.hashing import content_hash
 
 AUTO = "auto"
@@ -28,18 +25,13 @@ DTYPES = ("float32", "bfloat16", "float16")
 def weights_dtype(model: ModelConfig) -> str:
     """The dtype of the target's weights as its config.json states it (float32 when it says nothing, as transformers
     loads such a model)."""
-    return config_dtype(_config(model))
+    return config_dtype(read_config(model_dir(model)))
 
 
 def quantization_method(model: ModelConfig) -> str | None:
     """The quantization of the target's checkpoint as its config.json names it: fp8, gptq, awq, ...; None for plain
     weights."""
-    return config_quantization(_config(model))
-
-
-def _config(model: ModelConfig) -> dict | None:
-    local = Path(model_dir(model)).expanduser() / "config.json"
-    return json.loads(local.read_text()) if local.is_file() else None
+    return config_quantization(read_config(model_dir(model)))
 
 
 def config_dtype(conf: dict | None) -> str:

@@ -168,8 +168,13 @@ def locate(model: ModelConfig) -> Located:
     else:
         snapshot, revision = hub_snapshot(model.path, model.revision)
         folder = str(snapshot)
+    return Located(folder, revision, read_config(folder))
+
+
+def read_config(folder: str) -> dict | None:
+    """A model directory's config.json, read (None: it has none)."""
     local = Path(folder).expanduser() / "config.json"
-    return Located(folder, revision, json.loads(local.read_text()) if local.is_file() else None)
+    return json.loads(local.read_text()) if local.is_file() else None
 
 
 def load_error(e: Exception, what: str, path: str) -> ConfigError:
