@@ -51,7 +51,7 @@ from pathlib import Path
 
 from bench.budget import ideal_through, slow_episodes
 from bench.servers import bare_target
-from bench.stage import MODEL, id_plan, stage_config
+from bench.stage import MODEL, fresh_run, id_plan, stage_config
 
 RESULTS = Path(__file__).parent / "results"
 PROMPT_LEN = 64
@@ -133,7 +133,6 @@ class ServerProcess:
 def run_ours(url: str, prompts: list[list[int]], args) -> dict:
     """The generate stage's generation and output selection, on a fresh store."""
     from draftdata.config.schema import BackendConfig, BackendKind, OnBudget
-    from draftdata.generate.accounting import standing
     from draftdata.generate.run import generate_missing
     from draftdata.generate.selection import select_responses
     from draftdata.generate.store import ResponseStore
@@ -151,7 +150,7 @@ def run_ours(url: str, prompts: list[list[int]], args) -> dict:
         )
         store = ResponseStore(cfg.run.store_path)
         try:
-            stats = generate_missing(cfg, bare_target(), plan, {}, store, standing(plan, {}, cfg.ds))
+            stats = generate_missing(cfg, bare_target(), fresh_run(plan, cfg.ds), store)
             _, kept, _ = select_responses(plan, store.get_many(p.key for p in plan), cfg.ds)
         finally:
             store.close()

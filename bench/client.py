@@ -127,8 +127,11 @@ def run_ours(url: str, n: int, concurrency: int, tokens: int, stream: bool = Tru
     from draftdata.generate.budget.controller import BudgetController
     from draftdata.generate.connect import make_backend
     from draftdata.generate.dispatcher import Dispatcher
+    from draftdata.generate.failfast import FailFastWindow
+    from draftdata.generate.ledger import Ledger
     from draftdata.generate.request import Planned
     from draftdata.generate.store import ResponseStore
+    from draftdata.generate.work import WorkQueue
 
     with tempfile.TemporaryDirectory() as tmp:
         backend = BackendConfig(kind=BackendKind.openai, urls=[url], prompt_format="ids", stream=stream, max_retries=0)
@@ -139,14 +142,16 @@ def run_ours(url: str, n: int, concurrency: int, tokens: int, stream: bool = Tru
             for i in range(n)
         ]
         store = ResponseStore(cfg.run.store_path)
-        quiet = SimpleNamespace(update=lambda _dispatcher: None)
 
         async def go() -> float:
             backend = make_backend(cfg, bare_target())
             await backend.start()
             ctrl = BudgetController(cfg.ds.token_budget, cfg.ds.max_tokens, concurrency, observes_rate=stream)
             t0 = time.perf_counter()
-            stats = await Dispatcher(backend, ctrl, store, cfg, None, stream, {}, quiet).run(plan)
+            ledger = Ledger(cfg.ds, cfg.dataset, ctrl, None, backend.name)
+            failfast = FailFastWindow(cfg.run.fail_fast_after)
+            dispatcher = Dispatcher(backend, ctrl, ledger, failfast, store, cfg, stream, {})
+            stats = await dispatcher.run(WorkQueue(plan))
             wall = time.perf_counter() - t0
             await backend.close()
             assert stats.new == n and stats.kept == n * tokens and not stats.failed, (stats.new, dict(stats.failed))

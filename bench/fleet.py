@@ -60,7 +60,7 @@ from pathlib import Path
 from bench.budget import MAX_TOKENS as FAMILY_MAX_TOKENS
 from bench.budget import draw
 from bench.servers import bare_target
-from bench.stage import MODEL, id_plan, stage_config
+from bench.stage import MODEL, fresh_run, id_plan, stage_config
 
 RESULTS = Path(__file__).parent / "results"
 PROMPT_LEN = 32
@@ -424,7 +424,6 @@ def generate(urls: list[str], run: Run, prompts: list[list[int]]) -> dict:
     """The generate stage's generation (generate_missing, the sglang backend) on a fresh store; its output selected
     as the stage selects it."""
     from draftdata.config.schema import BackendConfig, BackendKind
-    from draftdata.generate.accounting import standing
     from draftdata.generate.backends import sglang  # noqa: F401  (imported before the CPU is read: once a process)
     from draftdata.generate.run import generate_missing
     from draftdata.generate.selection import Landed, select_responses
@@ -442,7 +441,7 @@ def generate(urls: list[str], run: Run, prompts: list[list[int]]) -> dict:
         try:
             # landing exact, as the stage runs it (RunPlan.landed): the settled run from the first request decides
             landed = Landed.of(plan, {}, ds)
-            stats = generate_missing(cfg, bare_target(Words()), plan, {}, store, standing(plan, {}, ds), landed=landed)
+            stats = generate_missing(cfg, bare_target(Words()), fresh_run(plan, ds, landed), store)
         finally:
             wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
         selected, kept, _ = select_responses(plan, store.get_many(p.key for p in plan), ds)

@@ -1,6 +1,6 @@
 """What the benches that drive the generate stage's own client build alike: a config of one dataset of token-id
 prompts on a store in a temporary directory, and the plan of those prompts (bench/budget_live.py, bench/client.py,
-bench/fleet.py)."""
+bench/fleet.py), and the run of that plan on an empty store."""
 
 from __future__ import annotations
 
@@ -31,3 +31,13 @@ def id_plan(prompts: list[list[int]]) -> list:
         Planned({"id": f"p{i}", "messages": [{"role": "user", "content": "x"}]}, content_hash(ids, n=32), ids)
         for i, ids in enumerate(prompts)
     ]
+
+
+def fresh_run(plan: list, ds, landed=None):
+    """The generate stage's RunPlan of `plan` on an empty store (`landed`: landing exact's settled run, as the stage
+    makes it; None: the controller lands on complete answers alone)."""
+    from draftdata.generate.accounting import standing
+    from draftdata.generate.planning import RunPlan
+    from draftdata.generate.work import WorkQueue
+
+    return RunPlan(plan, {}, ds=ds, landed=landed, standing=standing(plan, {}, ds), queue=WorkQueue(plan))

@@ -17,8 +17,8 @@ from draftdata.config.schema import Config
 from draftdata.errors import UserError
 from draftdata.generate.output import Part, write_outputs
 from draftdata.generate.planning import RunPlan
-from draftdata.generate.run import check_before_requests, run_generation
-from draftdata.generate.stale import check_stale
+from draftdata.generate.preflight import preflight
+from draftdata.generate.run import run_generation
 from draftdata.generate.store import ResponseStore
 from draftdata.model.target import load_target
 from draftdata.util.files import data_dir, read_jsonl
@@ -47,8 +47,7 @@ def main(cfg: Config) -> None:
             for (mode, sub, rows), target in zip(split, targets)
         ]
         for mode, sub, _, target, run in plans:  # every part's requests checked before the first part sends one
-            check_before_requests(sub, target, run.standing.todo)
-            check_stale(sub, run, out / "generate_metrics.json", mode)  # a change that regenerates: said first
+            preflight(sub, target, run, out / "generate_metrics.json", mode)
         parts = [
             Part(mode, sub, rows, run, run_generation(sub, target, run, store, mode), target.tok)
             for mode, sub, rows, target, run in plans

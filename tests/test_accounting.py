@@ -7,8 +7,9 @@ import pytest
 from draftdata.config.schema import BudgetUnit
 from draftdata.generate.accounting import continues, counted, link, prompt_count
 from draftdata.generate.request import Planned
-from draftdata.generate.store import StoredResponse, ids_json
+from draftdata.generate.store import StoredResponse
 from draftdata.model.tokenizer import prefix_stable
+from draftdata.util.hashing import ids_json
 
 
 def turn(ids: list[int], as_text: bool = False) -> Planned:

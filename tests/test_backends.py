@@ -33,7 +33,7 @@ from draftdata.config.schema import (
 from draftdata.errors import ConfigError, UserError
 from draftdata.generate.backends.protocol import GenRequest, Partial
 from draftdata.generate.connect import make_backend
-from draftdata.generate.request import request_key
+from draftdata.generate.request import key_sampling, request_key
 from draftdata.model.tokenizer import load_tokenizer, render_prompt_ids
 
 pytestmark = pytest.mark.timeout(90)
@@ -948,7 +948,7 @@ def test_request_leaves_no_sampling_field_to_the_servers_generation_config(fake,
     """The fake fills what a request leaves out from the model's generation_config, as vLLM and SGLang do: the
     sampling it runs with must be exactly what the store key says, neutral values included."""
     srv = fake(stop_after=3, generation_config=QWEN3_LIKE)
-    key = sampling.as_dict()
+    key = key_sampling(sampling)
     req = GenRequest("r1", list(IDS), MESSAGES, None, 8, dict(key))
     res = run(generate(_sampling_config(kind, fmt, srv.url, sampling), req))
     assert res.ok, res.detail
@@ -962,7 +962,7 @@ def test_sampling_extra_is_sent_where_the_protocol_takes_it(fake, kind, fmt):
     name = "min_new_tokens" if kind == "sglang" else "min_tokens"  # SGLang's and vLLM's names
     sampling = SamplingConfig(extra={name: 2})
     srv = fake(stop_after=3)
-    req = GenRequest("r1", list(IDS), MESSAGES, None, 8, sampling.as_dict())
+    req = GenRequest("r1", list(IDS), MESSAGES, None, 8, key_sampling(sampling))
     assert run(generate(_sampling_config(kind, fmt, srv.url, sampling), req)).ok
     body = srv.generate_calls[0]
     assert (body["sampling_params"] if kind == "sglang" else body)[name] == 2
@@ -1014,10 +1014,10 @@ def test_sampling_extra_naming_a_field_we_set_is_refused():
 
 
 def test_what_changes_the_data_changes_the_store_key():
-    key = lambda s: request_key("fp", IDS, s.as_dict(), 16)  # noqa: E731
+    key = lambda s: request_key("fp", IDS, key_sampling(s), 16)  # noqa: E731
     base = key(SamplingConfig())
     # the neutral values leave the key as it was before those fields existed
-    assert SamplingConfig().as_dict() == {"temperature": 0.7, "top_p": 1.0, "top_k": -1}
+    assert key_sampling(SamplingConfig()) == {"temperature": 0.7, "top_p": 1.0, "top_k": -1}
     changed = [
         SamplingConfig(extra={"min_tokens": 4}),
         SamplingConfig(extra={"min_tokens": 5}),

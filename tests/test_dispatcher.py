@@ -15,8 +15,11 @@ from draftdata.generate import dispatcher as dispatcher_module
 from draftdata.generate.backends.protocol import GenRequest, GenResult, stopped_result
 from draftdata.generate.budget.controller import BudgetController
 from draftdata.generate.dispatcher import Dispatcher, Interrupted
+from draftdata.generate.failfast import FailFastWindow
+from draftdata.generate.ledger import Ledger
 from draftdata.generate.request import Planned
 from draftdata.generate.store import CUT, INTERRUPTED, ResponseStore
+from draftdata.generate.work import WorkQueue
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -74,11 +77,6 @@ class Streaming:
         return GenResult(req.rid, ids, "x" * len(ids), len(req.prompt_ids), len(ids), "length", server=self.name)
 
 
-class Quiet:
-    def update(self, _dispatcher) -> None:
-        pass
-
-
 def dispatcher(tmp_path, backend, budget: int, on_budget=OnBudget.keep_partial, concurrency: int = 4) -> Dispatcher:
     """keep_partial by default: the tokens in flight count, so the budget is reached mid-answer."""
     max_tokens = 400
@@ -89,11 +87,16 @@ def dispatcher(tmp_path, backend, budget: int, on_budget=OnBudget.keep_partial, 
         run=RunConfig(store_path=str(tmp_path / "store.sqlite"), progress=False),
     )
     ctrl = BudgetController(budget, max_tokens, concurrency, keep_partial=on_budget == OnBudget.keep_partial)
-    return Dispatcher(backend, ctrl, ResponseStore(cfg.run.store_path), cfg, None, True, {}, Quiet())
+    ledger, failfast = Ledger(ds, "d", ctrl, None, backend.name), FailFastWindow(cfg.run.fail_fast_after)
+    return Dispatcher(backend, ctrl, ledger, failfast, ResponseStore(cfg.run.store_path), cfg, True, {})
 
 
 def plan(n: int) -> list[Planned]:
     return [Planned({"id": f"p{i}", "messages": []}, f"{i:032x}", [1, 2, 3]) for i in range(n)]
+
+
+def work(n: int) -> WorkQueue:
+    return WorkQueue(plan(n))
 
 
 def stored(d: Dispatcher) -> dict[str, str]:
@@ -108,7 +111,7 @@ def test_the_budget_stops_requests_by_signal_inside_a_timeout(tmp_path):
 
     async def go():
         async with asyncio.timeout(30):
-            stats = await d.run(plan(4))
+            stats = await d.run(work(4))
         await not_left_cancelling()
         return stats
 
@@ -121,7 +124,7 @@ def test_the_budget_stops_requests_by_signal_inside_a_timeout(tmp_path):
 def test_an_answer_that_completes_during_the_stop_is_committed(tmp_path):
     backend = Streaming(finish_on_stop=True)
     d = dispatcher(tmp_path, backend, budget=100)
-    stats = run(d.run(plan(4)))
+    stats = run(d.run(work(4)))
     assert stats.new == 4 and stats.cancelled == 0 and stats.parked == 0 and set(stored(d).values()) == {"length"}
 
 
@@ -130,7 +133,7 @@ def test_a_backend_that_ignores_the_stop_is_cancelled_after_the_wait(tmp_path, m
     backend = Streaming(step_s=0.01, honours_stop=False)
     d = dispatcher(tmp_path, backend, budget=40)
     t0 = time.monotonic()
-    stats = run(d.run(plan(2)))
+    stats = run(d.run(work(2)))
     assert time.monotonic() - t0 < 3  # not the 4 s the answers would take
     assert sorted(backend.cancelled) == sorted(p.key for p in plan(2)) and backend.stopped == []
     assert stats.cancelled == 2 and stats.parked == 2  # parked with what their partials held
@@ -143,7 +146,7 @@ def test_an_interrupt_parks_what_is_in_flight_as_interrupted(tmp_path):
     async def go():
         asyncio.get_running_loop().call_later(0.2, d.interrupt)
         with pytest.raises(Interrupted):
-            await d.run(plan(4))
+            await d.run(work(4))
         await not_left_cancelling()
 
     run(go())
@@ -191,7 +194,7 @@ def test_a_cut_that_goes_on_records_each_request_once(tmp_path):
         return put_many(rows)
 
     d.store.put_many = spy
-    stats = run(d.run(plan(8)))
+    stats = run(d.run(work(8)))
     keys = [p.key for p in plan(8)]
     assert backend.started == keys and backend.cancelled == []  # the second round was admitted, none cancelled
     assert sorted(put) == sorted(keys)  # each request recorded once
@@ -222,7 +225,7 @@ def test_a_stop_after_a_dead_engine_names_the_death_and_what_to_do(tmp_path):
     d = dispatcher(tmp_path, DiesThenResets(), budget=1000, on_budget=OnBudget.cancel)
     d.failfast = dispatcher_module.FailFastWindow(4)
     with pytest.raises(RunFailed) as failed:
-        run(d.run(plan(12)))
+        run(d.run(work(12)))
     message = str(failed.value)
     assert message.startswith("the last 4 requests all failed with retries_exhausted: connection: reset by peer")
     assert "a server's engine died (engine_dead, " in message and "--max-num-batched-tokens" in message

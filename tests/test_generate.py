@@ -190,6 +190,25 @@ def test_progress_eta_comes_from_the_recent_rate():
     assert "generating" not in prog.line(2_000, stats, 0)
 
 
+def test_progress_shows_the_last_figures_of_a_run_that_ends_before_it_looked(capsys):
+    """The display reads the figures its dispatcher posts; a run that ends before the display first looked still
+    gets its last line."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from draftdata.generate.dispatcher import Figures, RunStats
+    from draftdata.generate.progress import Progress
+
+    run = SimpleNamespace(progress=False, log_every_s=3600)
+    cfg = SimpleNamespace(ds=SimpleNamespace(token_budget=10_000), dataset="D", run=run)
+    prog = Progress(cfg, 0)
+    figures, ended = Figures(7_000, 7_000, 0, 0, RunStats(new=70, completed_len=7_000)), asyncio.Event()
+    ended.set()  # the run ended before the display's first look
+    asyncio.run(prog.follow(figures, ended))
+    line = "generate D: 7,000/10,000 tok (70%) | 70 resp (0 err) | avg_comp=100tok"
+    assert capsys.readouterr().out.splitlines() == [line]
+
+
 def test_embedded_sampling_is_reproducible(project, monkeypatch):
     """Each request samples from its own seed, so two fresh stores get the same response for every prompt both
     answered (which prompts a run reaches before its budget depends on timing); without the seeded sampler

@@ -324,15 +324,8 @@ REFUSALS: dict[str, dict | tuple[str, str]] = {
             "backend: no healthy server: {...}": after("the servers' health, asked when generate starts", GENERATE),
         },
     },
-    "draftdata/generate/backends/openai.py": {
-        "check_chat_rendering": {
-            "backend.prompt_format chat: dataset {cfg.dataset} has tools,": after(
-                "whether the prompts in prompts.jsonl (the prompts stage's output) carry tools", GENERATE
-            )
-        },
-    },
     "draftdata/generate/dispatcher.py": {
-        "Dispatcher.run": {
+        "Dispatcher._run": {
             "{self.failing}": after("requests failing in a row with one cause, as they are sent", GENERATE)
         },
     },
@@ -346,7 +339,7 @@ REFUSALS: dict[str, dict | tuple[str, str]] = {
             )
         },
     },
-    "draftdata/generate/planning.py": {
+    "draftdata/generate/request.py": {
         "check_context": {
             "{...}: a prompt of {first.prompt_tokens} tokens": after(
                 "the length of each prompt in prompts.jsonl (check_params refuses a max_tokens that leaves room for "
@@ -355,7 +348,12 @@ REFUSALS: dict[str, dict | tuple[str, str]] = {
             )
         },
     },
-    "draftdata/generate/stale.py": {
+    "draftdata/generate/preflight.py": {
+        "check_chat_rendering": {
+            "backend.prompt_format chat: dataset {cfg.dataset} has tools,": after(
+                "whether the prompts in prompts.jsonl (the prompts stage's output) carry tools", GENERATE
+            )
+        },
         "announce": {
             "generate {cfg.dataset}: {line}; nothing was sent.": after(
                 "which prompts of prompts.jsonl the store answered under other settings (run.confirm_regenerate)",

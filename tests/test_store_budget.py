@@ -15,8 +15,8 @@ from draftdata.generate.budget.controller import BudgetController
 from draftdata.generate.budget.lengths import LengthModel
 from draftdata.generate.request import Planned, request_key, request_keys
 from draftdata.generate.selection import landing, select_responses
-from draftdata.generate.store import CUT, ResponseStore, StoredResponse, ids_json
-from draftdata.util.hashing import canonical_json
+from draftdata.generate.store import CUT, ResponseStore, StoredResponse
+from draftdata.util.hashing import canonical_json, ids_json
 
 
 def resp(key: str, n: int = 5) -> StoredResponse:

@@ -396,6 +396,29 @@ def test_a_budget_met_mid_conversation_keeps_its_turns_and_a_raised_one_goes_on(
     assert metrics(project)["conversations_ended"] == {"source_exhausted": 8}
 
 
+def test_a_plan_holds_the_store_rows_of_the_turns_its_conversations_stop_at(conv_project, tiny_model):
+    """Planning takes the rows of the turns each conversation stops at (a parked partial, an empty answer) from its
+    walk over the stored turns, without a query of its own: they are the store's rows for those turns."""
+    from draftdata.generate.planning import RunPlan
+    from draftdata.generate.store import ResponseStore
+
+    project, start = conv_project
+    rows = three_turn_rows() + [{"messages": chat(f"Topic {i}?", "A.", "More?", "B.")} for i in range(4)]
+    (slow,) = start(rows, token_budget=60, concurrency=2, landing="finished")
+    slow.token_delay_s = 0.02  # the budget is read mid-answer: the turns in flight are parked
+    project.run("generate", "B3")
+    cfg = load_config("B3", [], params_path=project.path / "params.yaml")
+    prompts = list(read_jsonl(project.data("B3") / "prompts.jsonl"))
+    store = ResponseStore(project.path / "store.sqlite")
+    try:
+        run = RunPlan.make(cfg, prompts, target_for(cfg, AutoTokenizer.from_pretrained(tiny_model)), store)
+        nexts = store.get_many(c.next.key for c in run.convs if c.next is not None)
+    finally:
+        store.close()
+    assert any(r.partial for r in nexts.values())  # the turns parked at the budget are among them
+    assert run.stored == {p.key: r for c in run.convs for p, r in c.done} | nexts
+
+
 def test_exact_landing_gives_nested_conversations_whatever_the_store_holds(conv_project):
     """landing exact: whole conversations in prompt order, the last cut at a turn; a raised budget's output starts
     with the smaller one's, and lowering it back gives the first output byte for byte, although the store now
@@ -439,7 +462,7 @@ def test_a_later_turn_past_the_context_ends_its_conversation(conv_project, tiny_
     store = ResponseStore(project.path / "store.sqlite")
     try:
         room = max(len(line["prompt_ids"]) for line in lines if line["turn"] == 1)  # every turn 1 fits
-        convs, _ = plan_conversations(cfg, prompts, target_for(cfg, tok), store, room + MAX_TOKENS)
+        convs, _, _ = plan_conversations(cfg, prompts, target_for(cfg, tok), store, room + MAX_TOKENS)
     finally:
         store.close()
     turn2 = {line["conversation"]: len(line["prompt_ids"]) for line in lines if line["turn"] == 2}

@@ -350,8 +350,9 @@ def _conversation_turns(
     """`turns: all`: each conversation walked over the turns the store holds, as generate walks it. The turns
     answered and each one's next, the store's rows for them, the source turns of all conversations (their
     `slots`), and the turns a run could still send (those left of the conversations that have not ended)."""
-    convs, _ = plan_conversations(cfg, records, target, store or _NoStore(), None)
-    planned, stored = conversation_plan(convs, store or _NoStore())
+    convs, _, met = plan_conversations(cfg, records, target, store or _NoStore(), None)
+    planned, answered = conversation_plan(convs)
+    stored = answered | met
     left = sum(len(c.rec["slots"]) - len(c.done) for c in convs if c.next is not None)
     return planned, stored, sum(len(r["slots"]) for r in records), left
 

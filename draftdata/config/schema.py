@@ -180,21 +180,10 @@ class SamplingConfig:
                     f"is set by draftdata itself{' (use ' + key + '.' + name + ')' if hasattr(self, name) else ''}",
                 )
 
-    def as_dict(self) -> dict:
-        """The sampling as the store key holds it. A field at its neutral value (and an empty `extra`) is left out,
-        so the keys made before the field existed still match; `sent` gives every field."""
-        d = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
-        for name, neutral in NEUTRAL_SAMPLING.items():
-            if name != "top_k" and getattr(self, name) != neutral:
-                d[name] = getattr(self, name)
-        if self.extra:
-            d["extra"] = dict(self.extra)
-        return d
-
 
 def sent(sampling: dict) -> dict:
-    """Every sampling field of a store key's `sampling` dict, the neutral value for what it leaves out (`extra`
-    stays apart: the backends place it)."""
+    """Every sampling field of a store key's `sampling` dict (generate/request.py's `key_sampling`), the neutral value
+    for what it leaves out (`extra` stays apart: the backends place it)."""
     return {**NEUTRAL_SAMPLING, **{k: v for k, v in sampling.items() if k != "extra"}}
 
 

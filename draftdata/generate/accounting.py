@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 from draftdata.config.schema import BudgetUnit, DatasetConfig, OnBudget, OnTruncation
 from draftdata.generate.request import Link, Planned
-from draftdata.generate.store import CUT, StoredResponse, ids_json
+from draftdata.generate.store import CUT, StoredResponse
+from draftdata.util.hashing import ids_json
 
 # ---- usable ------------------------------------------------------------------------------------------------- #
 

@@ -3,16 +3,15 @@
 
 from __future__ import annotations
 
-from draftdata.config.schema import BackendKind, Config, check_sampling_sent
+from draftdata.config.schema import BackendKind, Config
 from draftdata.generate.backends.protocol import Backend
 from draftdata.model.target import Target
 
 
 def make_backend(cfg: Config, target: Target) -> Backend:
     """The configured backend, for the target as load_target found it (its tokenizer, what its template does)."""
-    cfg.backend.check("backend")  # before any connection is opened
-    if cfg.dataset is not None:
-        check_sampling_sent(cfg)  # no sampling setting is dropped silently
+    # before any connection is opened (loading the config checked both, and that its dataset's sampling is all sent)
+    cfg.backend.check("backend")
     kind = cfg.backend.kind
     if kind == BackendKind.embedded:
         from draftdata.generate.embedded.backend import EmbeddedBackend

@@ -36,10 +36,10 @@ from typing import Any
 from draftdata.generate.accounting import needs_request
 from draftdata.generate.actions import diverged, written_calls
 from draftdata.generate.request import Planned, request_keys
-from draftdata.generate.store import StoredResponse, ids_json
+from draftdata.generate.store import StoredResponse
 from draftdata.model.tokenizer import assistant_message, render_prompt_ids, template_messages
 from draftdata.model.tokenizer import prefix_stable as prefix_stable  # tokenize decides with it too
-from draftdata.util.hashing import canonical_json, content_hash
+from draftdata.util.hashing import canonical_json, content_hash, ids_json
 
 # Why a conversation ended: its source has no turn left, a turn acted otherwise than the source's (or its calls
 # cannot be paired with the source's results), or an answer was cut by max_tokens (a cut answer cannot be history).

@@ -4,7 +4,9 @@ response to the response store (store.py) as it arrives, and stops once the budg
 The dispatcher only admits, waits and stops. The decisions are its parts': what to send next is the work queue's
 (work.py: with `turns: all`, a started conversation's next turn before new ones), admission and the budget's end
 are the budget controller's (budget.py), what is committed, parked or lost the ledger's (ledger.py), the throughput
-readings the meter's (meter.py), and whether the run is failing the fail-fast window's (failfast.py).
+readings the meter's (meter.py), and whether the run is failing the fail-fast window's (failfast.py). It is given
+the controller, the ledger and the window of its run, and posts the run's figures (`Figures`) where a progress display
+reads them: it calls no display.
 
 Nothing wrong is kept and nothing generated is lost (the rules are the ledger's):
 - only `stop` and `length` answers (and, under `on_budget: keep_partial`, partials cut at the budget) are responses;
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass, field
 
 from draftdata.config.schema import BudgetUnit, Config
 from draftdata.errors import UserError
@@ -37,12 +40,12 @@ from draftdata.generate.budget.controller import BudgetController
 from draftdata.generate.failfast import FailFastWindow
 from draftdata.generate.ledger import Flight, Ledger, RunStats
 from draftdata.generate.meter import ThroughputMeter
-from draftdata.generate.request import Planned
+from draftdata.generate.request import Planned, key_sampling
 from draftdata.generate.selection import Landed
 from draftdata.generate.store import CUT, INTERRUPTED, ResponseStore, StoredResponse
 from draftdata.generate.work import WorkQueue
 
-__all__ = ["Dispatcher", "Flight", "Interrupted", "RunFailed", "RunStats"]
+__all__ = ["Dispatcher", "Figures", "Flight", "Interrupted", "RunFailed", "RunStats"]
 
 TICK_S = 0.05  # how often the loop looks at streamed progress between completions
 # How long stopped requests have to return. A backend that honours the stop takes at most its aborts' timeouts (5 s
@@ -55,6 +58,18 @@ UNUSABLE = {
     "empty": "answers with nothing in them (no text, thinking nor tool call)",
     "truncated_dropped": "answers cut at max_tokens, which on_truncation: drop leaves out",
 }
+
+
+@dataclass
+class Figures:
+    """A run's figures, posted by the dispatcher at every wake-up and once it ends; the progress display reads them
+    (progress.py)."""
+
+    committed: int = 0  # what the budget counts
+    generated: int = 0  # tokens this run generated, those streamed so far by the requests in flight included
+    in_flight: int = 0  # requests
+    streaming: int = 0  # completion tokens the requests in flight hold
+    stats: RunStats = field(default_factory=RunStats)
 
 
 class Interrupted(Exception):
@@ -72,25 +87,27 @@ class Dispatcher:
         self,
         backend: Backend,
         ctrl: BudgetController,
+        ledger: Ledger,
+        failfast: FailFastWindow,
         store: ResponseStore,
         cfg: Config,
-        tok,
         stream: bool,
         parked: dict[str, StoredResponse],
-        progress,
         landed: Landed | None = None,
+        figures: Figures | None = None,
     ):
-        self.backend, self.ctrl, self.store, self.cfg = backend, ctrl, store, cfg
-        self.ds = cfg.ds
+        """Given its parts (the module docstring): the controller, the ledger and the fail-fast window of this run;
+        `figures`: where it posts the run's figures (for a progress display)."""
+        self.backend, self.ctrl, self.ledger, self.failfast = backend, ctrl, ledger, failfast
+        self.store, self.cfg, self.ds = store, cfg, cfg.ds
         self.stream = stream
         self.parked = parked  # key -> a partial to continue (from the store)
-        self.progress = progress
+        self.t0 = time.monotonic()  # the budget-fill plot's time origin
         self.landed = landed  # landing exact: the settled run of requests from the first (None: finished)
-        arithmetic = getattr(backend, "compute_dtype", None)  # an in-process engine's (None: a server's)
-        self.ledger = Ledger(cfg.ds, cfg.dataset, ctrl, tok, backend.name, compute_dtype=arithmetic)
-        self.stats = self.ledger.stats
+        self.stats = ledger.stats
+        self.figures = Figures() if figures is None else figures
+        self.figures.stats = self.stats
         self.meter = ThroughputMeter(time.monotonic())
-        self.failfast = FailFastWindow(cfg.run.fail_fast_after)
         self.flights: dict[asyncio.Task, Flight] = {}
         self.work = WorkQueue()
         self.stop = asyncio.Event()
@@ -110,8 +127,17 @@ class Dispatcher:
             return []
         return [prompt_count(f.p) for f in self.flights.values()]
 
-    async def run(self, todo: list[Planned] | WorkQueue) -> RunStats:
-        self.work = todo if isinstance(todo, WorkQueue) else WorkQueue(todo)
+    async def run(self, work: WorkQueue) -> RunStats:
+        """Send what `work` hands out until the budget is met, it runs dry, or the run is stopped."""
+        self.work = work
+        try:
+            await self._run()
+        finally:
+            self._fill(final=True)
+            self._post()
+        return self.stats
+
+    async def _run(self) -> None:
         ticker = asyncio.create_task(self._tick())
         try:
             await self._loop()
@@ -125,7 +151,23 @@ class Dispatcher:
             if self.failing:
                 raise RunFailed(self.failing)
             raise Interrupted()
-        return self.stats
+
+    def _post(self) -> None:
+        """The run's figures now, where the progress display reads them."""
+        f = self.figures
+        f.committed, f.generated, f.in_flight, f.streaming = (
+            self.ctrl.committed,
+            self.generated_so_far(),
+            len(self.flights),
+            self.streaming(),
+        )
+
+    def _fill(self, final: bool = False) -> None:
+        """A point of the budget-fill plot (generate_metrics' plots/budget_fill.csv): about one a second, and the
+        last."""
+        fill, now = self.stats.fill, round(time.monotonic() - self.t0, 2)
+        if final or not fill or now - fill[-1][0] >= 1.0:
+            fill.append((now, self.ctrl.committed))
 
     async def _loop(self) -> None:
         while not self.stop.is_set():
@@ -145,7 +187,8 @@ class Dispatcher:
                 if self.ctrl.reached():
                     return
                 # keep_partial: some cut partials were unusable (e.g. nothing but whitespace), so go on
-            self.progress.update(self)
+            self._fill()
+            self._post()
 
     def _admit_work(self, progress: list[int], prompts: list[int]) -> None:
         """Started conversations' next turns as many as the controller lets the batch hold, then new requests as
@@ -195,7 +238,7 @@ class Dispatcher:
             p.prompt["messages"],
             p.prompt.get("tools"),
             self.ds.max_tokens,
-            self.ds.sampling.as_dict(),
+            key_sampling(self.ds.sampling),
             stream=self.stream,
             partial=partial,
             seed=seed_of(p.key),

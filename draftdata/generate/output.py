@@ -78,7 +78,9 @@ def write_outputs(cfg: Config, out: Path, prompts: list[dict], parts: list[Part]
             key=lambda x: (order[x[1].prompt.get("conversation", x[1].prompt["id"])], x[1].prompt.get("turn", 0))
         )
     selected = [(p, r) for _, p, r in lines]
-    # the figures first, then every file, the writers together at the end
+    # the lines, streamed as the file is written (seconds at 100k), and the figures first; then every file, the
+    # writers together at the end
+    records = (output_record(p, r, land.reasons.get(p.prompt["id"]), land.part.mode) for land, p, r in lines)
     stats = merged_stats([part.stats for part in parts])
     total = sum(land.total for land in landed)
     if len(landed) == 1 and landed[0].part.mode is None:
@@ -100,10 +102,7 @@ def write_outputs(cfg: Config, out: Path, prompts: list[dict], parts: list[Part]
     metrics["prompts"], metrics["prompts_in_output"] = len(prompts), len(prompts) - rejected.rows
     metrics["rejected"] = dict(sorted(rejected.counts.items()))
     log("generate", dataset=cfg.dataset, writing=out / "responses.jsonl")  # the writing begins (seconds at 100k)
-    write_jsonl(
-        out / "responses.jsonl",
-        (output_record(p, r, land.reasons.get(p.prompt["id"]), land.part.mode) for land, p, r in lines),
-    )
+    write_jsonl(out / "responses.jsonl", records)
     write_csv(out / "plots" / "completion_lengths.csv", lengths, ["length", "responses"])
     write_csv(out / "plots" / "budget_fill.csv", fill, ["seconds", "tokens", "budget"])
     write_json(out / "generate_metrics.json", metrics)

@@ -13,33 +13,23 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, TrainOn, Turns
-from draftdata.errors import UserError
 from draftdata.generate.accounting import Standing, standing, unusable_reason
 from draftdata.generate.conversation import TurnRendering, turns
-from draftdata.generate.request import Planned, request_keys
+from draftdata.generate.renders import Renders
+from draftdata.generate.request import Planned, check_context, key_sampling, request_keys
 from draftdata.generate.selection import Landed, LandedConversations, lands_exact
-from draftdata.generate.store import ResponseStore, StoredResponse, ids_json
-from draftdata.generate.work import BUDGET, FAILED, Conversation, ConversationQueue, Renders, step_over_stored
+from draftdata.generate.store import ResponseStore, StoredResponse
+from draftdata.generate.work import (
+    BUDGET,
+    FAILED,
+    Conversation,
+    ConversationQueue,
+    WorkQueue,
+    step_over_stored,
+)
 from draftdata.model.target import Target
 from draftdata.model.tokenizer import render_prompt_ids
-
-
-def check_context(plan: list[Planned], cfg: Config, context: int | None) -> None:
-    """Before any request: a prompt and its max_tokens must fit the target's context, or every such request would
-    come back an error (or be cut short) after costing a round trip (a max_tokens that leaves no room at all was
-    refused with the target: load_target)."""
-    if context is None:
-        return
-    room = context - cfg.ds.max_tokens
-    over = [p for p in plan if p.prompt_tokens > room]
-    if over:
-        first = over[0]
-        raise UserError(
-            f"{first.prompt.get('where', first.prompt['id'])}: a prompt of {first.prompt_tokens:,} "
-            f"tokens + max_tokens {cfg.ds.max_tokens:,} exceeds the target's context of {context:,} "
-            f"({len(over)} prompts like it); set datasets.{cfg.dataset}.max_prompt_tokens to at most {room:,} (the "
-            "prompts stage then drops them) or lower max_tokens"
-        )
+from draftdata.util.hashing import ids_json
 
 
 def plan_requests(
@@ -52,7 +42,7 @@ def plan_requests(
     (generate_metrics' duplicate_after_template). With a store, rendered prompts are cached there."""
     ds, prompts = cfg.ds, list(prompts)
     rendered = rendered_prompts(cfg, target, prompts, store)
-    key_of = request_keys(target.model_fp, ds.sampling.as_dict(), ds.max_tokens)
+    key_of = request_keys(target.model_fp, key_sampling(ds.sampling), ds.max_tokens)
     plan: dict[str, Planned] = {}
     for rec, ids in zip(prompts, rendered):
         key = key_of(ids)
@@ -82,32 +72,33 @@ def rendered_prompts(cfg: Config, target: Target, prompts: list[dict], store: Re
 
 def plan_conversations(
     cfg: Config, prompts: list[dict], target: Target, store: ResponseStore, context: int | None
-) -> tuple[list[Conversation], Renders]:
-    """Every conversation walked over the turns the store holds, in prompt order, and the turns' renders (those
-    made on the way are kept). `context`: the target's (None: unknown); a later turn that does not fit it with
-    max_tokens ends its conversation."""
+) -> tuple[list[Conversation], Renders, dict[str, StoredResponse]]:
+    """Every conversation walked over the turns the store holds, in prompt order; the turns' renders (those made on
+    the way are kept); and the store's rows for the turns they stopped at (parked partials, empty answers).
+    `context`: the target's (None: unknown): a first turn that does not fit it with max_tokens is refused before the
+    store is read for the turns after it, and a later turn that does not fit ends its conversation."""
     ds = cfg.ds
     renders = Renders.load(target.render_fp, store, prompts)
-    kwargs = cfg.template_kwargs
-    rendering = TurnRendering(target.tok, kwargs, target.model_fp, ds.sampling.as_dict(), ds.max_tokens, renders.turns)
+    sampling = key_sampling(ds.sampling)
+    rendering = TurnRendering(target.tok, cfg.template_kwargs, target.model_fp, sampling, ds.max_tokens, renders.turns)
     commands = ds.source.shape == "swe_agent"  # its actions are fenced shell commands in the text
     every_turn = cfg.tokenize.train_on == TrainOn.all_turns
     walks = [(rec, turns(rec, rendering, ds.on_tool_divergence.value, commands)) for rec in prompts]
     convs = [Conversation(rec, walk, every_turn=every_turn) for rec, walk in walks]
     for c in convs:
         c.start(None)
+    check_context([c.first for c in convs if c.first is not None], cfg, context)
     room = None if context is None else context - ds.max_tokens
-    step_over_stored(convs, store, {}, room)
+    met: dict[str, StoredResponse] = {}
+    step_over_stored(convs, store, {}, room, met)
     renders.keep(store)
-    return convs, renders
+    return convs, renders, met
 
 
-def conversation_plan(convs: list[Conversation], store: ResponseStore) -> tuple[list[Planned], dict]:
-    """Every conversation's turns in order (answered ones, then the next), and the store's rows for them: the
-    answers, and the parked partials of next turns (one query)."""
-    rows = {p.key: r for c in convs for p, r in c.done}
-    rows.update(store.get_many(c.next.key for c in convs if c.next is not None))
-    return [p for c in convs for p in c.turns()], rows
+def conversation_plan(convs: list[Conversation]) -> tuple[list[Planned], dict[str, StoredResponse]]:
+    """Every conversation's turns in order (answered ones, then the next), and the answers of the answered ones (the
+    store's rows for the next turns, parked partials and empty answers, are the caller's to add)."""
+    return [p for c in convs for p in c.turns()], {p.key: r for c in convs for p, r in c.done}
 
 
 def end_reasons(
@@ -193,7 +184,7 @@ class RunPlan:
     stored: dict[str, StoredResponse]
     duplicates: int = 0  # prompts whose rendered ids an earlier prompt had (`turns: last`)
     convs: list[Conversation] | None = None
-    queue: ConversationQueue | None = None
+    queue: WorkQueue | None = None  # what the dispatcher sends, in order (`turns: all`: a ConversationQueue)
     ds: DatasetConfig = None  # type: ignore[assignment]
     # read once where the run is planned (`settle`), so that the run and the announcement of a change read figures
     landed: Landed | None = None  # landing exact: the settled run of requests from the first (None: finished)
@@ -209,9 +200,9 @@ class RunPlan:
             check_context(plan, cfg, context)
             run = cls(plan, store.get_many(p.key for p in plan), len(prompts) - len(plan), ds=cfg.ds)
             return run.settle(store, cfg.dataset)
-        convs, renders = plan_conversations(cfg, prompts, target, store, context)  # each walked over its stored turns
-        check_context([c.first for c in convs if c.first is not None], cfg, context)
-        run = cls(*conversation_plan(convs, store), convs=convs, ds=cfg.ds)
+        convs, renders, met = plan_conversations(cfg, prompts, target, store, context)  # over their stored turns
+        plan, answered = conversation_plan(convs)
+        run = cls(plan, answered | met, convs=convs, ds=cfg.ds)
         room = None if context is None else context - cfg.ds.max_tokens
         run.queue = ConversationQueue(convs, store, {}, room, cfg.ds.budget_unit == BudgetUnit.total, renders)
         return run.settle(store, cfg.dataset)
@@ -219,25 +210,30 @@ class RunPlan:
     def settle(self, store: ResponseStore, dataset: str) -> RunPlan:
         """The plan's standing by the rules of selection.py and accounting.py, read once; where the run will generate,
         the prompts it sends that the store answered under another key (a changed template, model, sampling or
-        max_tokens: generate/stale.py announces them)."""
+        max_tokens: generate/preflight.py announces them)."""
         if lands_exact(self.ds) and self.convs is None:
             self.landed = Landed.of(self.plan, self.stored, self.ds)
         elif lands_exact(self.ds):
             self.landed = LandedConversations(self.convs, self.ds)
         self.standing = standing(self.plan, self.stored, self.ds)
+        if self.queue is None:
+            self.queue = WorkQueue(self.standing.todo)
         self.committed = self.landed.total() if self.landed is not None else self.standing.counted
         if self.committed < self.ds.token_budget:
             self.stale = left_behind(store, dataset, self.standing.todo)
         return self
 
     def reread(self, store: ResponseStore) -> None:
-        """After generation: the rows the store holds now (and each conversation's turns as far as they went)."""
-        if self.convs is not None:
-            self.plan, self.stored = conversation_plan(self.convs, store)
-            if self.queue is not None and self.queue.renders is not None:
-                self.queue.renders.keep(store)
+        """After generation: the rows the store holds now for the requests that needed one (a complete answer
+        stored is never replaced), and each conversation's turns as far as they went (its next turn's row read)."""
+        if self.convs is None:
+            plan, answered, asked = self.plan, self.stored, [p.key for p in self.standing.todo]
         else:
-            self.stored = store.get_many(p.key for p in self.plan)
+            plan, answered = conversation_plan(self.convs)
+            asked = [c.next.key for c in self.convs if c.next is not None]
+        self.plan, self.stored = plan, answered | store.get_many(asked)
+        if self.queue is not None and getattr(self.queue, "renders", None) is not None:
+            self.queue.renders.keep(store)
 
     def end_reasons(self, selected: list[tuple[Planned, StoredResponse]]) -> dict[str, str]:
         return {} if self.convs is None else end_reasons(self.convs, selected, self.ds)

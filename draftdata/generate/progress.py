@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import sys
 import time
 from collections import deque
 
 from draftdata.config.schema import Config
-from draftdata.generate.dispatcher import Dispatcher, RunStats
+from draftdata.generate.dispatcher import Figures, RunStats
 
 
 class Progress:
@@ -22,6 +24,7 @@ class Progress:
 
     RATE_WINDOW_S = 30.0
     MIN_RATE_SPAN_S = 3.0
+    LOOK_S = 0.05  # how often `follow` reads the run's figures
 
     def __init__(self, cfg: Config, committed: int, mode: str | None = None):
         from tqdm import tqdm
@@ -43,20 +46,27 @@ class Progress:
             bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} tok {postfix}",
         )
 
-    def update(self, d: Dispatcher, final: bool = False) -> None:
+    async def follow(self, figures: Figures, ended: asyncio.Event) -> None:
+        """Show a run's figures (those its dispatcher posts) as it goes; once `ended` is set, its last figures (not
+        the last throttled ones), and the bar closed."""
+        while not ended.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ended.wait(), self.LOOK_S)
+            self.update(figures)
+        self.update(figures, final=True)
+        self.bar.close()
+
+    def update(self, f: Figures, final: bool = False) -> None:
         now = time.monotonic()
-        s = d.stats
-        self._mark(now, d.generated_so_far(), s.new)
-        if final or not s.fill or now - self.t0 - s.fill[-1][0] >= 1.0:  # the budget-fill plot's points
-            s.fill.append((round(now - self.t0, 2), d.ctrl.committed))
+        self._mark(now, f.generated, f.stats.new)
         if not final and now - self.last_log < (0.2 if self.tty else self.cfg.run.log_every_s):
             return
         self.last_log = now
-        line = self.line(d.ctrl.committed, s, len(d.flights), d.streaming())
+        line = self.line(f.committed, f.stats, f.in_flight, f.streaming)
         if self.tty:
-            if d.ctrl.committed > self.bar.total:  # the last response may cross the budget: the bar ends there
-                self.bar.total = d.ctrl.committed
-            self.bar.n = d.ctrl.committed
+            if f.committed > self.bar.total:  # the last response may cross the budget: the bar ends there
+                self.bar.total = f.committed
+            self.bar.n = f.committed
             self.bar.set_postfix_str(line.split(" | ", 1)[1], refresh=True)
         else:
             print(f"generate {self.name}: {line}", flush=True)
@@ -91,11 +101,6 @@ class Progress:
         if rates and rates[0] > 0 and committed < budget:
             parts.append(f"ETA {_duration(max(0, left) / rates[0])}")
         return " | ".join(parts)
-
-    def close(self, d: Dispatcher | None = None) -> None:
-        if d is not None:
-            self.update(d, final=True)  # the last figures, not the last throttled ones
-        self.bar.close()
 
 
 def _duration(seconds: float) -> str:

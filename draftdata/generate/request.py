@@ -1,5 +1,6 @@
 """A request a run plans: its prompt record, its store key, the prompt's ids, and (a conversation's later turn) how its
-prompt holds the turns before it. What it counts toward the budget is accounting.py's.
+prompt holds the turns before it; and whether a run's requests fit the target's context. What a request counts toward
+the budget is accounting.py's.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from draftdata.config.schema import NEUTRAL_SAMPLING, Config, SamplingConfig
+from draftdata.errors import UserError
 from draftdata.util.hashing import canonical_json, content_hash
 
 
@@ -48,6 +51,18 @@ class Planned:
         return len(self.rendered)
 
 
+def key_sampling(s: SamplingConfig) -> dict:
+    """The sampling as the store key holds it. A field at its neutral value (and an empty `extra`) is left out, so
+    the keys made before the field existed still match; config.schema's `sent` gives every field."""
+    d = {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
+    for name, neutral in NEUTRAL_SAMPLING.items():
+        if name != "top_k" and getattr(s, name) != neutral:
+            d[name] = getattr(s, name)
+    if s.extra:
+        d["extra"] = dict(s.extra)
+    return d
+
+
 def request_key(model_fp: str, prompt_ids: list[int], sampling: dict, max_tokens: int) -> str:
     """Same model + same exact prompt tokens (template and its kwargs included) + same sampling = same key,
     whichever run or dataset asks."""
@@ -66,3 +81,21 @@ def request_keys(model_fp: str, sampling: dict, max_tokens: int) -> Callable[[st
     head, tail = text.split('"prompt_ids":[]', 1)
     start, end = (head + '"prompt_ids":').encode(), tail.encode()
     return lambda ids_text: hashlib.sha256(start + ids_text.encode() + end).hexdigest()[:32]
+
+
+def check_context(plan: list[Planned], cfg: Config, context: int | None) -> None:
+    """Before any request: a prompt and its max_tokens must fit the target's context, or every such request would
+    come back an error (or be cut short) after costing a round trip (a max_tokens that leaves no room at all was
+    refused with the target: load_target)."""
+    if context is None:
+        return
+    room = context - cfg.ds.max_tokens
+    over = [p for p in plan if p.prompt_tokens > room]
+    if over:
+        first = over[0]
+        raise UserError(
+            f"{first.prompt.get('where', first.prompt['id'])}: a prompt of {first.prompt_tokens:,} "
+            f"tokens + max_tokens {cfg.ds.max_tokens:,} exceeds the target's context of {context:,} "
+            f"({len(over)} prompts like it); set datasets.{cfg.dataset}.max_prompt_tokens to at most {room:,} (the "
+            "prompts stage then drops them) or lower max_tokens"
+        )

@@ -7,17 +7,18 @@ from __future__ import annotations
 import asyncio
 import signal
 
-from draftdata.config.schema import BackendKind, Config, OnBudget
-from draftdata.generate.accounting import Standing
+from draftdata.config.schema import Config, OnBudget
 from draftdata.generate.budget.controller import BudgetController
 from draftdata.generate.connect import make_backend
-from draftdata.generate.dispatcher import Dispatcher, Interrupted, RunStats
+from draftdata.generate.dispatcher import Dispatcher, Figures, Interrupted, RunStats
+from draftdata.generate.failfast import FailFastWindow
+from draftdata.generate.ledger import Ledger
 from draftdata.generate.planning import RunPlan
+from draftdata.generate.preflight import named
 from draftdata.generate.progress import Progress
-from draftdata.generate.request import Planned
 from draftdata.generate.selection import Landed
 from draftdata.generate.store import ResponseStore, StoredResponse
-from draftdata.generate.work import ConversationQueue, WorkQueue
+from draftdata.generate.work import WorkQueue
 from draftdata.model.target import Target
 from draftdata.util.log import log
 
@@ -25,7 +26,7 @@ from draftdata.util.log import log
 async def _generate(
     cfg: Config,
     target: Target,
-    todo: list[Planned] | WorkQueue,
+    work: WorkQueue,
     ctrl: BudgetController,
     store: ResponseStore,
     parked: dict[str, StoredResponse],
@@ -36,18 +37,24 @@ async def _generate(
     ctrl.observes_rate = stream
     backend = make_backend(cfg, target)
     await backend.start()  # health and model checks, before any prompt is sent
+    figures, ended = Figures(ctrl.committed), asyncio.Event()
     progress = Progress(cfg, ctrl.committed, mode)
-    dispatcher = Dispatcher(backend, ctrl, store, cfg, target.tok, stream, parked, progress, landed)
+    shown = asyncio.create_task(progress.follow(figures, ended))
+    arithmetic = getattr(backend, "compute_dtype", None)  # an in-process engine's, on every row (None: a server's)
+    ledger = Ledger(cfg.ds, cfg.dataset, ctrl, target.tok, backend.name, compute_dtype=arithmetic)
+    failfast = FailFastWindow(cfg.run.fail_fast_after)
+    dispatcher = Dispatcher(backend, ctrl, ledger, failfast, store, cfg, stream, parked, landed, figures)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, dispatcher.interrupt)
     try:
-        return await dispatcher.run(todo)
+        return await dispatcher.run(work)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
+        ended.set()
+        await shown  # the run's last figures shown
         dispatcher.stats.server = ctrl.throughput.summary() if stream else {}
-        progress.close(dispatcher)
         await backend.close()
         s = dispatcher.stats
         log(
@@ -63,11 +70,6 @@ async def _generate(
         )
 
 
-def named(mode: str | None) -> dict[str, str]:
-    """A line's `mode=` field, where the run generates a mode's share (datasets.<D>.modes)."""
-    return {} if mode is None else {"mode": mode}
-
-
 def run_generation(
     cfg: Config, target: Target, run: RunPlan, store: ResponseStore, mode: str | None = None
 ) -> RunStats:
@@ -78,54 +80,34 @@ def run_generation(
         status = f"budget met: {run.committed:,} >= {ds.token_budget:,} tokens from the store's answers"
         log("generate", dataset=cfg.dataset, **named(mode), status=status)
         return RunStats(reused=usable)
-    stats = generate_missing(cfg, target, run.plan, run.stored, store, run.standing, run.queue, run.landed, mode)
+    stats = generate_missing(cfg, target, run, store, mode)
     stats.reused = usable
     run.reread(store)
     return stats
 
 
-def check_before_requests(cfg: Config, target: Target, todo: list[Planned]) -> None:
-    """What only the requests to send can show wrong, refused before any is sent: a chat-format server's answers
-    that tokenize could not render as the model wrote them (check_chat_rendering)."""
-    if cfg.backend.kind == BackendKind.openai and todo:
-        # imported here, as make_backend imports the backends: a run that sends nothing does not import aiohttp
-        from draftdata.generate.backends.openai import check_chat_rendering
-
-        check_chat_rendering(cfg, target, [p.prompt for p in todo])
-
-
 def generate_missing(
-    cfg: Config,
-    target: Target,
-    plan: list[Planned],
-    stored: dict[str, StoredResponse],
-    store: ResponseStore,
-    standing: Standing,
-    conversations: ConversationQueue | None = None,
-    landed: Landed | None = None,
-    mode: str | None = None,
+    cfg: Config, target: Target, run: RunPlan, store: ResponseStore, mode: str | None = None
 ) -> RunStats:
     """Generate what the budget still needs. Parked partials are continued rather than counted: the budget counts
-    complete responses, and keep_partial's cut ones only once no more generation is wanted. `standing`: what the
-    stored rows count (accounting.standing, read where the run was planned; check_before_requests has passed its
-    `todo`). `conversations` (`turns: all`): `plan` holds their answered turns and the next one of each, and the
-    queue steps them on."""
-    ds = cfg.ds
+    complete responses, and keep_partial's cut ones only once no more generation is wanted. `run`: planned
+    (`RunPlan.make`), its standing read there (what the stored rows count, and what to send: `run.queue`, which
+    with `turns: all` steps each conversation on from its stored turns); preflight.py has passed its requests."""
+    ds, standing = cfg.ds, run.standing
     ctrl = BudgetController(
         ds.token_budget,
         ds.max_tokens,
         cfg.concurrency,
         keep_partial=ds.on_budget == OnBudget.keep_partial,
         committed=standing.complete,
-        landed=None if landed is None else landed.total(),
+        landed=None if run.landed is None else run.committed,  # landing exact: the settled run's total
     )
     ctrl.lengths.add_stored(standing.lengths)
     todo = standing.todo
     if standing.prompt_mean is not None:
         ctrl.prompt_mean = standing.prompt_mean
-    parked = {k: r for k, r in stored.items() if r.partial}
-    if conversations is not None:
-        conversations.parked = parked  # partials met while stepping over stored turns are continued too
+    parked = {k: r for k, r in run.stored.items() if r.partial}
+    run.queue.parked = parked  # partials met while stepping over stored turns (`turns: all`) are continued too
     log(
         "generate",
         dataset=cfg.dataset,
@@ -139,8 +121,7 @@ def generate_missing(
         continues=cfg.backend.takes_token_ids(),
     )
     try:
-        work = todo if conversations is None else conversations
-        return asyncio.run(_generate(cfg, target, work, ctrl, store, parked, landed, mode))
+        return asyncio.run(_generate(cfg, target, run.queue, ctrl, store, parked, run.landed, mode))
     except Interrupted:
         log(
             "generate",

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from draftdata.util.hashing import ids_json
 from draftdata.util.log import log
 from draftdata.util.sqlite import add_columns, open_db, rows_in, transaction
 
@@ -212,12 +213,6 @@ class ResponseStore:
 
 # Columns added after the first stores were written: an older store gets them (empty) when it is opened.
 ADDED_COLUMNS = {"reasoning": "TEXT", "tool_calls": "TEXT", "compute_dtype": "TEXT"}
-
-
-def ids_json(ids: list[int]) -> str:
-    """Token ids as JSON at a third of json.dumps' cost: the very text `canonical_json` gives them, which the request
-    key hashes."""
-    return "[" + ",".join(map(str, ids)) + "]"
 
 
 def _ids(ids: list[int] | None) -> str | None:

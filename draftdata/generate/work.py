@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from draftdata.generate.accounting import continuation, is_empty, link, needs_request, prompt_count
 from draftdata.generate.backends.protocol import GenResult
 from draftdata.generate.budget.controller import Pending
-from draftdata.generate.conversation import TurnRenders
+from draftdata.generate.renders import Renders
 from draftdata.generate.request import Planned
 from draftdata.generate.store import ResponseStore, StoredResponse
 
@@ -40,6 +40,7 @@ class WorkQueue:
 
     def __init__(self, todo: Iterable[Planned] = ()):
         self._new: Iterator[Planned] = iter(todo)
+        self.parked: dict[str, StoredResponse] = {}  # the dispatcher's partials to continue (see ConversationQueue)
 
     def next_ready(self) -> Planned | None:
         """A turn of a started conversation (never gated by the controller's admission: see the module docstring)."""
@@ -128,32 +129,17 @@ class Conversation:
         ]
 
 
-@dataclass
-class Renders:
-    """The turns' renders of a run under its render fingerprint, and where they are kept."""
-
-    fingerprint: str
-    turns: TurnRenders
-
-    @classmethod
-    def load(cls, fingerprint: str, store: ResponseStore, prompts: list[dict]) -> Renders:
-        cached = store.get_turn_renders(
-            fingerprint, (rec["id"] for rec in prompts), sum(len(r["slots"]) for r in prompts)
-        )
-        return cls(fingerprint, TurnRenders(cached))
-
-    def keep(self, store: ResponseStore, at_least: int = 1) -> None:
-        """Write the turns rendered since the last call, once there are `at_least`."""
-        if len(self.turns.new) >= at_least:
-            store.put_turn_renders(self.fingerprint, self.turns.take_new())
-
-
 def step_over_stored(
-    convs: list[Conversation], store: ResponseStore, parked: dict[str, StoredResponse], room: int | None
+    convs: list[Conversation],
+    store: ResponseStore,
+    parked: dict[str, StoredResponse],
+    room: int | None,
+    met: dict[str, StoredResponse] | None = None,
 ) -> list[tuple[Planned, StoredResponse]]:
     """Step each conversation over the turns the store holds answers for: one query per round for all of them.
-    Parked partials met on the way are added to `parked` (the dispatcher continues them). Returns the turns stepped
-    over, with their answers."""
+    Parked partials met on the way are added to `parked` (the dispatcher continues them), and every row of a turn
+    a conversation stops at to `met` (its partial or empty answer). Returns the turns stepped over, with their
+    answers."""
     waiting, stepped = [c for c in convs if c.next is not None], []
     while waiting:
         stored = store.get_many({c.next.key for c in waiting})
@@ -163,6 +149,8 @@ def step_over_stored(
             if needs_request(r):
                 if r is not None and r.partial:
                     parked[r.key] = r
+                if r is not None and met is not None:
+                    met[r.key] = r
                 continue
             stepped.append((c.next, r))
             c.answer(r, room)

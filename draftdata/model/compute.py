@@ -121,7 +121,7 @@ def embedded_on_gpu(cfg) -> bool:
     return cfg.backend.embedded_batching != "slots" and torch.cuda.is_available()
 
 
-def computed_fingerprint(model_fp: str, computed_in: str | None, weights: str) -> str:
+def computed_fingerprint(model_fp: str, computed_in: str | None, weights: str | None) -> str:
     """The fingerprint of a target as an engine computed it: the weights' own where it computed in their dtype (or
     where the engine is a server's, `computed_in` None: its arithmetic is the server's), else a new one naming the
     dtype."""

@@ -66,15 +66,15 @@ def load_target(cfg: Config, hashes: Path | None, tok=None) -> Target:
     check_tokenizer_fits(tok, model, found.limits)
     stop_ids, unrendered = frozenset(end_of_turn_ids(tok, model, kwargs)), tuple(unrendered_parts(tok, kwargs))
     tokenizer = tokenizer_fingerprint(tok, model, kwargs)
-    model_fp = files_fingerprint(found.dir, found.revision, hashes)
-    dtype, on_gpu = None, False
+    dtype, on_gpu, weights = None, False, None
     if cfg.backend.kind == BackendKind.embedded:
-        # the arithmetic the engine computes in is part of what its answers are: a dtype other than the weights'
-        # own names its own fingerprint (model/compute.py); a quantized checkpoint it would cast without scales
+        # a quantized checkpoint the engine would cast without its scales, refused before its weights are hashed
         refuse_quantized(model, config_quantization(found.config))
         weights, on_gpu = config_dtype(found.config), embedded_on_gpu(cfg)
         dtype = resolve(model.compute_dtype, weights, on_gpu)
-        model_fp = computed_fingerprint(model_fp, dtype, weights)
+    # the arithmetic the engine computes in is part of what its answers are: a dtype other than the weights' own
+    # names its own fingerprint (model/compute.py); a server's (dtype None) is the weights' own
+    model_fp = computed_fingerprint(files_fingerprint(found.dir, found.revision, hashes), dtype, weights)
     libraries = {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
     render_fp = content_hash({"model": model_fp, "tokenizer": tokenizer, **libraries}, n=32)
     return Target(tok, found.limits.context, stop_ids, unrendered, model_fp, render_fp, dtype, on_gpu)

@@ -15,3 +15,9 @@ def canonical_json(obj: Any) -> str:
 def content_hash(obj: Any, n: int = 16) -> str:
     """Stable hash of a JSON-able value (key order and whitespace do not matter)."""
     return hashlib.sha256(canonical_json(obj).encode()).hexdigest()[:n]
+
+
+def ids_json(ids: list[int]) -> str:
+    """Token ids as JSON at a third of json.dumps' cost: the very text `canonical_json` gives them, which the request
+    key hashes (and the store keeps)."""
+    return "[" + ",".join(map(str, ids)) + "]"

@@ -19,7 +19,7 @@ A chat answer's parts that a server's parsers move out of `content` are kept wit
 the assistant message the model really wrote: a tool parser's (vLLM `--tool-call-parser`, SGLang's)
 `message.tool_calls` (streamed: `delta.tool_calls` fragments keyed by `index`, the id and function name first, then
 `arguments` string pieces) and a reasoning parser's thinking (`reasoning_content`, vLLM >= 0.10 `reasoning`). A
-template that cannot render one of them refuses the run before any request (`check_chat_rendering`), or its answer
+template that cannot render one of them refuses the run before any request (generate/preflight.py), or its answer
 (`unrenderable`, not retried): a sample must not train on another answer than the model gave. Token ids, when the
 server returns them, win over all of this in tokenize.
 
@@ -30,8 +30,7 @@ have (checked neutral at validation), and `backend.extra_body` may name none of 
 
 from __future__ import annotations
 
-from draftdata.config.schema import Config, sent
-from draftdata.errors import UserError
+from draftdata.config.schema import sent
 from draftdata.generate.backends.http import (
     Body,
     EventStream,
@@ -287,16 +286,3 @@ def unrenderable_detail(parts: list[str]) -> str:
         "that from the assistant turn, so the sample would be another answer: serve without the parser, set "
         "model.chat_template to one that renders it, or set backend.return_token_ids"
     )
-
-
-def check_chat_rendering(cfg: Config, target, prompts: list[dict]) -> None:
-    """Before any request: a chat-format run over prompts with tools whose template drops tool calls from the
-    assistant turn would store answers that tokenize cannot render as the model wrote them."""
-    if cfg.backend.prompt_format != "chat" or cfg.backend.return_token_ids:
-        return
-    if any(p.get("tools") for p in prompts) and "tool_calls" in target.unrendered:
-        raise UserError(
-            f"backend.prompt_format chat: dataset {cfg.dataset} has tools, and a server's tool-call parser moves a "
-            "call out of the answer's text, but the chat template drops tool_calls from the assistant turn; set "
-            "model.chat_template to one that renders them, or backend.return_token_ids: true"
-        )

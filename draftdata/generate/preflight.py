@@ -1,4 +1,9 @@
-"""Stored answers that a config change left behind, announced before anything is spent.
+"""What a run's requests can show wrong or costly, checked and said before any part of the stage sends one: a chat
+template that cannot render what a chat-format server's parsers return (`check_chat_rendering`), and the stored
+answers that a config change left behind (`check_stale`).
+
+A chat-format server's tool-call parser moves a call out of the answer's text; a template that drops tool calls from
+the assistant turn would then store answers that tokenize cannot render as the model wrote them.
 
 A stored answer is found again by its request key: the model's fingerprint, the prompt's ids under the chat template
 (and its kwargs), sampling and max_tokens (request.py). Change any of them and every answer stored for a prompt
@@ -16,11 +21,37 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftdata.config.schema import Config
+from draftdata.config.schema import BackendKind, Config
 from draftdata.errors import UserError
 from draftdata.generate.planning import RunPlan
-from draftdata.generate.run import named
+from draftdata.model.target import Target
 from draftdata.util.log import log
+
+
+def preflight(cfg: Config, target: Target, run: RunPlan, metrics: Path, mode: str | None = None) -> None:
+    """Every check a part's requests need before the first part sends one. `cfg`: the part's (its budget share, where
+    `mode` is one); `metrics`: the dataset's last generate_metrics.json (the last run's rate)."""
+    if cfg.backend.kind == BackendKind.openai and run.standing.todo:
+        check_chat_rendering(cfg, target, [p.prompt for p in run.standing.todo])
+    check_stale(cfg, run, metrics, mode)
+
+
+def named(mode: str | None) -> dict[str, str]:
+    """A line's `mode=` field, where the run generates a mode's share (datasets.<D>.modes)."""
+    return {} if mode is None else {"mode": mode}
+
+
+def check_chat_rendering(cfg: Config, target: Target, prompts: list[dict]) -> None:
+    """A chat-format run over prompts with tools, whose template drops tool calls from the assistant turn, is refused:
+    its answers could not be rendered as the model wrote them."""
+    if cfg.backend.prompt_format != "chat" or cfg.backend.return_token_ids:
+        return
+    if any(p.get("tools") for p in prompts) and "tool_calls" in target.unrendered:
+        raise UserError(
+            f"backend.prompt_format chat: dataset {cfg.dataset} has tools, and a server's tool-call parser moves a "
+            "call out of the answer's text, but the chat template drops tool_calls from the assistant turn; set "
+            "model.chat_template to one that renders them, or backend.return_token_ids: true"
+        )
 
 
 @dataclass
