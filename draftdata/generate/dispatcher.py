@@ -105,8 +105,9 @@ class Dispatcher:
         self.t0 = time.monotonic()  # the budget-fill plot's time origin
         self.landed = landed  # landing exact: the settled run of requests from the first (None: finished)
         self.stats = ledger.stats
-        self.figures = Figures() if figures is None else figures
-        self.figures.stats = self.stats
+        self.figures = figures  # None: nobody reads them, none are posted
+        if figures is not None:
+            figures.stats = self.stats
         self.meter = ThroughputMeter(time.monotonic())
         self.flights: dict[asyncio.Task, Flight] = {}
         self.work = WorkQueue()
@@ -154,7 +155,8 @@ class Dispatcher:
 
     def _post(self) -> None:
         """The run's figures now, where the progress display reads them."""
-        f = self.figures
+        if (f := self.figures) is None:
+            return
         f.committed, f.generated, f.in_flight, f.streaming = (
             self.ctrl.committed,
             self.generated_so_far(),
