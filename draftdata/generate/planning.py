@@ -232,8 +232,8 @@ class RunPlan:
             plan, answered = conversation_plan(self.convs)
             asked = [c.next.key for c in self.convs if c.next is not None]
         self.plan, self.stored = plan, answered | store.get_many(asked)
-        if self.queue is not None and getattr(self.queue, "renders", None) is not None:
-            self.queue.renders.keep(store)
+        if isinstance(self.queue, ConversationQueue) and self.queue.renders is not None:
+            self.queue.renders.keep(store)  # the turns rendered since its last batch
 
     def end_reasons(self, selected: list[tuple[Planned, StoredResponse]]) -> dict[str, str]:
         return {} if self.convs is None else end_reasons(self.convs, selected, self.ds)
