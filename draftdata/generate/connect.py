@@ -10,7 +10,7 @@ from draftdata.model.target import Target
 
 def make_backend(cfg: Config, target: Target) -> Backend:
     """The configured backend, for the target as load_target found it (its tokenizer, what its template does)."""
-    # before any connection is opened (loading the config checked both, and that its dataset's sampling is all sent)
+    # before any connection is opened (loading the config checked it too, and that the dataset's sampling is all sent)
     cfg.backend.check("backend")
     kind = cfg.backend.kind
     if kind == BackendKind.embedded:

@@ -78,8 +78,7 @@ def write_outputs(cfg: Config, out: Path, prompts: list[dict], parts: list[Part]
             key=lambda x: (order[x[1].prompt.get("conversation", x[1].prompt["id"])], x[1].prompt.get("turn", 0))
         )
     selected = [(p, r) for _, p, r in lines]
-    # the lines, streamed as the file is written (seconds at 100k), and the figures first; then every file, the
-    # writers together at the end
+    # the lines (made as the file is written: seconds at 100k) and the figures first, the writers together at the end
     records = (output_record(p, r, land.reasons.get(p.prompt["id"]), land.part.mode) for land, p, r in lines)
     stats = merged_stats([part.stats for part in parts])
     total = sum(land.total for land in landed)
