@@ -107,7 +107,8 @@ def generate_missing(
     if standing.prompt_mean is not None:
         ctrl.prompt_mean = standing.prompt_mean
     parked = {k: r for k, r in run.stored.items() if r.partial}
-    run.queue.parked = parked  # partials met while stepping over stored turns (`turns: all`) are continued too
+    if run.convs is not None:  # a conversation queue: the partials it meets stepping over stored turns go on too
+        run.queue.parked = parked
     log(
         "generate",
         dataset=cfg.dataset,

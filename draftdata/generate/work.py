@@ -40,7 +40,6 @@ class WorkQueue:
 
     def __init__(self, todo: Iterable[Planned] = ()):
         self._new: Iterator[Planned] = iter(todo)
-        self.parked: dict[str, StoredResponse] = {}  # the dispatcher's partials to continue (see ConversationQueue)
 
     def next_ready(self) -> Planned | None:
         """A turn of a started conversation (never gated by the controller's admission: see the module docstring)."""

@@ -54,13 +54,15 @@ def config_quantization(conf: dict | None) -> str | None:
 
 
 def check_embedded_target(model: ModelConfig) -> None:
-    """The embedded backend casts the whole model to its compute dtype and packs the linear layers' weights itself:
-    a quantized checkpoint's weights would lose their scales (FP8) or be refused by transformers (GPTQ)."""
+    """`refuse_quantized` of the target as its config.json names its quantization (check_params' form of generate's
+    refusal)."""
     refuse_quantized(model, quantization_method(model))
 
 
 def refuse_quantized(model: ModelConfig, method: str | None) -> None:
-    """`check_embedded_target` of a checkpoint whose quantization (`method`, None: plain weights) is known."""
+    """The embedded backend casts the whole model to its compute dtype and packs the linear layers' weights itself:
+    a quantized checkpoint (`method`, its config's quantization; None: plain weights) would lose its scales (FP8) or
+    be refused by transformers (GPTQ)."""
     if method is not None:
         raise ConfigError(
             "backend.kind",

@@ -3,9 +3,10 @@ template, what that template does (the tokens a turn ends on, the parts of an an
 the dtype the in-process engine computes it in, and the fingerprints that its answers and renders are stored under.
 
 One pass over the model's rooms, in order (model/load.py finds it, config/schema.py reads the template and checks
-the room it leaves, model/tokenizer.py loads and checks the tokenizer, model/fingerprint.py hashes its files,
-model/compute.py settles the arithmetic), each handed what the one before found: nothing is found, read or
-hashed twice, and planning, the checks and the backends read the result instead of asking the model again.
+the room it leaves, model/tokenizer.py loads and checks the tokenizer, model/compute.py settles the arithmetic and
+refuses a quantized checkpoint for the embedded engine before model/fingerprint.py hashes its files), each handed
+what the one before found: nothing is found, read or hashed twice, and planning, the checks and the backends read the
+result instead of asking the model again.
 """
 
 from __future__ import annotations
