@@ -52,6 +52,26 @@ def test_store_round_trip_survives_reopen_and_never_duplicates(tmp_path):
         assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
+def test_a_commit_is_answered_with_the_row_the_store_holds(tmp_path):
+    """Two runs committing the same keys (two connections): each is told what every later run will read, its own
+    row where the store took it, the other's complete answer (or longer partial) where the store kept that."""
+    from dataclasses import replace
+
+    path = tmp_path / "s.sqlite"
+    first, second = ResponseStore(path), ResponseStore(path)
+    theirs = [resp("a"), resp("b", 7), replace(resp("c", 3), finish_reason="budget_cut")]
+    assert first.put_many(theirs) == theirs
+    ours = [resp("a", 9), resp("new", 2), replace(resp("c", 2), finish_reason="budget_cut"), resp("b", 7)]
+    held = second.put_many(ours)
+    assert held == [theirs[0], ours[1], theirs[2], theirs[1]]  # a and b answered first, c longer: theirs kept
+    assert held == [second.get_many([r.key])[r.key] for r in ours]
+    assert held[1] is ours[1]  # taken: not read
+    complete = resp("c", 4)
+    assert second.put(complete) is complete  # a complete answer replaces a partial
+    first.close()
+    second.close()
+
+
 def test_store_get_many_handles_more_keys_than_sqlite_binds(tmp_path):
     store = ResponseStore(tmp_path / "s.sqlite")
     for i in range(1200):

@@ -419,6 +419,78 @@ def test_a_plan_holds_the_store_rows_of_the_turns_its_conversations_stop_at(conv
     assert run.stored == {p.key: r for c in run.convs for p, r in c.done} | nexts
 
 
+def planned_in_process(project, tiny_model):
+    """B3's config, prompts and target as the generate stage loads them, to drive a run from the test."""
+    cfg = load_config("B3", [], params_path=project.path / "params.yaml")
+    prompts = list(read_jsonl(project.data("B3") / "prompts.jsonl"))
+    return cfg, prompts, target_for(cfg, AutoTokenizer.from_pretrained(tiny_model))
+
+
+def test_a_run_ends_holding_the_store_rows_of_its_turns_without_reading_them_back(conv_project, tiny_model):
+    """After generation the plan holds what the store holds for every turn it names (the answers, and the rows of
+    the turns the conversations stop at: parked at the budget), from the store's answer to each commit."""
+    from draftdata.generate.planning import RunPlan
+    from draftdata.generate.run import run_generation
+    from draftdata.generate.store import ResponseStore
+
+    project, start = conv_project
+    rows = three_turn_rows() + [{"messages": chat(f"Topic {i}?", "A.", "More?", "B.")} for i in range(4)]
+    (slow,) = start(rows, token_budget=60, concurrency=2, landing="finished")
+    slow.token_delay_s = 0.02  # the budget is read mid-answer: the turns in flight are parked
+    cfg, prompts, target = planned_in_process(project, tiny_model)
+    store = ResponseStore(project.path / "store.sqlite")
+    try:
+        run = RunPlan.make(cfg, prompts, target, store)
+        run_generation(cfg, target, run, store)
+        held = store.get_many([p.key for p in run.plan])
+    finally:
+        store.close()
+    assert any(r.partial for r in held.values())  # parked by this run
+    assert run.stored == held and len(run.plan) > len(prompts)  # every turn named, answered or stopped at
+
+
+def test_a_conversation_goes_on_from_the_answer_the_store_kept_where_another_run_committed_first(
+    conv_project, tiny_model
+):
+    """Another run commits a turn's answer while this one asks for it: the store keeps the first, and this run's
+    conversation goes on from that one, as a rerun walking the store does (same params, same data)."""
+    from draftdata.generate.planning import RunPlan
+    from draftdata.generate.run import run_generation
+    from draftdata.generate.store import ResponseStore, StoredResponse
+
+    project, start = conv_project
+    start(three_turn_rows()[:1])
+    cfg, prompts, target = planned_in_process(project, tiny_model)
+    store, other = ResponseStore(project.path / "store.sqlite"), ResponseStore(project.path / "store.sqlite")
+    try:
+        run = RunPlan.make(cfg, prompts, target, store)
+        (conv,) = run.convs
+        turn = conv.next
+        ids = target.tok.encode("Another answer.", add_special_tokens=False)
+        theirs = StoredResponse(
+            turn.key,
+            cfg.dataset,
+            turn.prompt["id"],
+            "Another answer.",
+            turn.prompt_tokens,
+            len(ids),
+            "stop",
+            "other",
+            0.1,
+            turn.prompt_ids,
+            ids,
+        )
+        other.put(theirs)  # committed after this run planned turn 0, before its answer came
+        run_generation(cfg, target, run, store)
+        rerun = RunPlan.make(cfg, prompts, target, store)
+    finally:
+        store.close()
+        other.close()
+    assert conv.done[0][1].text == "Another answer." and len(conv.done) == 3
+    assert [p.key for p in run.plan] == [p.key for p in rerun.plan]  # the rerun steps over the same turns
+    assert run.stored == rerun.stored
+
+
 def test_exact_landing_gives_nested_conversations_whatever_the_store_holds(conv_project):
     """landing exact: whole conversations in prompt order, the last cut at a turn; a raised budget's output starts
     with the smaller one's, and lowering it back gives the first output byte for byte, although the store now

@@ -276,16 +276,18 @@ class Dispatcher:
         reason: str = CUT,
     ) -> None:
         """Store what ended since the last wake-up (the rows in one transaction), then count it, tell the
-        controller and look whether the run is failing."""
+        controller and look whether the run is failing. The ledger counts what this run generated; the work queue
+        and the landing take the rows the store holds (another run's answer where it committed one first), which
+        are what the output and every later run read."""
         settled = self.ledger.settle(done, stopped, reason)
         for failure in settled.failures:
             self.store.put_failure(*failure)
-        if settled.rows:
-            self.store.put_many([r for r, _ in settled.rows])
+        held = self.store.put_many([r for r, _ in settled.rows]) if settled.rows else []
+        stored = [(h, f) for h, (_, f) in zip(held, settled.rows)]
         self.ledger.commit(settled.rows)
-        self.work.settled([*done, *stopped], settled.rows)
+        self.work.settled([*done, *stopped], stored)
         self.ledger.reused(self.work.take_reused())
-        self._land(done, settled.rows)
+        self._land(done, stored)
         # an answer the output cannot use (empty, truncated and dropped) is a failure to the fail-fast window too
         unusable = {f.p.key: unusable_reason(r, self.ds) for r, f in settled.rows if not r.partial}
         for res, f in done:

@@ -224,14 +224,16 @@ class RunPlan:
         return self
 
     def reread(self, store: ResponseStore) -> None:
-        """After generation: the rows the store holds now for the requests that needed one (a complete answer
-        stored is never replaced), and each conversation's turns as far as they went (its next turn's row read)."""
+        """After generation: the rows the store holds for the requests the run committed (the work queue's `rows`,
+        as the store answered each commit: nothing is read back), and each conversation's turns as far as they went,
+        with the row of the turn it stopped at."""
+        rows = self.stored | self.queue.rows
         if self.convs is None:
-            plan, answered, asked = self.plan, self.stored, [p.key for p in self.standing.todo]
-        else:
-            plan, answered = conversation_plan(self.convs)
-            asked = [c.next.key for c in self.convs if c.next is not None]
-        self.plan, self.stored = plan, answered | store.get_many(asked)
+            self.stored = rows
+            return
+        self.plan, answered = conversation_plan(self.convs)
+        nexts = {c.next.key for c in self.convs if c.next is not None}
+        self.stored = answered | {key: r for key, r in rows.items() if key in nexts}
         if isinstance(self.queue, ConversationQueue) and self.queue.renders is not None:
             self.queue.renders.keep(store)  # the turns rendered since its last batch
 

@@ -73,8 +73,9 @@ async def _generate(
 def run_generation(
     cfg: Config, target: Target, run: RunPlan, store: ResponseStore, mode: str | None = None
 ) -> RunStats:
-    """Generate what the budget still needs over the store's answers (nothing where they meet it), then read back
-    what the store holds for the run's prompts. `mode`: the mode whose share `cfg` holds, named in the lines."""
+    """Generate what the budget still needs over the store's answers (nothing where they meet it), then take into
+    the plan the rows the store holds for what the run committed. `mode`: the mode whose share `cfg` holds, named in
+    the lines."""
     ds, usable = cfg.ds, run.standing.usable
     if run.committed >= ds.token_budget:  # landing exact: the settled run from the first request decides
         status = f"budget met: {run.committed:,} >= {ds.token_budget:,} tokens from the store's answers"

@@ -121,12 +121,14 @@ class ResponseStore:
     def close(self) -> None:
         self.db.close()
 
-    def put(self, r: StoredResponse) -> None:
-        self.put_many([r])
+    def put(self, r: StoredResponse) -> StoredResponse:
+        return self.put_many([r])[0]
 
-    def put_many(self, responses: list[StoredResponse]) -> None:
+    def put_many(self, responses: list[StoredResponse]) -> list[StoredResponse]:
         """Commit responses that arrived together in one transaction (group commit: the commit, not the row, is
-        what costs; a kill still loses nothing that was handed to this call once it returns)."""
+        what costs; a kill still loses nothing that was handed to this call once it returns). Returns the row the
+        store holds for each once committed: the response itself, or the row `_PUT` kept instead (a complete answer
+        another run committed first, a longer partial), which is what every later run will read."""
         rows = []
         for r in responses:
             row = dict(vars(r))  # shallow: dataclasses.asdict would deep-copy every token id
@@ -134,7 +136,10 @@ class ResponseStore:
             row["output_ids"] = _ids(r.output_ids)
             row["tool_calls"] = json.dumps(r.tool_calls) if r.tool_calls else None
             rows.append(row)
-        self._commit_many(_PUT, rows)
+        with transaction(self.db):
+            taken = self.db.executemany(_PUT, rows).rowcount  # the rows inserted or replaced
+            kept = {} if taken == len(rows) else self.get_many(r.key for r in responses)  # read only on a conflict
+        return [r if (k := kept.get(r.key, r)) == r else k for r in responses]  # ours where taken
 
     def put_failure(self, key: str, dataset: str, prompt_id: str, reason: str, detail: str, server: str) -> None:
         self.db.execute(

@@ -40,6 +40,9 @@ class WorkQueue:
 
     def __init__(self, todo: Iterable[Planned] = ()):
         self._new: Iterator[Planned] = iter(todo)
+        # key -> the store's row, for every request this run committed (`put_many`'s word: another run's answer where
+        # it committed first) and every stored turn a conversation stopped at on the way: the run's rows, unread
+        self.rows: dict[str, StoredResponse] = {}
 
     def next_ready(self) -> Planned | None:
         """A turn of a started conversation (never gated by the controller's admission: see the module docstring)."""
@@ -57,7 +60,8 @@ class WorkQueue:
         return None
 
     def settled(self, ended: list[tuple[GenResult, object]], rows: list[tuple[StoredResponse, object]]) -> None:
-        """Requests that ended (`Flight`s with their results) and the rows the store took for them."""
+        """Requests that ended (`Flight`s with their results) and the rows the store holds for them now."""
+        self.rows.update((r.key, r) for r, _ in rows)
 
     def take_reused(self) -> list[tuple[Planned, StoredResponse]]:
         """Answers that count toward the budget since the last call without a request of their own: a turn
@@ -215,7 +219,7 @@ class ConversationQueue(WorkQueue):
         turn another conversation had answered since (stepped over, as a rerun steps over it: asked again, it
         would get an answer the store does not take, and the output would hold one a rerun's does not)."""
         if c.next.key in self._answered:
-            self._reused += step_over_stored([c], self.store, self.parked, self.room)
+            self._reused += step_over_stored([c], self.store, self.parked, self.room, self.rows)
             if c.next is None:
                 return None
         key = c.next.key
@@ -224,6 +228,7 @@ class ConversationQueue(WorkQueue):
         return None if sent else c.next
 
     def settled(self, ended: list[tuple[GenResult, object]], rows: list[tuple[StoredResponse, object]]) -> None:
+        super().settled(ended, rows)
         answers = {r.key: r for r, _ in rows if not needs_request(r)}
         self._answered.update(answers)
         stepped, since = [], []
@@ -244,7 +249,7 @@ class ConversationQueue(WorkQueue):
                 self.could_go_on += more
                 self.went_on += more and c.next is not None
                 stepped.append(c)
-        self._reused += step_over_stored(stepped, self.store, self.parked, self.room)
+        self._reused += step_over_stored(stepped, self.store, self.parked, self.room, self.rows)
         if self.renders is not None:
             self.renders.keep(self.store, KEEP_RENDERS)
         for c, answered in zip(stepped, since):
