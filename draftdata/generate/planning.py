@@ -223,7 +223,7 @@ class RunPlan:
             self.stale = left_behind(store, dataset, self.standing.todo)
         return self
 
-    def reread(self, store: ResponseStore) -> None:
+    def after_run(self, store: ResponseStore) -> None:
         """After generation: the rows the store holds for the requests the run committed (the work queue's `rows`,
         as the store answered each commit: nothing is read back), and each conversation's turns as far as they went,
         with the row of the turn it stopped at."""

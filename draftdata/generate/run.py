@@ -83,7 +83,7 @@ def run_generation(
         return RunStats(reused=usable)
     stats = generate_missing(cfg, target, run, store, mode)
     stats.reused = usable
-    run.reread(store)
+    run.after_run(store)
     return stats
 
 
