@@ -137,8 +137,9 @@ class ResponseStore:
             row["tool_calls"] = json.dumps(r.tool_calls) if r.tool_calls else None
             rows.append(row)
         with transaction(self.db):
-            taken = self.db.executemany(_PUT, rows).rowcount  # the rows inserted or replaced
-            kept = {} if taken == len(rows) else self.get_many(r.key for r in responses)  # read only on a conflict
+            if self.db.executemany(_PUT, rows).rowcount == len(rows):  # every row inserted or replaced: ours
+                return responses
+            kept = self.get_many(r.key for r in responses)  # read only on a conflict
         return [r if (k := kept.get(r.key, r)) == r else k for r in responses]  # ours where taken
 
     def put_failure(self, key: str, dataset: str, prompt_id: str, reason: str, detail: str, server: str) -> None:
