@@ -5,6 +5,20 @@ acceptance on held-out samples.
     python -m bench.drafter [--seeds 3] [--steps 1000] [--max-len 512] [--target-steps 1500] [--jobs 2] [--workdir D]
     python -m bench.drafter --device cuda [--hidden 256] [--layers 16] [--concurrency 128] ...     (on a GPU)
     python -m bench.drafter --target DIR ...                                  (a given model as the target)
+    python -m bench.drafter --target models/smollm2-135m-instruct --jobs 2 --max-anchors 128 --curve 150,400 \
+        --workdir W --out bench/results/drafter_smollm2.json                      (the proof on a real target, hours)
+
+Resumable: every run (a variant at a seed and a number of steps) is kept in the workdir's `runs/` as it ends, keyed
+by everything its figures depend on (bench/drafter_runs.py), and the results file is written as runs end, with every
+finished run by key. The same command goes on where a cut one stopped; in another workdir (another machine) it makes
+the data again and takes from the results file every run whose key it finds there.
+
+A given --target (a real model) trains by default the variants the proof reads (`GIVEN_VARIANTS`): ours against the
+source's answers (regeneration), against no states, at three nested budgets (the data-scaling curve, its slope per
+doubling fitted over every seed), against the pre-norm state given as post-norm and the aux layers off by one, and a
+block drafter (DSpark) on the same data; and its EAGLE-3 drafters of `correct`, `source_answers` and `no_states` then
+speculate for the target in a real draft-and-verify loop (bench/drafter_verify.py) on held-out prompts, beside
+speculators' teacher-forced estimate, their output checked against the target's greedy output token for token.
 
 Needs DRAFTDATA_TRAINERS_PYTHON: a Python with speculators 0.9.0 and SpecForge 0.2.0 (scripts/test_envs.sh builds
 it); the drafter is trained there, by bench/drafter_train.py in a subprocess. Everything else runs here, with the
@@ -83,6 +97,7 @@ from draftdata.drafters.layers import default_layers
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "drafter_train.py"
+VERIFY_SCRIPT = Path(__file__).resolve().parent / "drafter_verify.py"
 HELD_OUT_EVERY = 5  # every 5th source conversation (by its line in the file) is held out
 SCHEDULE = "speculators' own: AdamW, linear warm-up over 1 % of the steps, linear decay to zero"
 CUDA_SHAPE = {"hidden": 256, "layers": 16}  # --device cuda's target unless --hidden / --layers say otherwise
@@ -94,7 +109,22 @@ DRAFT_VOCAB, LARGE_VOCAB = 8192, 32768  # --draft-vocab's default, for a target 
 # Sized for the EAGLE-3 variants: a block drafter's step costs more on a CPU (the toy's: DFlash about 19x EAGLE-3's
 # at 512 anchors, DSpark about 7x; at 128, DFlash2 about EAGLE-3's and P-EAGLE about half), so a CPU run of them takes
 # --variants or a smaller --max-anchors
-DEFAULTS = {"toy": (1000, "120000,40000,13000"), "given_cpu": (120, "40000,13000,4500")}
+DEFAULTS = {"toy": (1000, "120000,40000,13000"), "given_cpu": (1000, "450000,150000,50000")}
+# a given --target's variants by default: what the proof on a real model needs (regeneration, the states' worth,
+# the data-scaling curve, the two errors that decide close calls, and a block family on the same data)
+GIVEN_VARIANTS = (
+    "correct",
+    "no_states",
+    "source_answers",
+    "mid_budget",
+    "small_budget",
+    "pre_norm_as_post",
+    "aux_off_by_one",
+    "dspark",
+)
+# the datasets whose budgets nest inside `all`'s (the same conversations in the same order, a smaller budget): their
+# samples are `all`'s first ones, so they train on those rows of `all`'s export, with no capture of their own
+NESTED = ("mid", "small")
 
 
 def variants_for(n_layers: int) -> dict:
@@ -174,11 +204,20 @@ def correct_for(name: str) -> str:
     return CORRECT[VARIANTS[name][3]]
 
 
-def captured_layers(n_layers: int) -> list[int]:
+def captured_layers(n_layers: int, chosen: list[str] | None = None) -> list[int]:
     """The layers the hidden_states stage keeps: every one a variant reads (EAGLE-3's, the block drafters' and each
-    one above), so that each convention error is cut from the same states; not all of a deep target's (30 layers of
-    SmolLM2's 576 values would be 35 KB a token)."""
-    return sorted({i for _, layers, _, _ in variants_for(n_layers).values() for i in layers})
+    one above; of `chosen` alone where given), so that each convention error is cut from the same states; not all of
+    a deep target's (30 layers of SmolLM2's 576 values would be 35 KB a token)."""
+    table = variants_for(n_layers)
+    names = chosen if chosen is not None else list(table)
+    return sorted({i for n in names for i in table[n][1]} | set(default_layers(n_layers)))
+
+
+def captured_families(chosen: list[str] | None = None) -> list[str]:
+    """The families the capture serves: EAGLE-3 (whose held-out samples judge every variant) and each family a
+    `chosen` variant trains on its own export of (every one where none are given)."""
+    exports = {VARIANTS[n][0] for n in (chosen if chosen is not None else VARIANTS)}
+    return ["eagle3", *(f for f in OWN_EXPORT if f"all_{f}" in exports)]
 
 
 def conversations(work: Path) -> Path:
@@ -215,9 +254,9 @@ def dataset(
 GPU_BACKEND = {"num_blocks": 4096, "max_batch_tokens": 4096}
 
 
-def params(work: Path, target: Path, budgets: dict, args, gpu: bool = False) -> dict:
+def params(work: Path, target: Path, budgets: dict, args, gpu: bool = False, chosen: list[str] | None = None) -> dict:
     """`budgets`: completion tokens of `all`, `mid` and `small`; the answers' length, concurrency and temperature and
-    the target's depth from `args`."""
+    the target's depth from `args`; the capture serves the `chosen` variants (every one where none are given)."""
     source = conversations(work)
 
     def ds(turns: str, budget: int) -> dict:
@@ -229,8 +268,8 @@ def params(work: Path, target: Path, budgets: dict, args, gpu: bool = False) -> 
         # `layers` is EAGLE-3's list (the union, which holds its own), P-EAGLE's too; the block families read their
         # default layers
         "hidden_states": {
-            "layers": captured_layers(args.layers),
-            "drafters": ["eagle3", *OWN_EXPORT],
+            "layers": captured_layers(args.layers, chosen),
+            "drafters": captured_families(chosen),
             "block_draft_layers": BLOCK_TARGET_LAYERS,
             "dtype": "bfloat16",
         },
@@ -274,9 +313,10 @@ def make_data(work: Path, needed: set[str]) -> dict:
     exports = {}
     for name in ("all", "mid", "small", "last"):
         if name == "all" or name in needed:
-            for stage in ("prompts", "generate", "tokenize", "hidden_states"):
+            nested = name in NESTED
+            for stage in ("prompts", "generate", "tokenize") + (() if nested else ("hidden_states",)):
                 run_stage(work, f"stages.{stage}", name)
-            exports[name] = export(work, name, name)
+            exports[name] = exports["all"] if nested else export(work, name, name)
     for family in OWN_EXPORT:
         if f"all_{family}" in needed:
             exports[f"all_{family}"] = export(work, "all", f"all_{family}", family)
@@ -374,16 +414,37 @@ def held_out(where: str) -> bool:
     return int(where.rsplit(":", 1)[1]) % HELD_OUT_EVERY == 0
 
 
-def split(work: Path, exports: dict) -> tuple[dict, list[int]]:
-    """(train rows per export, held-out rows of `all`): no conversation is in both."""
-    train = {}
+def nested_rows(work: Path, name: str) -> tuple[list[int], int]:
+    """(rows of `all`'s export that hold `name`'s samples, how many of its samples `all` does not hold): a smaller
+    budget's output is the start of a larger one's, so every sample but the conversation its budget cut short is
+    `all`'s too (under `turns: all`, that last conversation has fewer turns in the smaller set)."""
+    import pyarrow.parquet as pq
+
+    ids = pq.read_table(work / "data" / "all" / "hidden_states" / "samples.parquet", columns=["id"])["id"].to_pylist()
+    row = {i: r for r, i in enumerate(ids)}
+    mine = pq.read_table(work / "data" / name / "samples.parquet", columns=["id"])["id"].to_pylist()
+    rows = [row[i] for i in mine if i in row]
+    if len(mine) - len(rows) > 1:  # budgets that do not nest: the data's promise is broken, not the bench's input
+        raise SystemExit(f"bench.drafter: {len(mine) - len(rows)} of {name}'s samples are not all's")
+    return rows, len(mine) - len(rows)
+
+
+def split(work: Path, exports: dict) -> tuple[dict, list[int], dict]:
+    """(train rows per export, held-out rows of `all`, per nested set the samples `all` does not hold): no
+    conversation is in both."""
+    train, outside = {}, {}
+    lines_all = source_lines(work, "all")
     for name, path in exports.items():
+        if name in NESTED:
+            rows, outside[name] = nested_rows(work, name)
+            train[name] = [r for r in rows if not held_out(lines_all[r])]
+            continue
         lines = source_lines(work, *CUT_FROM.get(name, (name, "eagle3")))
         if len(lines) != marker(path)["samples"]:  # the rows would be matched to the wrong conversations
             raise SystemExit(f"bench.drafter: {path} holds {marker(path)['samples']} rows, not {len(lines)}")
         train[name] = [i for i, w in enumerate(lines) if not held_out(w)]
-    held = [i for i, w in enumerate(source_lines(work, "all")) if held_out(w)]
-    return train, held
+    held = [i for i, w in enumerate(lines_all) if held_out(w)]
+    return train, held, outside
 
 
 def data_stats(path: Path, rows: list[int]) -> dict:
@@ -501,6 +562,26 @@ def check_vocab(ap, chosen: list[str], draft_vocab: int) -> None:
         )
 
 
+def steps_arg(text: str) -> list[int]:
+    """--curve S1,S2,...: steps, each above 0."""
+    try:
+        values = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: whole numbers of steps, e.g. 150,400") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: each number of steps at least 1")
+    return values
+
+
+def check_verify(ap, args) -> None:
+    """Before any work: the draft-and-verify loop speculates with EAGLE-3 drafters of the variants trained here."""
+    bad = [v for v in args.verify if v not in args.variants or VARIANTS[v][3] != "eagle3"]
+    if bad:
+        ap.error(f"--verify {','.join(bad)}: give EAGLE-3 variants among --variants ({','.join(args.variants)})")
+    if min(args.verify_prompts, args.verify_tokens, args.draft_tokens) < 1:
+        ap.error("--verify-prompts, --verify-tokens and --draft-tokens: at least 1")
+
+
 def check_depth(ap, n_layers: int) -> None:
     """Before any work: the capture serves the block drafters' default layers, distinct only from 8 layers up (the
     hidden_states stage would stop on them)."""
@@ -527,49 +608,28 @@ def trainers_python() -> str:
     return py
 
 
-SAME_RUN = (
-    "target",
-    "exports",
-    "train_rows",
-    "eval",
-    "eval_layers",
-    "block_layers",
-    "seeds",
-    "steps",
-    "max_len",
-    "lr",
-    "max_anchors",
-    "vocab_mappings",
-)
-
-
-def train_drafters(work: Path, spec: dict, jobs: int = 1) -> dict:
-    """The variants' results, trained by `jobs` processes of the trainers' Python at once, each given every
-    `jobs`-th variant (a variant's seeds stay in one process: the same figures whatever `jobs` is). A rerun in the
-    same --workdir with the same --jobs keeps the variants that an earlier run of the same spec finished (each is
-    written as it ends) and trains the others."""
+def trainers(work: Path, spec: dict, runs: list[dict], jobs: int, script: Path, *extra: str, poll=None) -> None:
+    """`jobs` processes of the trainers' Python running `script` over the same runs, each taking the next one no
+    other has claimed (`runs/<key>.claim`): the same figures whatever `jobs` is, and no process idles while another
+    has runs left. `poll()` is called every half minute while they run (the results file is written as runs end)."""
+    runs_dir = work / "runs"
+    runs_dir.mkdir(exist_ok=True)
+    for claim in runs_dir.glob("*.claim"):  # a cut run's: nothing is running now
+        claim.unlink()
+    spec_path = work / "spec.json"
+    spec_path.write_text(json.dumps(dict(spec, runs=runs), indent=1))
     env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), TOKENIZERS_PARALLELISM="false")
-    procs, outs = [], []
-    for k in range(jobs):
-        part = dict(spec, variants=spec["variants"][k::jobs])
-        if not part["variants"]:
-            continue
-        spec_path, out = work / f"spec{k}.json", work / f"drafters{k}.json"
-        earlier = json.loads(spec_path.read_text()) if spec_path.exists() else {}
-        if any(earlier.get(key) != part[key] for key in SAME_RUN):
-            out.unlink(missing_ok=True)
-        spec_path.write_text(json.dumps(part, indent=1))
-        # -I: not the script's folder first on sys.path, where bench/tokenize.py would hide the standard library's
-        cmd = [trainers_python(), "-I", str(TRAIN_SCRIPT), str(spec_path), str(out)]
-        procs.append(subprocess.Popen(cmd, env=env))
-        outs.append(out)
-    failed = [p.args for p in procs if p.wait() != 0]
+    # -I: not the script's folder first on sys.path, where bench/tokenize.py would hide the standard library's
+    cmd = [trainers_python(), "-I", str(script), str(spec_path), str(runs_dir), *extra]
+    procs = [subprocess.Popen(cmd, env=env) for _ in range(jobs)]
+    while any(p.poll() is None for p in procs):
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            procs[0].wait(timeout=30) if procs[0].poll() is None else time.sleep(30)
+        if poll is not None:
+            poll()
+    failed = [p.args for p in procs if p.returncode != 0]
     if failed:
-        sys.exit(f"bench.drafter: the drafters' training failed: {failed[0]}")
-    results = {}
-    for out in outs:
-        results |= json.loads(out.read_text())
-    return {v["name"]: results[v["name"]] for v in spec["variants"]}
+        sys.exit(f"bench.drafter: the drafters' training failed: {' '.join(map(str, failed[0]))}")
 
 
 def goals(results: dict) -> dict:
@@ -664,19 +724,52 @@ def same_target(info: dict, spec) -> bool:
     return (info["steps"], shape["hidden_size"], shape["num_layers"]) == (spec.steps, spec.hidden_size, spec.num_layers)
 
 
-def run(args) -> dict:
+def capture_index(work: Path, name: str) -> Path:
+    """The index of the capture an export was cut from (`all`'s for its family exports and nested sets)."""
+    dataset = "all" if name in NESTED else CUT_FROM.get(name, (name,))[0]
+    return work / "data" / dataset / "hidden_states" / "index.json"
+
+
+def held_out_prompts(path: Path, rows: list[int], n: int) -> list[list[int]]:
+    """The first `n` held-out samples' prompts: each one's ids before its first trained token (its first turn as the
+    template renders it, up to the assistant's header), a conversation the drafter never saw."""
+    from datasets import load_from_disk
+
+    ds = load_from_disk(str(path)).with_format(None).select(rows[:n])
+    return [ids[: mask.index(1)] for ids, mask in zip(ds["input_ids"], ds["loss_mask"])]
+
+
+def machine() -> dict:
+    """The CPU the figures come from, and its cores (the bench's wall time is this machine's)."""
+    import platform
+
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    return {
+        "cpu": model or platform.processor(),
+        "cores": os.cpu_count(),
+        "flags": sorted(f for f in flags if f in ("avx512f", "avx512_bf16", "amx_bf16", "avx2")),
+    }
+
+
+def prepare(args) -> dict:
+    """Everything before the drafters: the target (trained, or given), the data through the stages, the split, the
+    draft vocabularies and the runs planned. Returns what `train` and `assemble` read."""
     import torch
 
+    from bench import drafter_runs as dr
     from bench.drafter_target import TargetSpec, train_target
 
     trainers_python()  # fail before any work
     torch.set_num_threads(args.jobs * args.threads)  # the data's stages: every core the drafters will use
-    t0 = time.perf_counter()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="draftdata-drafter-"))
     work.mkdir(parents=True, exist_ok=True)
     target = work / "target"
     spec = TargetSpec(hidden_size=args.hidden, num_layers=args.layers, steps=args.target_steps, device=args.device)
-    info = target / "bench_target.json"  # a rerun in the same --workdir keeps the trained target
+    # a rerun in the same --workdir keeps the trained target; its figures (and training time) beside it, not in its
+    # folder, whose every file is the target's fingerprint (the data's keys: the same target, the same data)
+    info = work / "bench_target.json"
     if args.target:
         target, target_info = args.target, None  # its figures after the data: see below
     elif info.exists() and same_target(json.loads(info.read_text()), spec):
@@ -684,9 +777,9 @@ def run(args) -> dict:
     else:
         target_info = train_target(target, spec, log=lambda m: print(m, flush=True))
         info.write_text(json.dumps(target_info, indent=1))
-    p = params(work, target, args.budgets, args, args.device == "cuda")
+    variants = args.variants
+    p = params(work, target, args.budgets, args, args.device == "cuda", variants)
     (work / "params.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
-    variants = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
     t_data = time.perf_counter()
     exports = make_data(work, {VARIANTS[v][0] for v in variants})  # which export: the same at any depth
     data_s = time.perf_counter() - t_data
@@ -696,42 +789,170 @@ def run(args) -> dict:
         target_info = given_target(target, args.device)
     if "final_norm_weight" not in target_info:  # a trained target: small, loaded again to read it
         target_info["final_norm_weight"] = final_norm_weight(load_target(target))
-    train_rows, eval_rows = split(work, exports)
+    train_rows, eval_rows, outside = split(work, exports)
     mappings, coverage = {}, {}
     if args.draft_vocab:
         mappings, coverage = vocab_mappings(work, exports, train_rows, eval_rows, args.draft_vocab, args.vocab_size)
-    t_train = time.perf_counter()
-    spec = spec_for(args, target, exports, train_rows, eval_rows, variants, mappings)
-    results = train_drafters(work, spec, args.jobs)
+    tspec = spec_for(args, target, exports, train_rows, eval_rows, variants, mappings)
+    fingerprints = {n: dr.export_fingerprint(path, capture_index(work, n)) for n, path in exports.items()}
+    runs = dr.plan(tspec, args.curve, fingerprints, dr.trainers_versions(trainers_python()))
+    loop = {"draft_tokens": args.draft_tokens, "max_new_tokens": args.verify_tokens}
+    loop["prompts"] = held_out_prompts(exports["all"], eval_rows, args.verify_prompts) if args.verify else []
+    suffix = dr.verify_suffix(loop)
+    adopted = dr.adopt(args.out, work / "runs", runs, suffix)
+    if adopted:
+        print(f"bench.drafter: {adopted} runs taken from {args.out}", flush=True)
     datasets = {n: data_stats(exports[n], rows) for n, rows in train_rows.items()}
     datasets["held_out"] = data_stats(exports["all"], eval_rows)
+    for name, n in outside.items():
+        datasets[name]["samples_outside_all"] = n
+    return {
+        "work": work,
+        "params": p,
+        "target_info": target_info,
+        "spec": tspec,
+        "runs": runs,
+        "verify": loop | {"suffix": suffix},
+        "datasets": datasets,
+        "coverage": coverage,
+        "data_s": round(data_s, 1),
+    }
+
+
+def verify_runs(prep: dict, verify: list[str]) -> list[dict]:
+    """The runs the draft-and-verify loop speculates with: the `verify` variants' at the spec's steps."""
+    steps = prep["spec"]["steps"]
+    return [r for r in prep["runs"] if r["variant"]["name"] in verify and r["steps"] == steps]
+
+
+def assemble(args, prep: dict, wall: dict) -> dict:
+    """The results file from the runs kept so far (`complete` once every planned run and its draft-and-verify loop
+    are): per variant its figures over the seeds, the comparisons the proof reads, the learning curve, the scaling
+    curve and the draft-and-verify figures beside the estimates; every finished run by key (`runs`), which a rerun
+    elsewhere takes instead of training it again."""
+    from bench import drafter_runs as dr
+
+    spec, suffix = prep["spec"], prep["verify"]["suffix"]
+    done = dr.finished(prep["work"] / "runs", prep["runs"], suffix)
+    results = dr.by_variant(done, spec["steps"])
+    to_verify = {r["key"] for r in verify_runs(prep, args.verify)}
+    verified = {e["key"] for e in done if "verify" in e}
     settings = {k: v for k, v in vars(args).items() if k not in ("workdir", "out", "target")}
     out = {
+        "complete": len(done) == len(prep["runs"]) and to_verify <= verified,
+        "runs_planned": len(prep["runs"]),
+        "runs_done": len(done),
         "settings": settings
         | {
             "eagle3_layers": default_layers(args.layers),
             "block_layers": block_layers(args.layers),
-            "captured_layers": captured_layers(args.layers),
+            "captured_layers": captured_layers(args.layers, args.variants),
             "schedule": SCHEDULE,
-            "dataset_params": copy.deepcopy(p["datasets"]),
+            "dataset_params": copy.deepcopy(prep["params"]["datasets"]),
         },
-        "target": target_info,
-        "datasets": datasets,
-        "draft_vocab": {"size": args.draft_vocab or "the target's", "target_vocab": target_info["shape"]["vocab_size"]}
-        | ({"coverage": coverage} if coverage else {"coverage": "the whole vocabulary"}),
+        "machine": machine(),
+        "target": prep["target_info"],
+        "datasets": prep["datasets"],
+        "draft_vocab": {"size": args.draft_vocab or "the target's", "target_vocab": args.vocab_size}
+        | ({"coverage": prep["coverage"]} if prep["coverage"] else {"coverage": "the whole vocabulary"}),
         "variants": results,
         "goals": goals(results),
         "paired": paired(results),
-        "wall_s": {
-            "target": target_info["train_s"],
-            "data": round(data_s, 1),
-            "drafters": round(time.perf_counter() - t_train, 1),
-            "all": round(time.perf_counter() - t0, 1),
-        },
+        "proof": proof(results, prep["datasets"]),
+        "learning_curve": learning_curve(done),
+        "speculation": speculation(done, results, args.verify, prep["verify"]),
+        "wall_s": wall,
+        "runs": done,
     }
     for ds in out["settings"]["dataset_params"].values():  # no path of this machine in the results
         ds["source"]["path"] = Path(ds["source"]["path"]).name  # conversations(): the workdir's own file
     return out
+
+
+# the scaling curve's points: the variant trained on each budget's rows of `all`, and the dataset it trains on
+SCALING = (("small_budget", "small"), ("mid_budget", "mid"), ("correct", "all"))
+
+
+def proof(results: dict, datasets: dict) -> dict:
+    """What the proof reads: regeneration (ours against the source's answers at the same budget), the states (against
+    none), and the data-scaling curve (accepted length against trained tokens, its slope per doubling fitted over every
+    seed's point)."""
+    from bench import drafter_runs as dr
+
+    points = [
+        {
+            "variant": v,
+            "trained_tokens": datasets[d]["trained_tokens"],
+            "accepted_length": results[v]["accepted_length"],
+            "per_seed": [r["accepted_length"] for r in results[v]["runs"]],
+        }
+        for v, d in SCALING
+        if v in results and d in datasets
+    ]
+    fit = dr.slope_per_doubling([(p["trained_tokens"], y) for p in points for y in p["per_seed"]])
+    return {
+        "regeneration": dr.compare(results, "correct", "source_answers"),
+        "states": dr.compare(results, "correct", "no_states"),
+        "scaling": {"points": points, "per_doubling": fit},
+    }
+
+
+def learning_curve(done: list[dict]) -> list[dict]:
+    """`correct`'s first seed at each number of steps it was trained for (each its own run, the schedule fitted to
+    its steps): where it levels off."""
+    seed = min((e["seed"] for e in done if e["variant"] == "correct"), default=None)
+    points = [e for e in done if e["variant"] == "correct" and e["seed"] == seed]
+    return [
+        {"steps": e["steps"], "accepted_length": e["result"]["accepted_length"], "train_s": e["result"]["train_s"]}
+        for e in sorted(points, key=lambda e: e["steps"])
+    ]
+
+
+def speculation(done: list[dict], results: dict, verify: list[str], loop: dict) -> dict:
+    """Per verified variant, the draft-and-verify loop's accepted tokens per verify step over the seeds, beside the
+    teacher-forced estimate of the same drafters, and whether every output equalled the target's greedy one."""
+    out = {}
+    for name in verify:
+        runs = [e for e in done if e["variant"] == name and "verify" in e and name in results]
+        if not runs:
+            continue
+        per_step = [e["verify"]["result"]["accepted_per_step"] for e in runs]
+        estimate = [e["result"]["accepted_length"] for e in runs]
+        out[name] = {
+            "accepted_per_step": {"mean": statistics.fmean(per_step), "spread": max(per_step) - min(per_step)},
+            "estimate": {"mean": statistics.fmean(estimate), "spread": max(estimate) - min(estimate)},
+            "seeds": [e["seed"] for e in runs],
+            "equals_greedy": all(e["verify"]["result"]["equals_greedy"] for e in runs),
+            "mismatches": [m | {"seed": e["seed"]} for e in runs for m in e["verify"]["result"]["mismatches"]],
+            "verify_steps": sum(e["verify"]["result"]["verify_steps"] for e in runs),
+        }
+    if out:
+        out["loop"] = {
+            "prompts": len(loop["prompts"]),
+            "draft_tokens": loop["draft_tokens"],
+            "max_new_tokens": loop["max_new_tokens"],
+        }
+    return out
+
+
+def run(args) -> dict:
+    t0 = time.perf_counter()
+    prep = prepare(args)
+    t_train = time.perf_counter()
+    wall = {"target": prep["target_info"]["train_s"], "data": prep["data_s"]}
+
+    def write() -> dict:
+        wall.update(drafters=round(time.perf_counter() - t_train, 1), all=round(time.perf_counter() - t0, 1))
+        out = assemble(args, prep, dict(wall))
+        args.out.write_text(json.dumps(out, indent=1) + "\n")
+        return out
+
+    trainers(prep["work"], prep["spec"], prep["runs"], args.jobs, TRAIN_SCRIPT, poll=write)
+    to_verify = verify_runs(prep, args.verify)
+    if to_verify:
+        vspec = dict(prep["spec"], verify=prep["verify"])
+        trainers(prep["work"], vspec, to_verify, args.jobs, VERIFY_SCRIPT, poll=write)
+    return write()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -740,7 +961,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--steps",
         type=int,
-        help="drafter steps (packs of --max-len tokens) per run (default 1000; 120 for a given --target on a CPU)",
+        help="drafter steps (packs of --max-len tokens) per run (default 1000)",
     )
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--lr", type=float, default=3e-3, help="speculators' default is 1e-3, for runs of many epochs")
@@ -794,7 +1015,26 @@ def main(argv: list[str] | None = None) -> None:
         help=f"the drafter's vocabulary: its N most frequent trained tokens (EAGLE-3's d2t/t2d); 0: the target's "
         f"whole. Default: {DRAFT_VOCAB} for a vocabulary over {LARGE_VOCAB:,} tokens, else the whole",
     )
-    ap.add_argument("--variants", default="all", help=f"comma-separated, of {', '.join(VARIANTS)}")
+    ap.add_argument(
+        "--variants",
+        help=f"comma-separated, of {', '.join(VARIANTS)}; or all (the default; for a given --target: "
+        f"{','.join(GIVEN_VARIANTS)})",
+    )
+    ap.add_argument(
+        "--curve",
+        type=steps_arg,
+        default=[],
+        help="`correct`'s learning curve: its first seed trained again at each of these steps (comma-separated)",
+    )
+    ap.add_argument(
+        "--verify",
+        default=None,
+        help="the EAGLE-3 variants whose drafters also speculate for the target in a draft-and-verify loop "
+        "(comma-separated; default: correct,source_answers,no_states for a given --target, none for the trained one)",
+    )
+    ap.add_argument("--verify-prompts", type=int, default=50, help="held-out prompts the loop speculates on")
+    ap.add_argument("--verify-tokens", type=int, default=128, help="new tokens per prompt in the loop")
+    ap.add_argument("--draft-tokens", type=int, default=3, help="drafts per verify step (EAGLE-3's test-time steps)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument(
         "--jobs", type=int, default=1, help="processes training drafters at once (up to the machine's cores / threads)"
@@ -803,7 +1043,9 @@ def main(argv: list[str] | None = None) -> None:
         "--workdir",
         help="keep the target, data, exports and finished variants here, for a rerun to go on from (default: temp)",
     )
-    ap.add_argument("--out", type=Path, default=RESULTS / "drafter.json")
+    ap.add_argument(
+        "--out", type=Path, help="default bench/results/drafter.json (drafter_<target dir>.json with --target)"
+    )
     args = ap.parse_args(argv)
     if args.jobs < 1 or args.concurrency < 1 or args.max_anchors < 1:
         ap.error(f"--jobs {args.jobs}, --concurrency {args.concurrency}, --max-anchors {args.max_anchors}: at least 1")
@@ -813,12 +1055,22 @@ def main(argv: list[str] | None = None) -> None:
     steps, budgets = DEFAULTS["given_cpu" if args.target and args.device == "cpu" else "toy"]
     args.steps = args.steps or steps
     args.budgets = args.budgets or budgets_arg(budgets)
-    chosen = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
-    check_variants(ap, chosen)
-    check_vocab(ap, chosen, args.draft_vocab)
+    default = GIVEN_VARIANTS if args.target else list(VARIANTS)
+    args.variants = list(default) if args.variants in (None, "all") else args.variants.split(",")
+    check_variants(ap, args.variants)
+    check_vocab(ap, args.variants, args.draft_vocab)
+    if args.verify is None:
+        args.verify = (
+            [v for v in ("correct", "source_answers", "no_states") if v in args.variants] if args.target else []
+        )
+    else:
+        args.verify = [v for v in args.verify.split(",") if v]
+    check_verify(ap, args)
+    args.out = args.out or RESULTS / (f"drafter_{args.target.name}.json" if args.target else "drafter.json")
     out = run(args)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
-    print(json.dumps({"goals": out["goals"], "wall_s": out["wall_s"]}))
+    print(
+        json.dumps({"complete": out["complete"], "goals": out["goals"], "proof": out["proof"], "wall_s": out["wall_s"]})
+    )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The training half of `python -m bench.drafter`, run by the trainers' Python (DRAFTDATA_TRAINERS_PYTHON): it imports
 speculators, SpecForge (for Domino) and torch only, never the project.
 
-    <trainers python> bench/drafter_train.py SPEC.json OUT.json
+    <trainers python> bench/drafter_train.py SPEC.json RUNS_DIR
 
 The library's own parts: the data path (`speculators.train.data.ArrowDataset` reads our export, `CollateFn` packs it),
 the drafter (`Eagle3DraftModel.from_training_args`, its draft decoder config from `create_transformer_layer_config`,
@@ -39,8 +39,9 @@ would serve the drafter.
 from __future__ import annotations
 
 import functools
+import io
 import json
-import statistics
+import os
 import sys
 import time
 from pathlib import Path
@@ -725,30 +726,58 @@ def target_shift(model, spec: dict, final: str) -> dict:
 EXPORTS: dict = {}
 
 
-def main(spec_path: str, out_path: str) -> None:
+def main(spec_path: str, runs_dir: str) -> None:
+    """Train and judge each run the spec lists (`runs`: a variant, a seed, its steps and the key of everything its
+    figures depend on) that no other process has claimed, each kept in `runs_dir` as it ends: `<key>.json` (its
+    figures) and, for EAGLE-3, `<key>.pt` (its trained weights, which bench/drafter_verify.py speculates with). A run
+    whose file is there is not trained again: a cut run goes on where it stopped."""
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec["threads"])
-    for name, e in spec["exports"].items():
-        EXPORTS[name] = load_export(e["path"], spec["max_len"])
-    # what an earlier run of this spec finished (bench.drafter keeps the file only when the spec is the same)
-    results = json.loads(Path(out_path).read_text()) if Path(out_path).exists() else {}
-    for variant in spec["variants"]:
-        if results.get(variant["name"], {}).get("variant") == variant:
-            print(f"{variant['name']}: kept from the earlier run", flush=True)
+    runs_dir = Path(runs_dir)
+    todo = [r for r in spec["runs"] if not (runs_dir / f"{r['key']}.json").exists()]
+    for name in {r["variant"]["export"] for r in todo} | ({spec["eval"]["export"]} if todo else set()):
+        EXPORTS[name] = load_export(spec["exports"][name]["path"], spec["max_len"])
+    for run in todo:
+        if not claim(runs_dir / f"{run['key']}.claim"):  # another process has it
             continue
-        runs = []
-        for seed in spec["seeds"]:
-            model = build_drafter(spec, seed, variant)
-            train_s = train(model, variant, spec, seed)
-            judged = evaluate(model, spec, variant)
-            runs.append(dict(judged, seed=seed, train_s=round(train_s, 1)))
-            print(f"{variant['name']} seed {seed}: accepted length {runs[-1]['accepted_length']:.4f}", flush=True)
-        results[variant["name"]] = {"variant": variant, "runs": runs, **summary(runs)} | built(variant, spec)
+        variant, seed = run["variant"], run["seed"]
+        model = build_drafter(spec, seed, variant)
+        train_s = train(model, variant, dict(spec, steps=run["steps"]), seed)
+        result = dict(evaluate(model, spec, variant), seed=seed, steps=run["steps"], train_s=round(train_s, 1))
+        result |= built(variant, spec)
         if variant["family"] in SHIFTED:  # said in the results: those from before the shift were not
-            results[variant["name"]]["samples"] = "shifted"
-        if variant["final"] in ("post", "pre_as_post"):  # the verifier's head and norm: the target's, any seed
-            results[variant["name"]]["target_shift"] = target_shift(model, spec, variant["final"])
-        Path(out_path).write_text(json.dumps(results, indent=1))  # after each variant: a cut run keeps what it did
+            result["samples"] = "shifted"
+        if variant["final"] in ("post", "pre_as_post") and seed == min(spec["seeds"]):  # the target's, any seed
+            result["target_shift"] = target_shift(model, spec, variant["final"])
+        if variant["family"] == "eagle3":
+            buf = io.BytesIO()
+            torch.save(trained_weights(model), buf)
+            save_atomic(runs_dir / f"{run['key']}.pt", buf.getvalue())
+        save_atomic(runs_dir / f"{run['key']}.json", json.dumps(result, indent=1).encode())
+        print(f"{variant['name']} seed {seed}: accepted length {result['accepted_length']:.4f}", flush=True)
+
+
+def claim(path: Path) -> bool:
+    """Whether this process is the first to take the run (bench.drafter clears the claims before it starts any)."""
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        return False
+    return True
+
+
+def save_atomic(path: Path, data: bytes) -> None:
+    """`data` to a temp file beside `path`, then renamed: a cut run leaves no half-written result."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
+
+
+def trained_weights(model) -> dict:
+    """What training changed (the optimizer's parameters) and the draft vocabulary's maps: with the verifier's own
+    weights, which `build_drafter` loads from the target, the whole drafter."""
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in model.state_dict().items() if k in names or k in ("t2d", "d2t")}
 
 
 def built(variant: dict, spec: dict) -> dict:
@@ -763,15 +792,6 @@ def built(variant: dict, spec: dict) -> dict:
     else:
         recipe = {"model": block_class(family).__name__, "draft_layers": BLOCK_DRAFT_LAYERS, **BLOCK[family]}
     return {"drafter": recipe | {"max_anchors": spec["max_anchors"]}}
-
-
-def summary(runs: list[dict]) -> dict:
-    keys = [k for k in runs[0] if k.startswith(("accepted_length", "full_acc", "cond_acc", "position_"))]
-    out = {}
-    for k in keys:
-        xs = [r[k] for r in runs]
-        out[k] = {"mean": statistics.fmean(xs), "spread": max(xs) - min(xs)}
-    return out
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import ROOT
 
-from bench import drafter, drafter_train, report
+from bench import drafter, drafter_runs, drafter_train, report
 from bench.drafter_train import Select
 
 TRAINERS_PYTHON = os.environ.get("DRAFTDATA_TRAINERS_PYTHON")
@@ -367,7 +367,7 @@ def smoke_shaped(name: str, seeds: list[int], base: float, positions: range) -> 
             "drafter": {"model": model, "draft_layers": drafter_train.BLOCK_DRAFT_LAYERS, **drafter_train.BLOCK[fam]}
         }
         recipe["drafter"]["max_anchors"] = spec["max_anchors"]
-    return {"variant": variant, "runs": runs, **drafter_train.summary(runs)} | recipe
+    return {"variant": variant, "runs": runs, **drafter_runs.summary(runs)} | recipe
 
 
 def test_the_report_renders_dflash2_and_peagle_beside_their_errors():
@@ -623,7 +623,7 @@ def test_the_block_drafters_train_on_their_familys_export_and_are_judged(tmp_pat
         ]
     )
     r = json.loads(out.read_text())
-    exports = json.loads((work / "spec0.json").read_text())["exports"]
+    exports = json.loads((work / "spec.json").read_text())["exports"]
     assert exports["all_dflash"]["layers"] == exports["all_dspark"]["layers"] == [1, 2, 3, 4, 5]
     assert exports["all"]["layers"] == [1, 2, 3, 4, 5, 6]  # EAGLE-3's export: every captured layer
     for name, longest, positions in (
@@ -645,7 +645,7 @@ def test_the_block_drafters_train_on_their_familys_export_and_are_judged(tmp_pat
     assert set(r["goals"]) == {"dflash_beats_dflash_layers_off_by_one", "domino_beats_domino_layers_off_by_one"}
 
     (tmp_path / "sampler.py").write_text(DOMINO_SAMPLER)
-    cmd = [TRAINERS_PYTHON, "-I", str(tmp_path / "sampler.py"), str(ROOT / "bench"), str(work / "spec0.json")]
+    cmd = [TRAINERS_PYTHON, "-I", str(tmp_path / "sampler.py"), str(ROOT / "bench"), str(work / "spec.json")]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])

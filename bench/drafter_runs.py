@@ -1,0 +1,184 @@
+"""`python -m bench.drafter`'s runs, one per (variant, seed, steps), each kept as it ends and keyed by everything its
+figures depend on, so that a long bench can be cut and the same command goes on where it stopped.
+
+A run's key hashes: the variant (its export, layers, final state, family), the seed and steps, the training settings
+(max_len, lr, max_anchors, threads, device), the training export's fingerprint and the rows trained on, the held-out
+export's fingerprint and rows, the layers it is judged at, its draft vocabulary's file, the trainers' versions and the
+code that trains and judges (bench/drafter_train.py). An export's fingerprint hashes its marker, its table of ids and
+masks (the arrow files), and the capture's index (the model's fingerprint, the layers, the dtype): the states follow
+from those.
+
+Kept in the workdir's `runs/`: `<key>.json` (the run's figures), `<key>.pt` (an EAGLE-3 drafter's trained weights)
+and `<key>.verify-<hash>.json` (its draft-and-verify figures). The results file (`--out`) holds every finished run by
+key too, written while the runs go on: on another machine, where the data is made again (the same params give the
+same data), a run whose key is there is taken from it instead of being trained again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import subprocess
+from pathlib import Path
+
+from draftdata.util.files import sha256_of
+from draftdata.util.hashing import content_hash
+
+HERE = Path(__file__).resolve().parent
+TRAIN_CODE, VERIFY_CODE = HERE / "drafter_train.py", HERE / "drafter_verify.py"
+
+
+def digest(obj) -> str:
+    return content_hash(obj, 20)
+
+
+def export_fingerprint(path: Path, capture_index: Path) -> str:
+    """An export's identity: its table files (ids and masks, as `datasets` wrote them), its marker and the capture's
+    index it was cut from (the states' model fingerprint, layers and dtype), not the state files themselves (GBs).
+    The marker and index are read without the paths they name (where the target and the workdir lie), so that the
+    same data made in another workdir or on another machine has the same fingerprint."""
+    # not datasets' state.json: its `_fingerprint` is drawn anew at every save
+    tables = {p.name: sha256_of(p) for p in sorted(path.glob("*.arrow"))}
+    marker, index = (json.loads(p.read_text()) for p in (path / "draftdata_export.json", capture_index))
+    return digest(tables | {"marker": without_paths(marker), "capture": without_paths(index)})
+
+
+def without_paths(obj):
+    """`obj` without its `path` entries, at any depth."""
+    if isinstance(obj, dict):
+        return {k: without_paths(v) for k, v in obj.items() if k != "path"}
+    if isinstance(obj, list):
+        return [without_paths(v) for v in obj]
+    return obj
+
+
+def trainers_versions(python: str) -> dict:
+    code = "import importlib.metadata as m, json; print(json.dumps({p: m.version(p) for p in "
+    code += "('torch', 'speculators', 'specforge', 'transformers')}))"
+    return json.loads(subprocess.run([python, "-I", "-c", code], capture_output=True, text=True, check=True).stdout)
+
+
+def plan(spec: dict, curve: list[int], fingerprints: dict, versions: dict) -> list[dict]:
+    """The runs: every variant at each of its seeds and the spec's steps, then `correct`'s learning curve (its first
+    seed at each of `curve`'s steps); seed-major, so that every variant has a figure before any has its last seed."""
+    common = {k: spec[k] for k in ("hidden_size", "max_len", "lr", "max_anchors", "threads", "device")}
+    common |= {k: spec[k] for k in ("eval_layers", "block_layers")}
+    ev = spec["eval"]
+    common |= {"eval": [fingerprints[ev["export"]], ev["rows"]], "versions": versions}
+    common["code"] = sha256_of(TRAIN_CODE)
+    vocab = {name: sha256_of(Path(p)) for name, p in spec["vocab_mappings"].items()}
+    by_name = {v["name"]: v for v in spec["variants"]}
+    wanted = [(v, s, spec["steps"]) for s in spec["seeds"] for v in by_name]
+    if "correct" in by_name:
+        wanted += [("correct", spec["seeds"][0], steps) for steps in curve if steps != spec["steps"]]
+    runs = []
+    for name, seed, steps in wanted:
+        variant = by_name[name]
+        export = variant["export"]
+        what = common | {"variant": variant, "seed": seed, "steps": steps, "vocab": vocab.get(export)}
+        what |= {"train": [fingerprints[export], spec["train_rows"][export]]}
+        runs.append({"key": digest(what), "variant": variant, "seed": seed, "steps": steps})
+    return runs
+
+
+def verify_suffix(loop: dict) -> str:
+    """What a draft-and-verify result depends on besides its run: the prompts, the loop's settings, its code."""
+    return digest(loop | {"code": sha256_of(VERIFY_CODE)})
+
+
+def adopt(out: Path, runs_dir: Path, runs: list[dict], suffix: str) -> int:
+    """Runs that an earlier results file holds (by key) written to `runs_dir` where it lacks them, with their
+    draft-and-verify figures of the same loop; how many."""
+    if not out.exists():
+        return 0
+    kept = {r["key"]: r for r in json.loads(out.read_text()).get("runs", [])}
+    n = 0
+    for run in runs:
+        old, path = kept.get(run["key"]), runs_dir / f"{run['key']}.json"
+        if old is None or path.exists():
+            continue
+        path.write_text(json.dumps(old["result"], indent=1))
+        if old.get("verify", {}).get("suffix") == suffix:
+            (runs_dir / f"{run['key']}.verify-{suffix}.json").write_text(json.dumps(old["verify"]["result"], indent=1))
+        n += 1
+    return n
+
+
+def finished(runs_dir: Path, runs: list[dict], suffix: str) -> list[dict]:
+    """The planned runs whose figures are kept: each with its result and, where done, its draft-and-verify figures."""
+    out = []
+    for run in runs:
+        path = runs_dir / f"{run['key']}.json"
+        if path.exists():
+            entry = {"key": run["key"], "variant": run["variant"]["name"], "seed": run["seed"], "steps": run["steps"]}
+            entry["spec"] = run["variant"]
+            entry["result"] = json.loads(path.read_text())
+            verify = runs_dir / f"{run['key']}.verify-{suffix}.json"
+            if verify.exists():
+                entry["verify"] = {"suffix": suffix, "result": json.loads(verify.read_text())}
+            out.append(entry)
+    return out
+
+
+def summary(results: list[dict]) -> dict:
+    """Mean and spread (max - min over the seeds) of every accuracy and the accepted length."""
+    keys = [k for k in results[0] if k.startswith(("accepted_length", "full_acc", "cond_acc", "position_"))]
+    out = {}
+    for k in keys:
+        xs = [r[k] for r in results]
+        out[k] = {"mean": statistics.fmean(xs), "spread": max(xs) - min(xs)}
+    return out
+
+
+def by_variant(done: list[dict], steps: int) -> dict:
+    """Per variant, its runs at the spec's steps (the learning curve's apart), as the report reads them: `runs`
+    sorted by seed, their summary, and the recipe and target shift its runs recorded."""
+    out: dict = {}
+    for entry in sorted(done, key=lambda e: e["seed"]):
+        if entry["steps"] == steps:
+            out.setdefault(entry["variant"], []).append(entry["result"])
+    variants = {}
+    for name, results in out.items():
+        spec = next(e["spec"] for e in done if e["variant"] == name)
+        v = {"variant": spec, "runs": results, **summary(results)}
+        for extra in ("drafter", "target_shift", "samples"):
+            found = [r[extra] for r in results if extra in r]
+            if found:
+                v[extra] = found[0]
+        variants[name] = v
+    return variants
+
+
+def slope_per_doubling(points: list[tuple[float, float]]) -> dict:
+    """Least squares of accepted length on log2(trained tokens) over every (tokens, figure) point: the slope (accepted
+    length gained per doubling of the data) with its standard error, from the residuals."""
+    xs, ys = [math.log2(x) for x, _ in points], [y for _, y in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if len(points) < 3 or sxx == 0:
+        return {"slope": None, "stderr": None, "points": len(points)}
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    resid = sum((y - my - b * (x - mx)) ** 2 for x, y in zip(xs, ys))
+    return {"slope": b, "stderr": math.sqrt(resid / (len(points) - 2) / sxx), "points": len(points)}
+
+
+def compare(variants: dict, better: str, worse: str) -> dict | None:
+    """`better` against `worse` on the same seeds: the means' difference, the larger spread, whether the difference
+    exceeds 3 times it, and the per-seed differences (the same seed: the same initial weights and pack order)."""
+    if better not in variants or worse not in variants:
+        return None
+    b, w = variants[better], variants[worse]
+    seeds = {r["seed"]: r["accepted_length"] for r in w["runs"]}
+    per_seed = [round(r["accepted_length"] - seeds[r["seed"]], 4) for r in b["runs"] if r["seed"] in seeds]
+    diff = b["accepted_length"]["mean"] - w["accepted_length"]["mean"]
+    spread = max(b["accepted_length"]["spread"], w["accepted_length"]["spread"])
+    return {
+        "better": better,
+        "worse": worse,
+        "difference": round(diff, 4),
+        "larger_spread": round(spread, 4),
+        "beats_by_3_spreads": diff > 3 * spread,
+        "per_seed": per_seed,
+        "every_seed": bool(per_seed) and min(per_seed) > 0,
+    }
