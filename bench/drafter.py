@@ -102,14 +102,15 @@ HELD_OUT_EVERY = 5  # every 5th source conversation (by its line in the file) is
 SCHEDULE = "speculators' own: AdamW, linear warm-up over 1 % of the steps, linear decay to zero"
 CUDA_SHAPE = {"hidden": 256, "layers": 16}  # --device cuda's target unless --hidden / --layers say otherwise
 DRAFT_VOCAB, LARGE_VOCAB = 8192, 32768  # --draft-vocab's default, for a target vocabulary over LARGE_VOCAB
-# --steps and --budgets by default: a trained toy target's (and a GPU's), and a given --target's on a CPU, sized from a
-# drafter step's time at SmolLM2's width (576, 8,192-token draft head, 512 tokens, 3 TTT steps; 2.0-2.3 s on one
-# thread of a 2-core machine) so that 11 variants x 3 seeds with `--jobs 2` and the data stay within 2.5 hours, `all`
-# at about one epoch. Too few steps for a drafter that wide to learn the target: on a CPU this only checks the path.
-# Sized for the EAGLE-3 variants: a block drafter's step costs more on a CPU (the toy's: DFlash about 19x EAGLE-3's
-# at 512 anchors, DSpark about 7x; at 128, DFlash2 about EAGLE-3's and P-EAGLE about half), so a CPU run of them takes
-# --variants or a smaller --max-anchors
-DEFAULTS = {"toy": (1000, "120000,40000,13000"), "given_cpu": (1000, "450000,150000,50000")}
+# --steps and --budgets by default: a trained toy target's (and a GPU's), and a given --target's on a CPU: 1,000
+# steps of 512 tokens (about one epoch of `all`'s training rows at 300k completion tokens; a drafter step at SmolLM2's
+# width, an 8,192-token draft head, 3 TTT steps, takes about 1.3 s on one core), three budgets 3x apart under the
+# demo conversations' ceiling. Block drafters cost more a step on a CPU (the toy's: DFlash about 19x EAGLE-3's at 512
+# anchors, DSpark about 7x; at 128, DFlash2 about EAGLE-3's and P-EAGLE about half): --max-anchors 128 on a CPU
+DEFAULTS = {"toy": (1000, "120000,40000,13000"), "given_cpu": (1000, "300000,100000,33000")}
+# answers' length by default: the toy's, and a real target's (SmolLM2's answers run to a few hundred tokens; the demo's
+# conversations give it about 314k completion tokens at 256, every turn regenerated, the largest budget's ceiling)
+MAX_TOKENS = {"toy": 128, "given": 256}
 # a given --target's variants by default: what the proof on a real model needs (regeneration, the states' worth,
 # the data-scaling curve, the two errors that decide close calls, and a block family on the same data)
 GIVEN_VARIANTS = (
@@ -799,9 +800,14 @@ def prepare(args) -> dict:
     loop = {"draft_tokens": args.draft_tokens, "max_new_tokens": args.verify_tokens}
     loop["prompts"] = held_out_prompts(exports["all"], eval_rows, args.verify_prompts) if args.verify else []
     suffix = dr.verify_suffix(loop)
+    (work / "runs").mkdir(exist_ok=True)
     adopted = dr.adopt(args.out, work / "runs", runs, suffix)
     if adopted:
         print(f"bench.drafter: {adopted} runs taken from {args.out}", flush=True)
+    to_verify = [r for r in runs if r["variant"]["name"] in args.verify and r["steps"] == tspec["steps"]]
+    again = dr.unverifiable(work / "runs", to_verify, suffix)
+    if again:
+        print(f"bench.drafter: {again} runs to speculate with have no weights here: trained again", flush=True)
     datasets = {n: data_stats(exports[n], rows) for n, rows in train_rows.items()}
     datasets["held_out"] = data_stats(exports["all"], eval_rows)
     for name, n in outside.items():
@@ -993,9 +999,9 @@ def main(argv: list[str] | None = None) -> None:
         "--budgets",
         type=budgets_arg,
         help="completion tokens of `all`, `mid` and `small` (and `last`), largest first (default: 120000,40000,13000; "
-        "40000,13000,4500 for a given --target on a CPU)",
+        "300000,100000,33000 for a given --target on a CPU)",
     )
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, help="the answers' length (default 128; 256 for a given --target)")
     ap.add_argument(
         "--concurrency", type=int, default=32, help="the data's requests in flight (the same data at any: seeded)"
     )
@@ -1055,6 +1061,7 @@ def main(argv: list[str] | None = None) -> None:
     steps, budgets = DEFAULTS["given_cpu" if args.target and args.device == "cpu" else "toy"]
     args.steps = args.steps or steps
     args.budgets = args.budgets or budgets_arg(budgets)
+    args.max_tokens = args.max_tokens or MAX_TOKENS["given" if args.target else "toy"]
     default = GIVEN_VARIANTS if args.target else list(VARIANTS)
     args.variants = list(default) if args.variants in (None, "all") else args.variants.split(",")
     check_variants(ap, args.variants)

@@ -105,6 +105,20 @@ def adopt(out: Path, runs_dir: Path, runs: list[dict], suffix: str) -> int:
     return n
 
 
+def unverifiable(runs_dir: Path, to_verify: list[dict], suffix: str) -> int:
+    """Runs to speculate with whose figures are kept but whose weights are not (taken from a results file before
+    their draft-and-verify loop ran, or with another loop): their figures are dropped, so they are trained again.
+    How many."""
+    n = 0
+    for run in to_verify:
+        key = run["key"]
+        kept = (runs_dir / f"{key}.json").exists() and not (runs_dir / f"{key}.pt").exists()
+        if kept and not (runs_dir / f"{key}.verify-{suffix}.json").exists():
+            (runs_dir / f"{key}.json").unlink()
+            n += 1
+    return n
+
+
 def finished(runs_dir: Path, runs: list[dict], suffix: str) -> list[dict]:
     """The planned runs whose figures are kept: each with its result and, where done, its draft-and-verify figures."""
     out = []
