@@ -117,6 +117,7 @@ GIVEN_VARIANTS = (
     "correct",
     "no_states",
     "source_answers",
+    "matched_budget",
     "mid_budget",
     "small_budget",
     "pre_norm_as_post",
@@ -125,7 +126,7 @@ GIVEN_VARIANTS = (
 )
 # the datasets whose budgets nest inside `all`'s (the same conversations in the same order, a smaller budget): their
 # samples are `all`'s first ones, so they train on those rows of `all`'s export, with no capture of their own
-NESTED = ("mid", "small")
+NESTED = ("mid", "small", "matched")
 
 
 def variants_for(n_layers: int) -> dict:
@@ -145,6 +146,8 @@ def variants_for(n_layers: int) -> dict:
         "last_turn": ("last", eagle3, "pre", "eagle3"),
         # no regeneration: the target's states over the source's answers
         "source_answers": ("source", eagle3, "pre", "eagle3"),
+        # ours cut to the source's trained tokens (a nested budget of them): regeneration at the same trained tokens
+        "matched_budget": ("matched", eagle3, "pre", "eagle3"),
         "no_states": ("all", eagle3, "no_states", "eagle3"),  # the scale: what the states are worth to this drafter
         "dflash": ("all_dflash", block, "pre", "dflash"),
         # vLLM's and speculators' ids (physical + 1) taken for physical ones: each layer one above
@@ -282,6 +285,8 @@ def params(work: Path, target: Path, budgets: dict, args, gpu: bool = False, cho
             "small": ds("all", budgets["small"]),
             "last": ds("last", budgets["small"]),  # beside `small`: one budget, both binding
             "source": ds("all", budgets["all"]),  # written by source_answers, not generated
+            # the source's trained tokens once its samples are made (`matched_budget`); `all`'s until then
+            "matched": ds("all", budgets["all"]),
         },
     }
 
@@ -321,15 +326,34 @@ def make_data(work: Path, needed: set[str]) -> dict:
     for family in OWN_EXPORT:
         if f"all_{family}" in needed:
             exports[f"all_{family}"] = export(work, "all", f"all_{family}", family)
-    if "source" in needed:
+    if "source" in needed or "matched" in needed:
         source_answers(work)
         for stage in ("tokenize", "hidden_states"):
             run_stage(work, f"stages.{stage}", "source", "tokenize.max_skip_pct=100")
         exports["source"] = export(work, "source", "source")
+    if "matched" in needed:
+        match_source(work)
+        for stage in ("prompts", "generate", "tokenize"):
+            run_stage(work, f"stages.{stage}", "matched")
+        exports["matched"] = exports["all"]
     if "all_fp8" in needed:
         run_stage(work, "stages.hidden_states", "all", "hidden_states.dtype=fp8")
         exports["all_fp8"] = export(work, "all", "all_fp8")
     return exports
+
+
+def match_source(work: Path) -> None:
+    """`matched`'s budget: the trained tokens of the source's samples. Fewer than the source's completion tokens
+    where the tokenize stage leaves out conversations the target's template renders otherwise than the source wrote
+    them (`skipped_template_alters_response`), so ours at `all`'s budget would train on more tokens than the source's
+    answers do; cut to this budget (the first samples of `all`: budgets nest), ours trains on as many."""
+    import pyarrow.parquet as pq
+
+    masks = pq.read_table(work / "data" / "source" / "samples.parquet", columns=["loss_mask"])["loss_mask"]
+    path = work / "params.yaml"
+    p = yaml.safe_load(path.read_text())
+    p["datasets"]["matched"]["token_budget"] = sum(sum(m) for m in masks.to_pylist())
+    path.write_text(yaml.safe_dump(p, sort_keys=False))
 
 
 def source_answers(work: Path) -> None:
@@ -784,6 +808,7 @@ def prepare(args) -> dict:
     t_data = time.perf_counter()
     exports = make_data(work, {VARIANTS[v][0] for v in variants})  # which export: the same at any depth
     data_s = time.perf_counter() - t_data
+    p = yaml.safe_load((work / "params.yaml").read_text())  # as the stages ran it (`matched`'s budget set there)
     if target_info is None:
         # a given target's figures once the stages have run: torch work in this main thread before the embedded
         # engine's own thread starts would halve that thread's speed (draftdata/generate/embedded)
@@ -897,7 +922,9 @@ def proof(results: dict, datasets: dict) -> dict:
     ]
     fit = dr.slope_per_doubling([(p["trained_tokens"], y) for p in points for y in p["per_seed"]])
     return {
-        "regeneration": dr.compare(results, "correct", "source_answers"),
+        # at the same trained tokens (ours cut to the source's), and at the same budget of completion tokens
+        "regeneration": dr.compare(results, "matched_budget", "source_answers"),
+        "regeneration_same_budget": dr.compare(results, "correct", "source_answers"),
         "states": dr.compare(results, "correct", "no_states"),
         "scaling": {"points": points, "per_doubling": fit},
     }

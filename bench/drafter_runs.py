@@ -60,8 +60,8 @@ def trainers_versions(python: str) -> dict:
 
 
 def plan(spec: dict, curve: list[int], fingerprints: dict, versions: dict) -> list[dict]:
-    """The runs: every variant at each of its seeds and the spec's steps, then `correct`'s learning curve (its first
-    seed at each of `curve`'s steps); seed-major, so that every variant has a figure before any has its last seed."""
+    """The runs: `correct`'s learning curve (its first seed at each of `curve`'s steps), then every variant at each
+    seed and the spec's steps, seed-major, so that every variant has a figure before any has its last seed."""
     common = {k: spec[k] for k in ("hidden_size", "max_len", "lr", "max_anchors", "threads", "device")}
     common |= {k: spec[k] for k in ("eval_layers", "block_layers")}
     ev = spec["eval"]
@@ -70,8 +70,8 @@ def plan(spec: dict, curve: list[int], fingerprints: dict, versions: dict) -> li
     vocab = {name: sha256_of(Path(p)) for name, p in spec["vocab_mappings"].items()}
     by_name = {v["name"]: v for v in spec["variants"]}
     wanted = [(v, s, spec["steps"]) for s in spec["seeds"] for v in by_name]
-    if "correct" in by_name:
-        wanted += [("correct", spec["seeds"][0], steps) for steps in curve if steps != spec["steps"]]
+    if "correct" in by_name:  # first: the short runs that say whether the steps are enough
+        wanted = [("correct", spec["seeds"][0], steps) for steps in curve if steps != spec["steps"]] + wanted
     runs = []
     for name, seed, steps in wanted:
         variant = by_name[name]

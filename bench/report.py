@@ -926,6 +926,7 @@ DRAFTER_LABELS = {
     "fp8": "fp8 states",
     "mid_budget": "`all` at the middle budget",
     "small_budget": "`all` at the smallest budget",
+    "matched_budget": "`all` cut to the source's trained tokens",
     "last_turn": "last turn only (`turns: last`), at the smallest budget",
     "source_answers": "the source's own answers (no regeneration), at `all`'s budget",
     "no_states": "no states (zeros, in training and when judged)",

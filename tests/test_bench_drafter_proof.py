@@ -51,13 +51,13 @@ FPS = {"all": "fa", "source": "fs"}
 def test_a_runs_key_changes_with_what_it_depends_on_and_with_nothing_else():
     runs = dr.plan(spec(), [40], FPS, {"speculators": "0.9.0"})
     assert [(r["variant"]["name"], r["seed"], r["steps"]) for r in runs] == [
+        ("correct", 0, 40),  # the learning curve first: the first seed again, at its own steps
         ("correct", 0, 100),
         ("source_answers", 0, 100),
         ("correct", 1, 100),
         ("source_answers", 1, 100),
         ("correct", 2, 100),
         ("source_answers", 2, 100),
-        ("correct", 0, 40),  # the learning curve: the first seed again, at its own steps
     ]
     keys = [r["key"] for r in runs]
     assert len(set(keys)) == len(keys)
@@ -76,7 +76,7 @@ def test_a_runs_key_changes_with_what_it_depends_on_and_with_nothing_else():
     assert changed(dr.plan(spec(), [40], FPS | {"all": "other"}, {"speculators": "0.9.0"})) == every  # held out: all's
     assert changed(dr.plan(spec(), [40], FPS, {"speculators": "0.9.1"})) == every
     more = dr.plan(spec(steps=200), [40], FPS, {"speculators": "0.9.0"})
-    assert {r["key"] for r in more if r["steps"] == 40} == {keys[-1]}  # the curve's run is not the spec's steps'
+    assert {r["key"] for r in more if r["steps"] == 40} == {keys[0]}  # the curve's run is not the spec's steps'
 
 
 def test_runs_are_kept_and_taken_back_by_key_from_the_results_file(tmp_path):
@@ -169,7 +169,7 @@ def test_the_proofs_path_runs_end_to_end_and_goes_on_where_it_stopped(tmp_path):
     out, work = tmp_path / "proof.json", tmp_path / "work"
     argv = [
         *("--seeds", "1", "--budgets", "3000,1500,800", "--target-steps", "100", "--steps", "10", "--curve", "5"),
-        *("--variants", "correct,no_states,source_answers,mid_budget,small_budget"),
+        *("--variants", "correct,no_states,source_answers,matched_budget,mid_budget,small_budget"),
         *("--verify", "correct,no_states", "--verify-prompts", "3", "--verify-tokens", "16"),
         *("--out", str(out)),
     ]
@@ -182,10 +182,16 @@ def test_the_proofs_path_runs_end_to_end_and_goes_on_where_it_stopped(tmp_path):
 
     bench(work)
     r = json.loads(out.read_text())
-    assert r["complete"] and r["runs_done"] == r["runs_planned"] == 6
+    assert r["complete"] and r["runs_done"] == r["runs_planned"] == 7
     ds = r["datasets"]
     assert ds["small"]["trained_tokens"] < ds["mid"]["trained_tokens"] < ds["all"]["trained_tokens"]
     assert ds["mid"]["samples_outside_all"] <= 1  # the budgets nest: the smaller set is `all`'s first samples
+    import pyarrow.parquet as pq
+
+    source = pq.read_table(work / "data" / "source" / "samples.parquet", columns=["loss_mask"])["loss_mask"]
+    matched = r["settings"]["dataset_params"]["matched"]["token_budget"]
+    assert matched == sum(map(sum, source.to_pylist()))  # ours cut to the source's trained tokens
+    assert r["proof"]["regeneration"]["better"] == "matched_budget"
     assert [p["variant"] for p in r["proof"]["scaling"]["points"]] == ["small_budget", "mid_budget", "correct"]
     assert r["proof"]["scaling"]["per_doubling"]["points"] == 3
     assert [p["steps"] for p in r["learning_curve"]] == [5, 10]
@@ -207,5 +213,5 @@ def test_the_proofs_path_runs_end_to_end_and_goes_on_where_it_stopped(tmp_path):
     assert log.count("accepted length") == 1 and "source_answers seed 0" in log
 
     log = bench(tmp_path / "elsewhere")  # another workdir: the data made again, every run taken from the results
-    assert "6 runs taken from" in log and "accepted length" not in log and "tokens a verify step" not in log
+    assert "7 runs taken from" in log and "accepted length" not in log and "tokens a verify step" not in log
     assert json.loads(out.read_text())["complete"]
