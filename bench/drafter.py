@@ -397,9 +397,20 @@ def source_answers(work: Path) -> None:
 
 
 def export(work: Path, name: str, out: str, family: str = "eagle3") -> Path:
+    """`name`'s states exported for `family` to exports/<out>, unless an earlier run exported the same samples and
+    capture there (a stamp beside it: their hashes; a rerun of a cut bench skips minutes of copying GBs)."""
+    from draftdata.util.files import sha256_of
+
     path = work / "exports" / out
+    states = work / "data" / name / "hidden_states"
+    made = {n: sha256_of(states / n) for n in ("samples.parquet", "index.json")} | {"family": family}
+    stamp = path.with_name(out + ".stamp.json")
+    if (path / "draftdata_export.json").exists() and stamp.exists() and json.loads(stamp.read_text()) == made:
+        return path
+    stamp.unlink(missing_ok=True)
     overrides = ("export.format=speculators", f"export.family={family}", f"export.dir={path}")
     run_stage(work, "draftdata.cli.export", name, *overrides)
+    stamp.write_text(json.dumps(made))
     return path
 
 

@@ -167,11 +167,11 @@ def by_variant(done: list[dict], steps: int) -> dict:
 def slope_per_doubling(points: list[tuple[float, float]]) -> dict:
     """Least squares of accepted length on log2(trained tokens) over every (tokens, figure) point: the slope (accepted
     length gained per doubling of the data) with its standard error, from the residuals."""
+    if len(points) < 3 or len({x for x, _ in points}) < 2:  # a line and its error need three points, two sizes
+        return {"slope": None, "stderr": None, "points": len(points)}
     xs, ys = [math.log2(x) for x, _ in points], [y for _, y in points]
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     sxx = sum((x - mx) ** 2 for x in xs)
-    if len(points) < 3 or sxx == 0:
-        return {"slope": None, "stderr": None, "points": len(points)}
     b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
     resid = sum((y - my - b * (x - mx)) ** 2 for x, y in zip(xs, ys))
     return {"slope": b, "stderr": math.sqrt(resid / (len(points) - 2) / sxx), "points": len(points)}

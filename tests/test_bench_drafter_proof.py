@@ -126,6 +126,8 @@ def test_the_slope_per_doubling_and_its_error_come_from_every_point():
     fit = dr.slope_per_doubling(noisy)
     assert 0.1 < fit["slope"] < 0.3 and fit["stderr"] > 0 and fit["points"] == 6
     assert dr.slope_per_doubling(exact[:2])["slope"] is None  # two points give a line but no error
+    assert dr.slope_per_doubling([])["slope"] is None  # none yet: a run still going on
+    assert dr.slope_per_doubling([(1000, 1.5)] * 3)["slope"] is None  # one size
 
 
 def test_a_comparison_is_paired_by_seed_and_judged_against_three_spreads():
@@ -215,3 +217,13 @@ def test_the_proofs_path_runs_end_to_end_and_goes_on_where_it_stopped(tmp_path):
     log = bench(tmp_path / "elsewhere")  # another workdir: the data made again, every run taken from the results
     assert "7 runs taken from" in log and "accepted length" not in log and "tokens a verify step" not in log
     assert json.loads(out.read_text())["complete"]
+
+
+def test_the_proof_reads_a_run_that_has_no_figure_yet():
+    """The results file is written while the first runs train: nothing to compare or fit yet, and no error."""
+    from bench import drafter
+
+    p = drafter.proof({}, {})
+    assert p["regeneration"] is None and p["states"] is None and p["scaling"]["points"] == []
+    assert p["scaling"]["per_doubling"]["slope"] is None
+    assert drafter.learning_curve([]) == [] and drafter.speculation([], {}, ["correct"], {}) == {}
