@@ -98,6 +98,7 @@ from draftdata.drafters.layers import default_layers
 RESULTS = Path(__file__).resolve().parent / "results"
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "drafter_train.py"
 VERIFY_SCRIPT = Path(__file__).resolve().parent / "drafter_verify.py"
+VLLM_SCRIPT = Path(__file__).resolve().parent / "drafter_vllm.py"
 HELD_OUT_EVERY = 5  # every 5th source conversation (by its line in the file) is held out
 SCHEDULE = "speculators' own: AdamW, linear warm-up over 1 % of the steps, linear decay to zero"
 CUDA_SHAPE = {"hidden": 256, "layers": 16}  # --device cuda's target unless --hidden / --layers say otherwise
@@ -835,12 +836,12 @@ def prepare(args) -> dict:
     runs = dr.plan(tspec, args.curve, fingerprints, dr.trainers_versions(trainers_python()))
     loop = {"draft_tokens": args.draft_tokens, "max_new_tokens": args.verify_tokens}
     loop["prompts"] = held_out_prompts(exports["all"], eval_rows, args.verify_prompts) if args.verify else []
-    suffix = dr.verify_suffix(loop)
+    suffix, vllm_suffix = dr.verify_suffix(loop), dr.verify_suffix(loop, VLLM_SCRIPT)
     (work / "runs").mkdir(exist_ok=True)
-    adopted = dr.adopt(args.out, work / "runs", runs, suffix)
+    adopted = dr.adopt(args.out, work / "runs", runs, {"verify": suffix, "vllm": vllm_suffix})
     if adopted:
         print(f"bench.drafter: {adopted} runs taken from {args.out}", flush=True)
-    to_verify = [r for r in runs if r["variant"]["name"] in args.verify and r["steps"] == tspec["steps"]]
+    to_verify = verify_runs(runs, tspec["steps"], args.verify)
     again = dr.unverifiable(work / "runs", to_verify, suffix)
     if again:
         print(f"bench.drafter: {again} runs to speculate with have no weights here: trained again", flush=True)
@@ -854,17 +855,54 @@ def prepare(args) -> dict:
         "target_info": target_info,
         "spec": tspec,
         "runs": runs,
-        "verify": loop | {"suffix": suffix},
+        "verify": loop | {"suffix": suffix, "vllm_suffix": vllm_suffix},
         "datasets": datasets,
         "coverage": coverage,
         "data_s": round(data_s, 1),
     }
 
 
-def verify_runs(prep: dict, verify: list[str]) -> list[dict]:
-    """The runs the draft-and-verify loop speculates with: the `verify` variants' at the spec's steps."""
-    steps = prep["spec"]["steps"]
-    return [r for r in prep["runs"] if r["variant"]["name"] in verify and r["steps"] == steps]
+def verify_runs(runs: list[dict], steps: int, verify: list[str]) -> list[dict]:
+    """The runs the draft-and-verify loop speculates with: the `verify` variants' at the spec's steps, every seed of
+    `correct` and the first of the others (a loop costs a drafter's training time again on a CPU; the others'
+    gaps to ours are wide)."""
+    first = min((r["seed"] for r in runs), default=0)
+    chosen = [r for r in runs if r["variant"]["name"] in verify and r["steps"] == steps]
+    return [r for r in chosen if r["variant"]["name"] == "correct" or r["seed"] == first]
+
+
+def vllm_runs(runs: list[dict]) -> list[dict]:
+    """Of those, the ones vLLM can serve as they were judged: not `no_states` (vLLM feeds a drafter the target's
+    states, never the zeros it trained on)."""
+    return [r for r in runs if r["variant"]["final"] != "no_states"]
+
+
+def serve_vllm(prep: dict, runs: list[dict], threads: int) -> None:
+    """Each run's drafter served by vLLM's CPU build (DRAFTDATA_VLLM_PYTHON) as the target's EAGLE-3 speculator, on the
+    loop's prompts (bench/drafter_vllm.py): its own acceptance counters, kept as `runs/<key>.vllm-<suffix>.json`.
+    Without that Python, nothing (the report says vLLM did not run)."""
+    python = os.environ.get("DRAFTDATA_VLLM_PYTHON")
+    work, loop = prep["work"], prep["verify"]
+    todo = [r for r in runs if not (work / "runs" / f"{r['key']}.vllm-{loop['vllm_suffix']}.json").exists()]
+    if not python or not todo:
+        return
+    spec_path, prompts = work / "spec-vllm.json", work / f"prompts-{loop['suffix']}.json"
+    spec_path.write_text(json.dumps(dict(prep["spec"], runs=todo)))
+    prompts.write_text(json.dumps(loop["prompts"]))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    for run in todo:
+        ckpt, out = work / "vllm" / run["key"], work / "runs" / f"{run['key']}.vllm-{loop['vllm_suffix']}.json"
+        tmp = out.with_name(out.name + ".tmp")
+        export = [trainers_python(), "-I", str(VLLM_SCRIPT), "export", str(spec_path), run["key"], str(work / "runs")]
+        serve = [python, "-I", str(VLLM_SCRIPT), "--max-tokens", str(loop["max_new_tokens"])]
+        serve += ["--draft-tokens", str(loop["draft_tokens"]), str(ckpt), prep["spec"]["target"]]
+        serve += [str(prompts), str(tmp)]
+        for cmd in ([*export, str(ckpt)], serve):
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+            if done.returncode != 0:  # the figures stand without vLLM's; the report says it did not serve them
+                print(f"bench.drafter: vLLM did not serve {run['key']}: {done.stderr.strip()[-2000:]}", flush=True)
+                return
+        tmp.replace(out)
 
 
 def assemble(args, prep: dict, wall: dict) -> dict:
@@ -874,10 +912,10 @@ def assemble(args, prep: dict, wall: dict) -> dict:
     elsewhere takes instead of training it again."""
     from bench import drafter_runs as dr
 
-    spec, suffix = prep["spec"], prep["verify"]["suffix"]
-    done = dr.finished(prep["work"] / "runs", prep["runs"], suffix)
+    spec, loop = prep["spec"], prep["verify"]
+    done = dr.finished(prep["work"] / "runs", prep["runs"], {"verify": loop["suffix"], "vllm": loop["vllm_suffix"]})
     results = dr.by_variant(done, spec["steps"])
-    to_verify = {r["key"] for r in verify_runs(prep, args.verify)}
+    to_verify = {r["key"] for r in verify_runs(prep["runs"], spec["steps"], args.verify)}
     verified = {e["key"] for e in done if "verify" in e}
     settings = {k: v for k, v in vars(args).items() if k not in ("workdir", "out", "target")}
     out = {
@@ -902,7 +940,7 @@ def assemble(args, prep: dict, wall: dict) -> dict:
         "paired": paired(results),
         "proof": proof(results, prep["datasets"]),
         "learning_curve": learning_curve(done),
-        "speculation": speculation(done, results, args.verify, prep["verify"]),
+        "speculation": speculation(done, results, args.verify, loop, greedy(prep["work"], loop)),
         "wall_s": wall,
         "runs": done,
     }
@@ -952,24 +990,43 @@ def learning_curve(done: list[dict]) -> list[dict]:
     ]
 
 
-def speculation(done: list[dict], results: dict, verify: list[str], loop: dict) -> dict:
-    """Per verified variant, the draft-and-verify loop's accepted tokens per verify step over the seeds, beside the
-    teacher-forced estimate of the same drafters, and whether every output equalled the target's greedy one."""
+def mean_spread(xs: list[float]) -> dict:
+    return {"mean": statistics.fmean(xs), "spread": max(xs) - min(xs)}
+
+
+def greedy(work: Path, loop: dict) -> list[list[int]] | None:
+    """The target's greedy output per prompt, as the draft-and-verify loop kept it (None before it ran)."""
+    path = work / "runs" / f"greedy-{loop['suffix']}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def speculation(done: list[dict], results: dict, verify: list[str], loop: dict, reference=None) -> dict:
+    """Per verified variant, the draft-and-verify loop's accepted tokens per verify step over its seeds, beside the
+    teacher-forced estimate of the same drafters and whether every output equalled the target's greedy one; and,
+    where vLLM served them, its own mean acceptance length over the same seeds and whether its outputs equal the
+    target's greedy ones (`reference`)."""
     out = {}
     for name in verify:
         runs = [e for e in done if e["variant"] == name and "verify" in e and name in results]
         if not runs:
             continue
-        per_step = [e["verify"]["result"]["accepted_per_step"] for e in runs]
-        estimate = [e["result"]["accepted_length"] for e in runs]
         out[name] = {
-            "accepted_per_step": {"mean": statistics.fmean(per_step), "spread": max(per_step) - min(per_step)},
-            "estimate": {"mean": statistics.fmean(estimate), "spread": max(estimate) - min(estimate)},
+            "accepted_per_step": mean_spread([e["verify"]["result"]["accepted_per_step"] for e in runs]),
+            "estimate": mean_spread([e["result"]["accepted_length"] for e in runs]),
             "seeds": [e["seed"] for e in runs],
             "equals_greedy": all(e["verify"]["result"]["equals_greedy"] for e in runs),
             "mismatches": [m | {"seed": e["seed"]} for e in runs for m in e["verify"]["result"]["mismatches"]],
             "verify_steps": sum(e["verify"]["result"]["verify_steps"] for e in runs),
         }
+        served = [e for e in runs if "vllm" in e]
+        if served:
+            out[name]["vllm"] = {
+                "mean_acceptance_length": mean_spread([e["vllm"]["result"]["mean_acceptance_length"] for e in served]),
+                "seeds": [e["seed"] for e in served],
+                "equals_greedy": reference is not None
+                and all(e["vllm"]["result"]["generated"] == reference for e in served),
+                "generate_wall_s": sum(e["vllm"]["result"]["generate_wall_s"] for e in served),
+            }
     if out:
         out["loop"] = {
             "prompts": len(loop["prompts"]),
@@ -992,10 +1049,11 @@ def run(args) -> dict:
         return out
 
     trainers(prep["work"], prep["spec"], prep["runs"], args.jobs, TRAIN_SCRIPT, poll=write)
-    to_verify = verify_runs(prep, args.verify)
+    to_verify = verify_runs(prep["runs"], prep["spec"]["steps"], args.verify)
     if to_verify:
         vspec = dict(prep["spec"], verify=prep["verify"])
         trainers(prep["work"], vspec, to_verify, args.jobs, VERIFY_SCRIPT, poll=write)
+        serve_vllm(prep, vllm_runs(to_verify), args.jobs * args.threads)
     return write()
 
 

@@ -8,10 +8,11 @@ code that trains and judges (bench/drafter_train.py). An export's fingerprint ha
 masks (the arrow files), and the capture's index (the model's fingerprint, the layers, the dtype): the states follow
 from those.
 
-Kept in the workdir's `runs/`: `<key>.json` (the run's figures), `<key>.pt` (an EAGLE-3 drafter's trained weights)
-and `<key>.verify-<hash>.json` (its draft-and-verify figures). The results file (`--out`) holds every finished run by
-key too, written while the runs go on: on another machine, where the data is made again (the same params give the
-same data), a run whose key is there is taken from it instead of being trained again.
+Kept in the workdir's `runs/`: `<key>.json` (the run's figures), `<key>.pt` (an EAGLE-3 drafter's trained weights),
+`<key>.verify-<hash>.json` (its draft-and-verify figures) and `<key>.vllm-<hash>.json` (vLLM's, serving it). The
+results file (`--out`) holds every finished run by key too, written while the runs go on: on another machine, where
+the data is made again (the same params give the same data), a run whose key is there is taken from it instead of
+being trained again.
 """
 
 from __future__ import annotations
@@ -82,14 +83,16 @@ def plan(spec: dict, curve: list[int], fingerprints: dict, versions: dict) -> li
     return runs
 
 
-def verify_suffix(loop: dict) -> str:
-    """What a draft-and-verify result depends on besides its run: the prompts, the loop's settings, its code."""
-    return digest(loop | {"code": sha256_of(VERIFY_CODE)})
+def verify_suffix(loop: dict, code: Path = VERIFY_CODE) -> str:
+    """What a draft-and-verify result (or vLLM's, `code` bench/drafter_vllm.py) depends on besides its run: the
+    prompts, the loop's settings, its code."""
+    return digest(loop | {"code": sha256_of(code)})
 
 
-def adopt(out: Path, runs_dir: Path, runs: list[dict], suffix: str) -> int:
+def adopt(out: Path, runs_dir: Path, runs: list[dict], suffixes: dict) -> int:
     """Runs that an earlier results file holds (by key) written to `runs_dir` where it lacks them, with their
-    draft-and-verify figures of the same loop; how many."""
+    speculation figures (`suffixes`: kind -> the hash of its loop; `verify`, the draft-and-verify loop's, `vllm`,
+    vLLM's) where those are of the same loop; how many."""
     if not out.exists():
         return 0
     kept = {r["key"]: r for r in json.loads(out.read_text()).get("runs", [])}
@@ -99,8 +102,10 @@ def adopt(out: Path, runs_dir: Path, runs: list[dict], suffix: str) -> int:
         if old is None or path.exists():
             continue
         path.write_text(json.dumps(old["result"], indent=1))
-        if old.get("verify", {}).get("suffix") == suffix:
-            (runs_dir / f"{run['key']}.verify-{suffix}.json").write_text(json.dumps(old["verify"]["result"], indent=1))
+        for kind, suffix in suffixes.items():
+            if old.get(kind, {}).get("suffix") == suffix:
+                extra = runs_dir / f"{run['key']}.{kind}-{suffix}.json"
+                extra.write_text(json.dumps(old[kind]["result"], indent=1))
         n += 1
     return n
 
@@ -119,8 +124,9 @@ def unverifiable(runs_dir: Path, to_verify: list[dict], suffix: str) -> int:
     return n
 
 
-def finished(runs_dir: Path, runs: list[dict], suffix: str) -> list[dict]:
-    """The planned runs whose figures are kept: each with its result and, where done, its draft-and-verify figures."""
+def finished(runs_dir: Path, runs: list[dict], suffixes: dict) -> list[dict]:
+    """The planned runs whose figures are kept: each with its result and, where done, its speculation figures of
+    each kind (`suffixes`, as `adopt` reads them)."""
     out = []
     for run in runs:
         path = runs_dir / f"{run['key']}.json"
@@ -128,9 +134,10 @@ def finished(runs_dir: Path, runs: list[dict], suffix: str) -> list[dict]:
             entry = {"key": run["key"], "variant": run["variant"]["name"], "seed": run["seed"], "steps": run["steps"]}
             entry["spec"] = run["variant"]
             entry["result"] = json.loads(path.read_text())
-            verify = runs_dir / f"{run['key']}.verify-{suffix}.json"
-            if verify.exists():
-                entry["verify"] = {"suffix": suffix, "result": json.loads(verify.read_text())}
+            for kind, suffix in suffixes.items():
+                extra = runs_dir / f"{run['key']}.{kind}-{suffix}.json"
+                if extra.exists():
+                    entry[kind] = {"suffix": suffix, "result": json.loads(extra.read_text())}
             out.append(entry)
     return out
 

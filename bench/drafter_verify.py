@@ -90,12 +90,29 @@ def draft(model, states: torch.Tensor, ids: list[int], k: int, zero: bool) -> li
     n = states.shape[0]
     states = torch.zeros_like(states) if zero else states
     drafts: list[int] = []
-    for step in range(1, k + 1):
-        seq = torch.tensor([ids[1 : n + 1] + drafts])
-        hs = torch.cat([states, states.new_zeros(step - 1, states.shape[1])])[None]
-        tokens = model(hidden_states=hs, input_ids=seq, document_ids=torch.zeros_like(seq), ttt_steps=step)
-        drafts.append(int(dt.to_target_ids(model, tokens[step - 1][0, n - 1])))
+    head = model.lm_head
+    model.lm_head = At(head, n - 1)  # the draft head at the one position read: the rest is never looked at
+    try:
+        for step in range(1, k + 1):
+            seq = torch.tensor([ids[1 : n + 1] + drafts])
+            hs = torch.cat([states, states.new_zeros(step - 1, states.shape[1])])[None]
+            tokens = model(hidden_states=hs, input_ids=seq, document_ids=torch.zeros_like(seq), ttt_steps=step)
+            drafts.append(int(dt.to_target_ids(model, tokens[step - 1][0, 0])))
+    finally:
+        model.lm_head = head
     return drafts
+
+
+class At(torch.nn.Module):
+    """A head applied at one position only ([1, 1, vocab]): the forward's logits at every other position cost a
+    draft head's matmul each and are never read."""
+
+    def __init__(self, head, position: int):
+        super().__init__()
+        self.head, self.position = head, position
+
+    def forward(self, x):
+        return self.head(x[:, self.position : self.position + 1])
 
 
 @torch.no_grad()

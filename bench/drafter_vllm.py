@@ -62,6 +62,8 @@ def export(spec_path: str, key: str, runs_dir: str, out_dir: str) -> None:
         raise SystemExit(f"drafter_vllm: no run {key} in {spec_path}")
     if run["variant"]["family"] != "eagle3":
         raise SystemExit(f"drafter_vllm: run {key} is a {run['variant']['family']} drafter; this serves EAGLE-3 only")
+    if run["variant"]["final"] == "no_states":  # vLLM would feed it the target's states, never the zeros it knew
+        raise SystemExit(f"drafter_vllm: run {key} trained on no states; vLLM cannot serve it as it was judged")
     model = _trainer().build_drafter(spec, run["seed"], run["variant"])
     missing, _ = model.load_state_dict(torch.load(Path(runs_dir) / f"{key}.pt"), strict=False)
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}

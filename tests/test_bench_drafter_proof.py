@@ -87,15 +87,19 @@ def test_runs_are_kept_and_taken_back_by_key_from_the_results_file(tmp_path):
     for i, run in enumerate(runs[:4]):
         (runs_dir / f"{run['key']}.json").write_text(json.dumps({"seed": run["seed"], "accepted_length": 2.0 + i}))
     (runs_dir / f"{runs[0]['key']}.verify-v1.json").write_text(json.dumps({"accepted_per_step": 2.5}))
-    done = dr.finished(runs_dir, runs, "v1")
+    (runs_dir / f"{runs[0]['key']}.vllm-w1.json").write_text(json.dumps({"mean_acceptance_length": 2.4}))
+    loops = {"verify": "v1", "vllm": "w1"}
+    done = dr.finished(runs_dir, runs, loops)
     assert [e["key"] for e in done] == [r["key"] for r in runs[:4]]
     assert done[0]["verify"] == {"suffix": "v1", "result": {"accepted_per_step": 2.5}} and "verify" not in done[1]
+    assert done[0]["vllm"]["result"] == {"mean_acceptance_length": 2.4}
     out = tmp_path / "results.json"
     out.write_text(json.dumps({"runs": done}))
-    assert dr.adopt(out, other, runs, "v1") == 4  # another workdir: the four finished runs, and the verified one's loop
-    assert dr.finished(other, runs, "v1") == done
-    assert dr.adopt(out, other, runs, "v1") == 0  # already there
-    assert not dr.finished(tmp_path / "elsewhere", runs, "v2")[0].get("verify")  # another loop: verified again
+    assert dr.adopt(out, other, runs, loops) == 4  # another workdir: the four finished runs, and the served one's loops
+    assert dr.finished(other, runs, loops) == done
+    assert dr.adopt(out, other, runs, loops) == 0  # already there
+    again = dr.finished(other, runs, {"verify": "v2", "vllm": "w1"})[0]
+    assert "verify" not in again and "vllm" in again  # another loop: speculated again, vLLM's kept
 
 
 def test_the_variants_figures_come_from_their_runs_at_the_specs_steps():
@@ -116,6 +120,25 @@ def test_the_variants_figures_come_from_their_runs_at_the_specs_steps():
     assert [r["seed"] for r in v["runs"]] == [0, 1, 2]
     assert v["accepted_length"]["mean"] == pytest.approx(6.8 / 3)
     assert v["accepted_length"]["spread"] == pytest.approx(0.6)
+
+
+def test_every_seed_of_ours_speculates_and_the_first_of_the_others():
+    from bench import drafter
+
+    runs = dr.plan(
+        spec(variants=spec()["variants"] + [dict(spec()["variants"][0], name="no_states", final="no_states")]),
+        [40],
+        FPS,
+        {},
+    )
+    chosen = drafter.verify_runs(runs, 100, ["correct", "no_states"])
+    assert [(r["variant"]["name"], r["seed"]) for r in chosen] == [
+        ("correct", 0),
+        ("no_states", 0),
+        ("correct", 1),
+        ("correct", 2),
+    ]
+    assert [r["variant"]["name"] for r in drafter.vllm_runs(chosen)] == ["correct"] * 3  # vLLM serves no zeros
 
 
 def test_the_slope_per_doubling_and_its_error_come_from_every_point():
@@ -178,7 +201,8 @@ def test_the_proofs_path_runs_end_to_end_and_goes_on_where_it_stopped(tmp_path):
 
     def bench(workdir: Path) -> str:
         cmd = [sys.executable, "-m", "bench.drafter", *argv, "--workdir", str(workdir)]
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+        env = {k: v for k, v in os.environ.items() if k != "DRAFTDATA_VLLM_PYTHON"}  # vLLM serves no head dim of 16
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False, env=env)
         assert done.returncode == 0, done.stderr[-3000:]
         return done.stdout + done.stderr
 
@@ -201,6 +225,9 @@ def test_the_proofs_path_runs_end_to_end_and_goes_on_where_it_stopped(tmp_path):
         sp = r["speculation"][name]
         assert sp["equals_greedy"], sp["mismatches"]
         assert 1 <= sp["accepted_per_step"]["mean"] <= 4 and sp["verify_steps"] > 0
+    assert (
+        "vllm" not in r["speculation"]["correct"]
+    )  # the toy target's head dim (16) is not one vLLM's CPU build serves
     runs = sorted((work / "runs").glob("*.json"))
     stamps = {p: p.stat().st_mtime_ns for p in runs}
 
