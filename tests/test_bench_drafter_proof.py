@@ -254,3 +254,34 @@ def test_the_proof_reads_a_run_that_has_no_figure_yet():
     assert p["regeneration"] is None and p["states"] is None and p["scaling"]["points"] == []
     assert p["scaling"]["per_doubling"]["slope"] is None
     assert drafter.learning_curve([]) == [] and drafter.speculation([], {}, ["correct"], {}) == {}
+
+
+VLLM_PYTHON = os.environ.get("DRAFTDATA_VLLM_PYTHON")
+
+
+@pytest.mark.trainers
+@pytest.mark.vllm
+@pytest.mark.timeout(1500)
+@pytest.mark.skipif(
+    not (TRAINERS_PYTHON and VLLM_PYTHON), reason="set DRAFTDATA_TRAINERS_PYTHON and DRAFTDATA_VLLM_PYTHON"
+)
+def test_on_the_real_target_vllm_counts_what_the_loop_counts(tmp_path, smollm2):
+    """SmolLM2 as the target, a drafter of a few steps with a draft vocabulary: the draft-and-verify loop and vLLM's CPU
+    build serving the same drafter as the target's EAGLE-3 speculator both give the target's greedy output, and the
+    same accepted tokens per verify step (vLLM's own counters against the loop's count); no_states is judged by the
+    loop alone (vLLM would feed it the target's states)."""
+    out = tmp_path / "proof.json"
+    cmd = [
+        *(sys.executable, "-m", "bench.drafter", "--target", str(smollm2), "--seeds", "1", "--steps", "3"),
+        *("--budgets", "1500,800,400", "--variants", "correct,no_states", "--verify", "correct,no_states"),
+        *("--verify-prompts", "2", "--verify-tokens", "12", "--draft-vocab", "512"),
+        *("--workdir", str(tmp_path / "work"), "--out", str(out)),
+    ]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    sp = json.loads(out.read_text())["speculation"]
+    assert sp["correct"]["equals_greedy"] and sp["no_states"]["equals_greedy"], sp
+    served = sp["correct"]["vllm"]
+    assert served["equals_greedy"], done.stdout[-3000:]
+    assert served["mean_acceptance_length"]["mean"] == pytest.approx(sp["correct"]["accepted_per_step"]["mean"])
+    assert "vllm" not in sp["no_states"]
