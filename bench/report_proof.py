@@ -94,15 +94,29 @@ def speculation_lines(r: dict) -> list[str]:
         f"prompts, {loop['max_new_tokens']} new tokens each; accepted tokens per verify step (the drafts kept plus "
         "the target's own), beside speculators' teacher-forced estimate for the same drafters:",
         "",
-        "| drafter | accepted per verify step | estimate | output equals the target's greedy output |",
-        "| --- | --- | --- | --- |",
+        "| drafter | seeds | accepted per verify step | estimate | vLLM's own (served) | output equals the target's "
+        "greedy output |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for name, x in sp.items():
         if name == "loop":
             continue
         same = "yes, every prompt" if x["equals_greedy"] else f"**no**: {len(x['mismatches'])} prompts differ"
-        out.append(f"| {LABELS.get(name, name)} | {pm(x['accepted_per_step'])} | {pm(x['estimate'])} | {same} |")
-    return out
+        v = x.get("vllm")
+        served = pm(v["mean_acceptance_length"]) if v else "—"
+        if v:
+            same += "; vLLM's too" if v["equals_greedy"] else "; **vLLM's not**"
+        seeds = ", ".join(map(str, x["seeds"]))
+        out.append(
+            f"| {LABELS.get(name, name)} | {seeds} | {pm(x['accepted_per_step'])} | {pm(x['estimate'])} | {served} "
+            f"| {same} |"
+        )
+    return out + [
+        "",
+        "vLLM's own: its CPU build serving the same drafter as the target's EAGLE-3 speculator "
+        "(bench/drafter_vllm.py), mean acceptance length from its spec-decode counters (— where it cannot: no "
+        "states, or no vLLM Python).",
+    ]
 
 
 def curve_line(r: dict) -> str:
@@ -205,6 +219,8 @@ def quality(r: dict) -> str:
         "",
         *speculation_lines(r),
         "",
+        curve_line(r),
+        "",
         f"![accepted length against trained tokens](bench/results/{PROOF_PLOT})",
     ]
     return "\n".join(lines) + "\n"
@@ -236,7 +252,8 @@ def plot(r: dict, path: Path) -> bool:
     ax.set_xlabel("trained tokens")
     ax.set_ylabel("accepted length (held out)")
     ax.set_title(r["target"]["given"])
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -266,10 +266,11 @@ VLLM_PYTHON = os.environ.get("DRAFTDATA_VLLM_PYTHON")
     not (TRAINERS_PYTHON and VLLM_PYTHON), reason="set DRAFTDATA_TRAINERS_PYTHON and DRAFTDATA_VLLM_PYTHON"
 )
 def test_on_the_real_target_vllm_counts_what_the_loop_counts(tmp_path, smollm2):
-    """SmolLM2 as the target, a drafter of a few steps with a draft vocabulary: the draft-and-verify loop and vLLM's CPU
-    build serving the same drafter as the target's EAGLE-3 speculator both give the target's greedy output, and the
-    same accepted tokens per verify step (vLLM's own counters against the loop's count); no_states is judged by the
-    loop alone (vLLM would feed it the target's states)."""
+    """SmolLM2 as the target, a drafter of a few steps with a draft vocabulary: exported as speculators saves it, vLLM's
+    CPU build loads it as the target's EAGLE-3 speculator (its layers, its d2t), and the draft-and-verify loop and vLLM
+    both give the target's greedy output with the same accepted tokens per verify step (vLLM's own counters against
+    the loop's count; a drafter this short accepts little, the bench compares them on trained ones); no_states is
+    judged by the loop alone (vLLM would feed it the target's states)."""
     out = tmp_path / "proof.json"
     cmd = [
         *(sys.executable, "-m", "bench.drafter", "--target", str(smollm2), "--seeds", "1", "--steps", "3"),
