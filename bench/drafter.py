@@ -1135,7 +1135,7 @@ def main(argv: list[str] | None = None) -> None:
         "(comma-separated; default: correct,source_answers,no_states for a given --target, none for the trained one)",
     )
     ap.add_argument("--verify-prompts", type=int, default=50, help="held-out prompts the loop speculates on")
-    ap.add_argument("--verify-tokens", type=int, default=128, help="new tokens per prompt in the loop")
+    ap.add_argument("--verify-tokens", type=int, default=64, help="new tokens per prompt in the loop")
     ap.add_argument("--draft-tokens", type=int, default=3, help="drafts per verify step (EAGLE-3's test-time steps)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument(
