@@ -901,8 +901,9 @@ def serve_vllm(prep: dict, runs: list[dict], threads: int) -> None:
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
             if done.returncode != 0:  # the figures stand without vLLM's; the report says it did not serve them
                 print(f"bench.drafter: vLLM did not serve {run['key']}: {done.stderr.strip()[-2000:]}", flush=True)
-                return
-        tmp.replace(out)
+                break
+        else:
+            tmp.replace(out)
 
 
 def assemble(args, prep: dict, wall: dict) -> dict:

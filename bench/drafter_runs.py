@@ -186,7 +186,8 @@ def slope_per_doubling(points: list[tuple[float, float]]) -> dict:
 
 def compare(variants: dict, better: str, worse: str) -> dict | None:
     """`better` against `worse` on the same seeds: the means' difference, the larger spread, whether the difference
-    exceeds 3 times it, and the per-seed differences (the same seed: the same initial weights and pack order)."""
+    exceeds 3 times it (None while either has one seed: no spread yet), and the per-seed differences (the same seed:
+    the same initial weights and pack order)."""
     if better not in variants or worse not in variants:
         return None
     b, w = variants[better], variants[worse]
@@ -194,12 +195,13 @@ def compare(variants: dict, better: str, worse: str) -> dict | None:
     per_seed = [round(r["accepted_length"] - seeds[r["seed"]], 4) for r in b["runs"] if r["seed"] in seeds]
     diff = b["accepted_length"]["mean"] - w["accepted_length"]["mean"]
     spread = max(b["accepted_length"]["spread"], w["accepted_length"]["spread"])
+    judged = min(len(b["runs"]), len(w["runs"])) > 1  # one seed has no spread: no verdict yet
     return {
         "better": better,
         "worse": worse,
         "difference": round(diff, 4),
         "larger_spread": round(spread, 4),
-        "beats_by_3_spreads": diff > 3 * spread,
+        "beats_by_3_spreads": diff > 3 * spread if judged else None,
         "per_seed": per_seed,
         "every_seed": bool(per_seed) and min(per_seed) > 0,
     }

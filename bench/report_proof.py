@@ -62,6 +62,8 @@ def table_rows(r: dict) -> list[str]:
 def compare_line(label: str, c: dict | None) -> str:
     if c is None:
         return f"- {label}: not measured yet."
+    if c["beats_by_3_spreads"] is None:
+        return f"- {label}: {c['difference']:+.3f} on one seed so far (no spread yet to judge it against)."
     verdict = "more than 3× the larger spread" if c["beats_by_3_spreads"] else "**not** more than 3× the larger spread"
     seeds = ", ".join(f"{d:+.3f}" for d in c["per_seed"])
     return f"- {label}: {c['difference']:+.3f}, {verdict} ({c['larger_spread']:.3f}); per seed {seeds}" + (
@@ -195,10 +197,11 @@ def pair(r: dict, error: str) -> dict | None:
     paired = r["paired"][error]
     spread = max(c["spread"], e["spread"])
     diff = c["mean"] - e["mean"]
+    judged = min(len(v["correct"]["runs"]), len(v[error]["runs"])) > 1
     return {
         "difference": diff,
         "larger_spread": spread,
-        "beats_by_3_spreads": diff > 3 * spread,
+        "beats_by_3_spreads": diff > 3 * spread if judged else None,
         "per_seed": paired["per_seed"],
         "every_seed": paired["every_seed"],
     }

@@ -168,6 +168,8 @@ def test_a_comparison_is_paired_by_seed_and_judged_against_three_spreads():
     s = dr.compare(v, "correct", "no_states")
     assert not s["beats_by_3_spreads"] and not s["every_seed"]  # seed 1: 2.5 against 2.6
     assert dr.compare(v, "correct", "mid_budget") is None
+    one = {"correct": variant(2.4), "source_answers": variant(2.0)}
+    assert dr.compare(one, "correct", "source_answers")["beats_by_3_spreads"] is None  # one seed: no spread yet
 
 
 def test_the_report_says_a_partial_run_is_partial_and_names_each_verdict():
@@ -181,6 +183,7 @@ def test_the_report_says_a_partial_run_is_partial_and_names_each_verdict():
     assert "more than 3×" in report_proof.compare_line("x", c) and "**not**" not in report_proof.compare_line("x", c)
     assert "**not**" in report_proof.compare_line("x", c | {"beats_by_3_spreads": False})
     assert "not measured yet" in report_proof.compare_line("x", None)
+    assert "one seed so far" in report_proof.compare_line("x", c | {"beats_by_3_spreads": None})
     assert "Partial: 3 of 26" in report_proof.status({"complete": False, "runs_done": 3, "runs_planned": 26})
 
 
