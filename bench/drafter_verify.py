@@ -3,7 +3,7 @@ EAGLE-3 drafter drafts for the real target in a greedy draft-and-verify loop on 
 own output is checked token for token. Run by the trainers' Python (DRAFTDATA_TRAINERS_PYTHON), as
 bench/drafter_train.py is; imports speculators, transformers and torch only, never the project.
 
-    <trainers python> bench/drafter_verify.py SPEC.json RUNS_DIR
+    <trainers python> -I bench/drafter_verify.py SPEC.json RUNS_DIR
 
 SPEC.json is the training spec (its target, layers, exports and draft vocabularies) with the runs to speculate with
 (`runs`: key, variant, seed; their weights are `<key>.pt` in RUNS_DIR) and the loop's settings (`verify`: `prompts`,
