@@ -74,6 +74,8 @@ FULL = Sizes(
         *("--jobs", "11", "--threads", "1", "--concurrency", "128"),
         # the data on the machine's CPU: transformers' batching on the GPU made 15k tokens in 255 s on the first run
         *("--embedded-batching", "slots"),
+        # the draft-and-verify loop runs on the CPU in the trainers' venv: the lease's minutes go to training
+        *("--verify", ""),
     ),
 )
 DRY = Sizes(
@@ -86,6 +88,7 @@ DRY = Sizes(
         *("--steps", "2", "--budgets", "600,300,150", "--seeds", "1", "--max-tokens", "16", "--max-len", "128"),
         *("--variants", "correct,no_states", "--jobs", "1", "--concurrency", "8"),
         *("--temperature", "1.0"),  # the random tiny target's likeliest token ends its turn at once
+        *("--verify", ""),  # so greedy speculation has nothing to draft on it
     ),
 )
 
