@@ -151,7 +151,7 @@ def run_ours(url: str, prompts: list[list[int]], args) -> dict:
         store = ResponseStore(cfg.run.store_path)
         try:
             stats = generate_missing(cfg, bare_target(), fresh_run(plan, cfg.ds), store)
-            _, kept, _ = select_responses(plan, store.get_many(p.key for p in plan), cfg.ds)
+            kept = select_responses(plan, store.get_many(p.key for p in plan), cfg.ds).total
         finally:
             store.close()
     assert not stats.failed, dict(stats.failed)

@@ -444,7 +444,8 @@ def generate(urls: list[str], run: Run, prompts: list[list[int]]) -> dict:
             stats = generate_missing(cfg, bare_target(Words()), fresh_run(plan, ds, landed), store)
         finally:
             wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
-        selected, kept, _ = select_responses(plan, store.get_many(p.key for p in plan), ds)
+        chosen = select_responses(plan, store.get_many(p.key for p in plan), ds)
+        selected, kept = chosen.chosen, chosen.total
         store.close()
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return {

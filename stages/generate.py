@@ -14,7 +14,7 @@ import time
 from draftdata.config.load import cli
 from draftdata.config.modes import split_rows
 from draftdata.config.schema import Config
-from draftdata.errors import UserError
+from draftdata.errors import Incomplete, UserError
 from draftdata.generate.output import Part, write_outputs
 from draftdata.generate.planning import RunPlan
 from draftdata.generate.preflight import preflight
@@ -63,7 +63,7 @@ def main(cfg: Config) -> None:
             "remainder is left unspent, not given to the other modes",
         )
     budget = cfg.ds.token_budget
-    if written.total < budget:
+    if written.total < budget and not written.unanswered:
         log(
             "generate",
             dataset=cfg.dataset,
@@ -85,6 +85,18 @@ def main(cfg: Config) -> None:
         kept=written.in_output,
         parked=written.parked,
         wall_s=round(time.time() - t0, 1),
+    )
+    if written.unanswered:
+        raise Incomplete(unanswered_line(cfg.dataset, written.unanswered, written.total, budget))
+
+
+def unanswered_line(dataset: str, unanswered: list[tuple[str | None, str, str]], total: int, budget: int) -> str:
+    """The one line a run whose output stopped before a failed request ends with."""
+    stops = "; ".join(f"{f'mode {m}: ' if m else ''}prompt {pid} ({why})" for m, pid, why in unanswered)
+    return (
+        f"generate@{dataset}: budget not met ({total:,} of {budget:,} tokens): a request failed twice in this run, "
+        f"and the output, exact, stops before it: {stops}. Everything generated is in the store; run again "
+        f"(dvc repro) to ask it again and go on"
     )
 
 

@@ -104,8 +104,8 @@ def test_a_conversations_later_turn_never_lands_without_the_turns_before_it():
     turns = [("A", 0), ("A", 1), ("A", 2), ("B", 0), ("B", 1)]
     plan = [Planned({"id": f"{c}{t}", "conversation": c, "turn": t}, f"{c}{t}", [1, 2]) for c, t in turns]
     stored = {p.key: answer(p.key, n) for p, n in zip(plan, sizes)}
-    selected, total, _ = select_responses(plan, stored, DatasetConfig(token_budget=1_200, landing=Landing.finished))
-    assert [p.key for p, _ in selected] == ["A0", "A1", "B0"] and total == 1_600
+    out = select_responses(plan, stored, DatasetConfig(token_budget=1_200, landing=Landing.finished))
+    assert [p.key for p, _ in out.chosen] == ["A0", "A1", "B0"] and out.total == 1_600
 
 
 def answer(key: str, n: int) -> StoredResponse:

@@ -54,15 +54,18 @@ def test_an_arithmetic_other_than_the_weights_is_keyed_apart_and_a_server_s_is_n
     assert keys(project, *served, "model.compute_dtype=bfloat16") == keys(project, *served)
 
 
-def test_every_stored_answer_and_the_metrics_name_the_arithmetic(project):
+def generated(project, column: str) -> tuple[set, list | None]:
+    """A small generate run: `column` of every stored answer, and the metrics' figure of the same name."""
     project.set("datasets.B3.token_budget", 120)
     project.run("prompts", "B3")
     project.run("generate", "B3")
     with sqlite3.connect(project.path / "store.sqlite") as db:
-        dtypes = {row[0] for row in db.execute("SELECT compute_dtype FROM responses")}
-    assert dtypes == {"float32"}
-    metrics = json.loads((project.data("B3") / "generate_metrics.json").read_text())
-    assert metrics["compute_dtype"] == ["float32"]
+        stored = {row[0] for row in db.execute(f"SELECT {column} FROM responses")}
+    return stored, json.loads((project.data("B3") / "generate_metrics.json").read_text())[column]
+
+
+def test_every_stored_answer_and_the_metrics_name_the_arithmetic(project):
+    assert generated(project, "compute_dtype") == ({"float32"}, ["float32"])
 
 
 def test_states_computed_in_another_dtype_are_keyed_apart_and_vllm_s_are_not_ours(project):
@@ -142,3 +145,20 @@ def test_a_quantized_target_is_never_cast_by_an_in_process_engine(project, tiny_
     with pytest.raises(RuntimeError):  # its own dtype (the tiny target's float32): no refusal, the load is reached
         HFEngine(ModelConfig(path=str(fp8), compute_dtype="float32"), [1])
     assert len(loads) == 1
+
+
+def test_the_attention_fallback_is_logged_once_and_every_row_names_the_path(project, monkeypatch, capsys):
+    """Where the decode-attention kernel cannot be built, one line says so and why, once a process; every answer's
+    row and the metrics name the path that computed it (the kernel and its reference round apart)."""
+    from draftdata.generate.embedded import attention
+
+    def no_compiler(source):
+        raise RuntimeError("Error building extension\nc++: command not found")
+
+    monkeypatch.setattr(attention, "_library", no_compiler)
+    monkeypatch.setattr(attention, "_built", {})
+    assert attention.kernel() is None and attention.kernel() is None
+    lines = [x for x in capsys.readouterr().out.splitlines() if "decode-attention kernel is not used" in x]
+    assert len(lines) == 1 and "c++: command not found" in lines[0]
+
+    assert generated(project, "attention") == ({"reference"}, ["reference"])

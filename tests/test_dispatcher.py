@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from draftdata.config.schema import Config, DatasetConfig, OnBudget, RunConfig
 from draftdata.generate import dispatcher as dispatcher_module
@@ -230,3 +233,116 @@ def test_a_stop_after_a_dead_engine_names_the_death_and_what_to_do(tmp_path):
     assert message.startswith("the last 4 requests all failed with retries_exhausted: connection: reset by peer")
     assert "a server's engine died (engine_dead, " in message and "--max-num-batched-tokens" in message
     assert "\n" not in message
+
+
+# ---- landing exact: a failure is a stop, never a hole ----------------------------------------------------------- #
+
+
+class Answers:
+    """A server that answers prompt k with `tokens[k]` tokens (default 10) after `delay_s[k]` seconds (default 1 ms),
+    but fails prompt `fails` on its first `times` requests (each as a request whose retries ran out); `failing`: the
+    same per prompt."""
+
+    name = "answers"
+    takes_token_ids = True
+
+    def __init__(self, fails: str = "", times: int = 0, tokens=None, delay_s=None, failing=None):
+        self.failing = dict(failing or {}) | ({fails: times} if fails else {})
+        self.tokens, self.delay_s = tokens or {}, delay_s or {}
+        self.asked: list[str] = []
+
+    async def generate(self, req: GenRequest) -> GenResult:
+        await asyncio.sleep(self.delay_s.get(req.rid, 0.001))
+        self.asked.append(req.rid)
+        if self.asked.count(req.rid) <= self.failing.get(req.rid, 0):
+            return GenResult(req.rid, error="retries_exhausted", detail="http 500", server=self.name)
+        n = self.tokens.get(req.rid, 10)
+        return GenResult(req.rid, list(range(10, 10 + n)), "x" * n, 3, n, "stop", server=self.name)
+
+
+def exact_run(tmp_path, backend, budget: int, keys="abcd", concurrency: int = 4):
+    """One generation run under `landing: exact` over the store in `tmp_path`, as run.py drives it (the plan's
+    settled run from the store first); the output as the stage selects it."""
+    from draftdata.generate.accounting import needs_request
+    from draftdata.generate.selection import Landed, select_responses
+
+    ds = DatasetConfig(token_budget=budget, max_tokens=40, concurrency=concurrency, on_budget=OnBudget.cancel)
+    cfg = Config(dataset="d", datasets={"d": ds}, run=RunConfig(store_path=str(tmp_path / "s.sqlite"), progress=False))
+    store = ResponseStore(cfg.run.store_path)
+    planned = [Planned({"id": k, "messages": []}, k, [1, 2, 3]) for k in keys]
+    held = store.get_many(keys)
+    landed = Landed.of(planned, held, ds)
+    ctrl = BudgetController(budget, 40, concurrency, committed=0, landed=landed.total())
+    ledger, failfast = Ledger(ds, "d", ctrl, None, backend.name), FailFastWindow(cfg.run.fail_fast_after)
+    d = Dispatcher(backend, ctrl, ledger, failfast, store, cfg, False, {}, landed)
+    if not ctrl.reached():
+        run(d.run(WorkQueue([p for p in planned if needs_request(held.get(p.key))])))
+    out = select_responses(planned, store.get_many(keys), ds)
+    store.close()
+    return out, d
+
+
+def test_a_request_that_fails_for_good_ends_the_exact_output_before_it_never_leaves_a_hole(tmp_path):
+    """Keys a-d of 10 tokens, a budget of 25, and b fails: the run asks b again, and when it fails again the output
+    is {a}, short of the budget, not {a, c, d}. The run after b answers writes {a, b, c}: what a run without the
+    failure writes at once, and each a prefix of the larger budget's."""
+    out, d = exact_run(tmp_path / "1", Answers("b", times=99), 25)
+    assert [p.key for p, _ in out.chosen] == ["a"] and out.total == 10
+    assert out.unanswered is not None and out.unanswered.key == "b"
+    assert d.backend.asked.count("b") == 2 and d.halted  # asked once more within the run, then the stop
+    assert d.stats.failed == {"retries_exhausted": 2}
+
+    again, _ = exact_run(tmp_path / "1", Answers(), 25)  # b answers now: the output goes on past it
+    clean, _ = exact_run(tmp_path / "2", Answers(), 25)
+    assert [p.key for p, _ in again.chosen] == [p.key for p, _ in clean.chosen] == ["a", "b", "c"]
+    assert again.unanswered is None and again.total == clean.total == 30
+    smaller, _ = exact_run(tmp_path / "2", Answers(), 15)
+    assert [p.key for p, _ in smaller.chosen] == ["a", "b"]
+
+
+def test_a_request_that_fails_once_is_asked_again_within_the_run(tmp_path):
+    """One failure is not a stop: the request is asked again in the same run and the output is the clean one."""
+    out, d = exact_run(tmp_path, Answers("b", times=1), 25)
+    assert [p.key for p, _ in out.chosen] == ["a", "b", "c"] and out.unanswered is None
+    assert d.backend.asked.count("b") == 2 and not d.halted
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    sizes=st.lists(st.integers(1, 40), min_size=1, max_size=8),
+    data=st.data(),
+    budget=st.integers(1, 200),
+    concurrency=st.integers(1, 5),
+)
+def test_any_order_of_completions_failures_and_stored_rows_gives_a_prefix_of_the_same_output(
+    sizes, data, budget, concurrency
+):
+    """The same plan, whatever finishes first, fails (once: asked again; twice: a stop) or the store already holds
+    from another run: the output is the start of the fault-free output, and all of it unless a request in it failed
+    twice; the run after, fault-free, writes that output; a smaller budget's output is the start of it."""
+    import tempfile
+
+    keys = [f"k{i}" for i in range(len(sizes))]
+    tokens = dict(zip(keys, sizes))
+    failing = {k: data.draw(st.sampled_from([0, 0, 1, 2]), label=f"fails {k}") for k in keys}
+    delay = {k: data.draw(st.sampled_from([0.0, 0.001, 0.004]), label=f"delay {k}") for k in keys}
+    held = data.draw(st.sets(st.sampled_from(keys)), label="stored before")
+    smaller = data.draw(st.integers(1, budget), label="smaller budget")
+    with tempfile.TemporaryDirectory() as tmp:
+        clean, _ = exact_run(Path(tmp) / "clean", Answers(tokens=tokens), budget, keys, concurrency)
+        want = [p.key for p, _ in clean.chosen]
+        if held:  # another run answered these first
+            exact_run(Path(tmp) / "faulty", Answers(tokens=tokens), 10**6, sorted(held, key=keys.index), 1)
+        out, _ = exact_run(
+            Path(tmp) / "faulty", Answers(tokens=tokens, delay_s=delay, failing=failing), budget, keys, concurrency
+        )
+        got = [p.key for p, _ in out.chosen]
+        assert got == want[: len(got)]
+        stop = next((i for i, k in enumerate(want) if failing[k] >= 2 and k not in held), None)
+        assert got == want[:stop] if stop is not None else got == want
+        assert (out.unanswered is not None) == (stop is not None)
+        assert stop is None or out.total < budget
+        after, _ = exact_run(Path(tmp) / "faulty", Answers(tokens=tokens), budget, keys, concurrency)
+        assert [p.key for p, _ in after.chosen] == want and after.total == clean.total
+        less, _ = exact_run(Path(tmp) / "faulty", Answers(tokens=tokens), smaller, keys, concurrency)
+        assert [p.key for p, _ in less.chosen] == want[: len(less.chosen)]

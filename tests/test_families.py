@@ -438,3 +438,23 @@ def test_trainers_own_readers_load_every_block_family(captured_project, tmp_path
     assert set(steps) == {"dflash", "dflash2", "dspark", "specforge_dflash", "specforge_dspark", "specforge_domino"}
     for family, (before, after) in steps.items():
         assert math.isfinite(before) and after < before, (family, before, after)
+
+
+def test_mtp_alone_captures_the_last_state_with_no_aux_layer_and_exports_it(project):
+    """MTP reads the last state alone: captured with an empty aux axis, stored and exported (speculators' MTP rows:
+    the pre-norm last state only), not a crash on the first batch after DVC removed the outputs."""
+    from safetensors.torch import load_file
+
+    project.set("hidden_states.drafters", ["mtp"])
+    for stage in ("prompts", "generate", "tokenize", "hidden_states"):
+        project.run(stage, "B3")
+    hs = HiddenStates(project.data("B3") / "hidden_states")
+    assert hs.layers["physical"] == [] and hs.families["mtp"]["positions"] == []
+    out = export(project, "speculators", "mtp")
+    samples = kept(hs, FAMILIES["mtp"].needs_adjacent)
+    assert samples
+    for i, s in enumerate(samples):
+        assert s.aux.shape == (s.input_ids.shape[0], 0, hs.hidden_size)
+        states = load_file(str(out / "hidden_states" / f"hs_{i}.safetensors"))["hidden_states"]
+        assert states.shape == (s.input_ids.shape[0], 1, hs.hidden_size)
+        assert torch.equal(states[:, -1], s.final_pre_norm.to(torch.bfloat16))

@@ -261,6 +261,51 @@ def test_exact_landing_gives_the_same_output_for_the_same_params_and_nests_budge
     assert output("a.sqlite", budget) == first
 
 
+def test_a_request_that_fails_for_good_stops_the_exact_output_before_it_with_exit_status_3(
+    project, monkeypatch, capsys
+):
+    """The stage's side of a failure under landing exact: a prompt whose request fails twice in the run ends the
+    output before it (the start of the clean run's output, written), `stopped_before` names it, and the stage ends
+    with one line and exit status 3; the next run, the fault gone, writes the clean output."""
+    from draftdata.config.load import cli
+    from draftdata.generate.backends.protocol import GenResult
+    from draftdata.generate.embedded.backend import EmbeddedBackend
+    from stages.generate import main as generate_main
+
+    project.run("prompts", "B3")
+    prompts = list(read_jsonl(project.data("B3") / "prompts.jsonl"))
+    clean_store = project.params["run"]["store_path"]
+    project.run("generate", "B3")
+    clean = list(read_jsonl(project.data("B3") / "responses.jsonl"))
+    assert len(clean) > 3
+    bad = clean[2]["messages"]  # the third line's prompt fails for good
+    answer = EmbeddedBackend.generate
+
+    async def failing(self, req):
+        if req.messages == bad:
+            return GenResult(req.rid, error="bad_response", detail="injected", server=self.name)
+        return await answer(self, req)
+
+    monkeypatch.setattr(EmbeddedBackend, "generate", failing)
+    project.params["run"]["store_path"] = str(project.path / "faulty.sqlite")
+    project.save()
+    with pytest.raises(SystemExit) as stopped:
+        cli(generate_main, argv=["dataset=B3"])  # as `python -m stages.generate` ends, in the project's directory
+    assert stopped.value.code == 3
+    errors = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and f"prompt {clean[2]['id']} (bad_response)" in errors[0] and "not met" in errors[0]
+    out = list(read_jsonl(project.data("B3") / "responses.jsonl"))
+    assert [r["key"] for r in out] == [r["key"] for r in clean[:2]]
+    m = metrics(project)
+    assert not m["budget_met"] and m["stopped_before"] == clean[2]["id"] and m["failed"] == {"bad_response": 2}
+    assert len(prompts) > len(clean)
+
+    monkeypatch.setattr(EmbeddedBackend, "generate", answer)
+    project.run("generate", "B3")
+    assert list(read_jsonl(project.data("B3") / "responses.jsonl")) == clean
+    assert clean_store != project.params["run"]["store_path"]  # the clean output came from a store of its own
+
+
 def test_an_embedded_continuation_draws_what_the_uninterrupted_answer_drew(tiny_model):
     """The contract for a parked answer continued later: the embedded engine draws the token at sequence position
     p from (seed + p), so prompt + the first tokens, continued, give the uninterrupted answer exactly. (A server's

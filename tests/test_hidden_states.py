@@ -1118,3 +1118,46 @@ def test_verify_names_a_shard_cut_short_before_loading_the_model(hs_project, mon
     hs_project.run("hidden_states", "B3")
     assert hs_metrics(hs_project)["torn_shards_redone"] == 1
     assert verify_in(hs_project).ok
+
+
+def test_a_rank_checks_only_the_shards_of_its_own_samples(tmp_path):
+    """A torn shard that holds another rank's samples is that rank's to forget and write again under the same name:
+    a rank that also deleted it could delete the file its owner has just rewritten."""
+    import pyarrow as pa
+
+    from draftdata.hidden.compute import _compute_windows
+    from draftdata.hidden.state_store import StateStore, state_key
+    from draftdata.hidden.tally import HiddenTally
+
+    src = tmp_path / "samples.parquet"
+    rows = [[1, 2, i] for i in range(4)]
+    pq.write_table(pa.table({"id": [f"s{i}" for i in range(4)], "input_ids": rows, "loss_mask": rows}), src)
+
+    class Computer:  # what the window pass asks of the engine: the settings' hash, and the samples to compute
+        settings_hash = "h"
+
+        def __init__(self):
+            self.names, self.asked = {}, []
+
+        def run(self, missing):
+            self.asked += [k for k, _ in missing]
+
+    def torn_store(where):
+        store = StateStore(where)
+        name = store.new_shard_name("h", [state_key("h", rows[3])])
+        store.path(name).parent.mkdir(parents=True, exist_ok=True)
+        store.path(name).write_bytes(b"\x08")  # cut short
+        store.add_shard(name, "h", [state_key("h", rows[3])], [3], 1, "hf")
+        return store, name
+
+    store, name = torn_store(tmp_path / "a")
+    tally, computer = HiddenTally(), Computer()
+    _compute_windows(src, 4, computer, store, range(0, 2), tally)  # rows 2 and 3 are another rank's
+    assert tally.torn == 0 and store.path(name).exists() and store.lookup([state_key("h", rows[3])])
+    assert computer.asked == [state_key("h", r) for r in rows[:2]]
+
+    store, name = torn_store(tmp_path / "b")
+    tally, computer = HiddenTally(), Computer()
+    _compute_windows(src, 4, computer, store, range(2, 4), tally)  # its owner forgets it and computes it again
+    assert tally.torn == 1 and not store.path(name).exists() and not store.lookup([state_key("h", rows[3])])
+    assert computer.asked == [state_key("h", r) for r in rows[2:]]

@@ -93,6 +93,17 @@ def test_a_complete_answer_is_a_row_counted_only_once_committed():
     assert s.new_by_key == {"k1": 4} and ledger.ctrl.committed == 4 and ledger.ctrl.lengths.n == 1
 
 
+def test_the_budget_counts_the_row_the_store_kept_and_the_run_what_it_generated():
+    """Two experiments on one store: the other committed its answer first, and the store kept it (`put_many`'s
+    answer). The budget counts that row, which is what the output holds; this run's figures, what it generated."""
+    ledger = make()
+    settled = ledger.settle([(answer(ids=range(20, 26)), flight())])
+    theirs = StoredResponse("k1", "D", "p-k1", "theirs", 3, 2, "stop", "http://other", 1.0, list(PROMPT_IDS), [5, 6])
+    ledger.commit(settled.rows, [theirs])
+    assert ledger.ctrl.committed == 2 and ledger.ctrl.lengths.n == 1
+    assert (ledger.stats.new, ledger.stats.kept, ledger.stats.generated) == (1, 6, 6)
+
+
 def test_a_complete_answer_counts_its_prompt_when_the_budget_counts_totals():
     ledger = make(unit=BudgetUnit.total)
     settle_and_commit(ledger, done=[(answer(), flight())])

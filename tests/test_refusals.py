@@ -528,7 +528,13 @@ REFUSALS: dict[str, dict | tuple[str, str]] = {
         "connect": {"{key}: cannot open the {what} at": twin("run.store_path-a-directory")},
         "check_db_path": {"{key}: cannot open the {what} at": twin("run.store_path-unmakeable")},
     },
-    "stages/generate.py": {"main": {"{...}: not found; run the prompts": BY_HAND}},
+    "stages/generate.py": {
+        "main": {
+            "{...}: not found; run the prompts": BY_HAND,
+            # exit status 3, after the outputs are written (exact up to the failed request)
+            "{...}": after("a request that failed twice in the run, as it is sent", GENERATE),
+        }
+    },
     "stages/tokenize.py": {"main": {"{src}: not found; run the generate": BY_HAND}},
     "stages/hidden_states.py": {"main": {"{src}: not found; run the tokenize": BY_HAND}},
 }
@@ -703,6 +709,12 @@ CASES: dict[str, tuple[dict | Callable, str | Callable]] = {
     "max_tokens-past-context": ({"datasets.B3.max_tokens": 5000}, "datasets.B3.max_tokens"),
     "block_layers-unread": ({"hidden_states.block_layers": [1, 2]}, "hidden_states.block_layers"),
     "eagle3-too-few-layers": (target(lambda c: {**c, "num_hidden_layers": 4}), "model.path"),
+    # a composite target's layers are its text config's, wherever transformers' get_text_config() finds it
+    "eagle3-too-few-layers-text-config": (
+        target(lambda c: {**c, "text_config": {**c, "num_hidden_layers": 4}}),
+        "model.path",
+    ),
+    "eagle3-too-few-layers-decoder": (target(lambda c: {**c, "decoder": {**c, "num_hidden_layers": 4}}), "model.path"),
     "block-too-few-layers": (
         {"hidden_states.drafters": ["dflash"], "hidden_states.block_draft_layers": 6},
         "model.path",

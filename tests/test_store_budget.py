@@ -453,9 +453,9 @@ def test_the_output_lands_on_the_budget_with_the_shortest_response_that_reaches_
     plan = [Planned({"id": k}, k, [1, 2, 3]) for k in "abcdef"]
     stored = {p.key: resp(p.key, n) for p, n in zip(plan, [900, 200, 7000, 40, 500, 150])}
     stored["d"].finish_reason = CUT  # parked: not in the output
-    selected, total, skipped = select_responses(plan, stored, ds)
-    assert [p.key for p, _ in selected] == ["a", "b", "f"] and total == 1_250
-    assert skipped == {"cut_by_budget": 1}
+    out = select_responses(plan, stored, ds)
+    assert [p.key for p, _ in out.chosen] == ["a", "b", "f"] and out.total == 1_250
+    assert out.skipped == {"cut_by_budget": 1}
 
 
 def test_keep_partial_keeps_the_server_full_until_tokens_in_flight_reach_the_budget():

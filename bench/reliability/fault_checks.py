@@ -239,6 +239,24 @@ def expected_counts(log: list[Attempt], text_only: bool) -> tuple[Counter, Count
     return attempts, failed, lost
 
 
+def asked_again(log: list[Attempt], rows: dict, text_only: bool) -> tuple[int, int, int]:
+    """Under landing exact a request that failed is asked once more in the same run, from the partial it parked
+    where that can be continued (streamed ids): of the failed requests in the server's log, (how many were
+    continued, the tokens they had parked, the prompts that failed twice and so end the output before them)."""
+    prompts = [r["prompt_ids"] for r in rows.values() if r["prompt_ids"]]
+    failures: Counter = Counter()
+    continued = tokens = 0
+    for a in log:
+        if code_of(a) not in NOT_RETRIED:
+            continue
+        prompt = max((p for p in prompts if a.context[: len(p)] == p), key=len, default=a.context)
+        failures[tuple(prompt)] += 1
+        had = len(a.context) - len(prompt) + len(a.sent) if a.stream and not text_only else 0
+        if failures[tuple(prompt)] == 1 and had:
+            continued, tokens = continued + 1, tokens + had
+    return continued, tokens, sum(n > 1 for n in failures.values())
+
+
 def check_metrics(ev: Evidence, prompts: int, text_only: bool, unseen_connections: bool) -> list[str]:
     """generate_metrics.json and responses.jsonl against the store and the server's log, for a first run on an empty
     store. `unseen_connections`: a server was down, and attempts refused at connect never reach its log, so the
@@ -268,24 +286,25 @@ def check_metrics(ev: Evidence, prompts: int, text_only: bool, unseen_connection
             problems.append(f"responses.jsonl row {rec['id']} is not the stored complete response")
     if len({rec["id"] for rec in out}) != len(out):
         problems.append("responses.jsonl repeats a prompt")
-    want = prompts - sum(failed.values())
+    continued, again, twice = asked_again(ev.log, ev.rows, text_only)
+    want = prompts - twice
     if not m["responses"] == len(out) == want:
         problems.append(
             f"responses {m['responses']}, responses.jsonl {len(out)}, expected {want} "
-            f"({prompts} prompts, {sum(failed.values())} failed)"
+            f"({prompts} prompts, {sum(failed.values())} failed, {twice} of them twice)"
         )
     tokens = sum(rec["completion_tokens"] for rec in out)
     parked = sum(r["completion_tokens"] for r in ev.rows.values() if r["finish_reason"] in PARKED)
     figures = {
         "completion_tokens": tokens,
-        "kept_tokens": tokens,
-        "parked_tokens": parked,
+        "kept_tokens": tokens - again,  # a request asked again: its parked part is counted parked, then continued
+        "parked_tokens": parked + again,
         "lost_tokens": lost,
         "new_tokens": tokens + parked + lost,
         "wasted_tokens": parked + lost,
         "lost_estimated": False,
         "reused_from_store": 0,
-        "continued": 0,
+        "continued": continued,
     }
     for name, value in figures.items():
         if m[name] != value:

@@ -300,7 +300,7 @@ def cli(
         _quiet_broken_pipe()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(e.exit_code)
     except KeyboardInterrupt:
         print("interrupted: what was finished is kept; run again to go on", file=sys.stderr)
         sys.exit(130)

@@ -13,6 +13,9 @@ Nothing wrong is kept and nothing generated is lost (the rules are the ledger's)
   a server's abort, an error or an empty answer is a failure, retried (the backend goes on from the tokens it had);
 - a request stopped before it finished (by the budget, Ctrl-C, a failure) is PARKED in the store with its token
   ids, and the next run that needs it continues it (prompt ids + partial ids, the remaining max_tokens);
+- under `landing: exact` a request that failed is asked once more in this run (from what it had parked); one that
+  fails again is a stop: nothing new is admitted, and the run ends once what is in flight has (the output stops
+  before it: selection.py);
 - a request that finishes while its stop is under way is committed like any other.
 
 Requests are stopped by a signal (`GenRequest.stop`), never by cancelling them: the backend aborts on the server
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from draftdata.config.schema import BudgetUnit, Config
@@ -113,6 +117,9 @@ class Dispatcher:
         self.work = WorkQueue()
         self.stop = asyncio.Event()
         self.failing: str | None = None  # set when the recent requests all failed with one cause
+        self._again: deque[Planned] = deque()  # landing exact: failed requests to ask once more, first in line
+        self._asked_again: set[str] = set()  # ... the keys asked again in this run
+        self.halted = False  # landing exact: a request failed twice; nothing new is admitted
         # Finished tasks are pushed here by their done-callbacks and a ticker wakes the loop every TICK_S, so a
         # wake-up costs O(finished), not O(in flight) as asyncio.wait over every task would.
         self._finished: list[asyncio.Task] = []
@@ -196,6 +203,10 @@ class Dispatcher:
         """Started conversations' next turns as many as the controller lets the batch hold, then new requests as
         many as it admits (the turns just admitted counted in, and the turns the started conversations will still
         ask)."""
+        while self._again and len(self.flights) < self.cfg.concurrency:  # admitted once already
+            self._admit(self._again.popleft())
+        if self.halted:
+            return
         admitted = False
         for _ in range(self.ctrl.turn_count(progress, prompts)):
             if (p := self._next(self.work.next_ready)) is None:
@@ -274,18 +285,20 @@ class Dispatcher:
         done: list[tuple[GenResult, Flight]],
         stopped: list[tuple[GenResult, Flight]] = (),
         reason: str = CUT,
+        stopping: bool = False,
     ) -> None:
         """Store what ended since the last wake-up (the rows in one transaction), then count it, tell the
-        controller and look whether the run is failing. The ledger counts what this run generated; the work queue
-        and the landing take the rows the store holds (another run's answer where it committed one first), which
-        are what the output and every later run read."""
+        controller and look whether the run is failing. The ledger counts what this run generated; the budget,
+        the work queue and the landing take the rows the store holds (another run's answer where it committed one
+        first), which are what the output and every later run read."""
         settled = self.ledger.settle(done, stopped, reason)
         for failure in settled.failures:
             self.store.put_failure(*failure)
         held = self.store.put_many([r for r, _ in settled.rows]) if settled.rows else []
         stored = [(h, f) for h, (_, f) in zip(held, settled.rows)]
-        self.ledger.commit(settled.rows)
-        self.work.settled([*done, *stopped], stored)
+        self.ledger.commit(settled.rows, held)
+        again = set() if stopping else self._ask_again(done, stored)
+        self.work.settled([*done, *stopped], stored, again)
         self.ledger.reused(self.work.take_reused())
         self._land(done, stored)
         # an answer the output cannot use (empty, truncated and dropped) is a failure to the fail-fast window too
@@ -295,17 +308,34 @@ class Dispatcher:
         self._check_failing(done)
 
     def _land(self, done: list[tuple[GenResult, Flight]] = (), rows: list[tuple[StoredResponse, Flight]] = ()) -> None:
-        """landing exact: settle the requests that got their final answer or failed, and tell the controller how far
-        the settled run from the first request now counts."""
+        """landing exact: settle the requests that got their final answer, and tell the controller how far the
+        settled run from the first request now counts (a failed request is not settled: it is asked again)."""
         if self.landed is None:
             return
         for r, f in rows:
             if not r.partial:
                 self.landed.settle(f.p, r, self.ds)
-        for res, f in done:
-            if res.error:
-                self.landed.settle(f.p, None, self.ds)
         self.ctrl.landed = self.landed.total()
+
+    def _ask_again(self, done: list[tuple[GenResult, Flight]], rows: list[tuple[StoredResponse, Flight]]) -> set[str]:
+        """landing exact: the failed requests to ask once more, from what they parked (the keys); a second failure
+        halts admission, since the output cannot pass it in this run."""
+        if self.landed is None:
+            return set()
+        parked = {r.key: r for r, _ in rows if r.partial}
+        again = set()
+        for res, f in done:
+            if not res.error:
+                continue
+            if f.p.key in self._asked_again:
+                self.halted = True
+                continue
+            self._asked_again.add(f.p.key)
+            again.add(f.p.key)
+            if f.p.key in parked:
+                self.parked[f.p.key] = parked[f.p.key]
+            self._again.append(f.p)
+        return again
 
     def _check_failing(self, done: list[tuple[GenResult, Flight]]) -> None:
         """Stop when the window shows one cause. The message is made once, from the batch that showed it (the
@@ -327,7 +357,7 @@ class Dispatcher:
         ended = await self._stop_flights(reason)
         done = [(res, f) for res, f in ended if not res.stopped]
         stopped = [(res, f) for res, f in ended if res.stopped]
-        self._record(done, stopped, reason)
+        self._record(done, stopped, reason, stopping=True)
 
     async def _abandon(self) -> None:
         """Stop every request in flight and wait for them, committing nothing: the run is failing, and requests

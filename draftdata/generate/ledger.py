@@ -77,7 +77,8 @@ class Settlement:
 class Ledger:
     """The run's accounting (see the module docstring). `tok` decodes a continued response whole; `server` names
     the backend on parked rows; `clock` is time.monotonic, a parameter so that tests can set the time;
-    `compute_dtype`: the in-process engine's arithmetic (None: a server's), recorded on every row."""
+    `compute_dtype` and `attention`: the in-process engine's arithmetic and decode-attention path (None: a server's),
+    recorded on every row."""
 
     def __init__(
         self,
@@ -88,9 +89,10 @@ class Ledger:
         server: str,
         clock: Callable[[], float] = time.monotonic,
         compute_dtype: str | None = None,
+        attention: str | None = None,
     ):
         self.ds, self.dataset, self.ctrl, self.tok, self.server, self.clock = ds, dataset, ctrl, tok, server, clock
-        self.compute_dtype = compute_dtype
+        self.compute_dtype, self.attention = compute_dtype, attention
         self.stats = RunStats()
         self._speeds: list[float] = []  # tokens/s of single requests that completed (the unseen loss's estimate)
 
@@ -118,26 +120,29 @@ class Ledger:
             self._stopped(res, f, reason, out)
         return out
 
-    def commit(self, rows: list[tuple[StoredResponse, Flight]]) -> None:
-        """The store has taken `rows`: count them, and tell the controller what now counts toward the budget."""
+    def commit(self, rows: list[tuple[StoredResponse, Flight]], held: list[StoredResponse] | None = None) -> None:
+        """The store has taken `rows`: count what this run generated in them, and tell the controller what now
+        counts toward the budget, by the rows the store `held` for them (`put_many`'s answer: another run's row where
+        it committed one first, which is what the output holds; default: ours)."""
         s, unit = self.stats, self.ds.budget_unit
-        for r, f in rows:
-            new = r.completion_tokens - f.prefix
+        for (mine, f), r in zip(rows, held if held is not None else [r for r, _ in rows]):
+            new = mine.completion_tokens - f.prefix
             s.generated += new
-            s.new_by_key[r.key] = new
-            tokens = counted(f.p, r, unit)
-            if r.partial:
+            # a request asked again in this run adds to what its parked partial had (landing exact's second ask)
+            s.new_by_key[mine.key] = s.new_by_key.get(mine.key, 0) + new
+            if mine.partial:
                 s.parked += 1
                 s.parked_tokens += new
-                if r.finish_reason == CUT:
-                    s.cut += 1
-                    if unusable_reason(r, self.ds) is None:  # keep_partial: a cut response counts as it is
-                        self.ctrl.cut(tokens)
-                continue
-            s.new += 1
-            s.kept += new
-            s.completed_len += r.completion_tokens
-            self.ctrl.finished(tokens, counted=unusable_reason(r, self.ds) is None, length=r.completion_tokens)
+                s.cut += mine.finish_reason == CUT
+            else:
+                s.new += 1
+                s.kept += new
+                s.completed_len += mine.completion_tokens
+            usable = unusable_reason(r, self.ds) is None
+            if not r.partial:
+                self.ctrl.finished(counted(f.p, r, unit), counted=usable, length=r.completion_tokens)
+            elif r.finish_reason == CUT and usable:  # keep_partial: a cut response counts as it is
+                self.ctrl.cut(counted(f.p, r, unit))
 
     def reused(self, pairs: list[tuple[Planned, StoredResponse]]) -> None:
         """Answers that now count toward the budget without a request of this run (`WorkQueue.take_reused`)."""
@@ -258,4 +263,5 @@ class Ledger:
             reasoning=(parsed.reasoning or None) if parsed else None,
             tool_calls=(parsed.tool_calls or None) if parsed else None,
             compute_dtype=self.compute_dtype,
+            attention=self.attention,
         )

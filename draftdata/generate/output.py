@@ -35,6 +35,9 @@ class Written:
     parked: int  # in partials a later run continues
     # modes whose output falls short of their share of the budget: (mode, its tokens, its share)
     short: list[tuple[str, int, int]] = field(default_factory=list)
+    # landing exact: the requests an output stopped before, short of its budget, for want of an answer (mode, prompt
+    # id, why it failed)
+    unanswered: list[tuple[str | None, str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -60,11 +63,12 @@ class PartOutput:
     total: int
     skipped: Counter
     reasons: dict[str, str]
+    unanswered: Planned | None = None  # landing exact: the request it stopped before, short of its budget
 
     @classmethod
     def of(cls, part: Part) -> PartOutput:
-        selected, total, skipped = select_responses(part.run.plan, part.run.stored, part.cfg.ds)
-        return cls(part, selected, total, skipped, part.run.end_reasons(selected))
+        s = select_responses(part.run.plan, part.run.stored, part.cfg.ds)
+        return cls(part, s.chosen, s.total, s.skipped, part.run.end_reasons(s.chosen), s.unanswered)
 
 
 def write_outputs(cfg: Config, out: Path, prompts: list[dict], parts: list[Part], store: ResponseStore, wall: float):
@@ -92,6 +96,7 @@ def write_outputs(cfg: Config, out: Path, prompts: list[dict], parts: list[Part]
         metrics["modes"] = {land.part.mode: part_metrics(land, wall) for land in landed}
     # the arithmetic the output's answers were computed in, as their rows record it (null: a server's)
     metrics["compute_dtype"] = sorted({r.compute_dtype for _, r in selected if r.compute_dtype}) or None
+    metrics["attention"] = sorted({r.attention for _, r in selected if r.attention}) or None  # ... and its attention
     lengths = histogram([r.completion_tokens for _, r in selected], cfg.ds.max_tokens)
     # a run that only reused the store fills the budget at its start: one point
     fill = fill_rows(stats.fill or [(0.0, total)], cfg.ds.token_budget)
@@ -118,7 +123,13 @@ def write_outputs(cfg: Config, out: Path, prompts: list[dict], parts: list[Part]
             for m in landed
             if m.part.mode and m.total < m.part.cfg.ds.token_budget
         ],
+        [(m.part.mode, m.unanswered.prompt["id"], _why(m.unanswered, store)) for m in landed if m.unanswered],
     )
+
+
+def _why(p: Planned, store: ResponseStore) -> str:
+    """Why request `p` has no answer: its last failure as the store recorded it, or that it is still to be asked."""
+    return store.failures([p.key]).get(p.key, "not answered yet")
 
 
 def part_metrics(land: PartOutput, wall: float) -> dict:
@@ -128,6 +139,8 @@ def part_metrics(land: PartOutput, wall: float) -> dict:
         part.cfg.ds, land.selected, land.total, land.skipped, part.stats, part.stats.reused, part.run.duplicates, wall
     )
     metrics |= part.run.metrics(land.reasons, land.selected) | reasoning_figures(land.selected, part.tok)
+    # landing exact: the prompt whose request has no answer, which the output stops before short of the budget
+    metrics["stopped_before"] = land.unanswered.prompt["id"] if land.unanswered else None
     if part.mode is not None:
         metrics["prompts"] = len(part.prompts)
     return metrics

@@ -5,10 +5,12 @@ counts (accounting.py), landed on it by the dataset's rule (`landing`).
   each conversation's turns in order, conversation after conversation), whose usable answers reach the budget. It is
   a function of the params and the stored answers of the prompts it holds: the same params give the same output
   whatever the timing or the store's history, and a smaller budget's output is the start of a larger one's. A run
-  ends once that run of requests is settled (`Landed`): every request in it answered (or failed in this run: the
-  output goes on without it, and the next run retries it), so everything still in flight then lies past the
-  output's end and is parked. It overshoots the budget by less than its last response (at most max_tokens, and
-  that response's prompt under `budget_unit: total`).
+  ends once that run of requests is settled (`Landed`): every request in it answered, so everything still in
+  flight then lies past the output's end and is parked. A request that fails is sent again within the run; one that
+  fails again is a stop, never a hole: the output ends before it (a prefix of what a run without the failure
+  writes), the budget is not met and the stage exits with EXIT_INCOMPLETE; the next run asks it again and goes on.
+  It overshoots the budget by less than its last response (at most max_tokens, and that response's prompt under
+  `budget_unit: total`).
 - `finished`: the answers that finished first, in prompt order, then the shortest of the rest that reaches the budget
   (`landing`). The run stops as soon as the answers it holds reach the budget, so it ends sooner; but what it holds
   depends on which requests finished first, and the long answers still running at the budget are left out.
@@ -19,12 +21,13 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from draftdata.config.schema import DatasetConfig, Landing, OnBudget
 from draftdata.generate.accounting import counted, needs_request, unusable_reason
 from draftdata.generate.request import Planned
 from draftdata.generate.store import StoredResponse
-from draftdata.generate.work import FAILED, Conversation
+from draftdata.generate.work import Conversation
 
 
 def lands_exact(ds: DatasetConfig) -> bool:
@@ -37,36 +40,52 @@ def landing_rule(ds: DatasetConfig) -> str:
     return Landing.exact.value if lands_exact(ds) else Landing.finished.value
 
 
-def select_responses(plan: list[Planned], stored: dict[str, StoredResponse], ds: DatasetConfig):
+@dataclass(frozen=True)
+class Selection:
+    """What the output holds: the usable responses chosen in prompt order, what they count toward the budget, the
+    unusable answers by reason, and under `exact` the request the output stopped before, short of the budget, for
+    want of an answer (None: it reached the budget, or the plan ran out)."""
+
+    chosen: list[tuple[Planned, StoredResponse]]
+    total: int
+    skipped: Counter
+    unanswered: Planned | None = None
+
+
+def select_responses(plan: list[Planned], stored: dict[str, StoredResponse], ds: DatasetConfig) -> Selection:
     """Usable responses in prompt order, landed on the budget by the dataset's rule (exact: the shortest run from
-    the first that reaches it; finished: `landing`, those that fit, then the shortest that reaches it, a
-    conversation's later turn only after the turns before it); every unusable one is counted by reason."""
-    usable: list[tuple[Planned, StoredResponse]] = []
+    the first that reaches it, ending before a request with no answer; finished: `landing`, those that fit, then
+    the shortest that reaches it, a conversation's later turn only after the turns before it); every unusable one is
+    counted by reason."""
+    exact = lands_exact(ds)
+    line: list[tuple[Planned, StoredResponse | None]] = []  # usable answers, and (exact) the requests unanswered
     skipped: Counter = Counter()
     for p in plan:
         r = stored.get(p.key)
-        if r is None:
-            continue
-        reason = unusable_reason(r, ds)
+        reason = None if r is None else unusable_reason(r, ds)
         if reason:
             skipped[reason] += 1
-        else:
-            usable.append((p, r))
-    sizes = [counted(p, r, ds.budget_unit) for p, r in usable]
-    if lands_exact(ds):
+        if exact and needs_request(r):  # missing, parked or failed: the output cannot pass it
+            line.append((p, None))
+        elif r is not None and reason is None:
+            line.append((p, r))
+    sizes = [None if r is None else counted(p, r, ds.budget_unit) for p, r in line]
+    if exact:
         chosen = exact_landing(sizes, ds.token_budget)
     else:
-        heads = [p.prompt.get("turn", 0) == 0 for p, _ in usable]  # a turn of a conversation (`turns: all`) names it
+        heads = [p.prompt.get("turn", 0) == 0 for p, _ in line]  # a turn of a conversation (`turns: all`) names it
         chosen = landing(sizes, ds.token_budget, heads)
-    return [usable[i] for i in chosen], sum(sizes[i] for i in chosen), skipped
+    total = sum(sizes[i] for i in chosen)
+    stop = len(chosen) < len(line) and total < ds.token_budget  # the next in line has no answer
+    return Selection([line[i] for i in chosen], total, skipped, line[len(chosen)][0] if stop else None)
 
 
-def exact_landing(tokens: Sequence[int], budget: int) -> list[int]:
+def exact_landing(tokens: Sequence[int | None], budget: int) -> list[int]:
     """The exact rule (the module docstring): the shortest run from the first response whose count reaches the
-    budget (all of them where they do not)."""
+    budget (all of them where they do not), ending before a request with no answer (None): never past a hole."""
     total = 0
     for end, n in enumerate(tokens):
-        if total >= budget:
+        if total >= budget or n is None:
             return list(range(end))
         total += n
     return list(range(len(tokens)))
@@ -99,8 +118,8 @@ def landing(tokens: Sequence[int], budget: int, heads: Sequence[bool] | None = N
 
 class Landed:
     """The exact rule as a run goes (`turns: last`): what the settled run of requests from the first counts. A
-    request is settled once it has its final answer (counted if usable, else 0) or failed in this run (0: the
-    output goes on without it); the budget is met once `total()` reaches it."""
+    request is settled once it has its final answer (counted if usable, else 0); one that failed is not (the output
+    cannot pass it: the dispatcher asks it again); the budget is met once `total()` reaches it."""
 
     def __init__(self, keys: Sequence[str]):
         self.keys = list(keys)
@@ -116,10 +135,9 @@ class Landed:
                 landed.settle(p, r, ds)
         return landed
 
-    def settle(self, p: Planned, r: StoredResponse | None, ds: DatasetConfig) -> None:
-        """Request `p` has its final answer `r` (None: it failed)."""
-        usable = r is not None and unusable_reason(r, ds) is None
-        self._counts[p.key] = counted(p, r, ds.budget_unit) if usable else 0
+    def settle(self, p: Planned, r: StoredResponse, ds: DatasetConfig) -> None:
+        """Request `p` has its final answer `r`."""
+        self._counts[p.key] = counted(p, r, ds.budget_unit) if unusable_reason(r, ds) is None else 0
 
     def total(self) -> int:
         while self._at < len(self.keys) and (n := self._counts.get(self.keys[self._at])) is not None:
@@ -130,14 +148,14 @@ class Landed:
 
 class LandedConversations(Landed):
     """The exact rule as a run goes (`turns: all`): conversations in prompt order, each one's turns in order. A
-    conversation is settled once it ended, or its next turn failed in this run; the first one not settled adds the
-    turns it has answered (they start it, so they start the output's share of it)."""
+    conversation is settled once it ended; the first one not settled adds the turns it has answered (they start it,
+    so they start the output's share of it)."""
 
     def __init__(self, convs: Sequence[Conversation], ds: DatasetConfig):
         super().__init__([])
         self.convs, self.ds = list(convs), ds
 
-    def settle(self, p: Planned, r: StoredResponse | None, ds: DatasetConfig) -> None:
+    def settle(self, p: Planned, r: StoredResponse, ds: DatasetConfig) -> None:
         """Nothing to do: the conversations hold their answers."""
 
     def total(self) -> int:
@@ -151,4 +169,4 @@ class LandedConversations(Landed):
 
 
 def _settled(c: Conversation) -> bool:
-    return c.next is None or c.unanswered == FAILED
+    return c.next is None

@@ -35,7 +35,8 @@ CREATE TABLE IF NOT EXISTS responses (
     created_at REAL NOT NULL,
     reasoning TEXT,                 -- a chat answer's thinking, moved out of `text` by a server's reasoning parser
     tool_calls TEXT,                -- JSON list of OpenAI tool calls, moved out of `text` by a tool-call parser
-    compute_dtype TEXT              -- the dtype an in-process engine computed it in (NULL: a server's answer)
+    compute_dtype TEXT,             -- the dtype an in-process engine computed it in (NULL: a server's answer)
+    attention TEXT                  -- the in-process engine's decode attention: kernel | reference | transformers
 );
 CREATE TABLE IF NOT EXISTS failures (
     key TEXT NOT NULL,
@@ -88,6 +89,9 @@ class StoredResponse:
     tool_calls: list[dict] | None = None
     # the dtype an in-process engine computed the answer in (model.compute_dtype, resolved); None: a server's
     compute_dtype: str | None = None
+    # the in-process engine's decode-attention path (kernel, its float32 SDPA reference, or transformers' batching):
+    # they round differently, so a seeded answer can differ by machine under one key; None: a server's
+    attention: str | None = None
 
     @property
     def partial(self) -> bool:
@@ -218,7 +222,7 @@ class ResponseStore:
 
 
 # Columns added after the first stores were written: an older store gets them (empty) when it is opened.
-ADDED_COLUMNS = {"reasoning": "TEXT", "tool_calls": "TEXT", "compute_dtype": "TEXT"}
+ADDED_COLUMNS = {"reasoning": "TEXT", "tool_calls": "TEXT", "compute_dtype": "TEXT", "attention": "TEXT"}
 
 
 def _ids(ids: list[int] | None) -> str | None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Collection, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from draftdata.generate.accounting import continuation, is_empty, link, needs_request, prompt_count
@@ -59,8 +59,14 @@ class WorkQueue:
         """What started conversations will still ask, and the next `upcoming` new ones (None: no conversations)."""
         return None
 
-    def settled(self, ended: list[tuple[GenResult, object]], rows: list[tuple[StoredResponse, object]]) -> None:
-        """Requests that ended (`Flight`s with their results) and the rows the store holds for them now."""
+    def settled(
+        self,
+        ended: list[tuple[GenResult, object]],
+        rows: list[tuple[StoredResponse, object]],
+        again: Collection[str] = (),
+    ) -> None:
+        """Requests that ended (`Flight`s with their results) and the rows the store holds for them now; `again`:
+        the keys of failed ones the dispatcher asks once more."""
         self.rows.update((r.key, r) for r, _ in rows)
 
     def take_reused(self) -> list[tuple[Planned, StoredResponse]]:
@@ -227,13 +233,20 @@ class ConversationQueue(WorkQueue):
         self._waiting.setdefault(key, []).append(c)
         return None if sent else c.next
 
-    def settled(self, ended: list[tuple[GenResult, object]], rows: list[tuple[StoredResponse, object]]) -> None:
+    def settled(
+        self,
+        ended: list[tuple[GenResult, object]],
+        rows: list[tuple[StoredResponse, object]],
+        again: Collection[str] = (),
+    ) -> None:
         super().settled(ended, rows)
         answers = {r.key: r for r, _ in rows if not needs_request(r)}
         self._answered.update(answers)
         stepped, since = [], []
         for res, f in ended:
             key = f.p.key
+            if key in again:  # asked once more: its conversations wait on
+                continue
             for i, c in enumerate(self._waiting.pop(key, [])):
                 r = answers.get(key)
                 if r is None:  # stopped (at the budget, or interrupted) or failed: the turn waits for a rerun

@@ -193,14 +193,16 @@ def _compute_windows(
         if first >= share.stop or start <= share.start:
             continue  # another rank's rows
         keys = [state_key(sh, x) for x in input_ids]
-        found = store.lookup(keys)
+        owned = [(k, x) for row, k, x in zip(range(first, start), keys, input_ids) if row in share]
+        # only the shards of this rank's samples: their owner alone forgets a torn one and writes its name again, so
+        # no rank deletes a shard another has just rewritten under the same name
+        found = store.lookup(k for k, _ in owned)
         unchecked = {loc.shard for loc in found.values()} - checked
         torn, forgotten = store.drop_torn(unchecked)  # a shard cut short: its samples are computed again
         tally.torn += forgotten
         checked |= unchecked - set(torn)
         if torn:
-            found = store.lookup(keys)
-        owned = [(k, x) for row, k, x in zip(range(first, start), keys, input_ids) if row in share]
+            found = store.lookup(k for k, _ in owned)
         tally.owned += len(owned)
         mine += [k for k, _ in owned]
         missing = {k: x for k, x in owned if k not in found}

@@ -118,8 +118,10 @@ class ShardFolder:
 
     def drop_torn(self, shards: Iterable[str]) -> tuple[list[str], int]:
         """Forget shards whose file is missing or cut short (their samples are then computed again): the torn ones
-        among `shards`, and how many of them this call forgot. Under torchrun every rank checks the shards it finds,
-        its own samples' and the others': the rank that forgets a shard first counts it, so the job counts it once."""
+        among `shards`, and how many of them this call forgot. Under torchrun each rank checks the shards of its own
+        samples only (compute.py): the one that writes a forgotten shard's name again is the one that forgot it. Where
+        two ranks share a shard (a job of another size wrote it), the rank that forgets it first counts it, so the job
+        counts it once."""
         bad = [s for s in set(shards) if torn(self.path(s))]
         forgotten = 0
         for s in bad:

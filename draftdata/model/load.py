@@ -268,6 +268,9 @@ def find_decoder(model):
     raise UserError(f"model.path: cannot find the decoder layers and final norm of {type(model).__name__}")
 
 
+TEXT_CONFIG_NAMES = ("text_encoder", "decoder", "generator", "text_config")  # PretrainedConfig.get_text_config's
+
+
 def local_config(model: ModelConfig) -> dict | None:
     """The target's text config from a local config.json only (None otherwise): no hub, no network, no error for a
     model directory not built yet."""
@@ -278,7 +281,9 @@ def local_config(model: ModelConfig) -> dict | None:
         conf = json.loads(local.read_text())
     except (OSError, ValueError):
         return None
-    return conf.get("text_config") or conf
+    # where transformers' get_text_config() finds it (what the stages read): a composite model's text part, by name
+    nested = [conf[name] for name in TEXT_CONFIG_NAMES if isinstance(conf.get(name), dict)]
+    return nested[0] if len(nested) == 1 else conf
 
 
 def local_context(model: ModelConfig) -> int | None:

@@ -167,9 +167,24 @@ def _build():
         lengths = torch.tensor([40, 7, 1])
         want = reference(q, *new, k.clone(), v.clone(), lengths)
         ok = torch.allclose(op(q, *new, k, v, lengths), want, atol=1e-5)
-    except Exception:  # noqa: BLE001 - no compiler, no ninja, a toolchain torch cannot drive: the reference runs
+    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a toolchain torch cannot drive: the reference runs
+        last = (str(e).strip().splitlines() or [""])[-1]  # a compiler's last line says what stopped it
+        _fell_back(f"it could not be built ({type(e).__name__}: {last[:200]})")
         return None
+    if not ok:
+        _fell_back("it disagreed with the reference on its check")
     return op if ok else None
+
+
+def _fell_back(why: str) -> None:
+    """The one line (once a process: `kernel` builds once) that says the reference runs and what that changes."""
+    from draftdata.util.log import log
+
+    log(
+        "backend",
+        warning=f"the decode-attention kernel is not used: {why}; its float32 SDPA reference runs instead, slower, "
+        "and rounding apart from the kernel (rows record it: attention=reference)",
+    )
 
 
 def _library(source: str) -> Path:

@@ -43,6 +43,7 @@ class EmbeddedBackend:
         # eos_token_id (gpt-oss: <|return|>, <|call|>; never <|end|>, which closes its reasoning)
         self.stop_ids = target.stop_ids
         self.manager = None
+        self.attention: str | None = None  # the decode-attention path answers are computed by, once started
         self.seeded = False
         self.varlen = False
         self._attempts = itertools.count()
@@ -53,6 +54,9 @@ class EmbeddedBackend:
             # computed in the dtype the run's keys name (model/compute.py), as slot batching would
             self.manager = self._transformers(load_model(self.cfg.model).to(torch_dtype(self.compute_dtype)))
             self.manager.start()
+            self.attention = "transformers"
+        else:
+            self.attention = self.manager.attention
 
     async def _slots(self) -> SlotBatching | None:
         """Slot batching where `backend.embedded_batching` asks for it (auto: on a CPU) and the model passes its

@@ -88,8 +88,11 @@ class HFEngine:
         # copy to the host per batch, not one per sample (each is a device sync); in the model's own dtype: a bf16
         # target's states stored as bf16 need no float32 round trip
         outs = [out[i] for i in self.layers]
-        aux = torch.stack([o.to(outs[0].device) for o in outs], dim=2).cpu()  # [B, W, k, H]
         final = out["final"].cpu()
+        if outs:
+            aux = torch.stack([o.to(outs[0].device) for o in outs], dim=2).cpu()  # [B, W, k, H]
+        else:  # MTP alone reads the last state only: no aux layer, an empty axis
+            aux = final.new_empty((*final.shape[:2], 0, final.shape[-1]))
         return [(aux[i, : len(x)], final[i, : len(x)]) for i, x in enumerate(batch)]
 
     @contextmanager

@@ -169,7 +169,10 @@ class Capture:
             "ids": cur["ids"][:n].to("cpu", torch.int64, copy=True),
             "positions": positions[:n].to("cpu", torch.int64, copy=True),
             "bounds": query_bounds(n),
-            "aux": torch.stack(parts, dim=1).to("cpu"),  # stack makes a new tensor
+            # stack makes a new tensor; MTP alone reads the last state only: no aux layer, an empty axis
+            "aux": torch.stack(parts, dim=1).to("cpu")
+            if parts
+            else torch.empty((n, 0, final.shape[-1]), dtype=final.dtype),
             "final": final.to("cpu", copy=True),
         }
 
