@@ -22,18 +22,13 @@ class Tok:
         return " ".join(f"t{i}" for i in ids)
 
 
-class Clock:
-    def __init__(self, now: float = 100.0):
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
+NOW = 100.0  # when the requests in these cases ended (time.monotonic's, as the flights' starts)
 
 
-def make(on_budget=OnBudget.cancel, unit=BudgetUnit.completion, max_tokens=64, clock=None) -> Ledger:
+def make(on_budget=OnBudget.cancel, unit=BudgetUnit.completion, max_tokens=64) -> Ledger:
     ds = DatasetConfig(token_budget=1000, max_tokens=max_tokens, on_budget=on_budget, budget_unit=unit)
     ctrl = BudgetController(1000, max_tokens, 8, keep_partial=on_budget == OnBudget.keep_partial)
-    return Ledger(ds, "D", ctrl, Tok(), "embedded", clock=clock or Clock())
+    return Ledger(ds, "D", ctrl, Tok(), "embedded")
 
 
 def flight(key="k1", stream=True, partial: Partial | None = None, t0=90.0) -> Flight:
@@ -64,7 +59,7 @@ def produced(ids, text=None) -> Partial:
 
 
 def settle_and_commit(ledger: Ledger, done=(), stopped=(), reason=CUT):
-    settled = ledger.settle(list(done), list(stopped), reason)
+    settled = ledger.to_store(list(done), list(stopped), reason, now=NOW)
     ledger.commit(settled.rows)
     return settled
 
@@ -75,7 +70,7 @@ def settle_and_commit(ledger: Ledger, done=(), stopped=(), reason=CUT):
 def test_a_complete_answer_is_a_row_counted_only_once_committed():
     ledger = make()
     f = flight()
-    settled = ledger.settle([(answer(), f)])
+    settled = ledger.to_store([(answer(), f)], now=NOW)
     assert settled.failures == [] and len(settled.rows) == 1
     row, with_flight = settled.rows[0]
     assert with_flight is f and not row.partial
@@ -97,7 +92,7 @@ def test_the_budget_counts_the_row_the_store_kept_and_the_run_what_it_generated(
     """Two experiments on one store: the other committed its answer first, and the store kept it (`put_many`'s
     answer). The budget counts that row, which is what the output holds; this run's figures, what it generated."""
     ledger = make()
-    settled = ledger.settle([(answer(ids=range(20, 26)), flight())])
+    settled = ledger.to_store([(answer(ids=range(20, 26)), flight())], now=NOW)
     theirs = StoredResponse("k1", "D", "p-k1", "theirs", 3, 2, "stop", "http://other", 1.0, list(PROMPT_IDS), [5, 6])
     ledger.commit(settled.rows, [theirs])
     assert ledger.ctrl.committed == 2 and ledger.ctrl.lengths.n == 1
@@ -128,7 +123,7 @@ def test_a_failure_is_recorded_and_its_streamed_tokens_parked_as_interrupted():
     assert settled.failures == [("k1", "D", "p-k1", "http_400", "HTTP 400: bad", "http://s")]
     (row, _), *more = settled.rows
     assert not more and row.finish_reason == INTERRUPTED and row.output_ids == [5, 6, 7] and row.server == "embedded"
-    assert row.latency_s == pytest.approx(10.0)  # the clock's 100 s - the flight's start at 90 s
+    assert row.latency_s == pytest.approx(10.0)  # NOW, 100 s, less the flight's start at 90 s
     s = ledger.stats
     assert s.failed == {"http_400": 1} and s.attempt_failures == {"aborted": 1, "http_400": 1}
     assert (s.new, s.parked, s.parked_tokens, s.generated, s.lost, s.cancelled) == (0, 1, 3, 3, 0, 0)
@@ -274,8 +269,7 @@ def test_a_continuation_cut_again_is_parked_longer_with_only_the_new_tokens_coun
 
 
 def test_a_plain_request_stopped_unseen_is_lost_by_the_speed_of_completed_ones():
-    clock = Clock(100.0)
-    ledger = make(clock=clock)
+    ledger = make()  # the requests end at NOW, 100 s
     # one completed at 8 tokens in 2 s (4 tok/s), one at 4 in 0.5 s (8 tok/s), one at 4 in 4 s (1 tok/s): median 4
     for key, ids, latency in (("a", range(8), 2.0), ("b", range(4), 0.5), ("c", range(4), 4.0)):
         settle_and_commit(ledger, done=[(answer(key, ids=ids, latency=latency), flight(key, stream=False))])

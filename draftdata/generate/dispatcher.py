@@ -45,7 +45,7 @@ from draftdata.generate.failfast import FailFastWindow
 from draftdata.generate.ledger import Flight, Ledger, RunStats
 from draftdata.generate.meter import ThroughputMeter
 from draftdata.generate.request import Planned, key_sampling
-from draftdata.generate.selection import Landed
+from draftdata.generate.selection import SettledRun
 from draftdata.generate.store import CUT, INTERRUPTED, ResponseStore, StoredResponse
 from draftdata.generate.work import WorkQueue
 
@@ -97,7 +97,7 @@ class Dispatcher:
         cfg: Config,
         stream: bool,
         parked: dict[str, StoredResponse],
-        landed: Landed | None = None,
+        landed: SettledRun | None = None,
         figures: Figures | None = None,
     ):
         """Given its parts (the module docstring): the controller, the ledger and the fail-fast window of this run;
@@ -291,7 +291,7 @@ class Dispatcher:
         controller and look whether the run is failing. The ledger counts what this run generated; the budget,
         the work queue and the landing take the rows the store holds (another run's answer where it committed one
         first), which are what the output and every later run read."""
-        settled = self.ledger.settle(done, stopped, reason)
+        settled = self.ledger.to_store(done, stopped, reason, now=time.monotonic())
         for failure in settled.failures:
             self.store.put_failure(*failure)
         held = self.store.put_many([r for r, _ in settled.rows]) if settled.rows else []
@@ -314,7 +314,7 @@ class Dispatcher:
             return
         for r, f in rows:
             if not r.partial:
-                self.landed.settle(f.p, r, self.ds)
+                self.landed.answered(f.p, r, self.ds)
         self.ctrl.landed = self.landed.total()
 
     def _ask_again(self, done: list[tuple[GenResult, Flight]], rows: list[tuple[StoredResponse, Flight]]) -> set[str]:

@@ -1,7 +1,7 @@
 """The accounting of a generation run: what is committed, parked and lost, and which rows go to the store.
 
 Pure bookkeeping: no event loop and no store. The dispatcher hands over what ended (each request's `GenResult` and
-its `Flight`); `settle` says which rows to put in the store and which failures to record, and once the store has
+its `Flight`); `to_store` says which rows to put in the store and which failures to record, and once the store has
 taken them `commit` counts them and tells the budget controller. Counting only after the store took a row keeps
 the figures true when a commit fails (disk full): nothing is counted that is not stored.
 
@@ -18,9 +18,8 @@ The rules, so that nothing wrong is kept and nothing generated is lost unseen:
 from __future__ import annotations
 
 import statistics
-import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from draftdata.config.schema import DatasetConfig
@@ -67,7 +66,7 @@ class RunStats:
 
 
 @dataclass
-class Settlement:
+class ToStore:
     """What the store must take for a batch of ended requests: rows (one transaction), then `Ledger.commit`."""
 
     rows: list[tuple[StoredResponse, Flight]] = field(default_factory=list)
@@ -76,7 +75,7 @@ class Settlement:
 
 class Ledger:
     """The run's accounting (see the module docstring). `tok` decodes a continued response whole; `server` names
-    the backend on parked rows; `clock` is time.monotonic, a parameter so that tests can set the time;
+    the backend on parked rows;
     `compute_dtype` and `attention`: the in-process engine's arithmetic and decode-attention path (None: a server's),
     recorded on every row."""
 
@@ -87,11 +86,10 @@ class Ledger:
         ctrl: BudgetController,
         tok,
         server: str,
-        clock: Callable[[], float] = time.monotonic,
         compute_dtype: str | None = None,
         attention: str | None = None,
     ):
-        self.ds, self.dataset, self.ctrl, self.tok, self.server, self.clock = ds, dataset, ctrl, tok, server, clock
+        self.ds, self.dataset, self.ctrl, self.tok, self.server = ds, dataset, ctrl, tok, server
         self.compute_dtype, self.attention = compute_dtype, attention
         self.stats = RunStats()
         self._speeds: list[float] = []  # tokens/s of single requests that completed (the unseen loss's estimate)
@@ -104,20 +102,22 @@ class Ledger:
         self.stats.continued_tokens += parked.completion_tokens
         return Partial(list(parked.output_ids), parked.text, parked.completion_tokens)
 
-    def settle(
+    def to_store(
         self,
         done: Iterable[tuple[GenResult, Flight]],
         stopped: Iterable[tuple[GenResult, Flight]] = (),
         reason: str = CUT,
-    ) -> Settlement:
-        """Requests that ended: `done` by themselves (a response or a failure), `stopped` by the caller for
-        `reason` (CUT: the budget; INTERRUPTED: anything else). Losses and failures are counted here; rows once
-        committed."""
-        out = Settlement()
+        *,
+        now: float,
+    ) -> ToStore:
+        """Requests that ended by `now` (time.monotonic's, as the flights' starts): `done` by themselves (a
+        response or a failure), `stopped` by the caller for `reason` (CUT: the budget; INTERRUPTED: anything else).
+        Losses and failures are counted here; rows once committed."""
+        out = ToStore()
         for res, f in done:
-            self._ended(res, f, out)
+            self._ended(res, f, out, now)
         for res, f in stopped:
-            self._stopped(res, f, reason, out)
+            self._stopped(res, f, reason, out, now)
         return out
 
     def commit(self, rows: list[tuple[StoredResponse, Flight]], held: list[StoredResponse] | None = None) -> None:
@@ -152,7 +152,7 @@ class Ledger:
 
     # ---- the rules ------------------------------------------------------------------------------------------- #
 
-    def _ended(self, res: GenResult, f: Flight, out: Settlement) -> None:
+    def _ended(self, res: GenResult, f: Flight, out: ToStore, now: float) -> None:
         if f.req.attempt_errors:
             self.stats.attempt_failures.update(f.req.attempt_errors)
         if f.req.discarded_tokens:
@@ -163,17 +163,17 @@ class Ledger:
             return
         out.failures.append((f.p.key, self.dataset, f.p.prompt["id"], res.error, res.detail, res.server))
         self.stats.failed[res.error] += 1
-        if (parked := self._partial_row(f, f.req.partial, INTERRUPTED)) is not None:
+        if (parked := self._partial_row(f, f.req.partial, INTERRUPTED, now)) is not None:
             out.rows.append((parked, f))
 
-    def _stopped(self, res: GenResult, f: Flight, reason: str, out: Settlement) -> None:
+    def _stopped(self, res: GenResult, f: Flight, reason: str, out: ToStore, now: float) -> None:
         self.stats.cancelled += 1
         self.stats.attempt_failures.update(f.req.attempt_errors)
         self._lose(f.req.discarded_tokens)
         part = Partial(list(res.output_ids or []), res.text, res.completion_tokens, res.reasoning, res.tool_calls)
         if not f.req.stream and part.completion_tokens == f.prefix:  # nothing came back: how much was there?
-            self._lose_unseen(f)
-        elif (row := self._partial_row(f, part, reason)) is not None:
+            self._lose_unseen(f, now)
+        elif (row := self._partial_row(f, part, reason, now)) is not None:
             out.rows.append((row, f))
 
     def _complete(self, res: GenResult, f: Flight) -> StoredResponse:
@@ -199,7 +199,7 @@ class Ledger:
             parsed=res,
         )
 
-    def _partial_row(self, f: Flight, part: Partial, reason: str) -> StoredResponse | None:
+    def _partial_row(self, f: Flight, part: Partial, reason: str, now: float) -> StoredResponse | None:
         """What a stopped or failed request produced, to park; None when there is nothing worth keeping (its new
         tokens, if any, counted as lost)."""
         new = part.completion_tokens - f.prefix
@@ -217,7 +217,7 @@ class Ledger:
             part.completion_tokens,
             reason,
             self.server,
-            self.clock() - f.t0,
+            now - f.t0,
             parsed=part,
         )
 
@@ -225,12 +225,12 @@ class Ledger:
         self.stats.generated += tokens
         self.stats.lost += tokens
 
-    def _lose_unseen(self, f: Flight) -> None:
+    def _lose_unseen(self, f: Flight, now: float) -> None:
         """A plain request stopped on a server that does not answer a stop with its tokens: estimate what it had
         generated from the decode speed of the requests that completed (none yet: nothing to go by, flagged)."""
         self.stats.lost_estimated = True
         if self._speeds:
-            elapsed = self.clock() - f.t0
+            elapsed = now - f.t0
             self._lose(min(self.ds.max_tokens - f.prefix, round(elapsed * statistics.median(self._speeds))))
 
     def _row(

@@ -17,7 +17,7 @@ from draftdata.generate.accounting import Standing, standing, unusable_reason
 from draftdata.generate.conversation import TurnRendering, turns
 from draftdata.generate.renders import Renders
 from draftdata.generate.request import Planned, check_context, key_sampling, request_keys
-from draftdata.generate.selection import Landed, LandedConversations, lands_exact
+from draftdata.generate.selection import Landed, LandedConversations, SettledRun, lands_exact
 from draftdata.generate.store import ResponseStore, StoredResponse
 from draftdata.generate.work import (
     BUDGET,
@@ -186,10 +186,10 @@ class RunPlan:
     convs: list[Conversation] | None = None
     queue: WorkQueue | None = None  # what the dispatcher sends, in order (`turns: all`: a ConversationQueue)
     ds: DatasetConfig = None  # type: ignore[assignment]
-    # read once where the run is planned (`settle`), so that the run and the announcement of a change read figures
-    landed: Landed | None = None  # landing exact: the settled run of requests from the first (None: finished)
+    # read once where the run is planned (`read_standing`): the run and the announcement of a change read figures
+    landed: SettledRun | None = None  # landing exact: the settled run of requests from the first (None: finished)
     standing: Standing | None = None  # what the store's rows count before anything is sent (accounting.py)
-    committed: int = 0  # what the output would count now: the settled run's total, or every usable answer's
+    output_tokens: int = 0  # what the output would count now: the settled run's total, or every usable answer's
     stale: int = 0  # prompts to send that the store answered under another key: a change left them behind
 
     @classmethod
@@ -199,15 +199,15 @@ class RunPlan:
             plan = plan_requests(cfg, prompts, target, store)  # one per key: prompts rendered alike are asked once
             check_context(plan, cfg, context)
             run = cls(plan, store.get_many(p.key for p in plan), len(prompts) - len(plan), ds=cfg.ds)
-            return run.settle(store, cfg.dataset)
+            return run.read_standing(store, cfg.dataset)
         convs, renders, met = plan_conversations(cfg, prompts, target, store, context)  # over their stored turns
         plan, answered = conversation_plan(convs)
         run = cls(plan, answered | met, convs=convs, ds=cfg.ds)
         room = None if context is None else context - cfg.ds.max_tokens
         run.queue = ConversationQueue(convs, store, {}, room, cfg.ds.budget_unit == BudgetUnit.total, renders)
-        return run.settle(store, cfg.dataset)
+        return run.read_standing(store, cfg.dataset)
 
-    def settle(self, store: ResponseStore, dataset: str) -> RunPlan:
+    def read_standing(self, store: ResponseStore, dataset: str) -> RunPlan:
         """The plan's standing by the rules of selection.py and accounting.py, read once; where the run will generate,
         the prompts it sends that the store answered under another key (a changed template, model, sampling or
         max_tokens: generate/preflight.py announces them)."""
@@ -218,8 +218,8 @@ class RunPlan:
         self.standing = standing(self.plan, self.stored, self.ds)
         if self.queue is None:
             self.queue = WorkQueue(self.standing.todo)
-        self.committed = self.landed.total() if self.landed is not None else self.standing.counted
-        if self.committed < self.ds.token_budget:
+        self.output_tokens = self.landed.total() if self.landed is not None else self.standing.counted
+        if self.output_tokens < self.ds.token_budget:
             self.stale = left_behind(store, dataset, self.standing.todo)
         return self
 

@@ -65,7 +65,7 @@ def check_stale(cfg: Config, run: RunPlan, metrics: Path, mode: str | None = Non
     """Before any request of a run that will generate: say what the store's answers left behind by a change cost to
     regenerate (`run.stale`, counted where it was planned), or stop (run.confirm_regenerate). `cfg`: the part's
     (its budget share, where `mode` is one)."""
-    if run.stale and run.committed < cfg.ds.token_budget:
+    if run.stale and run.output_tokens < cfg.ds.token_budget:
         tokens = max(0, cfg.ds.token_budget - run.standing.counted)  # draftdata plan's figure
         line = announce(cfg, Stale(run.stale, tokens, last_rate(metrics)))
         log("generate", dataset=cfg.dataset, **named(mode), warning=line)

@@ -16,7 +16,7 @@ from draftdata.generate.ledger import Ledger
 from draftdata.generate.planning import RunPlan
 from draftdata.generate.preflight import named
 from draftdata.generate.progress import Progress
-from draftdata.generate.selection import Landed
+from draftdata.generate.selection import SettledRun
 from draftdata.generate.store import ResponseStore, StoredResponse
 from draftdata.generate.work import WorkQueue
 from draftdata.model.target import Target
@@ -30,7 +30,7 @@ async def _generate(
     ctrl: BudgetController,
     store: ResponseStore,
     parked: dict[str, StoredResponse],
-    landed: Landed | None,
+    landed: SettledRun | None,
     mode: str | None = None,
 ) -> RunStats:
     stream = cfg.ds.on_budget == OnBudget.keep_partial or cfg.backend.stream
@@ -78,8 +78,8 @@ def run_generation(
     the plan the rows the store holds for what the run committed. `mode`: the mode whose share `cfg` holds, named in
     the lines."""
     ds, usable = cfg.ds, run.standing.usable
-    if run.committed >= ds.token_budget:  # landing exact: the settled run from the first request decides
-        status = f"budget met: {run.committed:,} >= {ds.token_budget:,} tokens from the store's answers"
+    if run.output_tokens >= ds.token_budget:  # landing exact: the settled run from the first request decides
+        status = f"budget met: {run.output_tokens:,} >= {ds.token_budget:,} tokens from the store's answers"
         log("generate", dataset=cfg.dataset, **named(mode), status=status)
         return RunStats(reused=usable)
     stats = generate_missing(cfg, target, run, store, mode)
@@ -102,7 +102,7 @@ def generate_missing(
         cfg.concurrency,
         keep_partial=ds.on_budget == OnBudget.keep_partial,
         committed=standing.complete,
-        landed=None if run.landed is None else run.committed,  # landing exact: the settled run's total
+        landed=None if run.landed is None else run.output_tokens,  # landing exact: the settled run's total
     )
     ctrl.lengths.add_stored(standing.lengths)
     todo = standing.todo

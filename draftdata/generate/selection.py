@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from draftdata.config.schema import DatasetConfig, Landing, OnBudget
 from draftdata.generate.accounting import counted, needs_request, unusable_reason
@@ -116,6 +117,15 @@ def landing(tokens: Sequence[int], budget: int, heads: Sequence[bool] | None = N
     return [*range(end), crossing]
 
 
+class SettledRun(Protocol):
+    """The exact rule as a run goes: the dispatcher tells it each request's final answer, and it says what the
+    settled run from the first request counts, which alone says the budget is met (`Landed`, `LandedConversations`)."""
+
+    def answered(self, p: Planned, r: StoredResponse, ds: DatasetConfig) -> None: ...
+
+    def total(self) -> int: ...
+
+
 class Landed:
     """The exact rule as a run goes (`turns: last`): what the settled run of requests from the first counts. A
     request is settled once it has its final answer (counted if usable, else 0); one that failed is not (the output
@@ -132,10 +142,10 @@ class Landed:
         landed = cls([p.key for p in plan])
         for p in plan:
             if not needs_request(r := stored.get(p.key)):
-                landed.settle(p, r, ds)
+                landed.answered(p, r, ds)
         return landed
 
-    def settle(self, p: Planned, r: StoredResponse, ds: DatasetConfig) -> None:
+    def answered(self, p: Planned, r: StoredResponse, ds: DatasetConfig) -> None:
         """Request `p` has its final answer `r`."""
         self._counts[p.key] = counted(p, r, ds.budget_unit) if unusable_reason(r, ds) is None else 0
 
@@ -146,16 +156,16 @@ class Landed:
         return self._total
 
 
-class LandedConversations(Landed):
+class LandedConversations:
     """The exact rule as a run goes (`turns: all`): conversations in prompt order, each one's turns in order. A
     conversation is settled once it ended; the first one not settled adds the turns it has answered (they start it,
     so they start the output's share of it)."""
 
     def __init__(self, convs: Sequence[Conversation], ds: DatasetConfig):
-        super().__init__([])
         self.convs, self.ds = list(convs), ds
+        self._at, self._total = 0, 0  # the conversations settled, and what they count
 
-    def settle(self, p: Planned, r: StoredResponse, ds: DatasetConfig) -> None:
+    def answered(self, p: Planned, r: StoredResponse, ds: DatasetConfig) -> None:
         """Nothing to do: the conversations hold their answers."""
 
     def total(self) -> int:

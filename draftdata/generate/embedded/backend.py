@@ -163,7 +163,7 @@ class EmbeddedBackend:
                 self.manager.cancel_request(rid)
                 done.cancel()
         if follow is not None:  # decoded whole, as a response is: the stream holds back a character cut mid-way
-            follow.settle()
+            follow.decode_whole()
         if done.cancelled():  # what it streamed is in the partial; one that finished meanwhile is a response
             return stopped_result(req, self.name, time.perf_counter() - t0)
         out = done.result()
@@ -228,7 +228,7 @@ class _PartialFollower:
                 p.text += piece
         p.completion_tokens = len(p.output_ids)
 
-    def settle(self) -> None:
+    def decode_whole(self) -> None:
         """The attempt is over (finished or stopped): the text decoded whole, as the response's is, so that a last token
         ending inside a multi-byte character shows as the response shows it (the stream held it back)."""
         self.partial.text = self.tokenizer.decode(self.partial.output_ids, skip_special_tokens=True)
