@@ -13,9 +13,10 @@ scaled from its max_tokens (10,240) to this run's, one draw per prompt (`DrawnLe
 the same lengths in the same prompt order.
 
 Side by side, in one run, on the same prompts (a new set each repeat, the two in alternating order):
-- ours: `generate_missing` (draftdata/generate/run.py, what the generate stage calls) with the `sglang` backend,
-  streamed, `on_budget: cancel`, against a store in a temporary directory; what it keeps is the output the stage
-  would write (`select_responses`). The in-flight requests it stops at the budget are parked in the store.
+- ours: `generate_missing` (draftdata/generate/run.py, what the generate stage calls, under `landing: finished`)
+  with the `sglang` backend, streamed, `on_budget: cancel`, against a store in a temporary directory; what it
+  keeps is the output the stage would write (`select_responses`). The in-flight requests it stops at the budget
+  are parked in the store.
 - check_cancel: one aiohttp session, a semaphore of `concurrency`, every prompt a task; when the committed tokens
   reach the budget, one `/abort_request` with `abort_all` and every task cancelled: what was in flight is dropped.
 
@@ -132,7 +133,7 @@ class ServerProcess:
 
 def run_ours(url: str, prompts: list[list[int]], args) -> dict:
     """The generate stage's generation and output selection, on a fresh store."""
-    from draftdata.config.schema import BackendConfig, BackendKind, OnBudget
+    from draftdata.config.schema import BackendConfig, BackendKind, Landing, OnBudget
     from draftdata.generate.run import generate_missing
     from draftdata.generate.selection import select_responses
     from draftdata.generate.store import ResponseStore
@@ -147,10 +148,13 @@ def run_ours(url: str, prompts: list[list[int]], args) -> dict:
             max_tokens=args.max_tokens,
             concurrency=args.concurrency,
             on_budget=OnBudget.cancel,
+            # the rule that stops at the budget as check_cancel does (exact waits for the prompt-order run: its cost
+            # is bench/budget.py's); the output is the one the stage writes under it
+            landing=Landing.finished,
         )
         store = ResponseStore(cfg.run.store_path)
         try:
-            stats = generate_missing(cfg, bare_target(), fresh_run(plan, cfg.ds), store)
+            stats = generate_missing(cfg, bare_target(), fresh_run(plan, cfg.ds), store).stats
             kept = select_responses(plan, store.get_many(p.key for p in plan), cfg.ds).total
         finally:
             store.close()

@@ -426,7 +426,7 @@ def generate(urls: list[str], run: Run, prompts: list[list[int]]) -> dict:
     from draftdata.config.schema import BackendConfig, BackendKind
     from draftdata.generate.backends import sglang  # noqa: F401  (imported before the CPU is read: once a process)
     from draftdata.generate.run import generate_missing
-    from draftdata.generate.selection import Landed, select_responses
+    from draftdata.generate.selection import select_responses
     from draftdata.generate.store import ResponseStore
 
     plan = id_plan(prompts)
@@ -439,9 +439,8 @@ def generate(urls: list[str], run: Run, prompts: list[list[int]]) -> dict:
         store = ResponseStore(cfg.run.store_path)
         before, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         try:
-            # landing exact, as the stage runs it (RunPlan.landed): the settled run from the first request decides
-            landed = Landed.of(plan, {}, ds)
-            stats = generate_missing(cfg, bare_target(Words()), fresh_run(plan, ds, landed), store)
+            # landing exact, as the stage runs it: the settled run from the first request decides
+            stats = generate_missing(cfg, bare_target(Words()), fresh_run(plan, ds), store).stats
         finally:
             wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
         chosen = select_responses(plan, store.get_many(p.key for p in plan), ds)

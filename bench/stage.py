@@ -33,11 +33,10 @@ def id_plan(prompts: list[list[int]]) -> list:
     ]
 
 
-def fresh_run(plan: list, ds, landed=None):
-    """The generate stage's RunPlan of `plan` on an empty store (`landed`: landing exact's settled run, as the stage
-    makes it; None: the controller lands on complete answers alone)."""
+def fresh_run(plan: list, ds):
+    """The generate stage's Plan of `plan` on an empty store (under `ds.landing: exact` the controller waits for the
+    settled run from the first request, as the stage's; under `finished` it lands on complete answers alone)."""
     from draftdata.generate.accounting import standing
-    from draftdata.generate.planning import RunPlan
-    from draftdata.generate.work import WorkQueue
+    from draftdata.generate.planning import Plan
 
-    return RunPlan(plan, {}, ds=ds, landed=landed, standing=standing(plan, {}, ds), queue=WorkQueue(plan))
+    return Plan(ds, plan, {}, standing(plan, {}, ds))

@@ -16,7 +16,7 @@ from draftdata.config.modes import split_rows
 from draftdata.config.schema import Config
 from draftdata.errors import Incomplete, UserError
 from draftdata.generate.output import Part, write_outputs
-from draftdata.generate.planning import RunPlan
+from draftdata.generate.planning import Plan
 from draftdata.generate.preflight import preflight
 from draftdata.generate.run import run_generation
 from draftdata.generate.store import ResponseStore
@@ -43,14 +43,14 @@ def main(cfg: Config) -> None:
     try:
         # every part planned (its prompts rendered and checked) before any request
         plans = [
-            (mode, sub, rows, target, RunPlan.make(sub, rows, target, store))
+            (mode, sub, rows, target, Plan.make(sub, rows, target, store))
             for (mode, sub, rows), target in zip(split, targets)
         ]
-        for mode, sub, _, target, run in plans:  # every part's requests checked before the first part sends one
-            preflight(sub, target, run, out / "generate_metrics.json", mode)
+        for mode, sub, _, target, plan in plans:  # every part's requests checked before the first part sends one
+            preflight(sub, target, plan, store, out / "generate_metrics.json", mode)
         parts = [
-            Part(mode, sub, rows, run, run_generation(sub, target, run, store, mode), target.tok)
-            for mode, sub, rows, target, run in plans
+            Part(mode, sub, rows, plan, run_generation(sub, target, plan, store, mode), target.tok)
+            for mode, sub, rows, target, plan in plans
         ]
         written = write_outputs(cfg, out, prompts, parts, store, time.time() - t0)
     finally:

@@ -399,7 +399,7 @@ def test_a_budget_met_mid_conversation_keeps_its_turns_and_a_raised_one_goes_on(
 def test_a_plan_holds_the_store_rows_of_the_turns_its_conversations_stop_at(conv_project, tiny_model):
     """Planning takes the rows of the turns each conversation stops at (a parked partial, an empty answer) from its
     walk over the stored turns, without a query of its own: they are the store's rows for those turns."""
-    from draftdata.generate.planning import RunPlan
+    from draftdata.generate.planning import Plan
     from draftdata.generate.store import ResponseStore
 
     project, start = conv_project
@@ -411,12 +411,12 @@ def test_a_plan_holds_the_store_rows_of_the_turns_its_conversations_stop_at(conv
     prompts = list(read_jsonl(project.data("B3") / "prompts.jsonl"))
     store = ResponseStore(project.path / "store.sqlite")
     try:
-        run = RunPlan.make(cfg, prompts, target_for(cfg, AutoTokenizer.from_pretrained(tiny_model)), store)
-        nexts = store.get_many(c.next.key for c in run.convs if c.next is not None)
+        plan = Plan.make(cfg, prompts, target_for(cfg, AutoTokenizer.from_pretrained(tiny_model)), store)
+        nexts = store.get_many(c.next.key for c in plan.convs if c.next is not None)
     finally:
         store.close()
     assert any(r.partial for r in nexts.values())  # the turns parked at the budget are among them
-    assert run.stored == {p.key: r for c in run.convs for p, r in c.done} | nexts
+    assert plan.stored == {p.key: r for c in plan.convs for p, r in c.done} | nexts
 
 
 def planned_in_process(project, tiny_model):
@@ -427,9 +427,9 @@ def planned_in_process(project, tiny_model):
 
 
 def test_a_run_ends_holding_the_store_rows_of_its_turns_without_reading_them_back(conv_project, tiny_model):
-    """After generation the plan holds what the store holds for every turn it names (the answers, and the rows of
-    the turns the conversations stop at: parked at the budget), from the store's answer to each commit."""
-    from draftdata.generate.planning import RunPlan
+    """After generation the run's result holds what the store holds for every turn it names (the answers, and the
+    rows of the turns the conversations stop at: parked at the budget), from the store's answer to each commit."""
+    from draftdata.generate.planning import Plan
     from draftdata.generate.run import run_generation
     from draftdata.generate.store import ResponseStore
 
@@ -440,13 +440,12 @@ def test_a_run_ends_holding_the_store_rows_of_its_turns_without_reading_them_bac
     cfg, prompts, target = planned_in_process(project, tiny_model)
     store = ResponseStore(project.path / "store.sqlite")
     try:
-        run = RunPlan.make(cfg, prompts, target, store)
-        run_generation(cfg, target, run, store)
-        held = store.get_many([p.key for p in run.plan])
+        result = run_generation(cfg, target, Plan.make(cfg, prompts, target, store), store)
+        held = store.get_many([p.key for p in result.requests])
     finally:
         store.close()
     assert any(r.partial for r in held.values())  # parked by this run
-    assert run.stored == held and len(run.plan) > len(prompts)  # every turn named, answered or stopped at
+    assert result.stored == held and len(result.requests) > len(prompts)  # every turn named, answered or stopped at
 
 
 def test_a_conversation_goes_on_from_the_answer_the_store_kept_where_another_run_committed_first(
@@ -454,7 +453,7 @@ def test_a_conversation_goes_on_from_the_answer_the_store_kept_where_another_run
 ):
     """Another run commits a turn's answer while this one asks for it: the store keeps the first, and this run's
     conversation goes on from that one, as a rerun walking the store does (same params, same data)."""
-    from draftdata.generate.planning import RunPlan
+    from draftdata.generate.planning import Plan
     from draftdata.generate.run import run_generation
     from draftdata.generate.store import ResponseStore, StoredResponse
 
@@ -463,8 +462,8 @@ def test_a_conversation_goes_on_from_the_answer_the_store_kept_where_another_run
     cfg, prompts, target = planned_in_process(project, tiny_model)
     store, other = ResponseStore(project.path / "store.sqlite"), ResponseStore(project.path / "store.sqlite")
     try:
-        run = RunPlan.make(cfg, prompts, target, store)
-        (conv,) = run.convs
+        plan = Plan.make(cfg, prompts, target, store)
+        (conv,) = plan.convs
         turn = conv.next
         ids = target.tok.encode("Another answer.", add_special_tokens=False)
         theirs = StoredResponse(
@@ -481,14 +480,14 @@ def test_a_conversation_goes_on_from_the_answer_the_store_kept_where_another_run
             ids,
         )
         other.put(theirs)  # committed after this run planned turn 0, before its answer came
-        run_generation(cfg, target, run, store)
-        rerun = RunPlan.make(cfg, prompts, target, store)
+        result = run_generation(cfg, target, plan, store)
+        rerun = Plan.make(cfg, prompts, target, store)
     finally:
         store.close()
         other.close()
     assert conv.done[0][1].text == "Another answer." and len(conv.done) == 3
-    assert [p.key for p in run.plan] == [p.key for p in rerun.plan]  # the rerun steps over the same turns
-    assert run.stored == rerun.stored
+    assert [p.key for p in result.requests] == [p.key for p in rerun.requests]  # the rerun steps over the same turns
+    assert result.stored == rerun.stored
 
 
 def test_exact_landing_gives_nested_conversations_whatever_the_store_holds(conv_project):

@@ -11,9 +11,10 @@ from pathlib import Path
 
 from draftdata.config.schema import Config, DatasetConfig
 from draftdata.generate.dispatcher import RunStats
-from draftdata.generate.planning import RunPlan
+from draftdata.generate.planning import Plan, conversation_figures, end_reasons
 from draftdata.generate.rejected import reject_conversations, reject_prompts
 from draftdata.generate.request import Planned
+from draftdata.generate.run import RunResult
 from draftdata.generate.selection import landing_rule, select_responses
 from draftdata.generate.store import CUT, ResponseStore, StoredResponse
 from draftdata.util.files import write_csv, write_json, write_jsonl
@@ -48,9 +49,13 @@ class Part:
     mode: str | None
     cfg: Config
     prompts: list[dict]
-    run: RunPlan
-    stats: RunStats
+    plan: Plan
+    run: RunResult
     tok: object = None  # its tokenizer: what counts the reasoning's tokens (reasoning_figures)
+
+    @property
+    def stats(self) -> RunStats:
+        return self.run.stats
 
 
 @dataclass
@@ -67,8 +72,9 @@ class PartOutput:
 
     @classmethod
     def of(cls, part: Part) -> PartOutput:
-        s = select_responses(part.run.plan, part.run.stored, part.cfg.ds)
-        return cls(part, s.chosen, s.total, s.skipped, part.run.end_reasons(s.chosen), s.unanswered)
+        s = select_responses(part.run.requests, part.run.stored, part.cfg.ds)
+        reasons = {} if part.plan.convs is None else end_reasons(part.plan.convs, s.chosen, part.cfg.ds)
+        return cls(part, s.chosen, s.total, s.skipped, reasons, s.unanswered)
 
 
 def write_outputs(cfg: Config, out: Path, prompts: list[dict], parts: list[Part], store: ResponseStore, wall: float):
@@ -90,7 +96,7 @@ def write_outputs(cfg: Config, out: Path, prompts: list[dict], parts: list[Part]
         metrics = part_metrics(landed[0], wall)
     else:
         skipped = sum((land.skipped for land in landed), Counter())
-        duplicates = sum(part.run.duplicates for part in parts)
+        duplicates = sum(part.plan.duplicates for part in parts)
         metrics = run_metrics(cfg.ds, selected, total, skipped, stats, stats.reused, duplicates, wall)
         metrics |= reasoning_figures(selected, parts[0].tok)
         metrics["modes"] = {land.part.mode: part_metrics(land, wall) for land in landed}
@@ -136,9 +142,10 @@ def part_metrics(land: PartOutput, wall: float) -> dict:
     """A part's figures: a dataset's whole generate_metrics where it has no modes, a mode's row where it has."""
     part = land.part
     metrics = run_metrics(
-        part.cfg.ds, land.selected, land.total, land.skipped, part.stats, part.stats.reused, part.run.duplicates, wall
+        part.cfg.ds, land.selected, land.total, land.skipped, part.stats, part.stats.reused, part.plan.duplicates, wall
     )
-    metrics |= part.run.metrics(land.reasons, land.selected) | reasoning_figures(land.selected, part.tok)
+    metrics |= conversation_figures(part.plan, land.reasons, land.selected, part.run.same_server_share)
+    metrics |= reasoning_figures(land.selected, part.tok)
     # landing exact: the prompt whose request has no answer, which the output stops before short of the budget
     metrics["stopped_before"] = land.unanswered.prompt["id"] if land.unanswered else None
     if part.mode is not None:
@@ -190,11 +197,11 @@ def merged_stats(stats: list[RunStats]) -> RunStats:
 def _reject(rejected: Rejections, land: PartOutput, store: ResponseStore) -> None:
     """A part's lines of the ledger of the prompts the output holds no line of (rejected.py)."""
     run, ds = land.part.run, land.part.cfg.ds
-    failures = store.failures([p.key for p in run.plan if p.key not in run.stored])
-    if run.convs is None:
-        reject_prompts(rejected, land.part.prompts, run.plan, run.stored, land.selected, ds, failures)
+    failures = store.failures([p.key for p in run.requests if p.key not in run.stored])
+    if land.part.plan.convs is None:
+        reject_prompts(rejected, land.part.prompts, run.requests, run.stored, land.selected, ds, failures)
     else:
-        reject_conversations(rejected, run.convs, run.stored, land.selected, ds, failures)
+        reject_conversations(rejected, land.part.plan.convs, run.stored, land.selected, ds, failures)
 
 
 def run_metrics(

@@ -12,21 +12,13 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, TrainOn, Turns
+from draftdata.config.schema import Config, DatasetConfig, TrainOn, Turns
 from draftdata.generate.accounting import Standing, standing, unusable_reason
 from draftdata.generate.conversation import TurnRendering, turns
 from draftdata.generate.renders import Renders
 from draftdata.generate.request import Planned, check_context, key_sampling, request_keys
-from draftdata.generate.selection import Landed, LandedConversations, SettledRun, lands_exact
 from draftdata.generate.store import ResponseStore, StoredResponse
-from draftdata.generate.work import (
-    BUDGET,
-    FAILED,
-    Conversation,
-    ConversationQueue,
-    WorkQueue,
-    step_over_stored,
-)
+from draftdata.generate.work import BUDGET, FAILED, Conversation, step_over_stored
 from draftdata.model.target import Target
 from draftdata.model.tokenizer import render_prompt_ids
 from draftdata.util.hashing import ids_json
@@ -138,7 +130,7 @@ def ended_unsampled(
 
 
 def conversation_metrics(
-    reasons: dict[str, str], turns_out: int, queue: ConversationQueue, unsampled: list[Conversation]
+    reasons: dict[str, str], turns_out: int, same_server_share: float | None, unsampled: list[Conversation]
 ) -> dict:
     """generate_metrics' figures of `turns: all`: the output's turns (each one the target's answer) and
     conversations by end reason (those that ended before a usable turn included), and the share of next turns this
@@ -148,7 +140,7 @@ def conversation_metrics(
         "turns_regenerated": turns_out,
         "conversations": len(reasons) + len(unsampled),
         "conversations_ended": dict(sorted(ended.items())),
-        "same_server_share": queue.same_server_share,
+        "same_server_share": same_server_share,
     }
 
 
@@ -175,76 +167,42 @@ def left_behind(store: ResponseStore, dataset: str, todo: list[Planned]) -> int:
     return len({pid for pid, key in store.answered_prompts(dataset) if pid in missing and key != missing[pid]})
 
 
-@dataclass
-class RunPlan:
-    """What a run asks: one request per prompt (`turns: last`), or each conversation's turns (`turns: all`), with
-    the store's rows for them."""
+@dataclass(frozen=True)
+class Plan:
+    """What a run asks, made before any request: one request per prompt in prompt order (`turns: last`), or each
+    conversation walked over the turns the store holds (`turns: all`), with the store's rows for them and what those
+    count (`standing`, accounting.py). The conversations are the one part a run moves: it steps each on from where
+    the store leaves it (work.py), so a plan serves one run, and the output reads them as the run left them."""
 
-    plan: list[Planned]
+    ds: DatasetConfig
+    requests: list[Planned]
     stored: dict[str, StoredResponse]
+    standing: Standing
     duplicates: int = 0  # prompts whose rendered ids an earlier prompt had (`turns: last`)
     convs: list[Conversation] | None = None
-    queue: WorkQueue | None = None  # what the dispatcher sends, in order (`turns: all`: a ConversationQueue)
-    ds: DatasetConfig = None  # type: ignore[assignment]
-    # read once where the run is planned (`read_standing`): the run and the announcement of a change read figures
-    landed: SettledRun | None = None  # landing exact: the settled run of requests from the first (None: finished)
-    standing: Standing | None = None  # what the store's rows count before anything is sent (accounting.py)
-    output_tokens: int = 0  # what the output would count now: the settled run's total, or every usable answer's
-    stale: int = 0  # prompts to send that the store answered under another key: a change left them behind
+    renders: Renders | None = None  # `turns: all`: the turns' renders, those made on the way kept in the store
+    room: int | None = None  # `turns: all`: the target's context less max_tokens, a later turn's limit (None: unknown)
 
     @classmethod
-    def make(cls, cfg: Config, prompts: list[dict], target: Target, store: ResponseStore) -> RunPlan:
+    def make(cls, cfg: Config, prompts: list[dict], target: Target, store: ResponseStore) -> Plan:
         context = target.context
         if cfg.ds.turns != Turns.all:
             plan = plan_requests(cfg, prompts, target, store)  # one per key: prompts rendered alike are asked once
             check_context(plan, cfg, context)
-            run = cls(plan, store.get_many(p.key for p in plan), len(prompts) - len(plan), ds=cfg.ds)
-            return run.read_standing(store, cfg.dataset)
+            stored = store.get_many(p.key for p in plan)
+            return cls(cfg.ds, plan, stored, standing(plan, stored, cfg.ds), len(prompts) - len(plan))
         convs, renders, met = plan_conversations(cfg, prompts, target, store, context)  # over their stored turns
         plan, answered = conversation_plan(convs)
-        run = cls(plan, answered | met, convs=convs, ds=cfg.ds)
+        stored = answered | met
         room = None if context is None else context - cfg.ds.max_tokens
-        run.queue = ConversationQueue(convs, store, {}, room, cfg.ds.budget_unit == BudgetUnit.total, renders)
-        return run.read_standing(store, cfg.dataset)
+        return cls(cfg.ds, plan, stored, standing(plan, stored, cfg.ds), convs=convs, renders=renders, room=room)
 
-    def read_standing(self, store: ResponseStore, dataset: str) -> RunPlan:
-        """The plan's standing by the rules of selection.py and accounting.py, read once; where the run will generate,
-        the prompts it sends that the store answered under another key (a changed template, model, sampling or
-        max_tokens: generate/preflight.py announces them)."""
-        if lands_exact(self.ds) and self.convs is None:
-            self.landed = Landed.of(self.plan, self.stored, self.ds)
-        elif lands_exact(self.ds):
-            self.landed = LandedConversations(self.convs, self.ds)
-        self.standing = standing(self.plan, self.stored, self.ds)
-        if self.queue is None:
-            self.queue = WorkQueue(self.standing.todo)
-        self.output_tokens = self.landed.total() if self.landed is not None else self.standing.counted
-        if self.output_tokens < self.ds.token_budget:
-            self.stale = left_behind(store, dataset, self.standing.todo)
-        return self
 
-    def after_run(self, store: ResponseStore) -> None:
-        """After generation: the rows the store holds for the requests the run committed (the work queue's `rows`,
-        as the store answered each commit: nothing is read back), and each conversation's turns as far as they went,
-        with the row of the turn it stopped at."""
-        rows = self.stored | self.queue.rows
-        if self.convs is None:
-            self.stored = rows
-            return
-        self.plan, answered = conversation_plan(self.convs)
-        nexts = {c.next.key for c in self.convs if c.next is not None}
-        self.stored = answered | {key: r for key, r in rows.items() if key in nexts}
-        if isinstance(self.queue, ConversationQueue) and self.queue.renders is not None:
-            self.queue.renders.keep(store)  # the turns rendered since its last batch
-
-    def end_reasons(self, selected: list[tuple[Planned, StoredResponse]]) -> dict[str, str]:
-        return {} if self.convs is None else end_reasons(self.convs, selected, self.ds)
-
-    def metrics(self, reasons: dict[str, str], selected: list) -> dict:
-        """generate_metrics' figures of `turns: all` ({} under `turns: last`)."""
-        if self.convs is None:
-            return {}
-        unsampled = ended_unsampled(self.convs, selected, self.ds)
-        return conversation_metrics(reasons, len(selected), self.queue, unsampled) | turns_kept(
-            self.convs, reasons, selected, unsampled
-        )
+def conversation_figures(plan: Plan, reasons: dict[str, str], selected: list, same_server_share: float | None) -> dict:
+    """generate_metrics' figures of `turns: all` ({} under `turns: last`)."""
+    if plan.convs is None:
+        return {}
+    unsampled = ended_unsampled(plan.convs, selected, plan.ds)
+    return conversation_metrics(reasons, len(selected), same_server_share, unsampled) | turns_kept(
+        plan.convs, reasons, selected, unsampled
+    )

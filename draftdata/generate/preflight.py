@@ -23,17 +23,21 @@ from pathlib import Path
 
 from draftdata.config.schema import BackendKind, Config
 from draftdata.errors import UserError
-from draftdata.generate.planning import RunPlan
+from draftdata.generate.planning import Plan, left_behind
+from draftdata.generate.selection import output_tokens
+from draftdata.generate.store import ResponseStore
 from draftdata.model.target import Target
 from draftdata.util.log import log
 
 
-def preflight(cfg: Config, target: Target, run: RunPlan, metrics: Path, mode: str | None = None) -> None:
+def preflight(
+    cfg: Config, target: Target, plan: Plan, store: ResponseStore, metrics: Path, mode: str | None = None
+) -> None:
     """Every check a part's requests need before the first part sends one. `cfg`: the part's (its budget share, where
     `mode` is one); `metrics`: the dataset's last generate_metrics.json (the last run's rate)."""
-    if cfg.backend.kind == BackendKind.openai and run.standing.todo:
-        check_chat_rendering(cfg, target, [p.prompt for p in run.standing.todo])
-    check_stale(cfg, run, metrics, mode)
+    if cfg.backend.kind == BackendKind.openai and plan.standing.todo:
+        check_chat_rendering(cfg, target, [p.prompt for p in plan.standing.todo])
+    check_stale(cfg, plan, store, metrics, mode)
 
 
 def named(mode: str | None) -> dict[str, str]:
@@ -61,13 +65,15 @@ class Stale:
     tok_s: float | None  # the last run's generation rate (None: none measured)
 
 
-def check_stale(cfg: Config, run: RunPlan, metrics: Path, mode: str | None = None) -> None:
+def check_stale(cfg: Config, plan: Plan, store: ResponseStore, metrics: Path, mode: str | None = None) -> None:
     """Before any request of a run that will generate: say what the store's answers left behind by a change cost to
-    regenerate (`run.stale`, counted where it was planned), or stop (run.confirm_regenerate). `cfg`: the part's
-    (its budget share, where `mode` is one)."""
-    if run.stale and run.output_tokens < cfg.ds.token_budget:
-        tokens = max(0, cfg.ds.token_budget - run.standing.counted)  # draftdata plan's figure
-        line = announce(cfg, Stale(run.stale, tokens, last_rate(metrics)))
+    regenerate (the prompts to send that the store answered under another key), or stop (run.confirm_regenerate).
+    `cfg`: the part's (its budget share, where `mode` is one)."""
+    if output_tokens(plan) >= cfg.ds.token_budget:
+        return
+    if stale := left_behind(store, cfg.dataset, plan.standing.todo):
+        tokens = max(0, cfg.ds.token_budget - plan.standing.counted)  # draftdata plan's figure
+        line = announce(cfg, Stale(stale, tokens, last_rate(metrics)))
         log("generate", dataset=cfg.dataset, **named(mode), warning=line)
 
 

@@ -6,19 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from dataclasses import dataclass
 
-from draftdata.config.schema import Config, OnBudget
+from draftdata.config.schema import BudgetUnit, Config, OnBudget
 from draftdata.generate.budget.controller import BudgetController
 from draftdata.generate.connect import make_backend
 from draftdata.generate.dispatcher import Dispatcher, Figures, Interrupted, RunStats
 from draftdata.generate.failfast import FailFastWindow
 from draftdata.generate.ledger import Ledger
-from draftdata.generate.planning import RunPlan
+from draftdata.generate.planning import Plan, conversation_plan
 from draftdata.generate.preflight import named
 from draftdata.generate.progress import Progress
-from draftdata.generate.selection import SettledRun
+from draftdata.generate.request import Planned
+from draftdata.generate.selection import SettledRun, output_tokens, settled_run
 from draftdata.generate.store import ResponseStore, StoredResponse
-from draftdata.generate.work import WorkQueue
+from draftdata.generate.work import ConversationQueue, WorkQueue
 from draftdata.model.target import Target
 from draftdata.util.log import log
 
@@ -71,46 +73,56 @@ async def _generate(
         )
 
 
-def run_generation(
-    cfg: Config, target: Target, run: RunPlan, store: ResponseStore, mode: str | None = None
-) -> RunStats:
-    """Generate what the budget still needs over the store's answers (nothing where they meet it), then take into
-    the plan the rows the store holds for what the run committed. `mode`: the mode whose share `cfg` holds, named in
-    the lines."""
-    ds, usable = cfg.ds, run.standing.usable
-    if run.output_tokens >= ds.token_budget:  # landing exact: the settled run from the first request decides
-        status = f"budget met: {run.output_tokens:,} >= {ds.token_budget:,} tokens from the store's answers"
+@dataclass(frozen=True)
+class RunResult:
+    """What a run leaves for the output: its requests in order with the rows the store holds for them now (as the
+    store answered each commit, `put_many`: another run's row where it committed one first, never this run's own
+    instead), under `turns: all` each conversation's turns as far as they went with the row of the turn it stopped
+    at; the run's figures; and (`turns: all`) the share of next turns it sent to the server that answered the one
+    before (None: none sent)."""
+
+    requests: list[Planned]
+    stored: dict[str, StoredResponse]
+    stats: RunStats
+    same_server_share: float | None = None
+
+
+def run_generation(cfg: Config, target: Target, plan: Plan, store: ResponseStore, mode: str | None = None) -> RunResult:
+    """Generate what the budget still needs over the store's answers (nothing where they meet it). `mode`: the mode
+    whose share `cfg` holds, named in the lines."""
+    ds, usable = cfg.ds, plan.standing.usable
+    if (counted := output_tokens(plan)) >= ds.token_budget:  # landing exact: the settled run from the first decides
+        status = f"budget met: {counted:,} >= {ds.token_budget:,} tokens from the store's answers"
         log("generate", dataset=cfg.dataset, **named(mode), status=status)
-        return RunStats(reused=usable)
-    stats = generate_missing(cfg, target, run, store, mode)
-    stats.reused = usable
-    run.after_run(store)
-    return stats
+        return RunResult(plan.requests, plan.stored, RunStats(reused=usable))
+    result = generate_missing(cfg, target, plan, store, mode)
+    result.stats.reused = usable
+    return result
 
 
 def generate_missing(
-    cfg: Config, target: Target, run: RunPlan, store: ResponseStore, mode: str | None = None
-) -> RunStats:
+    cfg: Config, target: Target, plan: Plan, store: ResponseStore, mode: str | None = None
+) -> RunResult:
     """Generate what the budget still needs. Parked partials are continued rather than counted: the budget counts
-    complete responses, and keep_partial's cut ones only once no more generation is wanted. `run`: planned
-    (`RunPlan.make`), its standing read there (what the stored rows count, and what to send: `run.queue`, which
-    with `turns: all` steps each conversation on from its stored turns); preflight.py has passed its requests."""
-    ds, standing = cfg.ds, run.standing
+    complete responses, and keep_partial's cut ones only once no more generation is wanted. `plan`: made before any
+    request (`Plan.make`), what its stored rows count read there; preflight.py has passed its requests. Under
+    `turns: all` the queue steps each conversation on from its stored turns."""
+    ds, standing = cfg.ds, plan.standing
+    landed = settled_run(plan)
+    parked = {k: r for k, r in plan.stored.items() if r.partial}
+    queue = work_queue(plan, store, parked)
     ctrl = BudgetController(
         ds.token_budget,
         ds.max_tokens,
         cfg.concurrency,
         keep_partial=ds.on_budget == OnBudget.keep_partial,
         committed=standing.complete,
-        landed=None if run.landed is None else run.output_tokens,  # landing exact: the settled run's total
+        landed=None if landed is None else landed.total(),  # landing exact: the settled run's total
     )
     ctrl.lengths.add_stored(standing.lengths)
     todo = standing.todo
     if standing.prompt_mean is not None:
         ctrl.prompt_mean = standing.prompt_mean
-    parked = {k: r for k, r in run.stored.items() if r.partial}
-    if run.convs is not None:  # a conversation queue: the partials it meets stepping over stored turns go on too
-        run.queue.parked = parked
     log(
         "generate",
         dataset=cfg.dataset,
@@ -124,7 +136,7 @@ def generate_missing(
         continues=cfg.backend.takes_token_ids(),
     )
     try:
-        return asyncio.run(_generate(cfg, target, run.queue, ctrl, store, parked, run.landed, mode))
+        stats = asyncio.run(_generate(cfg, target, queue, ctrl, store, parked, landed, mode))
     except Interrupted:
         log(
             "generate",
@@ -132,3 +144,28 @@ def generate_missing(
             status="interrupted: in-flight requests aborted and parked, every committed response kept in the store",
         )
         raise KeyboardInterrupt from None  # the entry point (config.load.cli) ends with status 130
+    return result_of(plan, queue, store, stats)
+
+
+def work_queue(plan: Plan, store: ResponseStore, parked: dict[str, StoredResponse]) -> WorkQueue:
+    """What the dispatcher sends, in order: the requests the store does not answer, or (`turns: all`) each
+    conversation's next turns (the partials it meets stepping over stored turns join `parked`, to go on)."""
+    if plan.convs is None:
+        return WorkQueue(plan.standing.todo)
+    prompts_count = plan.ds.budget_unit == BudgetUnit.total
+    return ConversationQueue(plan.convs, store, parked, plan.room, prompts_count, plan.renders)
+
+
+def result_of(plan: Plan, queue: WorkQueue, store: ResponseStore, stats: RunStats) -> RunResult:
+    """The rows the store holds for the plan's requests now: the plan's and those the run committed (the queue's
+    `rows`, as the store answered each commit: nothing is read back); under `turns: all` each conversation's turns
+    as far as they went, with the row of the turn it stopped at."""
+    rows = plan.stored | queue.rows
+    if plan.convs is None:
+        return RunResult(plan.requests, rows, stats)
+    requests, answered = conversation_plan(plan.convs)
+    nexts = {c.next.key for c in plan.convs if c.next is not None}
+    if plan.renders is not None:
+        plan.renders.keep(store)  # the turns rendered since the queue's last batch
+    stored = answered | {key: r for key, r in rows.items() if key in nexts}
+    return RunResult(requests, stored, stats, queue.same_server_share)

@@ -22,13 +22,16 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from draftdata.config.schema import DatasetConfig, Landing, OnBudget
 from draftdata.generate.accounting import counted, needs_request, unusable_reason
 from draftdata.generate.request import Planned
 from draftdata.generate.store import StoredResponse
 from draftdata.generate.work import Conversation
+
+if TYPE_CHECKING:
+    from draftdata.generate.planning import Plan
 
 
 def lands_exact(ds: DatasetConfig) -> bool:
@@ -180,3 +183,20 @@ class LandedConversations:
 
 def _settled(c: Conversation) -> bool:
     return c.next is None
+
+
+def settled_run(plan: Plan) -> SettledRun | None:
+    """landing exact: the settled run a plan starts from; None: the finished rule, where the controller counts
+    complete answers alone."""
+    if not lands_exact(plan.ds):
+        return None
+    if plan.convs is None:
+        return Landed.of(plan.requests, plan.stored, plan.ds)
+    return LandedConversations(plan.convs, plan.ds)
+
+
+def output_tokens(plan: Plan) -> int:
+    """What the output would count before the run sends anything: the settled run's total under exact, every usable
+    answer's under finished."""
+    landed = settled_run(plan)
+    return landed.total() if landed is not None else plan.standing.counted
