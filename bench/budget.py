@@ -37,11 +37,11 @@ What the client sees, as the streaming generate loop does:
 
 Strategies: `cap` (7,000 samples), `check_cancel` (keep the server full; when the committed tokens reach the budget
 cancel everything in flight and throw it away), `let_finish` (stop admitting at the budget, let the batch finish),
-`ours` (draftdata.generate.budget, complete responses only: at the budget the in-flight requests are cancelled and their
-partial outputs parked for a later run, so they are not in this run's output but not lost either), `ours_keep_partial`
-(draftdata.generate.budget with keep_partial: stop when committed + streamed progress reaches the budget, looked at
-every CHECK_EVERY_S, and keep the partial responses; what streamed between the crossing and the check is its overshoot)
-and `ours_slack_*` (ours blind to the server's rate, as with a backend that does not stream, at
+`ours` (draftdata.generate.run.budget, complete responses only: at the budget the in-flight requests are cancelled and
+their partial outputs parked for a later run, so they are not in this run's output but not lost either),
+`ours_keep_partial` (draftdata.generate.run.budget with keep_partial: stop when committed + streamed progress reaches
+the budget, looked at every CHECK_EVERY_S, and keep the partial responses; what streamed between the crossing and the
+check is its overshoot) and `ours_slack_*` (ours blind to the server's rate, as with a backend that does not stream, at
 several admit_slack values). The controller is the production one through its public API; the simulator only
 replaces the server and the client's clock. What ours keeps is what the generate stage outputs: the stored responses
 in prompt order (requests are admitted in it), landed on the budget (`landing`: while they fit, then the shortest
@@ -104,8 +104,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from draftdata.generate.accounting import continuation
-from draftdata.generate.budget.controller import BudgetController, Pending
-from draftdata.generate.selection import exact_landing, landing
+from draftdata.generate.land.selection import exact_landing, landing
+from draftdata.generate.run.budget.controller import BudgetController, Pending
 
 RESULTS = Path(__file__).parent / "results"
 RATE = 50.0  # tokens/s of one request at full batch (virtual time; the ratios do not depend on it)
@@ -396,7 +396,7 @@ class Outcome:
     kept: int = 0  # the output's tokens in the budget's unit (budget_unit total: prompts included)
     kept_completion: int = 0  # the output's completion tokens (what was decoded for it)
     parked: float = 0.0  # partial outputs set aside for a later run: not in the output, not lost
-    held: int = 0  # complete responses the output leaves out (draftdata.generate.budget.landing), kept in the store
+    held: int = 0  # complete responses the output leaves out (draftdata.generate.run.budget.landing), kept in the store
     lost: float = 0.0  # generated and neither kept nor parked
     # what continuing the parked requests will cost: re-prefilling each one's prompt and partial, in decode tokens
     # of the full batch (the same GPU time)
@@ -584,7 +584,7 @@ Work = Prompts | Talks
 
 
 class Frontier:
-    """landing exact as the loop sees it (draftdata.generate.selection.Landed): what the settled run of responses
+    """landing exact as the loop sees it (draftdata.generate.land.selection.Landed): what the settled run of responses
     from the first counts. Requests are keyed in prompt order; a conversation is settled once its last turn is in,
     and the first one not settled adds the turns it has (they start it)."""
 

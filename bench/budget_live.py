@@ -13,10 +13,10 @@ scaled from its max_tokens (10,240) to this run's, one draw per prompt (`DrawnLe
 the same lengths in the same prompt order.
 
 Side by side, in one run, on the same prompts (a new set each repeat, the two in alternating order):
-- ours: `generate_missing` (draftdata/generate/run.py, what the generate stage calls, under `landing: finished`)
-  with the `sglang` backend, streamed, `on_budget: cancel`, against a store in a temporary directory; what it
-  keeps is the output the stage would write (`select_responses`). The in-flight requests it stops at the budget
-  are parked in the store.
+- ours: `generate_missing` (draftdata/generate/run/generation.py, what the generate stage calls, under `landing:
+  finished`) with the `sglang` backend, streamed, `on_budget: cancel`, against a store in a temporary directory; what it
+  keeps is the output the stage would write (`select_responses`). The in-flight requests it stops at the budget are
+  parked in the store.
 - check_cancel: one aiohttp session, a semaphore of `concurrency`, every prompt a task; when the committed tokens
   reach the budget, one `/abort_request` with `abort_all` and every task cancelled: what was in flight is dropped.
 
@@ -134,8 +134,8 @@ class ServerProcess:
 def run_ours(url: str, prompts: list[list[int]], args) -> dict:
     """The generate stage's generation and output selection, on a fresh store."""
     from draftdata.config.schema import BackendConfig, BackendKind, Landing, OnBudget
-    from draftdata.generate.run import generate_missing
-    from draftdata.generate.selection import select_responses
+    from draftdata.generate.land.selection import select_responses
+    from draftdata.generate.run.generation import generate_missing
     from draftdata.generate.store import ResponseStore
 
     plan = id_plan(prompts)

@@ -124,14 +124,14 @@ def start_server() -> tuple[subprocess.Popen, str]:
 
 def run_ours(url: str, n: int, concurrency: int, tokens: int, stream: bool = True) -> float:
     from draftdata.config.schema import BackendConfig, BackendKind
-    from draftdata.generate.budget.controller import BudgetController
-    from draftdata.generate.connect import make_backend
-    from draftdata.generate.dispatcher import Dispatcher
-    from draftdata.generate.failfast import FailFastWindow
-    from draftdata.generate.ledger import Ledger
     from draftdata.generate.request import Planned
+    from draftdata.generate.run.budget.controller import BudgetController
+    from draftdata.generate.run.connect import make_backend
+    from draftdata.generate.run.dispatcher import Dispatcher
+    from draftdata.generate.run.failfast import FailFastWindow
+    from draftdata.generate.run.ledger import Ledger
+    from draftdata.generate.run.work import WorkQueue
     from draftdata.generate.store import ResponseStore
-    from draftdata.generate.work import WorkQueue
 
     with tempfile.TemporaryDirectory() as tmp:
         backend = BackendConfig(kind=BackendKind.openai, urls=[url], prompt_format="ids", stream=stream, max_retries=0)

@@ -212,8 +212,8 @@ class StepTimes:
 
 
 def measure_backend(model: Path, c: int, reqs: list[dict], kind: str, **backend) -> dict:
-    from draftdata.generate.connect import make_backend
     from draftdata.generate.embedded.loop import SlotBatching
+    from draftdata.generate.run.connect import make_backend
     from draftdata.model.target import load_target
 
     async def go():

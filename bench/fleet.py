@@ -425,8 +425,8 @@ def generate(urls: list[str], run: Run, prompts: list[list[int]]) -> dict:
     as the stage selects it."""
     from draftdata.config.schema import BackendConfig, BackendKind
     from draftdata.generate.backends import sglang  # noqa: F401  (imported before the CPU is read: once a process)
-    from draftdata.generate.run import generate_missing
-    from draftdata.generate.selection import select_responses
+    from draftdata.generate.land.selection import select_responses
+    from draftdata.generate.run.generation import generate_missing
     from draftdata.generate.store import ResponseStore
 
     plan = id_plan(prompts)

@@ -85,7 +85,7 @@ def _row(i: int, turns: int) -> dict:
 def fill() -> None:
     """One short response for every planned key (run in the work directory): the budget is met."""
     from draftdata.config.load import load_config
-    from draftdata.generate.planning import plan_requests
+    from draftdata.generate.plan.planning import plan_requests
     from draftdata.generate.store import ResponseStore, StoredResponse
     from draftdata.model.target import load_target
     from draftdata.util.files import read_jsonl
@@ -105,7 +105,7 @@ def fill_turns() -> None:
     """`--turns`: one short answer (its ids, the end of turn last) to every turn of every conversation, a turn
     depth at a time: each walk finds the next turns, answered before the next walk."""
     from draftdata.config.load import load_config
-    from draftdata.generate.planning import plan_conversations
+    from draftdata.generate.plan.planning import plan_conversations
     from draftdata.generate.store import ResponseStore, StoredResponse
     from draftdata.model.target import load_target
     from draftdata.util.files import read_jsonl

@@ -37,6 +37,6 @@ def fresh_run(plan: list, ds):
     """The generate stage's Plan of `plan` on an empty store (under `ds.landing: exact` the controller waits for the
     settled run from the first request, as the stage's; under `finished` it lands on complete answers alone)."""
     from draftdata.generate.accounting import standing
-    from draftdata.generate.planning import Plan
+    from draftdata.generate.plan.planning import Plan
 
     return Plan(ds, plan, {}, standing(plan, {}, ds))

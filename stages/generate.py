@@ -2,7 +2,7 @@
 
 Responses live in the response store (draftdata/generate/store.py) and are committed as they arrive; this stage only
 sends what the store lacks, and stops once the budget is met. Its DVC output, `data/<D>/responses.jsonl`, is
-materialised from the store in prompt order, landed on the budget (draftdata/generate/selection.py), so lowering a
+materialised from the store in prompt order, landed on the budget (draftdata/generate/land/selection.py), so lowering a
 budget costs no generation and raising it generates only the difference. Every prompt the output holds no line of
 is listed with its reason in `generate_rejected.jsonl`.
 """
@@ -15,10 +15,10 @@ from draftdata.config.load import cli
 from draftdata.config.modes import split_rows
 from draftdata.config.schema import Config
 from draftdata.errors import Incomplete, UserError
-from draftdata.generate.output import Part, write_outputs
-from draftdata.generate.planning import Plan
-from draftdata.generate.preflight import preflight
-from draftdata.generate.run import run_generation
+from draftdata.generate.land.output import Part, write_outputs
+from draftdata.generate.plan.planning import Plan
+from draftdata.generate.run.generation import run_generation
+from draftdata.generate.run.preflight import preflight
 from draftdata.generate.store import ResponseStore
 from draftdata.model.target import load_target
 from draftdata.util.files import data_dir, read_jsonl

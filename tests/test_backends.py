@@ -32,8 +32,8 @@ from draftdata.config.schema import (
 )
 from draftdata.errors import ConfigError, UserError
 from draftdata.generate.backends.protocol import GenRequest, Partial
-from draftdata.generate.connect import make_backend
 from draftdata.generate.request import key_sampling, request_key
+from draftdata.generate.run.connect import make_backend
 from draftdata.model.tokenizer import load_tokenizer, render_prompt_ids
 
 pytestmark = pytest.mark.timeout(90)

@@ -11,9 +11,9 @@ import pytest
 
 from draftdata.config.schema import DatasetConfig, Landing
 from draftdata.generate.accounting import continuation, expected_turns
-from draftdata.generate.budget.controller import BudgetController, Pending
+from draftdata.generate.land.selection import landing, select_responses
 from draftdata.generate.request import Planned
-from draftdata.generate.selection import landing, select_responses
+from draftdata.generate.run.budget.controller import BudgetController, Pending
 from draftdata.generate.store import StoredResponse
 
 
@@ -113,7 +113,8 @@ def answer(key: str, n: int) -> StoredResponse:
 
 
 def test_the_work_queue_tells_what_started_and_upcoming_conversations_will_still_ask():
-    from draftdata.generate.work import Conversation, ConversationQueue
+    from draftdata.generate.plan.conversations import Conversation
+    from draftdata.generate.run.work import ConversationQueue
 
     def conversation(name: str, slots: int, prompt: int) -> Conversation:
         def walk():  # its turns as a replay yields them: turn 0 only, then it ends as a diverging call ends it

@@ -14,7 +14,7 @@ from conftest import dataset_params, expected_tokens, trained_text
 
 from bench.fake_server import FakeModel, FakeServer
 from draftdata.errors import UserError
-from draftdata.generate.dispatcher import RunFailed
+from draftdata.generate.run.dispatcher import RunFailed
 from draftdata.generate.store import ResponseStore, StoredResponse
 from draftdata.model.tiny import CHAT_TEMPLATE
 from draftdata.util.files import read_jsonl

@@ -33,7 +33,7 @@ def test_a_bad_compute_dtype_is_refused_naming_the_key(project):
 
 
 def keys(project, *overrides: str) -> set[str]:
-    from draftdata.generate.planning import plan_requests
+    from draftdata.generate.plan.planning import plan_requests
     from draftdata.model.target import load_target
     from draftdata.util.files import read_jsonl
 

@@ -16,8 +16,8 @@ import sys
 import pytest
 from conftest import ROOT
 
-from draftdata.generate.actions import CALLS, COMMAND, TEXT, Action, action, diverged
-from draftdata.generate.conversation import (
+from draftdata.generate.plan.actions import CALLS, COMMAND, TEXT, Action, action, diverged
+from draftdata.generate.plan.conversation import (
     KEEP_SOURCE,
     SOURCE_EXHAUSTED,
     TOOL_CALL_DIVERGED,
@@ -166,7 +166,7 @@ def test_resume_in_a_fresh_process_gives_the_same_next_turn(tmp_path):
         "import json, sys\n"
         "sys.path.insert(0, 'tests')\n"
         "from test_conversation import golden\n"
-        "from draftdata.generate.conversation import replay\n"
+        "from draftdata.generate.plan.conversation import replay\n"
         "from draftdata.generate.store import StoredResponse\n"
         f"state = json.load(open({str(state)!r}))\n"
         "store = {s['key']: StoredResponse(**s) for s in reversed(state['stored'])}\n"

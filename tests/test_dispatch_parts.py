@@ -1,12 +1,12 @@
-"""The dispatcher's small parts alone: the throughput meter (draftdata/generate/meter.py) and the fail-fast window
-(draftdata/generate/failfast.py). Plain calls with set times and counts; no event loop."""
+"""The dispatcher's small parts alone: the throughput meter (draftdata/generate/run/meter.py) and the fail-fast window
+(draftdata/generate/run/failfast.py). Plain calls with set times and counts; no event loop."""
 
 from __future__ import annotations
 
 import pytest
 
-from draftdata.generate.failfast import FailFastWindow
-from draftdata.generate.meter import ThroughputMeter
+from draftdata.generate.run.failfast import FailFastWindow
+from draftdata.generate.run.meter import ThroughputMeter
 
 
 class Tokens:

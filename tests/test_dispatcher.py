@@ -14,15 +14,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from draftdata.config.schema import Config, DatasetConfig, OnBudget, RunConfig
-from draftdata.generate import dispatcher as dispatcher_module
 from draftdata.generate.backends.protocol import GenRequest, GenResult, stopped_result
-from draftdata.generate.budget.controller import BudgetController
-from draftdata.generate.dispatcher import Dispatcher, Interrupted
-from draftdata.generate.failfast import FailFastWindow
-from draftdata.generate.ledger import Ledger
 from draftdata.generate.request import Planned
+from draftdata.generate.run import dispatcher as dispatcher_module
+from draftdata.generate.run.budget.controller import BudgetController
+from draftdata.generate.run.dispatcher import Dispatcher, Interrupted
+from draftdata.generate.run.failfast import FailFastWindow
+from draftdata.generate.run.ledger import Ledger
+from draftdata.generate.run.work import WorkQueue
 from draftdata.generate.store import CUT, INTERRUPTED, ResponseStore
-from draftdata.generate.work import WorkQueue
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -223,7 +223,7 @@ class DiesThenResets:
 def test_a_stop_after_a_dead_engine_names_the_death_and_what_to_do(tmp_path):
     """The requests that followed a dead engine fail with reset connections; the run's one line still says that the
     engine died and how to avoid it, beside the cause the window saw."""
-    from draftdata.generate.dispatcher import RunFailed
+    from draftdata.generate.run.dispatcher import RunFailed
 
     d = dispatcher(tmp_path, DiesThenResets(), budget=1000, on_budget=OnBudget.cancel)
     d.failfast = dispatcher_module.FailFastWindow(4)
@@ -264,7 +264,8 @@ def exact_run(tmp_path, backend, budget: int, keys="abcd", concurrency: int = 4)
     """One generation run under `landing: exact` over the store in `tmp_path`, as run.py drives it (the plan's
     settled run from the store first); the output as the stage selects it."""
     from draftdata.generate.accounting import needs_request
-    from draftdata.generate.selection import Landed, select_responses
+    from draftdata.generate.land.selection import select_responses
+    from draftdata.generate.run.settled import Landed
 
     ds = DatasetConfig(token_budget=budget, max_tokens=40, concurrency=concurrency, on_budget=OnBudget.cancel)
     cfg = Config(dataset="d", datasets={"d": ds}, run=RunConfig(store_path=str(tmp_path / "s.sqlite"), progress=False))

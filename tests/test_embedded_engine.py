@@ -14,12 +14,12 @@ from conftest import target_for
 from draftdata.config.schema import BackendConfig, BackendKind, Config, DatasetConfig, ModelConfig, SamplingConfig
 from draftdata.errors import ConfigError
 from draftdata.generate.backends.protocol import GenRequest
-from draftdata.generate.connect import make_backend
 from draftdata.generate.embedded import attention
 from draftdata.generate.embedded.cache import KVCache
 from draftdata.generate.embedded.loop import STOPPED, SlotBatching
 from draftdata.generate.embedded.packed import PackedLinear, crossover, pack, row_counts
 from draftdata.generate.embedded.sampling import Sampling
+from draftdata.generate.run.connect import make_backend
 from draftdata.model.tokenizer import load_tokenizer, render_prompt_ids
 
 GREEDY = Sampling(0.0, 1.0, -1)

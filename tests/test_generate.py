@@ -171,8 +171,8 @@ def test_progress_lines_when_not_on_a_terminal(project, capsys):
 def test_progress_eta_comes_from_the_recent_rate():
     from types import SimpleNamespace
 
-    from draftdata.generate.dispatcher import RunStats
-    from draftdata.generate.progress import Progress
+    from draftdata.generate.run.dispatcher import RunStats
+    from draftdata.generate.run.progress import Progress
 
     cfg = SimpleNamespace(ds=SimpleNamespace(token_budget=10_000), dataset="D", run=SimpleNamespace(progress=False))
     prog = Progress(cfg, 0)
@@ -196,8 +196,8 @@ def test_progress_shows_the_last_figures_of_a_run_that_ends_before_it_looked(cap
     import asyncio
     from types import SimpleNamespace
 
-    from draftdata.generate.dispatcher import Figures, RunStats
-    from draftdata.generate.progress import Progress
+    from draftdata.generate.run.dispatcher import Figures, RunStats
+    from draftdata.generate.run.progress import Progress
 
     run = SimpleNamespace(progress=False, log_every_s=3600)
     cfg = SimpleNamespace(ds=SimpleNamespace(token_budget=10_000), dataset="D", run=run)
@@ -315,7 +315,7 @@ def test_an_embedded_continuation_draws_what_the_uninterrupted_answer_drew(tiny_
 
     from draftdata.config.schema import BackendConfig, Config, DatasetConfig, ModelConfig, SamplingConfig
     from draftdata.generate.backends.protocol import GenRequest, Partial
-    from draftdata.generate.connect import make_backend
+    from draftdata.generate.run.connect import make_backend
     from draftdata.model.tokenizer import load_tokenizer, render_prompt_ids
 
     cfg = Config(
@@ -470,7 +470,7 @@ def test_no_duplicates_after_template_is_said_too(project):
 
 
 def _count_renders(monkeypatch) -> list[int]:
-    import draftdata.generate.planning as planning
+    import draftdata.generate.plan.planning as planning
 
     calls = [0]
     render = planning.render_prompt_ids
@@ -497,7 +497,7 @@ def test_a_changed_template_kwargs_or_tokenizer_file_renders_again(project, tiny
     import shutil
 
     from draftdata.config.load import load_config
-    from draftdata.generate.planning import plan_requests
+    from draftdata.generate.plan.planning import plan_requests
     from draftdata.generate.store import ResponseStore
     from draftdata.model.tokenizer import load_tokenizer
 
@@ -541,7 +541,7 @@ def test_a_plan_from_the_cache_neither_decodes_nor_encodes_prompt_ids(project, t
     """A rerun over 100k prompts whose budget is met spent most of its time turning cached ids to lists and the
     lists back to JSON for their keys: from the cache, the key is hashed from the stored text itself."""
     from draftdata.config.load import load_config
-    from draftdata.generate.planning import plan_requests
+    from draftdata.generate.plan.planning import plan_requests
     from draftdata.generate.store import ResponseStore
     from draftdata.model.tokenizer import load_tokenizer
 

@@ -19,7 +19,7 @@ from conftest import ROOT
 
 from bench.fake_server import FakeServer, Faults, fake_output_ids
 from draftdata.generate.backends.protocol import seed_of
-from draftdata.generate.dispatcher import RunFailed
+from draftdata.generate.run.dispatcher import RunFailed
 from draftdata.util.files import read_jsonl
 
 MAX_TOKENS = 48  # the fake never stops early: every complete answer is exactly this long (finish "length")

@@ -1,4 +1,4 @@
-"""The ledger (draftdata/generate/ledger.py) alone: no event loop, no store, no server. Each case hands it what a
+"""The ledger (draftdata/generate/run/ledger.py) alone: no event loop, no store, no server. Each case hands it what a
 request ended with and checks the rows it asks the store to take and the figures it counts once they are taken."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 
 from draftdata.config.schema import BudgetUnit, DatasetConfig, OnBudget
 from draftdata.generate.backends.protocol import GenRequest, GenResult, Partial, stopped_result
-from draftdata.generate.budget.controller import BudgetController
-from draftdata.generate.ledger import Flight, Ledger
 from draftdata.generate.request import Planned
+from draftdata.generate.run.budget.controller import BudgetController
+from draftdata.generate.run.ledger import Flight, Ledger
 from draftdata.generate.store import CUT, INTERRUPTED, StoredResponse
 
 PROMPT_IDS = [1, 2, 3]

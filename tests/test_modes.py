@@ -203,7 +203,7 @@ def test_one_mode_equal_to_the_datasets_settings_regenerates_nothing(project):
 def test_the_reasoning_is_counted_apart_where_the_server_or_the_template_separates_it(tiny_model):
     from transformers import AutoTokenizer
 
-    from draftdata.generate.output import reasoning_figures, reasoning_tokens
+    from draftdata.generate.land.output import reasoning_figures, reasoning_tokens
     from draftdata.generate.store import StoredResponse
 
     tok = AutoTokenizer.from_pretrained(tiny_model)

@@ -381,7 +381,7 @@ def test_a_few_stored_lengths_are_said_beside_the_prior_they_do_not_yet_replace(
     """Fewer than the controller reads (MIN_OBSERVED): the mean is still max_tokens/2, and the line says how many
     lengths are stored, so a user who sees measured runs is not left to guess why they are not used."""
     from draftdata.cli.costs import mean_completion
-    from draftdata.generate.budget.lengths import MIN_OBSERVED
+    from draftdata.generate.run.budget.lengths import MIN_OBSERVED
 
     assert mean_completion([], 384) == (192.0, "max_tokens/2")
     assert mean_completion([10] * 5, 384) == (192.0, f"max_tokens/2 (5 stored, {MIN_OBSERVED} read)")

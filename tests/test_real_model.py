@@ -113,7 +113,7 @@ def demo_prompts(tok, n: int) -> list[list[int]]:
 
 def generate(model_dir: Path, prompts: list[list[int]], max_tokens: int, concurrency: int) -> list:
     from draftdata.generate.backends.protocol import GenRequest
-    from draftdata.generate.connect import make_backend
+    from draftdata.generate.run.connect import make_backend
 
     cfg = Config(
         model=ModelConfig(path=str(model_dir)),

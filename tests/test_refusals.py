@@ -324,7 +324,7 @@ REFUSALS: dict[str, dict | tuple[str, str]] = {
             "backend: no healthy server: {...}": after("the servers' health, asked when generate starts", GENERATE),
         },
     },
-    "draftdata/generate/dispatcher.py": {
+    "draftdata/generate/run/dispatcher.py": {
         "Dispatcher._run": {
             "{self.failing}": after("requests failing in a row with one cause, as they are sent", GENERATE)
         },
@@ -348,7 +348,7 @@ REFUSALS: dict[str, dict | tuple[str, str]] = {
             )
         },
     },
-    "draftdata/generate/preflight.py": {
+    "draftdata/generate/run/preflight.py": {
         "check_chat_rendering": {
             "backend.prompt_format chat: dataset {cfg.dataset} has tools,": after(
                 "whether the prompts in prompts.jsonl (the prompts stage's output) carry tools", GENERATE

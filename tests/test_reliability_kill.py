@@ -486,7 +486,7 @@ def test_the_expected_selection_lands_as_the_stage_does():
     """The shortest run of responses in prompt order that reaches the budget (landing exact, the default): 6 and 8
     reach 10, whatever comes after. The check's own code agrees with the stage's `exact_landing` on random
     lengths."""
-    from draftdata.generate.selection import exact_landing
+    from draftdata.generate.land.selection import exact_landing
 
     def store_of(lengths):
         return {

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from draftdata.config.schema import DatasetConfig, Landing
-from draftdata.generate.budget.controller import BudgetController
-from draftdata.generate.budget.lengths import LengthModel
+from draftdata.generate.land.selection import landing, select_responses
 from draftdata.generate.request import Planned, request_key, request_keys
-from draftdata.generate.selection import landing, select_responses
+from draftdata.generate.run.budget.controller import BudgetController
+from draftdata.generate.run.budget.lengths import LengthModel
 from draftdata.generate.store import CUT, ResponseStore, StoredResponse
 from draftdata.util.hashing import canonical_json, ids_json
 

@@ -12,7 +12,7 @@ import pytest
 from test_conversation import chat_conv, drive, golden, make_golden, target, tool_conv
 
 from draftdata.config.schema import Config, ModelConfig, OnTooLong, TokenizeConfig, TrainOn
-from draftdata.generate.output import output_record
+from draftdata.generate.land.output import output_record
 from draftdata.hidden.reader import HiddenStates
 from draftdata.tokenize.samples import build_samples, from_ids
 from draftdata.util.files import write_jsonl

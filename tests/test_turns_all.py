@@ -399,7 +399,7 @@ def test_a_budget_met_mid_conversation_keeps_its_turns_and_a_raised_one_goes_on(
 def test_a_plan_holds_the_store_rows_of_the_turns_its_conversations_stop_at(conv_project, tiny_model):
     """Planning takes the rows of the turns each conversation stops at (a parked partial, an empty answer) from its
     walk over the stored turns, without a query of its own: they are the store's rows for those turns."""
-    from draftdata.generate.planning import Plan
+    from draftdata.generate.plan.planning import Plan
     from draftdata.generate.store import ResponseStore
 
     project, start = conv_project
@@ -429,8 +429,8 @@ def planned_in_process(project, tiny_model):
 def test_a_run_ends_holding_the_store_rows_of_its_turns_without_reading_them_back(conv_project, tiny_model):
     """After generation the run's result holds what the store holds for every turn it names (the answers, and the
     rows of the turns the conversations stop at: parked at the budget), from the store's answer to each commit."""
-    from draftdata.generate.planning import Plan
-    from draftdata.generate.run import run_generation
+    from draftdata.generate.plan.planning import Plan
+    from draftdata.generate.run.generation import run_generation
     from draftdata.generate.store import ResponseStore
 
     project, start = conv_project
@@ -453,8 +453,8 @@ def test_a_conversation_goes_on_from_the_answer_the_store_kept_where_another_run
 ):
     """Another run commits a turn's answer while this one asks for it: the store keeps the first, and this run's
     conversation goes on from that one, as a rerun walking the store does (same params, same data)."""
-    from draftdata.generate.planning import Plan
-    from draftdata.generate.run import run_generation
+    from draftdata.generate.plan.planning import Plan
+    from draftdata.generate.run.generation import run_generation
     from draftdata.generate.store import ResponseStore, StoredResponse
 
     project, start = conv_project
@@ -520,7 +520,7 @@ def test_exact_landing_gives_nested_conversations_whatever_the_store_holds(conv_
 
 def test_a_later_turn_past_the_context_ends_its_conversation(conv_project, tiny_model):
     from draftdata.config.load import load_config
-    from draftdata.generate.planning import plan_conversations
+    from draftdata.generate.plan.planning import plan_conversations
     from draftdata.generate.store import ResponseStore
 
     project, start = conv_project

@@ -124,8 +124,8 @@ def test_greedy_answers_from_packed_chunked_prefills_equal_one_prompt_generation
     equals `generate` on that prompt alone. transformers' continuous batching (a GPU's engine, run here on the CPU)
     prefills in chunks of 48 tokens, and the per-sequence path did its packed steps; slot batching (the CPU's) packs
     whole prompts up to 48 tokens a forward, through its own attention."""
-    from draftdata.generate.connect import make_backend
     from draftdata.generate.embedded.loop import SlotBatching
+    from draftdata.generate.run.connect import make_backend
     from draftdata.model.load import load_model
     from draftdata.model.tokenizer import end_of_turn_ids, load_tokenizer, render_prompt_ids
 

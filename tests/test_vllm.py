@@ -22,7 +22,7 @@ from conftest import DEMO, dataset_params, expected_tokens, server_process, targ
 
 from draftdata.config.schema import BackendConfig, BackendKind, Config, DatasetConfig, ModelConfig, TinyModelConfig
 from draftdata.generate.backends.protocol import GenRequest, Partial
-from draftdata.generate.connect import make_backend
+from draftdata.generate.run.connect import make_backend
 from draftdata.model.tokenizer import load_tokenizer, render_prompt_ids
 
 VLLM_PYTHON = os.environ.get("DRAFTDATA_VLLM_PYTHON")

@@ -587,7 +587,7 @@ def seeds_to_keys(base: Project) -> dict[int, str]:
     """Every request's sampling seed -> its store key: the seed a request carries on the wire names its response."""
     from draftdata.config.load import load_config
     from draftdata.generate.backends.protocol import seed_of
-    from draftdata.generate.planning import plan_requests
+    from draftdata.generate.plan.planning import plan_requests
     from draftdata.model.target import load_target
     from draftdata.util.sqlite import hash_cache_path
 

@@ -13,10 +13,10 @@ from pathlib import Path
 from draftdata.config.modes import split_rows
 from draftdata.config.schema import BudgetUnit, Config, DatasetConfig, Turns
 from draftdata.generate.accounting import needs_request, prompt_count, stored_total, unusable_reason
-from draftdata.generate.budget.lengths import MIN_OBSERVED as MIN_LENGTHS
-from draftdata.generate.budget.lengths import LengthModel
-from draftdata.generate.planning import conversation_plan, plan_conversations, plan_requests
+from draftdata.generate.plan.planning import conversation_plan, plan_conversations, plan_requests
 from draftdata.generate.request import Planned
+from draftdata.generate.run.budget.lengths import MIN_OBSERVED as MIN_LENGTHS
+from draftdata.generate.run.budget.lengths import LengthModel
 from draftdata.generate.store import ResponseStore, StoredResponse
 from draftdata.hidden.shards import bytes_per_token, disk_per_token
 from draftdata.model.target import Target, load_target

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from draftdata.config.schema import BudgetUnit, DatasetConfig, OnBudget, OnTruncation
+from draftdata.config.schema import BudgetUnit, DatasetConfig, Landing, OnBudget, OnTruncation
 from draftdata.generate.request import Link, Planned
 from draftdata.generate.store import CUT, StoredResponse
 from draftdata.util.hashing import ids_json
@@ -187,3 +187,17 @@ def turns_cost(
     if not prompts or turns <= 0:
         return n * completion
     return n * (completion + growth) + (prompt - growth if first == 0 else 0)
+
+
+# ---- the landing rule -------------------------------------------------------------------------------------------- #
+
+
+def lands_exact(ds: DatasetConfig) -> bool:
+    """Whether the output lands by the exact rule (land/selection.py's docstring): `landing: exact`, unless
+    `on_budget: keep_partial`, whose cut answers are where the budget found them."""
+    return ds.landing == Landing.exact and ds.on_budget != OnBudget.keep_partial
+
+
+def landing_rule(ds: DatasetConfig) -> str:
+    """The rule the output landed by, as the metrics record it."""
+    return Landing.exact.value if lands_exact(ds) else Landing.finished.value

@@ -57,7 +57,7 @@ CREATE TABLE IF NOT EXISTS rendered (   -- prompt ids under a chat template, so 
 CREATE TABLE IF NOT EXISTS turn_rendered (  -- `turns: all`: each turn's ids, so a rerun does not render stored turns
     tokenizer TEXT NOT NULL,                -- as in `rendered`
     conversation TEXT NOT NULL,             -- the prompt record's id
-    turn TEXT NOT NULL,                     -- hash of the answers before the turn (generate/conversation.py)
+    turn TEXT NOT NULL,                     -- hash of the answers before the turn (generate/plan/conversation.py)
     ids TEXT NOT NULL,                      -- JSON list, or "+" and what follows the previous turn and its answer
     PRIMARY KEY (tokenizer, conversation, turn)
 ) WITHOUT ROWID;
@@ -186,7 +186,7 @@ class ResponseStore:
         self._commit_many("INSERT OR REPLACE INTO rendered VALUES (?, ?, ?)", rows)
 
     def get_turn_renders(self, tokenizer: str, conversations: Iterable[str], turns: int) -> dict[tuple[str, str], str]:
-        """(conversation id, turn key) -> the turn's cached render (generate/conversation.py `TurnRenders`), for the
+        """(conversation id, turn key) -> the turn's cached render (plan/conversation.py `TurnRenders`), for the
         turns of these conversations rendered earlier under this tokenizer fingerprint; `turns`: about how many
         they have. A table that cannot be read holds none: every turn is rendered again."""
         try:

@@ -19,7 +19,7 @@ A chat answer's parts that a server's parsers move out of `content` are kept wit
 the assistant message the model really wrote: a tool parser's (vLLM `--tool-call-parser`, SGLang's)
 `message.tool_calls` (streamed: `delta.tool_calls` fragments keyed by `index`, the id and function name first, then
 `arguments` string pieces) and a reasoning parser's thinking (`reasoning_content`, vLLM >= 0.10 `reasoning`). A
-template that cannot render one of them refuses the run before any request (generate/preflight.py), or its answer
+template that cannot render one of them refuses the run before any request (generate/run/preflight.py), or its answer
 (`unrenderable`, not retried): a sample must not train on another answer than the model gave. Token ids, when the
 server returns them, win over all of this in tokenize.
 

@@ -9,7 +9,7 @@ import time
 from collections import deque
 
 from draftdata.config.schema import Config
-from draftdata.generate.dispatcher import Figures, RunStats
+from draftdata.generate.run.dispatcher import Figures, RunStats
 
 
 class Progress:

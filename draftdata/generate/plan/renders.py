@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from draftdata.generate.conversation import TurnRenders
+from draftdata.generate.plan.conversation import TurnRenders
 from draftdata.generate.store import ResponseStore
 
 

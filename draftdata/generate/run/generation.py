@@ -9,18 +9,18 @@ import signal
 from dataclasses import dataclass
 
 from draftdata.config.schema import BudgetUnit, Config, OnBudget
-from draftdata.generate.budget.controller import BudgetController
-from draftdata.generate.connect import make_backend
-from draftdata.generate.dispatcher import Dispatcher, Figures, Interrupted, RunStats
-from draftdata.generate.failfast import FailFastWindow
-from draftdata.generate.ledger import Ledger
-from draftdata.generate.planning import Plan, conversation_plan
-from draftdata.generate.preflight import named
-from draftdata.generate.progress import Progress
+from draftdata.generate.plan.planning import Plan, conversation_plan
 from draftdata.generate.request import Planned
-from draftdata.generate.selection import SettledRun, output_tokens, settled_run
+from draftdata.generate.run.budget.controller import BudgetController
+from draftdata.generate.run.connect import make_backend
+from draftdata.generate.run.dispatcher import Dispatcher, Figures, Interrupted, RunStats
+from draftdata.generate.run.failfast import FailFastWindow
+from draftdata.generate.run.ledger import Ledger
+from draftdata.generate.run.preflight import named
+from draftdata.generate.run.progress import Progress
+from draftdata.generate.run.settled import SettledRun, output_tokens, settled_run
+from draftdata.generate.run.work import ConversationQueue, WorkQueue
 from draftdata.generate.store import ResponseStore, StoredResponse
-from draftdata.generate.work import ConversationQueue, WorkQueue
 from draftdata.model.target import Target
 from draftdata.util.log import log
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from draftdata.config.schema import DatasetConfig
 from draftdata.generate.accounting import counted, unusable_reason
 from draftdata.generate.backends.protocol import GenRequest, GenResult, Partial
-from draftdata.generate.budget.controller import BudgetController
 from draftdata.generate.request import Planned
+from draftdata.generate.run.budget.controller import BudgetController
 from draftdata.generate.store import CUT, INTERRUPTED, StoredResponse
 
 

@@ -10,12 +10,13 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from draftdata.config.schema import Config, DatasetConfig
-from draftdata.generate.dispatcher import RunStats
-from draftdata.generate.planning import Plan, conversation_figures, end_reasons
-from draftdata.generate.rejected import reject_conversations, reject_prompts
+from draftdata.generate.accounting import landing_rule
+from draftdata.generate.land.rejected import reject_conversations, reject_prompts
+from draftdata.generate.land.selection import select_responses
+from draftdata.generate.plan.planning import Plan, conversation_figures, end_reasons
 from draftdata.generate.request import Planned
-from draftdata.generate.run import RunResult
-from draftdata.generate.selection import landing_rule, select_responses
+from draftdata.generate.run.dispatcher import RunStats
+from draftdata.generate.run.generation import RunResult
 from draftdata.generate.store import CUT, ResponseStore, StoredResponse
 from draftdata.util.files import write_csv, write_json, write_jsonl
 from draftdata.util.log import log

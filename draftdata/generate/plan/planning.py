@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 from draftdata.config.schema import Config, DatasetConfig, TrainOn, Turns
 from draftdata.generate.accounting import Standing, standing, unusable_reason
-from draftdata.generate.conversation import TurnRendering, turns
-from draftdata.generate.renders import Renders
+from draftdata.generate.plan.conversation import TurnRendering, turns
+from draftdata.generate.plan.conversations import BUDGET, FAILED, Conversation, step_over_stored
+from draftdata.generate.plan.renders import Renders
 from draftdata.generate.request import Planned, check_context, key_sampling, request_keys
 from draftdata.generate.store import ResponseStore, StoredResponse
-from draftdata.generate.work import BUDGET, FAILED, Conversation, step_over_stored
 from draftdata.model.target import Target
 from draftdata.model.tokenizer import render_prompt_ids
 from draftdata.util.hashing import ids_json

@@ -17,9 +17,9 @@ from collections.abc import Iterable
 
 from draftdata.config.schema import DatasetConfig
 from draftdata.generate.accounting import unusable_reason
+from draftdata.generate.plan.conversations import Conversation
 from draftdata.generate.request import Planned
 from draftdata.generate.store import StoredResponse
-from draftdata.generate.work import Conversation
 from draftdata.util.rejected import Tally
 
 DUPLICATE, NOT_NEEDED, OVER_BUDGET = "duplicate_after_template", "not_needed", "over_budget"

@@ -1,7 +1,7 @@
 """How a server's aggregate throughput depends on the batch, learned from noisy readings (the meter's, one a second):
 the server's level over time (`Levels`: another job on its machine moves it) and the knee below which a draining
 batch loses throughput (`ThroughputModel`). The budget controller drains the batch toward the budget's end only
-as far as the server keeps its throughput (draftdata/generate/budget/controller.py)."""
+as far as the server keeps its throughput (draftdata/generate/run/budget/controller.py)."""
 
 from __future__ import annotations
 

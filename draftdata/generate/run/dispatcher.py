@@ -40,14 +40,14 @@ from draftdata.generate.backends.protocol import (
     seed_of,
     stopped_result,
 )
-from draftdata.generate.budget.controller import BudgetController
-from draftdata.generate.failfast import FailFastWindow
-from draftdata.generate.ledger import Flight, Ledger, RunStats
-from draftdata.generate.meter import ThroughputMeter
 from draftdata.generate.request import Planned, key_sampling
-from draftdata.generate.selection import SettledRun
+from draftdata.generate.run.budget.controller import BudgetController
+from draftdata.generate.run.failfast import FailFastWindow
+from draftdata.generate.run.ledger import Flight, Ledger, RunStats
+from draftdata.generate.run.meter import ThroughputMeter
+from draftdata.generate.run.settled import SettledRun
+from draftdata.generate.run.work import WorkQueue
 from draftdata.generate.store import CUT, INTERRUPTED, ResponseStore, StoredResponse
-from draftdata.generate.work import WorkQueue
 
 __all__ = ["Dispatcher", "Figures", "Flight", "Interrupted", "RunFailed", "RunStats"]
 

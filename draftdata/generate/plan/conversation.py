@@ -34,7 +34,7 @@ from functools import cached_property
 from typing import Any
 
 from draftdata.generate.accounting import needs_request
-from draftdata.generate.actions import diverged, written_calls
+from draftdata.generate.plan.actions import diverged, written_calls
 from draftdata.generate.request import Planned, request_keys
 from draftdata.generate.store import StoredResponse
 from draftdata.model.tokenizer import assistant_message, render_prompt_ids, template_messages

@@ -40,8 +40,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from draftdata.generate.accounting import turns_cost
-from draftdata.generate.budget.lengths import LengthModel
-from draftdata.generate.budget.throughput import ThroughputModel
+from draftdata.generate.run.budget.lengths import LengthModel
+from draftdata.generate.run.budget.throughput import ThroughputModel
 
 # A refill request is admitted near the end only if at least this share of responses is short enough to complete
 # before the budget is reached (BudgetController._can_finish).

@@ -1,5 +1,5 @@
 """The running distribution of completed response lengths: what the budget controller expects of a request in flight
-and of one admitted now (draftdata/generate/budget/controller.py)."""
+and of one admitted now (draftdata/generate/run/budget/controller.py)."""
 
 from __future__ import annotations
 

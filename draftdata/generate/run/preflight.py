@@ -23,8 +23,8 @@ from pathlib import Path
 
 from draftdata.config.schema import BackendKind, Config
 from draftdata.errors import UserError
-from draftdata.generate.planning import Plan, left_behind
-from draftdata.generate.selection import output_tokens
+from draftdata.generate.plan.planning import Plan, left_behind
+from draftdata.generate.run.settled import output_tokens
 from draftdata.generate.store import ResponseStore
 from draftdata.model.target import Target
 from draftdata.util.log import log

@@ -1,5 +1,5 @@
 """The throughput meter: readings of a server's aggregate decode rate and the batch it ran with, for the budget
-controller (draftdata/generate/budget.py: ThroughputModel learns from them how throughput scales with the batch)."""
+controller (draftdata/generate/run/budget.py: ThroughputModel learns from them how throughput scales with the batch)."""
 
 from __future__ import annotations
 
