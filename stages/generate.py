@@ -96,7 +96,8 @@ def unanswered_line(dataset: str, unanswered: list[tuple[str | None, str, str]],
     return (
         f"generate@{dataset}: budget not met ({total:,} of {budget:,} tokens): a request failed twice in this run, "
         f"and the output, exact, stops before it: {stops}. Everything generated is in the store; run again "
-        f"(dvc repro) to ask it again and go on"
+        f"(dvc repro) to ask it again and go on. A prompt that fails for good (a server's content filter) stops it "
+        f"there every time: drop it from the source, or set datasets.{dataset}.landing: finished"
     )
 
 
