@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from pathlib import Path
 
 import pytest
 
@@ -162,3 +163,22 @@ def test_the_attention_fallback_is_logged_once_and_every_row_names_the_path(proj
     assert len(lines) == 1 and "c++: command not found" in lines[0]
 
     assert generated(project, "attention") == ({"reference"}, ["reference"])
+
+
+def test_the_kernel_build_is_said_once_a_machine(tmp_path, monkeypatch, capsys):
+    """A build (about a minute on a small CPU) says so before it starts and when it is done; a cached library is
+    loaded without a word."""
+    from torch.utils import cpp_extension
+
+    from draftdata.generate.embedded import attention
+
+    def build(name, cpp_sources, extra_cflags, build_directory, is_python_module):  # the compiler's output, faked
+        (Path(build_directory) / f"{name}.so").write_bytes(b"\x7fELF")
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load_inline", build)
+    first = attention._library("source")
+    said = capsys.readouterr().out
+    assert "building the decode-attention kernel" in said and "decode-attention kernel built in" in said
+    assert attention._library("source") == first and first.exists()
+    assert capsys.readouterr().out == ""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from pathlib import Path
 
 KERNEL = r"""
@@ -204,6 +205,11 @@ def _library(source: str) -> Path:
     library = root / f"attention-{key}.so"
     if library.exists():
         return library
+    from draftdata.util.log import log
+
+    # once per machine (and torch version): a first generate stage would otherwise sit silent for about 70 s on 2 cores
+    log("backend", status="building the decode-attention kernel for this CPU: once per machine, about 70 s on 2 cores")
+    t0 = time.monotonic()
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root) as build:
         # is_python_module=False: built and loaded as a library of ops (the op is registered from here on)
@@ -217,6 +223,7 @@ def _library(source: str) -> Path:
         staged = Path(build) / "staged.so"
         staged.write_bytes((Path(build) / "draftdata_attention.so").read_bytes())
         staged.replace(library)
+    log("backend", status=f"decode-attention kernel built in {time.monotonic() - t0:.0f} s, kept for the next runs")
     return library
 
 
