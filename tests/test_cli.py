@@ -51,6 +51,7 @@ def test_each_command_has_its_help(command, first):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(first), proc.stdout[:300]
     assert len(proc.stdout.splitlines()) < 60
+    assert proc.stdout.count(first) == 1  # said once
 
 
 def test_plan_and_export_take_hydra_overrides_as_the_stages_do():

@@ -70,6 +70,4 @@ def main(cfg: Config) -> Report:
 
 
 def run(argv: list[str]) -> None:
-    if "--help" in argv or "-h" in argv:  # what the command does, then the config's help
-        print(__doc__.strip() + "\n")
-    cli(main, argv=argv, prog="draftdata verify")
+    cli(main, argv=argv, prog="draftdata verify")  # `--help`: this module's docstring, then the config's help
