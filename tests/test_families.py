@@ -208,6 +208,9 @@ def test_an_export_the_capture_or_the_trainer_cannot_serve_is_refused_before_any
     project = captured_project
     with pytest.raises(ConfigError, match="export.family: dspark: the states .* were captured for dflash, eagle3"):
         export(project, "specforge", "dspark")
+    # the trainer's lack first: no capture would mend it
+    with pytest.raises(ConfigError, match="export.family: specforge has no offline data path for peagle"):
+        export(project, "specforge", "peagle")
     project.set("hidden_states.drafters", ["eagle3", "dflash", "peagle", "dflash2"])
     project.run("hidden_states", "B3")
     with pytest.raises(

@@ -141,19 +141,20 @@ def trainable(f: Family, loss_mask: list[int], tally: ExportTally) -> bool:
 
 
 def pick(hs: HiddenStates, fmt: str, name: str) -> Picked:
-    """The family's layers in these states, refused in one line where the capture or the trainer lacks it."""
+    """The family's layers in these states, refused in one line where the trainer or the capture lacks it: the
+    trainer first, since no capture would mend that (a capture made for it first would be time lost)."""
     f = FAMILIES[name]
-    if name not in hs.families:
-        raise ConfigError(
-            "export.family",
-            f"{name}: the states at {hs.path} were captured for {', '.join(hs.families)}; add {name} to "
-            "hidden_states.drafters and dvc repro (layers already stored are not computed again)",
-        )
     if getattr(f, fmt) is None:
         readers = trainers_of(f)
         raise ConfigError(
             "export.family",
             f"{fmt} has no offline data path for {name}" + (f"; export it for {', '.join(readers)}" if readers else ""),
+        )
+    if name not in hs.families:
+        raise ConfigError(
+            "export.family",
+            f"{name}: the states at {hs.path} were captured for {', '.join(hs.families)}; add {name} to "
+            "hidden_states.drafters and dvc repro (layers already stored are not computed again)",
         )
     positions = list(hs.families[name]["positions"])
     if fmt == "specforge" and f.specforge == "eagle3" and len(positions) != 3:
