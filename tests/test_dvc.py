@@ -315,7 +315,7 @@ def test_the_summary_ends_the_chain_and_exports_are_not_committed(repo):
     default folder is ignored by git, so the README's `git add -A` does not commit a trainer's copy."""
     spec = yaml.safe_load((repo / "dvc.yaml").read_text())["stages"]["summary"]["do"]
     assert "data/${key}/hidden_states_metrics.json" in spec["deps"]
-    export = repo / "data" / "B3_magicoder" / "export-specforge"
+    export = repo / "data" / "B3_magicoder" / "export-specforge-eagle3"
     export.mkdir(parents=True, exist_ok=True)
     (export / "rows_0").write_text("x")
     assert sh(["git", "check-ignore", str(export / "rows_0")], repo).strip()
@@ -505,7 +505,7 @@ def test_store_hidden_states_false_reruns_that_stage_alone_and_stores_nothing(re
             [sys.executable, "-m", "draftdata", "export", "dataset=B3_magicoder", "export.format=speculators_online"],
             repo,
         )
-        assert (out / "export-speculators_online" / "token_freq.pt").is_file()
+        assert (out / "export-speculators_online-eagle3" / "token_freq.pt").is_file()
     finally:
         (repo / "params.yaml").write_text(good)
     dvc("repro", cwd=repo)  # DVC may restore the states from its run cache; forced, the stage computes none

@@ -60,7 +60,8 @@ def chats(project):
 
 def export(project, fmt: str, *overrides: str, dataset: str = "B3") -> Path:
     project.run("export", dataset, f"export.format={fmt}", *overrides)
-    return project.data(dataset) / f"export-{fmt}"
+    family = next((o.split("=", 1)[1] for o in overrides if o.startswith("export.family=")), "eagle3")
+    return project.data(dataset) / f"export-{fmt}-{family}"  # one folder per format and family
 
 
 def samples_of(project, dataset: str) -> list[dict]:
@@ -175,10 +176,10 @@ def test_an_interrupted_export_is_never_at_the_export_path(states, monkeypatch):
     with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
         m.setitem(export_mod.WRITERS, "specforge", dies)
         export(states, "specforge")
-    assert not (states.data("B3") / "export-specforge").exists()
+    assert not (states.data("B3") / "export-specforge-eagle3").exists()
     assert not list(states.data("B3").glob(".export-specforge*"))
     # a killed run's staging (no cleanup ran) is cleared by the next run, which completes
-    staging = states.data("B3") / ".export-specforge.partial"
+    staging = states.data("B3") / ".export-specforge-eagle3.partial"
     staging.mkdir()
     (staging / "junk.ckpt").write_bytes(b"")
     out = export(states, "specforge")
@@ -795,4 +796,4 @@ def test_an_online_export_for_a_block_drafter_keeps_its_rows_and_names_its_layer
 def test_an_online_family_the_trainer_cannot_train_is_refused_before_any_file(chats, fmt, family, words):
     with pytest.raises(ConfigError, match=f"^export.family: {re.escape(words)}"):
         export(chats, fmt, f"export.family={family}", dataset="B6")
-    assert not (chats.data("B6") / f"export-{fmt}").exists()
+    assert not (chats.data("B6") / f"export-{fmt}-{family}").exists()

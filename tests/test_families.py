@@ -146,7 +146,7 @@ def test_adding_a_family_whose_layers_are_stored_computes_nothing(captured_proje
 def export(project, fmt: str, family: str, *overrides: str):
     project.run("export", "B3", f"export.format={fmt}", f"export.family={family}", *overrides)
     given = [o.split("=", 1)[1] for o in overrides if o.startswith("export.dir=")]
-    return project.path / given[0] if given else project.data("B3") / f"export-{fmt}"
+    return project.path / given[0] if given else project.data("B3") / f"export-{fmt}-{family}"
 
 
 def kept(hs: HiddenStates, needs_adjacent: bool) -> list:
@@ -219,7 +219,7 @@ def test_an_export_the_capture_or_the_trainer_cannot_serve_is_refused_before_any
         export(project, "specforge", "peagle")
     with pytest.raises(ConfigError, match="export.draft_vocab_size: SpecForge's dflash reads no vocabulary mapping"):
         export(project, "specforge", "dflash", "export.draft_vocab_size=64")
-    assert not (project.data("B3") / "export-specforge").exists()
+    assert not list(project.data("B3").glob("export-specforge*"))
 
 
 # ---- the trainers' own readers ---------------------------------------------------------------------------------- #
@@ -461,3 +461,15 @@ def test_mtp_alone_captures_the_last_state_with_no_aux_layer_and_exports_it(proj
         states = load_file(str(out / "hidden_states" / f"hs_{i}.safetensors"))["hidden_states"]
         assert states.shape == (s.input_ids.shape[0], 1, hs.hidden_size)
         assert torch.equal(states[:, -1], s.final_pre_norm.to(torch.bfloat16))
+
+
+def test_two_families_exports_stand_side_by_side(captured_project):
+    """One folder per format and family by default: exporting DFlash after EAGLE-3 leaves the EAGLE-3 export as it
+    was."""
+    eagle = export(captured_project, "speculators", "eagle3")
+    before = {p.relative_to(eagle): p.read_bytes() for p in eagle.rglob("*") if p.is_file()}
+    dflash = export(captured_project, "speculators", "dflash")
+    assert eagle != dflash and eagle.name == "export-speculators-eagle3"
+    assert {p.relative_to(eagle): p.read_bytes() for p in eagle.rglob("*") if p.is_file()} == before
+    families = [json.loads((d / MARKER).read_text())["family"] for d in (eagle, dflash)]
+    assert families == ["eagle3", "dflash"]

@@ -114,14 +114,14 @@ def test_modes_on_the_thinking_template_split_land_and_record(project, capsys):
     project.run("export", "B3", "export.format=speculators")
     from datasets import load_from_disk
 
-    exported = load_from_disk(str(out / "export-speculators"))
+    exported = load_from_disk(str(out / "export-speculators-eagle3"))
     assert list(exported["mode"]) == [s["mode"] for s in samples]
     project.run("export", "B3", "export.format=specforge")
     import torch
 
     from draftdata.hidden.export import specforge_path
 
-    files = [out / "export-specforge" / specforge_path(i) for i in range(len(samples))]
+    files = [out / "export-specforge-eagle3" / specforge_path(i) for i in range(len(samples))]
     assert [torch.load(f, weights_only=False)["mode"] for f in files] == [s["mode"] for s in samples]
     # tokenize.empty_think: train: each plain sample trains its empty think block too, a think sample nothing more
     project.set("tokenize.empty_think", "train")
@@ -181,9 +181,9 @@ def check_mode_rows(project, metrics: dict, ds: DatasetConfig, samples: list[dic
     assert shown == [["mode", m.mode, f"{m.prompts:,}"] for m in planned.modes]  # beneath the dataset's row
     # the online exports: speculators' rows and SpecForge's conversations name their mode
     project.run("export", "B3", "export.format=speculators_online")
-    assert list(load_from_disk(str(out / "export-speculators_online"))["mode"]) == [s["mode"] for s in samples]
+    assert list(load_from_disk(str(out / "export-speculators_online-eagle3"))["mode"]) == [s["mode"] for s in samples]
     project.run("export", "B3", "export.format=specforge_online")
-    convs = list(read_jsonl(out / "export-specforge_online" / "conversations.jsonl"))
+    convs = list(read_jsonl(out / "export-specforge_online-eagle3" / "conversations.jsonl"))
     assert convs and all(c["mode"] == modes_of[c["id"]] for c in convs)
 
 

@@ -453,7 +453,7 @@ class ExportConfig:
     # specforge | speculators: offline (the stored hidden states); specforge_online | speculators_online: the
     # samples alone, for training with the states computed on the fly (no hidden_states stage needed)
     format: str = "specforge"
-    dir: Optional[str] = None  # None: data/<dataset>/export-<format>
+    dir: Optional[str] = None  # None: data/<dataset>/export-<format>-<family>, one folder per format and family
     # Also write the draft vocabulary mapping (d2t, t2d) for a draft vocabulary of this many tokens, from the
     # loss-masked token counts of the samples, as the trainer itself computes it. None: no mapping written.
     draft_vocab_size: Optional[int] = None

@@ -170,7 +170,9 @@ def pick(hs: HiddenStates, fmt: str, name: str) -> Picked:
 
 
 def export_dir(cfg: Config) -> Path:
-    return Path(cfg.export.dir) if cfg.export.dir else data_dir(cfg.dataset) / f"export-{cfg.export.format}"
+    """`export.dir`, else one folder per format and family: exporting another family never replaces this one."""
+    default = data_dir(cfg.dataset) / f"export-{cfg.export.format}-{cfg.export.family}"
+    return Path(cfg.export.dir) if cfg.export.dir else default
 
 
 def check_source(src: Path, dataset: str) -> None:
