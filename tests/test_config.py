@@ -36,6 +36,9 @@ from draftdata.errors import ConfigError
         ("run.fail_fast_after=-1", "run.fail_fast_after", ">= 0"),
         ("datasets.B3.template_kwargs=thinking", "datasets.B3.template_kwargs", "Cannot assign str to Dict"),
         ("+datasets.B3.token_budgt=5", "datasets.B3.token_budgt", "did you mean datasets.B3.token_budget?"),
+        # a misspelled section is mended as a leaf is
+        ("hidden_state.layers=[1,2,3]", "hidden_state.layers", "did you mean hidden_states.layers?"),
+        ("+datasets.B3.samplng.top_p=0.5", "datasets.B3.samplng.top_p", "did you mean datasets.B3.sampling.top_p?"),
         ("hidden_states.layers=[]", "hidden_states.layers", "is empty"),
         ("hidden_states.layers=[1,-2]", "hidden_states.layers", "0-based integers"),
         ("model.chat_template=chatmlx", "model.chat_template", "a preset: chatml, hermes_tools, llama3"),
@@ -577,3 +580,15 @@ def test_check_params_refuses_layer_ids_the_target_does_not_have(project):
     project.set("hidden_states.layers", [1, 3, 40])
     with pytest.raises(ConfigError, match=r"^hidden_states\.layers: layer ids \[40\] out of range for the target's"):
         project.run("check_params", None)
+
+
+def test_a_model_path_one_letter_off_a_directory_names_it(tmp_path, monkeypatch):
+    """`models/smollm2-135m-instruc` is a typo of the directory beside it, not a hub id: said at once."""
+    from draftdata.model.load import check_model_path
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "smollm2-135m-instruct").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"^model\.path: .*did you mean models/smollm2-135m-instruct\?"):
+        check_model_path("models/smollm2-135m-instruc")
+    check_model_path("models/smollm2-135m-instruct")  # the directory itself passes
+    check_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")  # a hub id with no folder of that name here passes

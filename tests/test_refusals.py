@@ -446,6 +446,7 @@ REFUSALS: dict[str, dict | tuple[str, str]] = {
                 "run by hand meets it (check_params lets it pass)"
             ),
             "model.path: {path}: no such directory (a": twin("model.path-no-such-directory"),
+            "model.path: {path}: no such directory; did": twin("model.path-one-letter-off"),
         },
         "check_tracked_model_path": {"model.path: {path} is a hub id,": twin("model.path-hub-id")},
         "hub_snapshot": {"model.path: hub id {path} at model.revision": twin("model.path-hub-id")},
@@ -629,6 +630,11 @@ def params_path(project) -> str:
 
 
 # case -> (an edit of the project: {key: value} or a function of it, the key its error starts with)
+def one_letter_off(project) -> None:
+    """model.path one letter short of the target's directory, beside it."""
+    put(project, "model.path", project.params["model"]["path"].rstrip("/")[:-1])
+
+
 CASES: dict[str, tuple[dict | Callable, str | Callable]] = {
     "params-invalid-yaml": (params_text("model: [\n"), lambda project: params_path(project) + ":"),
     "params-not-a-mapping": (params_text("- model\n"), params_path),
@@ -729,6 +735,7 @@ CASES: dict[str, tuple[dict | Callable, str | Callable]] = {
         "hidden_states.draft_numbering",
     ),
     "model.path-no-such-directory": ({"model.path": "./no-such-model"}, "model.path"),
+    "model.path-one-letter-off": (one_letter_off, "model.path"),
     # a hub id: dvc.yaml's `${model.path}` dependency would be missing, after DVC deleted the stage's outputs
     "model.path-hub-id": ({"model.path": "HuggingFaceTB/SmolLM2-135M-Instruct"}, "model.path"),
     "model.trust_remote_code": (

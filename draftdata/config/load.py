@@ -63,14 +63,24 @@ def _omegaconf_error(e: BaseException, source: str) -> ConfigError:
 
 
 def _did_you_mean(parts: list[str]) -> str:
-    """`; did you mean <the nearest key>?` for an unknown key (its dotted parts), or nothing without a near one."""
+    """`; did you mean <the nearest key>?` for an unknown key (its dotted parts), or nothing without a near one. The
+    first part the schema does not know is the one mended, a section as well as a leaf (`hidden_state.layers`: did
+    you mean hidden_states.layers?)."""
     import difflib
     import typing
 
-    parent = _schema_node(parts[:-1])
-    known = list(typing.get_type_hints(parent)) if hasattr(parent, "__dataclass_fields__") else []
-    near = difflib.get_close_matches(parts[-1], known, n=1)
-    return f"; did you mean {'.'.join(parts[:-1] + near)}?" if near else ""
+    for i, part in enumerate(parts):
+        parent = _schema_node(parts[:i])
+        if typing.get_origin(parent) in (dict, typing.Dict):  # noqa: UP006 - a named entry (datasets.<name>): any name
+            continue
+        if not hasattr(parent, "__dataclass_fields__"):
+            return ""  # below a leaf, or in a free-form mapping: nothing to compare with
+        known = list(typing.get_type_hints(parent))
+        if part in known:
+            continue
+        near = difflib.get_close_matches(part, known, n=1)
+        return f"; did you mean {'.'.join(parts[:i] + near + parts[i + 1 :])}?" if near else ""
+    return ""
 
 
 def _backend_presets() -> list[str]:

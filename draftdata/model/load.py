@@ -40,8 +40,23 @@ def check_model_path(path: str) -> None:
         raise ModelNotBuilt(
             "model.path", f"{path} does not exist yet; dvc.yaml's stage {stage} makes it (dvc repro {stage})"
         )
+    if near := nearest_directory(path):  # one letter off a directory beside it (models/...): a typo, not a hub id
+        raise ConfigError("model.path", f"{path}: no such directory; did you mean {near}?")
     if looks_local(path):
         raise ConfigError("model.path", f"{path}: no such directory (a local path; a hub id is 'org/name')")
+
+
+def nearest_directory(path: str) -> str | None:
+    """The directory beside where `path` points whose name is nearest its own, as `path` spells its folder; None where
+    its folder does not exist or holds none near."""
+    import difflib
+
+    where = Path(path).expanduser()
+    if not where.parent.is_dir() or not where.name:
+        return None
+    names = [d.name for d in where.parent.iterdir() if d.is_dir()]
+    near = difflib.get_close_matches(where.name, names, n=1, cutoff=0.8)
+    return str(Path(path).parent / near[0]) if near else None
 
 
 def check_tracked_model_path(path: str) -> None:
