@@ -24,6 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from draftdata.config.load import cli
+from draftdata.config.modes import mode_warnings
 from draftdata.config.schema import (
     BackendKind,
     Config,
@@ -78,6 +79,8 @@ def main(cfg: Config) -> None:
     check_store_path(cfg.run.store_path)  # a store that cannot open, refused here rather than by generate
     if stored:
         check_states_path(cfg.run)  # and the state store, rather than by hidden_states
+    for line in mode_warnings(cfg):  # mode weights taken as shares: told, not refused
+        log("check_params", warning=line)
     for line in length_warnings(cfg, context=context):  # samples tokenize may drop: told, not refused
         log("check_params", warning=line)
     write_json(CHECKED, {"checked": "params.yaml", "ok": True})

@@ -261,3 +261,15 @@ def test_modes_on_a_real_server_and_in_process(backend_project):
     project.run("generate", "B3")
     again = json.loads((out / "generate_metrics.json").read_text())
     assert again["newly_generated"] == 0 and (out / "responses.jsonl").read_bytes() == first
+
+
+def test_weights_that_do_not_add_up_to_one_are_said_to_be_shares(project, capsys):
+    project.params["datasets"]["B3"]["modes"] = {"think": {"weight": 2}, "plain": {"weight": 1}}
+    project.save()
+    project.run("check_params", None)
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if "modes:" in x]
+    assert "datasets.B3.modes: the weights add up to 3, not 1; taken as shares: plain 33%, think 67%" in line
+    project.params["datasets"]["B3"]["modes"] = {"think": {"weight": 0.7}, "plain": {"weight": 0.3}}
+    project.save()
+    project.run("check_params", None)
+    assert "modes:" not in capsys.readouterr().out
