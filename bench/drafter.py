@@ -96,6 +96,7 @@ from draftdata.drafters.families import FAMILIES, block_default_layers, unusable
 from draftdata.drafters.layers import default_layers
 
 RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = RESULTS.parents[1]  # the repository
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "drafter_train.py"
 VERIFY_SCRIPT = Path(__file__).resolve().parent / "drafter_verify.py"
 VLLM_SCRIPT = Path(__file__).resolve().parent / "drafter_vllm.py"
@@ -1037,6 +1038,14 @@ def speculation(done: list[dict], results: dict, verify: list[str], loop: dict, 
     return out
 
 
+def unrooted(text: str, work: Path) -> str:
+    """The results' text with this machine's folders taken out of the paths it holds (a served checkpoint's, the
+    target's): relative to the workdir or the repository, as the command was given them."""
+    for root in (work.resolve(), ROOT):
+        text = text.replace(json.dumps(f"{root}/")[1:-1], "")
+    return text
+
+
 def run(args) -> dict:
     t0 = time.perf_counter()
     prep = prepare(args)
@@ -1046,7 +1055,7 @@ def run(args) -> dict:
     def write() -> dict:
         wall.update(drafters=round(time.perf_counter() - t_train, 1), all=round(time.perf_counter() - t0, 1))
         out = assemble(args, prep, dict(wall))
-        args.out.write_text(json.dumps(out, indent=1) + "\n")
+        args.out.write_text(unrooted(json.dumps(out, indent=1), prep["work"]) + "\n")
         return out
 
     trainers(prep["work"], prep["spec"], prep["runs"], args.jobs, TRAIN_SCRIPT, poll=write)
