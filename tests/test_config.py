@@ -592,3 +592,5 @@ def test_a_model_path_one_letter_off_a_directory_names_it(tmp_path, monkeypatch)
         check_model_path("models/smollm2-135m-instruc")
     check_model_path("models/smollm2-135m-instruct")  # the directory itself passes
     check_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")  # a hub id with no folder of that name here passes
+    (tmp_path / "gpt").mkdir()
+    check_model_path("gpt2")  # a bare name is a hub id, though a folder beside it is one letter off

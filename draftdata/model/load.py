@@ -52,8 +52,8 @@ def nearest_directory(path: str) -> str | None:
     import difflib
 
     where = Path(path).expanduser()
-    if not where.parent.is_dir() or not where.name:
-        return None
+    if Path(path).parent == Path(".") or not where.parent.is_dir() or not where.name:
+        return None  # a bare name is a hub id (gpt2), not a typo of a folder beside it
     names = [d.name for d in where.parent.iterdir() if d.is_dir()]
     near = difflib.get_close_matches(where.name, names, n=1, cutoff=0.8)
     return str(Path(path).parent / near[0]) if near else None
