@@ -11,7 +11,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, target_for
+from conftest import DEMO, ROOT, target_for
 
 from draftdata.util.files import read_jsonl
 
@@ -168,10 +168,10 @@ def test_progress_lines_when_not_on_a_terminal(project, capsys):
     assert f"generated={m['new_tokens']} kept={m['new_in_output_tokens']} parked={m['parked_tokens']}" in closing
 
 
-def test_progress_eta_comes_from_the_recent_rate():
+def test_progress_eta_comes_from_the_recent_rate_and_what_is_left_to_decode():
     from types import SimpleNamespace
 
-    from draftdata.generate.run.dispatcher import RunStats
+    from draftdata.generate.run.dispatcher import Figures, RunStats
     from draftdata.generate.run.progress import Progress
 
     cfg = SimpleNamespace(ds=SimpleNamespace(token_budget=10_000), dataset="D", run=SimpleNamespace(progress=False))
@@ -179,15 +179,64 @@ def test_progress_eta_comes_from_the_recent_rate():
     stats = RunStats(new=10, kept=400, completed_len=1_000)  # 600 of their tokens continued from parked partials
     prog._mark(100.0, 0, 0)  # loading: no tokens yet, no mark
     prog._mark(101.0, 1_000, 5)
-    assert prog.rates() is None and "ETA" not in prog.line(1_000, stats, 4)  # one reading spans no time
-    prog._mark(111.0, 2_000, 10)  # 100 tok/s, 0.5 req/s since the first token
-    line = prog.line(2_000, stats, 4)
+    assert prog.rates() is None and "ETA" not in prog.line(Figures(1_000, 1_000, 4, 0, stats, 9_000))
+    prog._mark(111.0, 2_000, 10)  # 100 tok/s; 0.5 req/s since the first token
+    line = prog.line(Figures(2_000, 2_000, 4, 0, stats, 8_000, 100))
     assert "100 tok/s" in line and "0.5 req/s" in line and "ETA 80s" in line and "avg_comp=100tok" in line
     assert line.startswith("2,000/10,000 tok (20%) | 4 generating (0 tok) | 10 resp (0 err)")
-    # what the requests in flight streamed is on its way to the budget: the ETA is what is left past it
-    line = prog.line(2_000, stats, 4, 1_500)
-    assert "4 generating (1,500 tok)" in line and "ETA 65s" in line
-    assert "generating" not in prog.line(2_000, stats, 0)
+    # the run's last request decodes at a request's share of the rate: 4 in flight, 300 tokens left to one of them
+    assert "ETA 12s" in prog.line(Figures(9_000, 9_000, 4, 1_500, stats, 400, 300))
+    # tokens streamed past what the budget needs are not the budget's until their request ends: no ETA 0s
+    line = prog.line(Figures(9_000, 9_000, 1, 1_500, stats, 250, 250))
+    assert "1 generating (1,500 tok)" in line and "ETA 2s" in line
+    assert "generating" not in prog.line(Figures(2_000, 2_000, 0, 0, stats))
+    assert "ETA" not in prog.line(Figures(2_000, 2_000, 0, 0, stats, 8_000), final=True)  # an ended run's last line
+    # answers far between read in the unit that shows them, not 0.0 req/s
+    prog._mark(161.0, 7_000, 11)
+    assert "0.1 req/s" in prog.line(Figures(7_000, 7_000, 4, 0, stats, 1_000))
+    prog._mark(1_101.0, 9_000, 12)  # 7 answers in 1,000 s
+    assert "0.4 req/min" in prog.line(Figures(9_000, 9_000, 4, 0, stats, 1_000))
+
+
+def test_the_eta_of_a_run_is_within_a_factor_of_the_time_that_really_remained(project, monkeypatch, tmp_path):
+    """Every ETA a tiny-target run prints, against the time from its line to the run's last line: within ETA_FACTOR
+    of it, or ETA_SLACK_S (it is shown in whole seconds). The target answers at length (each answer is cut at
+    max_tokens, 1,200; the budget of 3,000 takes three), so the request in flight holds more than the budget still
+    needs: an ETA that counted its tokens as the budget's said 0s with seconds to go."""
+    import io
+    import re
+    import sys
+    import time
+
+    from draftdata.config.schema import TinyModelConfig
+    from draftdata.model.tiny import build_target
+
+    ETA_FACTOR, ETA_SLACK_S = 2.0, 1.0
+    build_target(TinyModelConfig(path=str(tmp_path / "long"), corpus_dir=str(DEMO), mean_response_tokens=20_000))
+    project.params["model"]["path"] = str(tmp_path / "long")
+    project.params["run"]["log_every_s"] = 0.0
+    project.params["datasets"]["B3"].update(token_budget=3_000, max_tokens=1_200, concurrency=1)
+    project.save()
+    project.run("prompts", "B3")
+
+    class Stamped(io.StringIO):  # stdout, each line with the time it was written
+        def write(self, text: str) -> int:
+            written.extend((time.monotonic(), line) for line in text.splitlines() if line)
+            return len(text)
+
+    written: list[tuple[float, str]] = []
+    monkeypatch.setattr(sys, "stdout", Stamped())
+    project.run("generate", "B3")
+    lines = [(t, line) for t, line in written if line.startswith("generate B3: ")]
+    end = lines[-1][0]
+    units = {"s": 1, "min": 60, "h": 3600}
+    etas = [
+        (t, float(m[1]) * units[m[2]], line) for t, line in lines if (m := re.search(r"ETA ([\d.]+)(s|min|h)", line))
+    ]
+    assert len(etas) > 20, f"{len(etas)} lines with an ETA in a run of {end - lines[0][0]:.1f} s"
+    for t, eta, line in etas:
+        left = end - t
+        assert left / ETA_FACTOR - ETA_SLACK_S <= eta <= left * ETA_FACTOR + ETA_SLACK_S, f"{left:.1f} s left: {line}"
 
 
 def test_progress_shows_the_last_figures_of_a_run_that_ends_before_it_looked(capsys):

@@ -74,6 +74,10 @@ class Figures:
     in_flight: int = 0  # requests
     streaming: int = 0  # completion tokens the requests in flight hold
     stats: RunStats = field(default_factory=RunStats)
+    # what the run is still expected to decode, and the most one request in flight has left (BudgetController.
+    # still_to_decode): the ETA's, as the tokens streamed are not what the budget still needs
+    to_decode: float = 0.0
+    tail: float = 0.0
 
 
 class Interrupted(Exception):
@@ -169,6 +173,9 @@ class Dispatcher:
             self.generated_so_far(),
             len(self.flights),
             self.streaming(),
+        )
+        f.to_decode, f.tail = self.ctrl.still_to_decode(
+            self.in_flight_progress(), self.work.pending(0), self.work.new_left()
         )
 
     def _fill(self, final: bool = False) -> None:

@@ -37,6 +37,7 @@ class WorkQueue:
 
     def __init__(self, todo: Iterable[Planned] = ()):
         self._new: Iterator[Planned] = iter(todo)
+        self._left = len(todo) if isinstance(todo, Collection) else None  # new requests not handed out yet
         # key -> the store's row, for every request this run committed (`put_many`'s word: another run's answer where
         # it committed first) and every stored turn a conversation stopped at on the way: the run's rows, unread
         self.rows: dict[str, StoredResponse] = {}
@@ -46,7 +47,14 @@ class WorkQueue:
         return None
 
     def next_new(self) -> Planned | None:
-        return next(self._new, None)
+        p = next(self._new, None)
+        if p is not None and self._left:
+            self._left -= 1
+        return p
+
+    def new_left(self) -> int | None:
+        """How many new requests are still to hand out (None: not counted, as a stream of conversations)."""
+        return self._left
 
     def prefer(self, p: Planned) -> str | None:
         """The server to send `p` to, if it can."""
@@ -85,7 +93,7 @@ class ConversationQueue(WorkQueue):
         prompts_count: bool = False,
         renders: Renders | None = None,
     ):
-        super().__init__()
+        super().__init__(iter(()))  # new conversations come from _fresh: not counted in requests (new_left)
         self.store, self.parked, self.room, self.renders = store, parked, room, renders
         self.prompts_count = prompts_count  # budget_unit total: the controller prices turns' prompts too
         self._fresh = deque(c for c in convs if c.next is not None)  # not started in this run, in prompt order

@@ -63,6 +63,19 @@ class LengthModel:
             return (progress + self.max_tokens) / 2
         return self._suffix[i] / (len(self._snapshot) - i)
 
+    def expected_end(self, progress: int) -> float:
+        """`expected_final` read from the first length seen on (the progress line's ETA): the admission's prior of
+        max_tokens / 2 holds a request past it about to end, and a run of long answers would read "ETA 0s" for as
+        long as its first sixteen take. Before any length, the prior, and halfway to max_tokens past it."""
+        if self.n == 0:
+            prior = self.max_tokens / 2
+            return prior if progress < prior else (progress + self.max_tokens) / 2
+        self._fresh()
+        i = bisect.bisect_right(self._snapshot, progress)
+        if i == len(self._snapshot):
+            return (progress + self.max_tokens) / 2
+        return self._suffix[i] / (len(self._snapshot) - i)
+
     def censored(self, running: Sequence[int]) -> tuple[float, float, float]:
         """The mean length of a new request and the expected final lengths of the `running` requests (their
         progress), summed, with the running requests counted as lengths not yet known (Kaplan-Meier, read as far as
