@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from draftdata.config.load import cli
-from draftdata.config.modes import split_rows
+from draftdata.config.modes import mode_warnings, split_rows
 from draftdata.config.schema import Config
 from draftdata.errors import Incomplete, UserError
 from draftdata.generate.land.output import Part, write_outputs
@@ -34,6 +34,8 @@ def main(cfg: Config) -> None:
             f"{out / 'prompts.jsonl'}: not found; run the prompts stage first (dvc repro prompts@{cfg.dataset})"
         )
     prompts = list(read_jsonl(out / "prompts.jsonl"))
+    for line in mode_warnings(cfg, cfg.dataset):  # also check_params's, for modes set on the command line
+        log("generate", warning=line)
     split = split_rows(cfg, prompts)  # one part, or one per mode
     store_path = resolve_store_path(cfg.run.store_path)
     hashes = hash_cache_path(store_path)

@@ -273,3 +273,44 @@ def test_weights_that_do_not_add_up_to_one_are_said_to_be_shares(project, capsys
     project.save()
     project.run("check_params", None)
     assert "modes:" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["datasets.B3.modes={think: {weight: 0.7}, plain: {weight: 0.3}}"],
+        ["++datasets.B3.modes={think: {weight: 0.7}, plain: {weight: 0.3}}"],
+        ["+datasets.B3.modes.think.weight=0.7", "+datasets.B3.modes.plain.weight=0.3"],
+        ["datasets.B3.modes.think.weight=0.7", "datasets.B3.modes.plain={weight: 0.3}"],
+    ],
+)
+def test_modes_are_set_from_the_command_line_in_each_form(project, overrides):
+    """The plain mapping failed with "unknown key 'think'", the dotted `+` form with "dict is not a subclass of
+    ModeConfig": only `++` worked."""
+    from draftdata.config.load import load_config
+
+    cfg = load_config(
+        "B3", [*overrides, "datasets.B3.modes.think.sampling.temperature=0.6"], project.path / "params.yaml"
+    )
+    modes = cfg.datasets["B3"].modes
+    assert {name: m.weight for name, m in modes.items()} == {"think": 0.7, "plain": 0.3}
+    assert modes["think"].sampling == {"temperature": 0.6} and modes["plain"].sampling == {}
+
+
+def test_a_mode_given_as_a_number_is_refused_naming_the_forms_that_work(project):
+    from draftdata.config.load import load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config("B3", ["datasets.B3.modes={think: 0.7}"], project.path / "params.yaml")
+    assert str(err.value).startswith("datasets.B3.modes.think: ") and (
+        "datasets.B3.modes={think: {weight: 0.5}}, or a key at a time: datasets.B3.modes.think.weight=0.5"
+        in str(err.value)
+    )
+
+
+def test_generate_says_the_weights_are_taken_as_shares(project, capsys):
+    """A mode set on the command line meets no check_params: the stage says it too."""
+    project.run("prompts", "B3")
+    project.run("generate", "B3", "datasets.B3.modes.think.weight=2", "datasets.B3.modes.plain.weight=1")
+    out = capsys.readouterr().out
+    assert "warning=datasets.B3.modes: the weights add up to 3, not 1; taken as shares: plain 33%, think 67%" in out

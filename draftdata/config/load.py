@@ -59,6 +59,9 @@ def _omegaconf_error(e: BaseException, source: str) -> ConfigError:
     msg = str(getattr(err, "msg", None) or err).strip().splitlines()[0]
     if msg.startswith("Key '") and " not in " in msg:  # a typo'd key: say so plainly
         msg = f"unknown key ({msg}){_did_you_mean(str(key).split('.'))}"
+    if "is not a subclass of ModeConfig" in msg:  # `modes={a: 0.5}`: the forms a mode is given in
+        modes, _, name = str(key).rpartition(".")
+        msg += f"; a mode is a mapping: {modes}={{{name}: {{weight: 0.5}}}}, or a key at a time: {key}.weight=0.5"
     return ConfigError(key, f"{msg} [from {source}]")
 
 
@@ -157,10 +160,13 @@ def _schema_node(parts: list[str]):
     return node
 
 
-def _checked_overrides(overrides: list[str]) -> list[str]:
+def _checked_overrides(overrides: list[str], params: dict | None = None) -> list[str]:
     """The command line against the schema, before Hydra: `+key=v` adds a key, which a typo'd key must not be
-    (`+datasets.D.token_budgt=5000` was taken silently); `key={a: b}` on a free-form mapping (template_kwargs,
-    sampling.extra, extra_body, vllm_kwargs) replaces the mapping, which Hydra refuses for keys not yet in it."""
+    (`+datasets.D.token_budgt=5000` was taken silently); `key={a: b}` on a mapping (template_kwargs, sampling.extra,
+    extra_body, vllm_kwargs; a dataset's modes) replaces the mapping's keys given, which Hydra refuses for keys not
+    yet in it; and a new entry of a dataset's typed mapping (`+datasets.D.modes.think.weight=0.7`) is added whole
+    (`_new_entry`), as Hydra's own `+` refuses it."""
+    import dataclasses
     import typing
 
     out = []
@@ -174,11 +180,39 @@ def _checked_overrides(overrides: list[str]) -> list[str]:
         node = _schema_node(parts)
         if node is None:
             raise ConfigError(bare, f"unknown key{_did_you_mean(parts)} [from command line]")
-        free_mapping = node is _FREE or typing.get_args(node)[1:] == (Any,)
-        if not key.startswith("+") and value.lstrip().startswith("{") and free_mapping:
+        if not key.startswith("~") and (entry := _new_entry(parts, value, params or {})) is not None:
+            out.append(entry)
+            continue
+        args = typing.get_args(node)[1:]
+        mapping = node is _FREE or args == (Any,) or (len(args) == 1 and dataclasses.is_dataclass(args[0]))
+        if not key.startswith("+") and value.lstrip().startswith("{") and mapping:
             override = f"++{bare}={value}"
         out.append(override)
     return out
+
+
+def _new_entry(parts: list[str], value: str, params: dict) -> str | None:
+    """`[+]datasets.D.modes.think.weight=0.7` or `datasets.D.modes.think={weight: 0.7}` where params.yaml has no mode
+    `think`: `++datasets.D.modes={think: {weight: 0.7}}`, the one form Hydra takes for a new entry of a mapping of
+    typed entries (it adds the entry as a plain mapping, which the entry's type refuses). None: not such a key (a
+    dataset itself is not added from the command line: its stages are dvc.yaml's)."""
+    import dataclasses
+    import typing
+
+    held: Any = params
+    for i in range(1, len(parts)):
+        held = held.get(parts[i - 1]) if isinstance(held, dict) else None
+        node = _schema_node(parts[:i])
+        args = typing.get_args(node)[1:] if node is not _FREE else ()
+        if i < 2 or len(args) != 1 or not dataclasses.is_dataclass(args[0]):
+            continue
+        if isinstance(held, dict) and parts[i] in held:
+            return None  # the entry is there: Hydra sets its keys
+        nested = value
+        for part in reversed(parts[i + 1 :]):
+            nested = f"{{{part}: {nested}}}"
+        return f"++{'.'.join(parts[:i])}={{{parts[i]}: {nested}}}"
+    return None
 
 
 def load_config(
@@ -197,7 +231,7 @@ def load_config(
     params_path = params_path or Path(os.environ.get("DRAFTDATA_PARAMS", "params.yaml"))
     params = _read_params(params_path)
     _check_sections(params, str(params_path))
-    overrides = _select_backend(params, _checked_overrides(list(overrides or [])), params_path)
+    overrides = _select_backend(params, _checked_overrides(list(overrides or []), params), params_path)
     cs = ConfigStore.instance()
     cs.store(name="draftdata_schema", node=Config)
     cs.store(name="draftdata_params", node=params)

@@ -82,11 +82,13 @@ def by_recorded_mode(cfg: Config, rows: list[dict], where: str) -> list[tuple[Co
     return [(mode_config(cfg, name), group) for name, group in groups.items()]
 
 
-def mode_warnings(cfg: Config) -> list[str]:
-    """One line per dataset whose mode weights do not add up to 1: they are taken as shares of the rows and the
-    budget (weight / their sum), which is said rather than done without a word."""
+def mode_warnings(cfg: Config, dataset: str | None = None) -> list[str]:
+    """One line per dataset (`dataset` alone, if given) whose mode weights do not add up to 1: they are taken as
+    shares of the rows and the budget (weight / their sum), which is said rather than done without a word."""
     lines = []
     for name, ds in cfg.datasets.items():
+        if dataset is not None and name != dataset:
+            continue
         total = sum(m.weight for m in ds.modes.values())
         if ds.modes and not math.isclose(total, 1.0, rel_tol=1e-9):
             shares = ", ".join(f"{m} {ds.modes[m].weight / total:.0%}" for m in sorted(ds.modes))
