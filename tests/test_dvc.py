@@ -308,6 +308,17 @@ def test_the_plots_page_draws_every_chart_offline(repo, tmp_path):
             labels = chart["axis_labels"]
             assert labels and not [t for t in labels if re.fullmatch(r"\d+\.\d+", t)], (name, labels)
             assert len(labels) == len(set(labels)), (name, labels)
+    # scripts/screenshot_plots.py's PNG holds the whole page (a fixed 2,400 px cut off seven of eight datasets)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from screenshot_plots import page_height, screenshot
+    finally:
+        sys.path.pop(0)
+    png = tmp_path / "plots.png"
+    height = screenshot(page, png, 1600)
+    tall = page_height(page, 1600)
+    assert tall > 900 and height == tall + 20
+    assert int.from_bytes(png.read_bytes()[20:24], "big") == height  # the PNG's IHDR: its height in pixels
 
 
 def test_the_summary_ends_the_chain_and_exports_are_not_committed(repo):
@@ -480,6 +491,49 @@ def test_two_repros_at_once_the_second_stops_on_dvc_s_lock(repo):
     # nothing was left half-done: only the summary of the regenerated dataset is behind (its metrics changed)
     assert ran(dvc("repro", cwd=repo)) <= {"summary@B1_glaive"}
     assert ran(dvc("repro", cwd=repo)) == set()
+
+
+@pytest.mark.slow
+def test_an_interrupted_generate_leaves_its_outputs_in_place(repo):
+    """Ctrl-C in generate: DVC removed responses.jsonl before the stage ran, so until the rerun the samples and the
+    hidden states stood without the responses they came from. Its outputs persist (`persist: true`, each rewritten
+    by an atomic replace): the last run's stand, as dvc.lock records them."""
+    import signal
+
+    dvc("repro", cwd=repo)
+    d = repo / "data" / "B3_magicoder"
+    names = ["responses.jsonl", "generate_rejected.jsonl", "generate_metrics.json", "plots/budget_fill.csv"]
+    before = {name: (d / name).read_bytes() for name in names}
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]["generate@B3_magicoder"]
+    good = (repo / "params.yaml").read_text()
+    params = yaml.safe_load(good)
+    params["datasets"]["B3_magicoder"]["token_budget"] = 2_500  # more than the run gets to before the signal
+    params["run"]["log_every_s"] = 0.2
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    env = dict(os.environ, DVC_NO_ANALYTICS="1")
+    argv = [sys.executable, "-m", "dvc", "repro", "generate@B3_magicoder"]
+    run = subprocess.Popen(
+        argv, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        seen = []
+        for line in run.stdout:  # a request in flight: the stage is generating
+            seen.append(line)
+            if line.startswith("generate B3_magicoder: ") and " generating (" in line:
+                break
+        else:
+            pytest.fail("the stage ended before it was interrupted:\n" + "".join(seen[-20:]))
+        os.killpg(run.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole process group
+        rest, _ = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+        (repo / "params.yaml").write_text(good)
+    assert run.returncode != 0, rest
+    assert {name: (d / name).read_bytes() for name in names} == before
+    assert yaml.safe_load((repo / "dvc.lock").read_text())["stages"]["generate@B3_magicoder"] == lock
+    # the workspace is the last run's, as dvc.lock says: only the check of the params edited and put back reruns
+    assert ran(dvc("repro", cwd=repo)) == {"check_params"}
 
 
 @pytest.mark.slow

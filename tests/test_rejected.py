@@ -50,3 +50,17 @@ def test_kept_and_rejected_rows_add_up_to_the_rows_read(project, name):
     table = pq.read_table(out / "samples.parquet").to_pylist()
     assert metrics["tokenize"]["rows_kept"] == len({s.get("conversation") or s["id"] for s in table})
     assert all(line.get("id") or line.get("where") for line in lines)
+
+
+def test_an_empty_ledger_is_said_to_be_the_reason_for_dvc_s_warning(project, capsys):
+    """DVC warns `'data/<D>/tokenize_rejected.jsonl' is empty.` after a clean tokenize: the stage says first what
+    that means, and only where its ledger is empty."""
+    for stage in ("prompts", "generate", "tokenize"):
+        project.run(stage, "B3")
+    out = capsys.readouterr().out
+    for stage in ("prompts", "generate", "tokenize"):
+        ledger = project.data("B3") / f"{stage}_rejected.jsonl"
+        line = f"{stage} rejected=0 ledger=data/B3/{stage}_rejected.jsonl is empty (DVC's warning of it: nothing was"
+        assert (line in out) == (ledger.stat().st_size == 0), stage
+    assert (project.data("B3") / "prompts_rejected.jsonl").stat().st_size > 0  # one each way: the demo's duplicates
+    assert (project.data("B3") / "tokenize_rejected.jsonl").stat().st_size == 0

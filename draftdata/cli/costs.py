@@ -153,12 +153,20 @@ def mean_completion(lengths: list[int], max_tokens: int) -> tuple[float, str]:
     return lm.mean(), f"max_tokens/2 ({lm.n} stored, {MIN_LENGTHS} read)" if lm.n else "max_tokens/2"
 
 
-def generation_rate(given: float | None, metrics: dict) -> tuple[float | None, str]:
-    """Tokens/s: given, else the last generate run's (0 there means it generated nothing: no measurement)."""
+def generation_rate(given: float | None, metrics: dict, concurrency: int | None = None) -> tuple[float | None, str]:
+    """Tokens/s: given, else the last generate run's (0 there means it generated nothing: no measurement), with the
+    requests in flight it ran at, and the concurrency set now where it differs (a rate read at 1 in flight says
+    little of 64)."""
     if given is not None:
         return given, "given"
     measured = metrics.get("new_tok_per_s") or 0.0
-    return (measured, "measured") if measured > 0 else (None, "none")
+    if measured <= 0:
+        return None, "none"
+    ran = metrics.get("concurrency")
+    if ran is None:  # a run from before the metrics held it
+        return measured, "measured"
+    now = f", now {concurrency}" if concurrency is not None and concurrency != ran else ""
+    return measured, f"measured @{ran}{now}"
 
 
 def measured_rate(path: Path, amount: float | None) -> float | None:
@@ -270,7 +278,7 @@ def plan_dataset(
         left, requests = sum(m.to_generate for m in modes), sum(m.requests for m in modes)
 
     gm = _read_json(out / "generate_metrics.json")
-    tok_s, tok_s_from = generation_rate(opts.tok_s, gm)
+    tok_s, tok_s_from = generation_rate(opts.tok_s, gm, ds.concurrency)
 
     seq = sequence_tokens(ds.token_budget, ds.budget_unit.value, mean_prompt, mean_c)
     resp_rate = measured_rate(out / "responses.jsonl", gm.get("prompt_tokens", 0) + gm.get("completion_tokens", 0))

@@ -17,6 +17,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from draftdata.util.files import atomic_path
+from draftdata.util.log import log
 
 ROW, TURN = "row", "turn"
 
@@ -51,7 +52,10 @@ class Rejections(Tally):
         return self
 
     def __exit__(self, *exc) -> bool:
-        return self._stack.__exit__(*exc)
+        suppressed = self._stack.__exit__(*exc)
+        if exc[0] is None and not self.counts and not self.turns:  # DVC warns "'<path>' is empty.": this is why
+            log(self.stage, rejected=0, ledger=f"{self.path} is empty (DVC's warning of it: nothing was rejected)")
+        return suppressed
 
     def add(self, reason: str, unit: str = ROW, **row) -> None:
         super().add(reason, unit)

@@ -252,6 +252,7 @@ def run_metrics(
         "server": stats.server,
         "wall_s": round(wall, 2),
         "new_tok_per_s": round(stats.generated / wall, 1) if wall > 0 else 0.0,
+        "concurrency": ds.concurrency,  # the requests in flight at most: the rate's context (draftdata plan says it)
     }
 
 
