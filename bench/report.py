@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from bench import report_demo
 from bench.drafter import ERRORS as DRAFTER_ERRORS  # the convention errors the bench trains, named once
 from bench.drafter import UNTRAINED as DRAFTER_UNTRAINED
 from bench.report_proof import PROOF_COMMAND, PROOF_FILE, PROOF_PLOT, plot, proof_section, quality
@@ -1869,6 +1870,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     write_block(DOC, "docs/benchmarks.md", START, END, figures)
     write_block(README, "README.md", QUALITY_START, QUALITY_END, render_quality())
+    if report_demo.DEMO_FILE.exists():  # the demo's figures in README and the docs (python -m bench.demo)
+        report_demo.write()
     real = RESULTS / PROOF_FILE
     if real.exists():
         drawn = plot(json.loads(real.read_text()), RESULTS / PROOF_PLOT)
