@@ -87,6 +87,32 @@ def eta_check(lines: list[tuple[float, str]]) -> dict:
     }
 
 
+def turns_before_after(clone: Path, params: dict, py: str, env: dict) -> dict:
+    """The `turns: all` datasets as the demo ran them, and each again on `turns: last` (generate and tokenize with the
+    override, into the same files: run last): the trained share before and after, and how the conversations
+    went."""
+    out = {}
+    for name, ds in params["datasets"].items():
+        if ds.get("turns", "last") != "all":
+            continue
+        d = clone / "data" / name
+        g, t = (json.loads((d / f"{s}_metrics.json").read_text()) for s in ("generate", "tokenize"))
+        after = {
+            "on_tool_divergence": ds.get("on_tool_divergence"),
+            "trained_share": round(t["trained_tokens"] / t["tokens"], 3),
+            "turns": g["turns_regenerated"],
+            "conversations": g["conversations"],
+            "ended": g["conversations_ended"],
+            "budget_tokens": g["budget_tokens"],
+            "budget": g["budget"],
+        }
+        for stage in ("generate", "tokenize"):
+            run([py, "-m", f"stages.{stage}", f"dataset={name}", f"datasets.{name}.turns=last"], clone, env)
+        t = json.loads((d / "tokenize_metrics.json").read_text())
+        out[name] = after | {"trained_share_last": round(t["trained_tokens"] / t["tokens"], 3)}
+    return out
+
+
 def quoted_answer(responses: Path, opening: str) -> str | None:
     """The answer to the first user message that opens with `opening` (README quotes it)."""
     for line in responses.read_text().splitlines():
@@ -172,6 +198,10 @@ def main() -> None:
             run([*draftdata, "export", *export], clone, env)
         exported = sorted(p.name for p in (clone / "data" / VERIFIED).iterdir() if p.name.startswith("export-"))
         _, again, _ = stamped([py, "-m", "dvc", "repro"], clone, env)
+        # a generate run whose budget the store meets: it sends nothing and says so
+        met = run([py, "-m", "stages.generate", f"dataset={VERIFIED}"], clone, env)
+        met_line = next(line for line in met.splitlines() if "status=budget met" in line)
+        turns = turns_before_after(clone, params, py, env)
         # the raised budget generated, as the plan above planned it (last: it rewrites the dataset's responses)
         t0 = time.monotonic()
         run([py, "-m", "stages.generate", f"dataset={VERIFIED}", raise_b3], clone, env)
@@ -208,6 +238,8 @@ def main() -> None:
             "verify": verify.rstrip("\n"),
             "exports": exported,
             "quoted_answer": quoted,
+            "budget_met_line": met_line,
+            "turns_all": turns,
             "second_repro_stages_run": sum("Running stage" in line for _, line in again),
         }
     text = json.dumps(result, indent=2) + "\n"

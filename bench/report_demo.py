@@ -108,10 +108,41 @@ def verify_block(d: dict) -> str:
     )
 
 
+def met_block(d: dict) -> str:
+    """docs/generation.md: the line of a generate run whose budget the store meets."""
+    return f"`{d['budget_met_line']}`"
+
+
+def turns_block(d: dict) -> str:
+    """docs/generation.md: the demo's `turns: all` datasets, and each on `turns: last` (bench/demo.py)."""
+    rows = [
+        "On the demo (`dvc repro`, then `generate_metrics.json` and `tokenize_metrics.json`; before: the same dataset "
+        "on `turns: last`, generate and tokenize run again with `datasets.<D>.turns=last`):",
+        "",
+        "| dataset | `on_tool_divergence` | trained share before → after | turns / conversations | conversations ended "
+        "| tokens / budget |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, x in d["turns_all"].items():
+        ended = ", ".join(f"{n} {why}" for why, n in sorted(x["ended"].items(), key=lambda kv: (-kv[1], kv[0])))
+        tool = f"`{x['on_tool_divergence']}`" if x["on_tool_divergence"] else "-"
+        rows.append(
+            f"| {name} | {tool} | {x['trained_share_last']:.3f} → {x['trained_share']:.3f} | "
+            f"{x['turns']:,} / {x['conversations']:,} | {ended} | {x['budget_tokens']:,} / {x['budget']:,} |"
+        )
+    return "\n".join(rows)
+
+
 # page -> block name -> renderer
 BLOCKS: dict[str, dict[str, Callable[[dict], str]]] = {
     "README.md": {"demo-run": run_block},
-    "docs/generation.md": {"demo-plan": plan_block, "demo-plan-disk": disk_plan_block, "demo-raised": raised_block},
+    "docs/generation.md": {
+        "demo-plan": plan_block,
+        "demo-plan-disk": disk_plan_block,
+        "demo-raised": raised_block,
+        "demo-met": met_block,
+        "demo-turns": turns_block,
+    },
     "docs/hidden-states.md": {"demo-disk": disk_block, "demo-verify": verify_block},
 }
 
