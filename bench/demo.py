@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -88,9 +89,9 @@ def eta_check(lines: list[tuple[float, str]]) -> dict:
 
 
 def turns_before_after(clone: Path, params: dict, py: str, env: dict) -> dict:
-    """The `turns: all` datasets as the demo ran them, and each again on `turns: last` (generate and tokenize with the
-    override, into the same files: run last): the trained share before and after, and how the conversations
-    went."""
+    """The `turns: all` datasets as the demo ran them, and each again on `turns: last` (prompts, generate and tokenize
+    with the override, into the same files: run last): the trained share before and after, and how the
+    conversations went."""
     out = {}
     for name, ds in params["datasets"].items():
         if ds.get("turns", "last") != "all":
@@ -106,7 +107,7 @@ def turns_before_after(clone: Path, params: dict, py: str, env: dict) -> dict:
             "budget_tokens": g["budget_tokens"],
             "budget": g["budget"],
         }
-        for stage in ("generate", "tokenize"):
+        for stage in ("prompts", "generate", "tokenize"):
             run([py, "-m", f"stages.{stage}", f"dataset={name}", f"datasets.{name}.turns=last"], clone, env)
         t = json.loads((d / "tokenize_metrics.json").read_text())
         out[name] = after | {"trained_share_last": round(t["trained_tokens"] / t["tokens"], 3)}
@@ -155,93 +156,105 @@ def dataset_figures(clone: Path, name: str) -> dict:
     }
 
 
+def demo(tmp: Path, args: argparse.Namespace, head: str) -> dict:
+    """The run in a clone under `tmp`, and what it read."""
+    clone = Path(tmp) / "draftdata"
+    run(["git", "clone", "-q", "--no-hardlinks", str(ROOT), str(clone)], Path(tmp), dict(os.environ))
+    env = dict(os.environ, DVC_NO_ANALYTICS="1", PYTHONUNBUFFERED="1")
+    if args.fresh_kernel:
+        env["TORCH_EXTENSIONS_DIR"] = str(Path(tmp) / "torch_extensions")
+    install_s = None
+    if args.install:
+        t0 = time.monotonic()
+        run(["bash", "-c", INSTALL], clone, env)
+        install_s = round(time.monotonic() - t0, 1)
+        env["PATH"] = f"{clone / '.venv' / 'bin'}{os.pathsep}{env['PATH']}"
+    else:
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    py = "python" if args.install else sys.executable  # the new venv's (first on the PATH), or this one
+    status, lines, repro_s = stamped([py, "-m", "dvc", "repro"], clone, env)
+    if status != 0:
+        sys.exit("error: dvc repro failed:\n" + "\n".join(line for _, line in lines[-60:]))
+    text = [line for _, line in lines]
+    quoted = quoted_answer(clone / "data" / QUOTED[0] / "responses.jsonl", QUOTED[1])
+    params = yaml.safe_load((clone / "params.yaml").read_text())
+    model = json.loads((clone / params["model"]["path"] / "config.json").read_text())
+    names = list(params["datasets"])
+    kernel = [line for line in text if "decode-attention kernel" in line]
+    # `python -m draftdata` in the clone: its code, whichever checkout this interpreter has installed
+    draftdata = [py, "-m", "draftdata"]
+    raise_b3 = f"datasets.{VERIFIED}.token_budget={RAISED}"
+    plan = run([*draftdata, "plan", raise_b3, "plan.out=plan.json"], clone, env)
+    planned = json.loads((clone / "plan.json").read_text())
+    plan_one = run([*draftdata, "plan", f"dataset={VERIFIED}"], clone, env)
+    verify = run([*draftdata, "verify", f"dataset={VERIFIED}"], clone, env)
+    for family in EXPORTS:
+        export = [f"dataset={VERIFIED}", "export.format=speculators", f"export.family={family}"]
+        run([*draftdata, "export", *export], clone, env)
+    exported = sorted(p.name for p in (clone / "data" / VERIFIED).iterdir() if p.name.startswith("export-"))
+    _, again, _ = stamped([py, "-m", "dvc", "repro"], clone, env)
+    # a generate run whose budget the store meets: it sends nothing and says so
+    met = run([py, "-m", "stages.generate", f"dataset={VERIFIED}"], clone, env)
+    met_line = next(line for line in met.splitlines() if "status=budget met" in line)
+    turns = turns_before_after(clone, params, py, env)
+    # the raised budget generated, as the plan above planned it (last: it rewrites the dataset's responses)
+    t0 = time.monotonic()
+    run([py, "-m", "stages.generate", f"dataset={VERIFIED}", raise_b3], clone, env)
+    raised_s = time.monotonic() - t0
+    raised = json.loads((clone / "data" / VERIFIED / "generate_metrics.json").read_text())
+    result = {
+        "commit": head,
+        "machine": {"cpus": os.cpu_count(), "processor": processor()},
+        "model": {
+            "path": params["model"]["path"],
+            "layers": model["num_hidden_layers"],
+            "hidden": model["hidden_size"],
+        },
+        "install_s": install_s,
+        "repro_s": round(repro_s, 1),
+        "stages_run": sum("Running stage" in line for line in text),
+        "kernel_lines": kernel,
+        "kernel_built": bool(args.fresh_kernel),
+        "dvc_empty_warnings": sum(" is empty." in line for line in text),
+        "progress": eta_check(lines),
+        "datasets": {name: dataset_figures(clone, name) for name in names},
+        "plan_command": f"draftdata plan {raise_b3}",
+        "plan": plan.rstrip("\n"),
+        "planned": next(d for d in planned["datasets"] if d["dataset"] == VERIFIED),
+        "plan_bytes_per_token": planned["model"]["bytes_per_token"],
+        "plan_one": plan_one.rstrip("\n"),
+        "raised": {
+            "budget": RAISED,
+            "stage_s": round(raised_s, 1),
+            **{k: raised[k] for k in ("responses", "newly_generated", "continued", "new_tokens")},
+            **{k: raised[k] for k in ("continued_tokens", "prompt_tokens", "completion_tokens", "wall_s")},
+        },
+        "verify_dataset": VERIFIED,
+        "verify": verify.rstrip("\n"),
+        "exports": exported,
+        "quoted_answer": quoted,
+        "budget_met_line": met_line,
+        "turns_all": turns,
+        "second_repro_stages_run": sum("Running stage" in line for _, line in again),
+    }
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--install", action="store_true", help="time README's install line in a new venv")
     ap.add_argument("--fresh-kernel", action="store_true", help="build the decode-attention kernel from nothing")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--keep", action="store_true", help="keep the clone (its path is printed), for a look after")
     args = ap.parse_args()
     head = run(["git", "rev-parse", "HEAD"], ROOT, dict(os.environ)).strip()
-    with tempfile.TemporaryDirectory(prefix="draftdata-demo-") as tmp:
-        clone = Path(tmp) / "draftdata"
-        run(["git", "clone", "-q", "--no-hardlinks", str(ROOT), str(clone)], Path(tmp), dict(os.environ))
-        env = dict(os.environ, DVC_NO_ANALYTICS="1", PYTHONUNBUFFERED="1")
-        if args.fresh_kernel:
-            env["TORCH_EXTENSIONS_DIR"] = str(Path(tmp) / "torch_extensions")
-        install_s = None
-        if args.install:
-            t0 = time.monotonic()
-            run(["bash", "-c", INSTALL], clone, env)
-            install_s = round(time.monotonic() - t0, 1)
-            env["PATH"] = f"{clone / '.venv' / 'bin'}{os.pathsep}{env['PATH']}"
-        else:
-            env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
-        py = "python" if args.install else sys.executable  # the new venv's (first on the PATH), or this one
-        status, lines, repro_s = stamped([py, "-m", "dvc", "repro"], clone, env)
-        if status != 0:
-            sys.exit("error: dvc repro failed:\n" + "\n".join(line for _, line in lines[-60:]))
-        text = [line for _, line in lines]
-        quoted = quoted_answer(clone / "data" / QUOTED[0] / "responses.jsonl", QUOTED[1])
-        params = yaml.safe_load((clone / "params.yaml").read_text())
-        model = json.loads((clone / params["model"]["path"] / "config.json").read_text())
-        names = list(params["datasets"])
-        kernel = [line for line in text if "decode-attention kernel" in line]
-        # `python -m draftdata` in the clone: its code, whichever checkout this interpreter has installed
-        draftdata = [py, "-m", "draftdata"]
-        raise_b3 = f"datasets.{VERIFIED}.token_budget={RAISED}"
-        plan = run([*draftdata, "plan", raise_b3, "plan.out=plan.json"], clone, env)
-        planned = json.loads((clone / "plan.json").read_text())
-        plan_one = run([*draftdata, "plan", f"dataset={VERIFIED}"], clone, env)
-        verify = run([*draftdata, "verify", f"dataset={VERIFIED}"], clone, env)
-        for family in EXPORTS:
-            export = [f"dataset={VERIFIED}", "export.format=speculators", f"export.family={family}"]
-            run([*draftdata, "export", *export], clone, env)
-        exported = sorted(p.name for p in (clone / "data" / VERIFIED).iterdir() if p.name.startswith("export-"))
-        _, again, _ = stamped([py, "-m", "dvc", "repro"], clone, env)
-        # a generate run whose budget the store meets: it sends nothing and says so
-        met = run([py, "-m", "stages.generate", f"dataset={VERIFIED}"], clone, env)
-        met_line = next(line for line in met.splitlines() if "status=budget met" in line)
-        turns = turns_before_after(clone, params, py, env)
-        # the raised budget generated, as the plan above planned it (last: it rewrites the dataset's responses)
-        t0 = time.monotonic()
-        run([py, "-m", "stages.generate", f"dataset={VERIFIED}", raise_b3], clone, env)
-        raised_s = time.monotonic() - t0
-        raised = json.loads((clone / "data" / VERIFIED / "generate_metrics.json").read_text())
-        result = {
-            "commit": head,
-            "machine": {"cpus": os.cpu_count(), "processor": processor()},
-            "model": {
-                "path": params["model"]["path"],
-                "layers": model["num_hidden_layers"],
-                "hidden": model["hidden_size"],
-            },
-            "install_s": install_s,
-            "repro_s": round(repro_s, 1),
-            "stages_run": sum("Running stage" in line for line in text),
-            "kernel_lines": kernel,
-            "kernel_built": bool(args.fresh_kernel),
-            "dvc_empty_warnings": sum(" is empty." in line for line in text),
-            "progress": eta_check(lines),
-            "datasets": {name: dataset_figures(clone, name) for name in names},
-            "plan_command": f"draftdata plan {raise_b3}",
-            "plan": plan.rstrip("\n"),
-            "planned": next(d for d in planned["datasets"] if d["dataset"] == VERIFIED),
-            "plan_bytes_per_token": planned["model"]["bytes_per_token"],
-            "plan_one": plan_one.rstrip("\n"),
-            "raised": {
-                "budget": RAISED,
-                "stage_s": round(raised_s, 1),
-                **{k: raised[k] for k in ("responses", "newly_generated", "continued", "new_tokens")},
-                **{k: raised[k] for k in ("continued_tokens", "prompt_tokens", "completion_tokens", "wall_s")},
-            },
-            "verify_dataset": VERIFIED,
-            "verify": verify.rstrip("\n"),
-            "exports": exported,
-            "quoted_answer": quoted,
-            "budget_met_line": met_line,
-            "turns_all": turns,
-            "second_repro_stages_run": sum("Running stage" in line for _, line in again),
-        }
+    tmp = tempfile.mkdtemp(prefix="draftdata-demo-")
+    print(f"clone: {tmp}/draftdata", flush=True)
+    try:
+        result = demo(Path(tmp), args, head)
+    finally:
+        if not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
     text = json.dumps(result, indent=2) + "\n"
     for leak in ("/root", "/home/", "/tmp/", "/work/"):
         if leak in text:

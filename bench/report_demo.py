@@ -117,7 +117,7 @@ def turns_block(d: dict) -> str:
     """docs/generation.md: the demo's `turns: all` datasets, and each on `turns: last` (bench/demo.py)."""
     rows = [
         "On the demo (`dvc repro`, then `generate_metrics.json` and `tokenize_metrics.json`; before: the same dataset "
-        "on `turns: last`, generate and tokenize run again with `datasets.<D>.turns=last`):",
+        "on `turns: last`, prompts, generate and tokenize run again with `datasets.<D>.turns=last`):",
         "",
         "| dataset | `on_tool_divergence` | trained share before → after | turns / conversations | conversations ended "
         "| tokens / budget |",

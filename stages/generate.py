@@ -13,7 +13,7 @@ import time
 
 from draftdata.config.load import cli
 from draftdata.config.modes import mode_warnings, split_rows
-from draftdata.config.schema import Config
+from draftdata.config.schema import Config, Turns
 from draftdata.errors import Incomplete, UserError
 from draftdata.generate.land.output import Part, write_outputs
 from draftdata.generate.plan.planning import Plan
@@ -26,6 +26,20 @@ from draftdata.util.log import log
 from draftdata.util.sqlite import hash_cache_path, resolve_store_path
 
 
+def check_turns(prompts: list[dict], cfg: Config, path) -> None:
+    """Prompts written for the other `turns` (a hand run with `datasets.D.turns=...` the prompts stage did not get):
+    refused before any request. A conversation's record holds its turns (`slots`); a last turn's does not."""
+    if not prompts:
+        return
+    written = Turns.all if "slots" in prompts[0] else Turns.last
+    if written != cfg.ds.turns:
+        raise UserError(
+            f"{path}: written for turns: {written.value}, but datasets.{cfg.dataset}.turns is {cfg.ds.turns.value}; "
+            f"run the prompts stage with it first (python -m stages.prompts dataset={cfg.dataset} "
+            f"datasets.{cfg.dataset}.turns={cfg.ds.turns.value}, or dvc repro prompts@{cfg.dataset})"
+        )
+
+
 def main(cfg: Config) -> None:
     t0 = time.time()
     out = data_dir(cfg.dataset)
@@ -34,6 +48,7 @@ def main(cfg: Config) -> None:
             f"{out / 'prompts.jsonl'}: not found; run the prompts stage first (dvc repro prompts@{cfg.dataset})"
         )
     prompts = list(read_jsonl(out / "prompts.jsonl"))
+    check_turns(prompts, cfg, out / "prompts.jsonl")
     for line in mode_warnings(cfg, cfg.dataset):  # also check_params's, for modes set on the command line
         log("generate", warning=line)
     split = split_rows(cfg, prompts)  # one part, or one per mode

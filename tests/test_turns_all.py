@@ -742,3 +742,21 @@ def test_budget_unit_total_counts_per_turn_samples_where_the_template_rewrites_h
     project.run("tokenize", "B3")
     half = json.loads((project.data("B3") / "tokenize_metrics.json").read_text())["tokens"]
     assert metrics(project)["budget_tokens"] == half < tm["tokens"]
+
+
+@pytest.mark.parametrize(("written", "asked"), [("all", "last"), ("last", "all")])
+def test_prompts_written_for_the_other_turns_are_refused_before_any_request(conv_project, written, asked):
+    """A hand run of generate with `datasets.B3.turns=...` that the prompts stage did not get: one line naming the
+    file and the command that writes its prompts, before any request (it crashed writing its output, its answers
+    generated)."""
+    from draftdata.errors import UserError
+
+    project, start = conv_project
+    (srv,) = start(three_turn_rows(), turns=written)
+    with pytest.raises(UserError) as err:
+        project.run("generate", "B3", f"datasets.B3.turns={asked}")
+    assert str(err.value).startswith(
+        f"data/B3/prompts.jsonl: written for turns: {written}, but datasets.B3.turns is {asked}; run the prompts stage"
+    )
+    assert f"python -m stages.prompts dataset=B3 datasets.B3.turns={asked}" in str(err.value)
+    assert not srv.generate_calls
