@@ -34,6 +34,7 @@ VERIFIED = "B3_magicoder"  # the dataset verify, the exports and the raised budg
 QUOTED = ("B6_ultrachat", "I already read the encyclopedia article")  # README quotes its answer
 RAISED = 1_500  # B3_magicoder's budget planned, then generated (docs/generation.md's example)
 EXPORTS = ("eagle3", "dflash")  # two families exported side by side (each its own folder)
+LOG_EVERY_S = 1.0  # run.log_every_s in the clone (the schema's default is 10)
 ETA_FACTOR, ETA_SLACK_S = 2.0, 1.0  # as tests/test_generate.py checks a run's ETAs
 INSTALL = "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e ."
 
@@ -172,6 +173,11 @@ def demo(tmp: Path, args: argparse.Namespace, head: str) -> dict:
     else:
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     py = "python" if args.install else sys.executable  # the new venv's (first on the PATH), or this one
+    # a progress line a second (a run-time knob: the outputs are the same), so that the ETAs are read often
+    params_file = clone / "params.yaml"
+    edited = params_file.read_text().replace("\nrun:\n", f"\nrun:\n  log_every_s: {LOG_EVERY_S}\n", 1)
+    assert "log_every_s" in edited, "params.yaml has no run: section"
+    params_file.write_text(edited)
     status, lines, repro_s = stamped([py, "-m", "dvc", "repro"], clone, env)
     if status != 0:
         sys.exit("error: dvc repro failed:\n" + "\n".join(line for _, line in lines[-60:]))
@@ -179,7 +185,7 @@ def demo(tmp: Path, args: argparse.Namespace, head: str) -> dict:
     quoted = quoted_answer(clone / "data" / QUOTED[0] / "responses.jsonl", QUOTED[1])
     params = yaml.safe_load((clone / "params.yaml").read_text())
     model = json.loads((clone / params["model"]["path"] / "config.json").read_text())
-    names = list(params["datasets"])
+    figures = {name: dataset_figures(clone, name) for name in params["datasets"]}  # before anything reruns a stage
     kernel = [line for line in text if "decode-attention kernel" in line]
     # `python -m draftdata` in the clone: its code, whichever checkout this interpreter has installed
     draftdata = [py, "-m", "draftdata"]
@@ -216,8 +222,8 @@ def demo(tmp: Path, args: argparse.Namespace, head: str) -> dict:
         "kernel_lines": kernel,
         "kernel_built": bool(args.fresh_kernel),
         "dvc_empty_warnings": sum(" is empty." in line for line in text),
-        "progress": eta_check(lines),
-        "datasets": {name: dataset_figures(clone, name) for name in names},
+        "progress": eta_check(lines) | {"log_every_s": LOG_EVERY_S},
+        "datasets": figures,
         "plan_command": f"draftdata plan {raise_b3}",
         "plan": plan.rstrip("\n"),
         "planned": next(d for d in planned["datasets"] if d["dataset"] == VERIFIED),

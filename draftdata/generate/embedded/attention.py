@@ -207,8 +207,9 @@ def _library(source: str) -> Path:
         return library
     from draftdata.util.log import log
 
-    # once per machine (and torch version): a first generate stage would otherwise sit silent for 45-70 s on 2 cores
-    log("backend", status="building the decode-attention kernel for this CPU: once per machine, 45-70 s on 2 cores")
+    # once per machine (and torch version): a first generate stage would otherwise sit silent for 20-70 s on 2 cores
+    # (22 s on a quiet machine, python -m bench.demo --fresh-kernel; 70 s on a busy one)
+    log("backend", status="building the decode-attention kernel for this CPU: once per machine, 20-70 s on 2 cores")
     t0 = time.monotonic()
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root) as build:
