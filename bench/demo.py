@@ -79,6 +79,7 @@ def eta_check(lines: list[tuple[float, str]]) -> dict:
             if left > ETA_SLACK_S:
                 worst = max(worst, eta / left, left / max(eta, 0.5))
     return {
+        "lines": [[round(t, 2), line] for t, line in lines if re.match(r"generate \S+( \[\S+\])?: ", line)],
         "progress_lines": sum(len(m) for m in by_stage.values()),
         "eta_lines": etas,
         "eta_outside_factor": outside,

@@ -797,3 +797,115 @@ def test_an_online_family_the_trainer_cannot_train_is_refused_before_any_file(ch
     with pytest.raises(ConfigError, match=f"^export.family: {re.escape(words)}"):
         export(chats, fmt, f"export.family={family}", dataset="B6")
     assert not (chats.data("B6") / f"export-{fmt}-{family}").exists()
+
+
+def test_each_speculators_export_writes_its_command_and_says_where_the_default_layers_differ(chats, capsys):
+    """`speculators train` reads layers [2, N//2, N-3] unless given --target-layer-ids, whatever the family: a block
+    export trained without them trains on other layers than it holds, with the same loss curve. The export writes
+    the command with its layers (train_command.sh, and a line of its log), and says so where the default differs."""
+    import shlex
+
+    from draftdata.hidden.trainer_command import COMMAND_FILE, speculators_default_layers
+
+    n_layers = 8  # the tiny target's depth
+    capsys.readouterr()
+    for family in ("eagle3", "dflash"):
+        out = export(chats, "speculators_online", f"export.family={family}", dataset="B6")
+        meta = json.loads((out / MARKER).read_text())
+        line = (out / COMMAND_FILE).read_text().splitlines()[-1]
+        argv = shlex.split(line)
+        assert argv[:4] == ["speculators", "train", "--speculator-type", family]
+        held = argv[argv.index("--target-layer-ids") + 1 : argv.index("--vllm-endpoint")]
+        assert [int(i) for i in held] == meta["aux_layer_ids"]
+        assert argv[argv.index("--data-path") + 1] == str(out.relative_to(chats.path))  # from where it was run
+        logged = capsys.readouterr().out
+        assert f"export train_command={line}\n" in logged
+        differs = meta["aux_layer_ids"] != speculators_default_layers(n_layers)
+        warned = [x for x in logged.splitlines() if x.startswith("export warning=speculators train reads layers")]
+        assert len(warned) == differs, (family, warned)
+        if differs:
+            assert f"[2, 4, 5] unless told (--target-layer-ids); this export holds {meta['aux_layer_ids']}" in warned[0]
+    assert family == "dflash" and differs  # the block default of 5 layers is not speculators'
+
+
+@pytest.mark.trainers
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(
+    not TRAINERS_PYTHON, reason="set DRAFTDATA_TRAINERS_PYTHON to a Python with specforge and speculators"
+)
+def test_speculators_takes_the_written_command_with_the_export_s_layers(chats):
+    """`speculators train` itself parses the command train_command.sh holds (`--dump-config`: the resolved run, no
+    training), and resolves the layers the export holds, not its default."""
+    import shlex
+
+    import yaml
+
+    from draftdata.hidden.trainer_command import COMMAND_FILE
+
+    out = export(chats, "speculators_online", "export.family=dflash", dataset="B6")
+    argv = shlex.split((out / COMMAND_FILE).read_text().splitlines()[-1])
+    held = json.loads((out / MARKER).read_text())["aux_layer_ids"]
+    speculators = str(Path(TRAINERS_PYTHON).parent / "speculators")
+    r = subprocess.run(
+        [speculators, *argv[1:], "--dump-config"], cwd=chats.path, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    train = yaml.safe_load(r.stdout)["train"]  # its run.yaml: the flags by section
+    assert train["draft"]["target_layer_ids"] == held and train["speculator_type"] == "dflash", train
+    assert train["data"]["data_path"] == str(out.relative_to(chats.path))
+    assert train["generation"]["vllm_endpoint"] == "http://HOST:8000/v1"
+
+
+@pytest.mark.trainers
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(
+    not TRAINERS_PYTHON, reason="set DRAFTDATA_TRAINERS_PYTHON to a Python with specforge and speculators"
+)
+def test_specforge_takes_the_written_run_config(states):
+    """`specforge train -c train_config.yaml --plan`: SpecForge's own schema takes the run config the export wrote
+    (it checks every key and the algorithm's rules; it opens no path)."""
+    import shlex
+
+    from draftdata.hidden.trainer_command import COMMAND_FILE
+
+    out = export(states, "specforge")
+    argv = shlex.split((out / COMMAND_FILE).read_text().splitlines()[-1])
+    specforge = str(Path(TRAINERS_PYTHON).parent / "specforge")
+    r = subprocess.run([specforge, *argv[1:], "--plan"], cwd=states.path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and '"role": "all"' in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+
+
+def test_a_specforge_export_writes_its_run_config_and_says_what_specforge_would_read_wrong(states, capsys):
+    """EAGLE-3: SpecForge's run config (the target, the states, the layers; the LM head's key on a tied target) and its
+    command; a target without a safetensors index is named (SpecForge's eagle3 offline path needs one). A block
+    drafter: the line that says SpecForge's model.draft_num_hidden_layers replaces the draft config's layers."""
+    import yaml
+
+    from draftdata.hidden.trainer_command import COMMAND_FILE, SPECFORGE_CONFIG, ties_lm_head
+
+    target = Path(states.params["model"]["path"])
+    capsys.readouterr()
+    out = export(states, "specforge")
+    meta = json.loads((out / MARKER).read_text())
+    conf = yaml.safe_load((out / SPECFORGE_CONFIG).read_text())
+    rel = str(out.relative_to(states.path))
+    assert conf["model"]["target_model_path"] == str(target) and conf["data"] == {"hidden_states_path": rel}
+    assert (
+        conf["model"]["aux_hidden_state_layer_ids"] == meta["aux_layer_ids"]
+        and conf["training"]["strategy"] == "eagle3"
+    )
+    assert ("lm_head_key" in conf["model"]) == ties_lm_head(target)
+    command = (out / COMMAND_FILE).read_text().splitlines()[-1]
+    assert command == f"specforge train -c {rel}/{SPECFORGE_CONFIG}"
+    logged = capsys.readouterr().out
+    assert f"export train_command={command}\n" in logged
+    indexed = any(target.glob("*.index.json"))
+    assert ("reads the target's LM head through a *.index.json" in logged) == (not indexed)
+
+    both = "hidden_states.drafters=[eagle3,dflash]"
+    states.run("hidden_states", "B3", both)
+    export(states, "specforge", "export.family=dflash", both)
+    logged = capsys.readouterr().out
+    held = json.loads((states.data("B3") / "export-specforge-dflash" / MARKER).read_text())["aux_layer_ids"]
+    assert f"set its dflash_config.target_layer_ids to {held} and leave model.draft_num_hidden_layers out" in logged
+    assert not (states.data("B3") / "export-specforge-dflash" / SPECFORGE_CONFIG).exists()  # the draft config is yours

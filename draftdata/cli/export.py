@@ -14,6 +14,7 @@ from pathlib import Path
 from draftdata.config.load import cli
 from draftdata.config.schema import Config
 from draftdata.errors import ConfigError
+from draftdata.hidden.compute import n_layers_of
 from draftdata.hidden.export import (
     MARKER,
     WRITERS,
@@ -30,6 +31,16 @@ from draftdata.hidden.export import (
 )
 from draftdata.hidden.online import ONLINE_WRITERS, check_samples, online_family, online_marker
 from draftdata.hidden.reader import HiddenStates
+from draftdata.hidden.trainer_command import (
+    SPECFORGE_CONFIG,
+    default_layers_note,
+    specforge_config,
+    specforge_notes,
+    speculators_argv,
+    ties_lm_head,
+    write_command,
+    write_specforge_config,
+)
 from draftdata.model.load import model_limits
 from draftdata.util.files import data_dir, write_json
 from draftdata.util.log import log
@@ -60,6 +71,7 @@ def main(cfg: Config) -> None:
             files = write_vocab_mapping(fmt, staging, tally, cfg.export.draft_vocab_size, vocab)
             meta["vocab_mapping"] = {"draft_vocab_size": cfg.export.draft_vocab_size, "target_vocab_size": vocab}
             meta["vocab_mapping"]["files"] = files
+        command = trainer_command(cfg, fmt, out, meta, staging)
         write_json(staging / MARKER, meta)  # last: its presence means complete
         publish(staging, out)
     except BaseException:
@@ -78,6 +90,27 @@ def main(cfg: Config) -> None:
         **layers,
         **skipped,
     )
+    line, notes = command
+    if line is not None:
+        log("export", train_command=line)
+    for note in notes:
+        log("export", warning=note)
+
+
+def trainer_command(cfg: Config, fmt: str, out: Path, meta: dict, staging: Path) -> tuple[str | None, list[str]]:
+    """The trainer's command on the export, written into it (and SpecForge's run config for EAGLE-3), and the lines
+    that say what the trainer would otherwise read wrong (trainer_command.py)."""
+    if fmt in ("speculators", "speculators_online"):
+        line = write_command(staging, speculators_argv(cfg, out, meta, online=fmt.endswith("_online")))
+        note = default_layers_note(meta, n_layers_of(cfg))
+        return line, [note] if note is not None else []
+    if fmt != "specforge":  # SpecForge online trains from SGLang's capture: its config is the user's
+        return None, []
+    notes = specforge_notes(meta, Path(cfg.model.path))
+    if meta["family"] != "eagle3":
+        return None, notes
+    write_specforge_config(staging, specforge_config(cfg, out, meta, ties_lm_head(Path(cfg.model.path))))
+    return write_command(staging, ["specforge", "train", "-c", str(out / SPECFORGE_CONFIG)]), notes
 
 
 def write(fmt: str, src: Path, staging: Path, tally: ExportTally, cfg: Config, hs, picked, family) -> dict:

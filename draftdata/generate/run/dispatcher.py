@@ -174,9 +174,7 @@ class Dispatcher:
             len(self.flights),
             self.streaming(),
         )
-        f.to_decode, f.tail = self.ctrl.still_to_decode(
-            self.in_flight_progress(), self.work.pending(0), self.work.new_left()
-        )
+        f.to_decode, f.tail = self.ctrl.still_to_decode(self.in_flight_progress(), self.work.new_left())
 
     def _fill(self, final: bool = False) -> None:
         """A point of the budget-fill plot (generate_metrics' plots/budget_fill.csv): about one a second, and the

@@ -24,8 +24,8 @@ class Progress:
 
     The ETA is the time to decode what the run still has to (`Figures.to_decode`: the requests in flight to their
     expected ends, then what the budget needs past them) at that rate, and at least the time the longest request in
-    flight needs at one request's share of it: a run's last request decodes alone, and the tokens it streamed are
-    not the budget's until it ends."""
+    flight needs at one request's share of it (the rate over the requests in flight in the window, on average): a
+    run's last request decodes alone, and the tokens it streamed are not the budget's until it ends."""
 
     RATE_WINDOW_S = 30.0
     MIN_RATE_SPAN_S = 3.0
@@ -39,7 +39,7 @@ class Progress:
         self.name = cfg.dataset if mode is None else f"{cfg.dataset} [{mode}]"
         self.t0 = time.monotonic()
         self.last_log = self.t0
-        self.marks: deque = deque()  # (time, tokens generated, responses) of recent updates
+        self.marks: deque = deque()  # (time, tokens generated, responses, in flight) of recent updates
         self.first: tuple[float, int, int] | None = None  # ... of the first update with a token
         self.tty = cfg.run.progress and sys.stderr.isatty()
         self.bar = tqdm(
@@ -64,7 +64,7 @@ class Progress:
 
     def update(self, f: Figures, final: bool = False) -> None:
         now = time.monotonic()
-        self._mark(now, f.generated, f.stats.new)
+        self._mark(now, f.generated, f.stats.new, f.in_flight)
         if not final and now - self.last_log < (0.2 if self.tty else self.cfg.run.log_every_s):
             return
         self.last_log = now
@@ -77,11 +77,11 @@ class Progress:
         else:
             print(f"generate {self.name}: {line}", flush=True)
 
-    def _mark(self, now: float, generated: int, responses: int) -> None:
+    def _mark(self, now: float, generated: int, responses: int, in_flight: int = 0) -> None:
         if generated == 0:
             return  # the rates start with the first token, not with loading
         self.first = self.first or (now, generated, responses)
-        self.marks.append((now, generated, responses))
+        self.marks.append((now, generated, responses, in_flight))
         while len(self.marks) > 2 and now - self.marks[1][0] >= self.RATE_WINDOW_S:
             self.marks.popleft()
 
@@ -90,9 +90,14 @@ class Progress:
         MIN_RATE_SPAN_S."""
         if len(self.marks) < 2 or self.marks[-1][0] - self.marks[0][0] < self.MIN_RATE_SPAN_S:
             return None
-        (t0, g0, _), (t1, g1, r1) = self.marks[0], self.marks[-1]
+        (t0, g0, *_), (t1, g1, r1, _) = self.marks[0], self.marks[-1]
         tf, _, rf = self.first
         return (g1 - g0) / (t1 - t0), (r1 - rf) / (t1 - tf)
+
+    def batch(self) -> float:
+        """The requests in flight over the window, on average (0: none recorded): the token rate is theirs, so a
+        request decodes at the rate over them."""
+        return sum(m[3] for m in self.marks) / len(self.marks) if self.marks else 0.0
 
     def line(self, f: Figures, final: bool = False) -> str:
         budget, s = self.ds.token_budget, f.stats
@@ -108,8 +113,8 @@ class Progress:
             parts.append(f"avg_comp={s.completed_len / s.new:,.0f}tok")
         if rates and rates[0] > 0 and not final and f.to_decode + f.tail > 0:
             eta = f.to_decode / rates[0]
-            if f.in_flight:
-                eta = max(eta, f.tail * f.in_flight / rates[0])
+            if f.in_flight:  # the longest request in flight, at a request's pace over the window
+                eta = max(eta, f.tail * (self.batch() or f.in_flight) / rates[0])
             parts.append(f"ETA {_duration(eta)}")
         return " | ".join(parts)
 

@@ -219,27 +219,25 @@ class BudgetController:
         target = max(math.ceil(self.throughput.floor()), int(self._left_to_decode() // length), 1)
         return max(0, target - batch)
 
-    def still_to_decode(
-        self, progress: Sequence[int] = (), pending: Pending | None = None, new_left: int | None = None
-    ) -> tuple[float, float]:
+    def still_to_decode(self, progress: Sequence[int] = (), new_left: int | None = None) -> tuple[float, float]:
         """For the progress line's ETA: the completion tokens the run is still expected to decode before it ends, and
         the most that one request in flight is expected to have left (the run's tail, decoded at one request's pace).
 
-        The requests in flight finish their expected lengths (given how far each got), the started conversations
-        their turns, and new requests decode what the budget still needs past all that. Not the budget minus what
-        is committed and streamed: a request in flight decodes to its end, not to the budget's (with keep_partial
-        alone it is cut there). `new_left`: the new requests the run still has (a budget past what the prompts
-        give ends when they run out)."""
+        The requests in flight finish their expected lengths (given how far each got), and new requests (or started
+        conversations' next turns) decode what the budget still needs past them: no more, as the run ends at the
+        budget whatever turns its conversations have left. Not the budget minus what is committed and streamed: a
+        request in flight decodes to its end, not to the budget's (with keep_partial alone it is cut there).
+        `new_left`: the new requests the run still has (a budget past what the prompts give ends when they run
+        out)."""
         streamed = sum(progress)
         if self.keep_partial:
             return max(0.0, self._left_to_decode() - streamed), 0.0
         ends = [self.lengths.expected_end(p) for p in progress]
         rest = [max(0.0, end - p) for end, p in zip(ends, progress, strict=True)]
-        turns = pending.tokens(self.lengths.mean()) if pending is not None else 0.0
-        new = max(0.0, self._left_to_decode() - sum(ends) - turns)
+        new = max(0.0, self._left_to_decode() - sum(ends))
         if new_left is not None:
             new = min(new, new_left * self.lengths.mean())
-        return sum(rest) + turns + new, max(rest, default=0.0)
+        return sum(rest) + new, max(rest, default=0.0)
 
     def _left_to_decode(self) -> float:
         """Completion tokens still to commit before the budget is reached."""

@@ -1,0 +1,117 @@
+"""The command a trainer runs on an export, written beside its files (`train_command.sh`) and logged by the export:
+the layers the export holds given explicitly, so that no trainer default reads others.
+
+speculators 0.9.0 reads layers [2, N // 2, N - 3] (vLLM's numbering) for every family when `speculators train` is
+not given `--target-layer-ids` (`speculators.models.utils.resolve_target_layer_ids`), and says so only in a Python
+warning: a block export with `hidden_states.block_draft_layers: 3` on a 30-layer target holds 2, 15, 28 and trains
+with the same loss curve as on 2, 15, 27, its drafter then served on the wrong layers. `default_layers_note` says it
+in one line where the export holds other layers than that default.
+
+SpecForge 0.2.0 trains from a run config (`specforge train -c train_config.yaml`). For EAGLE-3 the export writes it:
+the target, the states, the strategy and the layers captured (`model.aux_hidden_state_layer_ids`, which its offline
+path reads only for the width but its exported draft config records); `model.lm_head_key` on a target that ties
+its LM head to the embeddings (its offline path looks `lm_head.weight` up in the safetensors index, with no
+fallback), and one line where the target has no `*.index.json` (the offline path needs one). Its block drafters read
+their layers from a draft config of the user's, whose `target_layer_ids` SpecForge replaces with its own default
+whenever `model.draft_num_hidden_layers` is set (`apply_dflash_overrides`), silently: the export says so in one line.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from draftdata.config.schema import Config
+
+COMMAND_FILE = "train_command.sh"
+SPECFORGE_CONFIG = "train_config.yaml"  # SpecForge's run config (`specforge train -c`), beside its command
+
+
+def speculators_default_layers(n_layers: int) -> list[int]:
+    """The layers `speculators train` reads when not told (vLLM's numbering; speculators 0.9.0)."""
+    return [2, n_layers // 2, n_layers - 3]
+
+
+def speculators_argv(cfg: Config, out: Path, meta: dict, online: bool) -> list[str]:
+    """`speculators train` on the export at `out`: its family, the target, the data, the layers it holds (none for
+    mtp, which reads the last state alone), the draft vocabulary where the export holds its mapping, and, online,
+    the vLLM endpoint that serves the target's states (a placeholder to fill)."""
+    argv = ["speculators", "train", "--speculator-type", meta["family"]]
+    argv += ["--verifier-name-or-path", cfg.model.path, "--data-path", str(out)]
+    if meta.get("aux_layer_ids"):
+        argv += ["--target-layer-ids", *(str(i) for i in meta["aux_layer_ids"])]
+    if "vocab_mapping" in meta:
+        argv += ["--draft-vocab-size", str(meta["vocab_mapping"]["draft_vocab_size"])]
+    if online:
+        argv += ["--vllm-endpoint", "http://HOST:8000/v1"]
+    return [*argv, "--save-path", f"checkpoints/{cfg.dataset}-{meta['family']}"]
+
+
+def default_layers_note(meta: dict, n_layers: int) -> str | None:
+    """One line where speculators' default would read other layers than the export holds (None: the same, or a
+    family that reads none)."""
+    held = meta.get("aux_layer_ids") or []
+    default = speculators_default_layers(n_layers)
+    if not held or held == default:
+        return None
+    return (
+        f"speculators train reads layers {default} unless told (--target-layer-ids); this export holds {held}: "
+        f"run {COMMAND_FILE}, which passes them"
+    )
+
+
+def specforge_config(cfg: Config, out: Path, meta: dict, tied: bool) -> dict:
+    """SpecForge's run config for an EAGLE-3 export at `out` (`tied`: the target ties its LM head)."""
+    model = {"target_model_path": cfg.model.path, "aux_hidden_state_layer_ids": meta["aux_layer_ids"]}
+    if tied:
+        model["lm_head_key"] = "model.embed_tokens.weight"
+    if "vocab_mapping" in meta:
+        model["vocab_mapping_path"] = str(out / "vocab_mapping" / "vocab_mapping.pt")
+    return {
+        "model": model,
+        "data": {"hidden_states_path": str(out)},
+        "training": {"strategy": "eagle3"},
+        "output_dir": f"checkpoints/{cfg.dataset}-eagle3",
+    }
+
+
+def specforge_notes(meta: dict, target: Path) -> list[str]:
+    """The lines a SpecForge export says: what its offline path needs of the target, and the block drafters' trap."""
+    if meta["family"] == "eagle3":
+        if target.is_dir() and not any(target.glob("*.index.json")):
+            return [
+                f"SpecForge's eagle3 reads the target's LM head through a *.index.json, which {target} lacks "
+                "(one safetensors file): give it one (its weight_map names the file of each tensor)"
+            ]
+        return []
+    return [
+        f"SpecForge reads {meta['family']}'s layers from your draft config: set its dflash_config.target_layer_ids "
+        f"to {meta['aux_layer_ids']} and leave model.draft_num_hidden_layers out (set, it replaces them with "
+        "SpecForge's default, silently)"
+    ]
+
+
+def ties_lm_head(target: Path) -> bool:
+    """Whether the target's config ties its LM head to the embeddings (its text config's, for a multimodal one)."""
+    import json
+
+    path = target / "config.json"
+    if not path.is_file():
+        return False
+    conf = json.loads(path.read_text())
+    return bool(conf.get("tie_word_embeddings", conf.get("text_config", {}).get("tie_word_embeddings", False)))
+
+
+def write_specforge_config(staging: Path, conf: dict) -> None:
+    import yaml
+
+    (staging / SPECFORGE_CONFIG).write_text(yaml.safe_dump(conf, sort_keys=False))
+
+
+def write_command(out: Path, argv: list[str]) -> str:
+    """`train_command.sh` in the export (the trainers' readers ignore it); the command as one line."""
+    line = shlex.join(argv)
+    (out / COMMAND_FILE).write_text(
+        f"#!/bin/sh\n# written by draftdata export: the trainer's command on this export\n{line}\n"
+    )
+    return line
