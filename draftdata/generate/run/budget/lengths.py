@@ -66,10 +66,10 @@ class LengthModel:
     def expected_end(self, progress: int) -> float:
         """`expected_final` read from the first length seen on (the progress line's ETA): the admission's prior of
         max_tokens / 2 holds a request past it about to end, and a run of long answers would read "ETA 0s" for as
-        long as its first sixteen take. Before any length, the prior, and halfway to max_tokens past it."""
+        long as its first sixteen take. Before any length, the uniform prior's: halfway from where it is to
+        max_tokens."""
         if self.n == 0:
-            prior = self.max_tokens / 2
-            return prior if progress < prior else (progress + self.max_tokens) / 2
+            return (progress + self.max_tokens) / 2
         self._fresh()
         i = bisect.bisect_right(self._snapshot, progress)
         if i == len(self._snapshot):
