@@ -1797,6 +1797,11 @@ SECTIONS = (
     ("fleet.json", "python -m bench.fleet", fleet),
     ("gather.json", "python -m bench.gather", gather),
     ("noop.json", "python -m bench.noop", noop),
+    (
+        "demo.json",
+        report_demo.DEMO_COMMAND,
+        lambda r: ["### The demo on a fresh clone: `python -m bench.demo`", "", *report_demo.summary(r)],
+    ),
     ("noop_turns.json", "python -m bench.noop --turns 3 --prompts 20000", noop),
     (PROOF_FILE, PROOF_COMMAND, proof_section),
     ("drafter.json", DRAFTER_COMMAND, drafter),

@@ -54,6 +54,20 @@ def run_block(d: dict) -> str:
     )
 
 
+def summary(d: dict) -> list[str]:
+    """docs/benchmarks.md's section: README's paragraph, and the stages' times per dataset."""
+    rows = [
+        f"| {name} | {x['budget']:,} | {x['budget_tokens']:,} | {x['generate_wall_s']:.1f} | {x['new_tokens']:,} | "
+        f"{x['new_in_output_tokens']:,} |"
+        for name, x in d["datasets"].items()
+    ]
+    head = [
+        "| dataset | budget | tokens | generate s | generated | in the output |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    return [run_block(d), "", *head, *rows]
+
+
 def plan_block(d: dict) -> str:
     """docs/generation.md's plan example: the command and what it printed after the demo's run."""
     return f"After the demo's `dvc repro`, `{d['plan_command']}` prints:\n\n```\n{d['plan']}\n```"
@@ -74,7 +88,7 @@ def raised_block(d: dict) -> str:
     r, p, name = d["raised"], d["planned"], d["verify_dataset"]
     per = [x["bytes_per_token"] for x in d["datasets"].values() if x.get("bytes_per_token")]
     return (
-        f"On the demo, `python -m stages.generate dataset={name} datasets.{name}.token_budget={r['budget']:,}` then "
+        f"On the demo, `python -m stages.generate dataset={name} datasets.{name}.token_budget={r['budget']}` then "
         f"stored {r['newly_generated']:,} responses ({r['continued']:,} of them continuing parked partials), "
         f"generating {r['new_tokens']:,} new tokens and continuing {r['continued_tokens']:,} parked ones in "
         f"{r['stage_s']:,.0f} s of stage time (model loading included; {r['wall_s']:,.0f} s in `wall_s`); its "
