@@ -14,7 +14,6 @@ from pathlib import Path
 from draftdata.config.load import cli
 from draftdata.config.schema import Config
 from draftdata.errors import ConfigError
-from draftdata.hidden.compute import n_layers_of
 from draftdata.hidden.export import (
     MARKER,
     WRITERS,
@@ -37,6 +36,7 @@ from draftdata.hidden.trainer_command import (
     specforge_config,
     specforge_notes,
     speculators_argv,
+    target_config,
     ties_lm_head,
     write_command,
     write_specforge_config,
@@ -102,7 +102,7 @@ def trainer_command(cfg: Config, fmt: str, out: Path, meta: dict, staging: Path)
     that say what the trainer would otherwise read wrong (trainer_command.py)."""
     if fmt in ("speculators", "speculators_online"):
         line = write_command(staging, speculators_argv(cfg, out, meta, online=fmt.endswith("_online")))
-        note = default_layers_note(meta, n_layers_of(cfg))
+        note = default_layers_note(meta, target_config(Path(cfg.model.path), "num_hidden_layers"))
         return line, [note] if note is not None else []
     if fmt != "specforge":  # SpecForge online trains from SGLang's capture: its config is the user's
         return None, []

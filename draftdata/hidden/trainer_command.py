@@ -47,12 +47,14 @@ def speculators_argv(cfg: Config, out: Path, meta: dict, online: bool) -> list[s
     return [*argv, "--save-path", f"checkpoints/{cfg.dataset}-{meta['family']}"]
 
 
-def default_layers_note(meta: dict, n_layers: int) -> str | None:
-    """One line where speculators' default would read other layers than the export holds (None: the same, or a
-    family that reads none)."""
+def default_layers_note(meta: dict, n_layers: int | None) -> str | None:
+    """One line where speculators' default would read other layers than the export holds (None: the same, a family
+    that reads none, or a target whose depth is not known here)."""
     held = meta.get("aux_layer_ids") or []
+    if not held or n_layers is None:
+        return None
     default = speculators_default_layers(n_layers)
-    if not held or held == default:
+    if held == default:
         return None
     return (
         f"speculators train reads layers {default} unless told (--target-layer-ids); this export holds {held}: "
@@ -91,15 +93,21 @@ def specforge_notes(meta: dict, target: Path) -> list[str]:
     ]
 
 
-def ties_lm_head(target: Path) -> bool:
-    """Whether the target's config ties its LM head to the embeddings (its text config's, for a multimodal one)."""
+def target_config(target: Path, key: str, default=None):
+    """A key of the target's config.json (its text config's, for a multimodal one); `default` where the export runs
+    without the target's files (a hub id, a machine that holds only the states)."""
     import json
 
     path = target / "config.json"
     if not path.is_file():
-        return False
+        return default
     conf = json.loads(path.read_text())
-    return bool(conf.get("tie_word_embeddings", conf.get("text_config", {}).get("tie_word_embeddings", False)))
+    return conf.get(key, conf.get("text_config", {}).get(key, default))
+
+
+def ties_lm_head(target: Path) -> bool:
+    """Whether the target ties its LM head to the embeddings."""
+    return bool(target_config(target, "tie_word_embeddings", False))
 
 
 def write_specforge_config(staging: Path, conf: dict) -> None:
