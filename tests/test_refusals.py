@@ -536,7 +536,7 @@ REFUSALS: dict[str, dict | tuple[str, str]] = {
             "{...}: not found; run the prompts": BY_HAND,
             # exit status 3, after the outputs are written (exact up to the failed request)
             "{...}": after("a request that failed twice in the run, as it is sent", GENERATE),
-        }
+        },
     },
     "stages/tokenize.py": {"main": {"{src}: not found; run the generate": BY_HAND}},
     "stages/hidden_states.py": {"main": {"{src}: not found; run the tokenize": BY_HAND}},
