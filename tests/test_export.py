@@ -909,3 +909,54 @@ def test_a_specforge_export_writes_its_run_config_and_says_what_specforge_would_
     held = json.loads((states.data("B3") / "export-specforge-dflash" / MARKER).read_text())["aux_layer_ids"]
     assert f"set its dflash_config.target_layer_ids to {held} and leave model.draft_num_hidden_layers out" in logged
     assert not (states.data("B3") / "export-specforge-dflash" / SPECFORGE_CONFIG).exists()  # the draft config is yours
+
+
+@pytest.mark.trainers
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(
+    not TRAINERS_PYTHON, reason="set DRAFTDATA_TRAINERS_PYTHON to a Python with specforge and speculators"
+)
+def test_an_fp8_capture_loads_in_both_trainers_readers_within_fp8_s_error(states, tmp_path):
+    """`hidden_states.dtype=fp8` (e4m3 with a float32 scale per layer): both exports of it load in the trainers' own
+    readers, which return the fp8 capture's values exactly (widened to bf16) and the bf16 capture's within fp8's
+    error: a relative error per sample and layer under FP8_REL_ERR (e4m3 keeps 3 bits of mantissa: a value rounds
+    by up to 2^-4 of itself, about 2^-4 / sqrt(3) in the mean square)."""
+    FP8_REL_ERR = 0.05
+    bf16 = list(HiddenStates(states.data("B3") / "hidden_states"))
+    fp8 = "hidden_states.dtype=fp8"
+    states.run("hidden_states", "B3", fp8)
+    hs = HiddenStates(states.data("B3") / "hidden_states")
+    assert hs.index["dtype"] == "fp8"
+    samples = list(hs)
+    export(states, "specforge", fp8, "export.dir=export-sf-fp8")
+    export(states, "speculators", fp8, "export.dir=export-sp-fp8")
+    sf, sp = states.path / "export-sf-fp8", states.path / "export-sp-fp8"
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    (tmp_path / "readers.py").write_text(READERS)
+    r = subprocess.run(
+        [TRAINERS_PYTHON, str(tmp_path / "readers.py"), str(sf), str(sp), str(dumps)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    k, h = len(hs.layers["physical"]), hs.hidden_size
+
+    def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+        return float((got.float() - want).norm() / want.norm())
+
+    worst = 0.0
+    sf_got = read_dump(dumps / "specforge_dataset.safetensors")
+    sp_got = read_dump(dumps / "speculators_dataset.safetensors")
+    for i, (s, b) in enumerate(zip(samples, bf16, strict=True)):
+        n = s.input_ids.shape[0]
+        assert torch.equal(s.input_ids, b.input_ids)
+        for got in (sf_got[i]["hidden_state"][0], sp_got[i]["hidden_states"]):
+            assert torch.equal(got, s.aux.reshape(n, k * h).to(torch.bfloat16))  # the fp8 capture's, exactly
+            for layer in range(k):
+                cols = slice(layer * h, (layer + 1) * h)
+                worst = max(worst, rel(got[:, cols], b.aux[:, layer]))
+        worst = max(worst, rel(sp_got[i]["verifier_last_hidden_states"], b.final_pre_norm))
+    print(f"fp8 through the trainers' readers: worst relative error per sample and layer {worst:.4f}")
+    assert 0 < worst < FP8_REL_ERR, worst
