@@ -13,10 +13,10 @@ import time
 
 from draftdata.config.load import cli
 from draftdata.config.modes import mode_warnings, split_rows
-from draftdata.config.schema import Config, Turns
+from draftdata.config.schema import Config
 from draftdata.errors import Incomplete, UserError
 from draftdata.generate.land.output import Part, write_outputs
-from draftdata.generate.plan.planning import Plan
+from draftdata.generate.plan.planning import Plan, check_turns
 from draftdata.generate.run.generation import run_generation
 from draftdata.generate.run.preflight import preflight
 from draftdata.generate.store import ResponseStore
@@ -24,20 +24,6 @@ from draftdata.model.target import load_target
 from draftdata.util.files import data_dir, read_jsonl
 from draftdata.util.log import log
 from draftdata.util.sqlite import hash_cache_path, resolve_store_path
-
-
-def check_turns(prompts: list[dict], cfg: Config, path) -> None:
-    """Prompts written for the other `turns` (a hand run with `datasets.D.turns=...` the prompts stage did not get):
-    refused before any request. A conversation's record holds its turns (`slots`); a last turn's does not."""
-    if not prompts:
-        return
-    written = Turns.all if "slots" in prompts[0] else Turns.last
-    if written != cfg.ds.turns:
-        raise UserError(
-            f"{path}: written for turns: {written.value}, but datasets.{cfg.dataset}.turns is {cfg.ds.turns.value}; "
-            f"run the prompts stage with it first (python -m stages.prompts dataset={cfg.dataset} "
-            f"datasets.{cfg.dataset}.turns={cfg.ds.turns.value}, or dvc repro prompts@{cfg.dataset})"
-        )
 
 
 def main(cfg: Config) -> None:

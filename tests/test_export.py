@@ -420,6 +420,21 @@ READERS = textwrap.dedent("""
 """)
 
 
+def run_readers(sf: Path, sp: Path, tmp_path: Path) -> Path:
+    """READERS on a SpecForge and a speculators export, in the trainers' Python: the folder of what they returned."""
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    (tmp_path / "readers.py").write_text(READERS)
+    r = subprocess.run(
+        [TRAINERS_PYTHON, str(tmp_path / "readers.py"), str(sf), str(sp), str(dumps)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    return dumps
+
+
 def read_dump(path: Path) -> dict:
     from safetensors.torch import load_file
 
@@ -440,16 +455,7 @@ def test_trainers_own_readers_load_the_exports(states, tmp_path):
     hs = HiddenStates(states.data("B3") / "hidden_states")
     samples = list(hs)
     k, h = len(hs.layers["physical"]), hs.hidden_size
-    dumps = tmp_path / "dumps"
-    dumps.mkdir()
-    (tmp_path / "readers.py").write_text(READERS)
-    r = subprocess.run(
-        [TRAINERS_PYTHON, str(tmp_path / "readers.py"), str(sf), str(sp), str(dumps)],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
-    assert r.returncode == 0, r.stderr[-4000:]
+    dumps = run_readers(sf, sp, tmp_path)
 
     # SpecForge, both paths: draft input = the aux layers concatenated, target = the post-norm state (bf16, exact),
     # loss mask with its last position zeroed (the reader's own rule), batch dim 1
@@ -931,16 +937,7 @@ def test_an_fp8_capture_loads_in_both_trainers_readers_within_fp8_s_error(states
     export(states, "specforge", fp8, "export.dir=export-sf-fp8")
     export(states, "speculators", fp8, "export.dir=export-sp-fp8")
     sf, sp = states.path / "export-sf-fp8", states.path / "export-sp-fp8"
-    dumps = tmp_path / "dumps"
-    dumps.mkdir()
-    (tmp_path / "readers.py").write_text(READERS)
-    r = subprocess.run(
-        [TRAINERS_PYTHON, str(tmp_path / "readers.py"), str(sf), str(sp), str(dumps)],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
-    assert r.returncode == 0, r.stderr[-4000:]
+    dumps = run_readers(sf, sp, tmp_path)
     k, h = len(hs.layers["physical"]), hs.hidden_size
 
     def rel(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -339,6 +339,10 @@ REFUSALS: dict[str, dict | tuple[str, str]] = {
             )
         },
     },
+    # dvc.yaml's prompts stage declares datasets.<D>.turns: under dvc repro the prompts are rewritten first
+    "draftdata/generate/plan/planning.py": {
+        "check_turns": {"{path}: written for turns: {written.value}, but": BY_HAND},
+    },
     "draftdata/generate/request.py": {
         "check_context": {
             "{...}: a prompt of {first.prompt_tokens} tokens": after(
@@ -530,8 +534,6 @@ REFUSALS: dict[str, dict | tuple[str, str]] = {
         "check_db_path": {"{key}: cannot open the {what} at": twin("run.store_path-unmakeable")},
     },
     "stages/generate.py": {
-        # dvc.yaml's prompts stage declares datasets.<D>.turns: under dvc repro the prompts are rewritten first
-        "check_turns": {"{path}: written for turns: {written.value}, but": BY_HAND},
         "main": {
             "{...}: not found; run the prompts": BY_HAND,
             # exit status 3, after the outputs are written (exact up to the failed request)

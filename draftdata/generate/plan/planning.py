@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from draftdata.config.schema import Config, DatasetConfig, TrainOn, Turns
+from draftdata.errors import UserError
 from draftdata.generate.accounting import Standing, standing, unusable_reason
 from draftdata.generate.plan.conversation import TurnRendering, turns
 from draftdata.generate.plan.conversations import BUDGET, FAILED, Conversation, step_over_stored
@@ -206,3 +207,17 @@ def conversation_figures(plan: Plan, reasons: dict[str, str], selected: list, sa
     return conversation_metrics(reasons, len(selected), same_server_share, unsampled) | turns_kept(
         plan.convs, reasons, selected, unsampled
     )
+
+
+def check_turns(prompts: list[dict], cfg: Config, path) -> None:
+    """Prompts written for the other `turns` (a hand run with `datasets.D.turns=...` the prompts stage did not get):
+    refused before any request. A conversation's record holds its turns (`slots`); a last turn's does not."""
+    if not prompts:
+        return
+    written = Turns.all if "slots" in prompts[0] else Turns.last
+    if written != cfg.ds.turns:
+        raise UserError(
+            f"{path}: written for turns: {written.value}, but datasets.{cfg.dataset}.turns is {cfg.ds.turns.value}; "
+            f"run the prompts stage with it first (python -m stages.prompts dataset={cfg.dataset} "
+            f"datasets.{cfg.dataset}.turns={cfg.ds.turns.value}, or dvc repro prompts@{cfg.dataset})"
+        )
