@@ -19,6 +19,7 @@ from draftdata.hidden.export import (
     WRITERS,
     ExportTally,
     check_export_dir,
+    check_trainer,
     check_source,
     export_dir,
     marker,
@@ -53,6 +54,7 @@ def main(cfg: Config) -> None:
     vocab = target_vocab(cfg)
     src = data_dir(cfg.dataset) / "hidden_states" if fmt in WRITERS else data_dir(cfg.dataset)
     if fmt in WRITERS:
+        check_trainer(fmt, cfg.export.family)  # first: no capture, made or found, would mend the trainer's lack
         check_source(src, cfg.dataset)
     else:
         check_samples(src, cfg.dataset, fmt)

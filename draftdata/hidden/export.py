@@ -140,9 +140,9 @@ def trainable(f: Family, loss_mask: list[int], tally: ExportTally) -> bool:
     return reason is None
 
 
-def pick(hs: HiddenStates, fmt: str, name: str) -> Picked:
-    """The family's layers in these states, refused in one line where the trainer or the capture lacks it: the
-    trainer first, since no capture would mend that (a capture made for it first would be time lost)."""
+def check_trainer(fmt: str, name: str) -> Family:
+    """The family, refused in one line where the trainer has no offline data path for it: checked before the
+    capture is even looked for, since no capture would mend that (a capture made for it first would be time lost)."""
     f = FAMILIES[name]
     if getattr(f, fmt) is None:
         readers = trainers_of(f)
@@ -150,6 +150,13 @@ def pick(hs: HiddenStates, fmt: str, name: str) -> Picked:
             "export.family",
             f"{fmt} has no offline data path for {name}" + (f"; export it for {', '.join(readers)}" if readers else ""),
         )
+    return f
+
+
+def pick(hs: HiddenStates, fmt: str, name: str) -> Picked:
+    """The family's layers in these states, refused in one line where the trainer or the capture lacks it: the
+    trainer first, since no capture would mend that (a capture made for it first would be time lost)."""
+    f = check_trainer(fmt, name)
     if name not in hs.families:
         raise ConfigError(
             "export.family",
