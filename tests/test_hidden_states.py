@@ -97,6 +97,68 @@ def test_states_equal_transformers_and_both_conventions_are_exact(hs_project, ti
         torch.testing.assert_close(s.final_post_norm, own_norm, atol=1e-6, rtol=1e-6)  # the model's own norm
 
 
+def test_the_policy_is_the_target_s_next_token_distribution_beside_unchanged_states(hs_project, tiny_model):
+    """hidden_states.policy_top_k: row t holds the top k of the target's log-softmax at t (its policy for token
+    t + 1), cut past the nucleus, from the same forward as the states, which are what they are without it."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    first = pq.read_table(hs_project.data("B3") / "samples.parquet").column("input_ids")[0].as_py()
+    with torch.inference_mode():
+        probs = torch.softmax(model(input_ids=torch.tensor([first])).logits[0].float(), -1).topk(8).values
+    # a top_p the random target's rows cross at their 4th slot half the time: rows cut short and whole rows both
+    top_p = round(float(probs[:, :4].sum(-1).median()), 6)
+    hs_project.set("hidden_states.policy_top_k", 8)
+    hs_project.set("hidden_states.policy_top_p", top_p)
+    hs_project.run("hidden_states", "B3")
+    out = hs_project.data("B3") / "hidden_states"
+    index, m = json.loads((out / "index.json").read_text()), hs_metrics(hs_project)
+    assert index["policy"]["top_k"] == 8 and index["policy"]["top_p"] == top_p and index["states"] is True
+    # float32 states here: 3 layers + the final, 64 wide, 4 bytes a value; the id; 8 slots of a token and a log-prob
+    assert m["limit_bytes_per_token"] == 2 * 4 * 64 + 8 * 8 and m["bytes_per_token"] <= 1.02 * (4 * 4 * 64 + 4 + 64)
+    cut = whole = 0
+    for s in list(HiddenStates(out))[:4]:
+        tokens, lps = s.policy
+        assert tokens.shape == lps.shape == (len(s.input_ids), 8)
+        with torch.inference_mode():
+            got = model(input_ids=s.input_ids.unsqueeze(0), output_hidden_states=True)
+        lp = torch.log_softmax(got.logits[0].float(), dim=-1)
+        for t in range(len(s.input_ids)):
+            kept = tokens[t] >= 0
+            n = int(kept.sum())
+            assert kept[:n].all() and not kept[n:].any()  # the kept slots first, the cut ones after
+            torch.testing.assert_close(lps[t, :n], lp[t, tokens[t, :n]], atol=1e-5, rtol=1e-5)
+            best = lp[t].topk(8).values
+            torch.testing.assert_close(lps[t, :n], best[:n], atol=1e-5, rtol=1e-5)  # the likeliest, in order
+            probs = best.exp()
+            assert n == int(((probs.cumsum(0) - probs) < top_p).sum())  # the nucleus, the crossing one in
+            assert torch.isneginf(lps[t, n:]).all()
+            cut, whole = cut + (n < 8), whole + (n == 8)
+        torch.testing.assert_close(s.aux[:, 0], got.hidden_states[2][0], atol=1e-5, rtol=1e-5)  # layer 1's output
+    assert cut and whole  # the nucleus cut some rows short and left others whole: the test saw both
+
+
+def test_the_policy_alone_stores_no_states_and_a_states_export_says_so(hs_project):
+    hs_project.set("hidden_states.drafters", [])
+    hs_project.set("hidden_states.policy_top_k", 20)
+    hs_project.run("hidden_states", "B3")
+    out = hs_project.data("B3") / "hidden_states"
+    m, index = hs_metrics(hs_project), json.loads((out / "index.json").read_text())
+    assert index["states"] is False and index["layers"]["physical"] == []
+    assert "final_hidden_states" not in index["tensors"]
+    assert 164 <= m["bytes_per_token"] <= 1.1 * 164 and m["limit_bytes_per_token"] == 160  # the id + 20 slots of 8
+    for shard in (out / "shards").iterdir():
+        from safetensors import safe_open
+
+        with safe_open(str(shard), framework="pt") as f:
+            assert "final_hidden_states" not in f.keys() and f.get_slice("aux_hidden_states").get_shape()[1] == 0
+    s = HiddenStates(out)[0]
+    assert s.final_pre_norm is None and s.policy[0].shape == (len(s.input_ids), 20)
+    refused = "hidden_states.drafters: is empty for the states at .*: the capture holds the target.s policy alone"
+    with pytest.raises(ConfigError, match=refused):
+        hs_project.run("export", "B3", "export.format=speculators")
+
+
 def test_fp8_halves_the_bytes_and_reports_its_error(hs_project):
     hs_project.set("hidden_states.dtype", "bfloat16")
     hs_project.run("hidden_states", "B3")
@@ -118,7 +180,8 @@ def test_fp8_halves_the_bytes_and_reports_its_error(hs_project):
     trained = sum(map(sum, masks))
     share = trained / fp8["tokens"]
     assert fp8["trained_tokens"] == bf16["trained_tokens"] == trained and 0 < share < 0.5
-    expected = {"bfloat16": round((8 * 64 + 4) / share), "fp8": round((4 * 68 + 4) / share), "online": 0}
+    expected = {"bfloat16": round((8 * 64 + 4) / share), "fp8": round((4 * 68 + 4) / share)}
+    expected |= {"policy": round((20 * 8 + 4) / share), "online": 0}  # ModelOpt's top-20 policy alone
     assert fp8["per_trained_token"] == bf16["per_trained_token"] == expected
     for m in (bf16, fp8):
         assert m["bytes_per_trained_token"] == pytest.approx(m["bytes_per_token"] / share, abs=0.1)

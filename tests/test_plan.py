@@ -136,21 +136,25 @@ def test_the_disk_per_trained_token_in_bf16_fp8_and_online(project, capsys, tiny
     tm = json.loads((project.data("B3") / "tokenize_metrics.json").read_text())
     assert p.trained_share_from == "measured" and p.trained_share == round(tm["trained_tokens"] / tm["tokens"], 4)
     # 3 EAGLE-3 layers + the final state: H values each, 2 bytes in bf16, 1 in fp8 with a float32 scale; the id
-    bf16, fp8 = 4 * 2 * hidden + 4, 4 * (hidden + 4) + 4
+    # the target's top-20 policy alone (ModelOpt's k, where none is set): an int32 token and a float32 log-prob each
+    bf16, fp8, policy = 4 * 2 * hidden + 4, 4 * (hidden + 4) + 4, 20 * 8 + 4
     doc = json.loads((project.path / "plan.json").read_text())
-    assert doc["model"]["disk_per_token"] == {"bfloat16": bf16, "fp8": fp8, "online": 0}
+    assert doc["model"]["disk_per_token"] == {"bfloat16": bf16, "fp8": fp8, "policy": policy, "online": 0}
     per_trained = doc["datasets"][0]["hidden_bytes_per_trained_token"]
-    assert per_trained == {"bfloat16": round(bf16 / p.trained_share), "fp8": round(fp8 / p.trained_share), "online": 0}
+    assert per_trained == {
+        d: round(n / p.trained_share) for d, n in (("bfloat16", bf16), ("fp8", fp8), ("policy", policy))
+    } | {"online": 0}
     assert 1 < per_trained["bfloat16"] / bf16 == pytest.approx(1 / p.trained_share, rel=1e-3)
     out = capsys.readouterr().out.splitlines()
     header = next(i for i, line in enumerate(out) if line.startswith("hidden states on disk: per token"))
-    assert out[header + 1].split() == [
-        "dataset", "trained", "share", "share", "from", "bf16/token", "bf16/trained", "token", "fp8/token",
-        "fp8/trained", "token", "online",
+    assert out[header + 1].startswith("policy: the target's top-20 (ModelOpt's k) next-token policy alone")
+    assert out[header + 2].split() == [
+        "dataset", "trained", "share", "share", "from", "bf16", "bf16/trained", "fp8", "fp8/trained", "policy",
+        "policy/trained", "online",
     ]  # fmt: skip
-    row = out[header + 2].split()
+    row = out[header + 3].split()
     assert row[:3] == ["B3", f"{p.trained_share:.3f}", "measured"] and row[-2:] == ["0", "B"]
-    assert row[3:5] == [str(bf16), "B"] and row[7:9] == [str(fp8), "B"]
+    assert row[3:5] == [str(bf16), "B"] and row[7:9] == [str(fp8), "B"] and row[11:13] == [str(policy), "B"]
     assert max(len(line) for line in out if not line.startswith("target: ")) <= 120
 
 

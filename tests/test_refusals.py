@@ -262,6 +262,11 @@ REFUSALS: dict[str, dict | tuple[str, str]] = {
             "{key}.drafters: unknown drafter family {name}; one": twin("drafters-unknown"),
             "{key}.drafters: names a family twice: {...}": twin("drafters-twice"),
         },
+        "HiddenStatesConfig._check_policy": {
+            "{key}.policy_top_k: must be an integer >=": twin("policy_top_k"),
+            "{key}.policy_top_p: must be a number in": twin("policy_top_p"),
+            "{key}.policy_top_k: the policy is computed by": twin("policy-vllm"),
+        },
         "ExportConfig.check": {
             "{key}.format: must be one of {...},": twin("export.format"),
             "{key}.family: must be one of {...},": twin("export.family"),
@@ -369,6 +374,11 @@ REFUSALS: dict[str, dict | tuple[str, str]] = {
         "final_norm_of": {
             "model.path: the final norm ({name}) is": after(
                 "the loaded final norm's output on random input, computed with its weights", HIDDEN
+            )
+        },
+        "HFEngine._check_head": {
+            "hidden_states.policy_top_k: {...}'s logits are not its": after(
+                "the loaded model's own logits on a few tokens, against its LM head over its final state", HIDDEN
             )
         },
     },
@@ -687,6 +697,12 @@ CASES: dict[str, tuple[dict | Callable, str | Callable]] = {
     "drafters-empty": ({"hidden_states.drafters": []}, "hidden_states.drafters"),
     "drafters-unknown": ({"hidden_states.drafters": ["nope"]}, "hidden_states.drafters"),
     "drafters-twice": ({"hidden_states.drafters": ["eagle3", "eagle3"]}, "hidden_states.drafters"),
+    "policy_top_k": ({"hidden_states.policy_top_k": -1}, "hidden_states.policy_top_k"),
+    "policy_top_p": ({"hidden_states.policy_top_k": 20, "hidden_states.policy_top_p": 0}, "hidden_states.policy_top_p"),
+    "policy-vllm": (
+        {"hidden_states.policy_top_k": 20, "hidden_states.backend": "vllm"},
+        "hidden_states.policy_top_k",
+    ),
     "export.format": ({"export.format": "x"}, "export.format"),
     "export.family": ({"export.family": "x"}, "export.family"),
     "verify.engine": ({"verify.engine": "x"}, "verify.engine"),

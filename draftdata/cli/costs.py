@@ -48,6 +48,8 @@ class ModelShape:
     disk_per_token: dict[str, int]
     # per drafter family in hidden_states.drafters: its layers, and a token's bytes were it captured alone
     families: dict[str, tuple[list[int], int]] = field(default_factory=dict)
+    policy_top_k: int = 0  # hidden_states.policy_top_k: the policy kept beside the states (0: none)
+    states: bool = True  # False: the policy alone (hidden_states.drafters: [])
 
 
 @dataclass
@@ -220,15 +222,17 @@ def model_shape(cfg: Config) -> ModelShape:
         raise load_error(e, "a model config", cfg.model.path) from None
     families = family_layers(cfg, conf.num_hidden_layers)
     layers = captured(families)
-    dtype = cfg.hidden_states.dtype
+    hs = cfg.hidden_states
     return ModelShape(
         conf.num_hidden_layers,
         conf.hidden_size,
         layers,
-        dtype,
-        bytes_per_token(len(layers), conf.hidden_size, dtype),
-        disk_per_token(len(layers), conf.hidden_size),
-        {name: (ids, bytes_per_token(len(ids), conf.hidden_size, dtype)) for name, ids in families.items()},
+        hs.dtype,
+        bytes_per_token(len(layers), conf.hidden_size, hs.dtype, hs.policy_top_k, states=bool(hs.drafters)),
+        disk_per_token(len(layers), conf.hidden_size, hs.policy_top_k),
+        {name: (ids, bytes_per_token(len(ids), conf.hidden_size, hs.dtype)) for name, ids in families.items()},
+        hs.policy_top_k,
+        bool(hs.drafters),
     )
 
 

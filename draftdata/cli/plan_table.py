@@ -169,14 +169,22 @@ def _disk_table(plans: list[DatasetPlan], shape: ModelShape | None) -> list[str]
                 p.dataset,
                 "-" if p.trained_share is None else f"{p.trained_share:.3f}",
                 p.trained_share_from,
-                *(fmt_bytes(n) for d in ("bfloat16", "fp8") for n in (shape.disk_per_token[d], per_trained.get(d))),
+                *(
+                    fmt_bytes(n)
+                    for d in ("bfloat16", "fp8", "policy")
+                    for n in (shape.disk_per_token[d], per_trained.get(d))
+                ),
                 "0 B",
             ]
         )
+    k = f"top-{shape.policy_top_k} (policy_top_k)" if shape.policy_top_k else "top-20 (ModelOpt's k)"
     headers = ["dataset", "trained share", "share from"]
-    headers += [h for d in ("bf16", "fp8") for h in (f"{d}/token", f"{d}/trained token")] + ["online"]
-    caption = "hidden states on disk: per token as stored, per trained token (÷ trained share); online stores none"
-    return ["", caption, *table(headers, rows, left=(0, 2))]
+    headers += [h for d in ("bf16", "fp8", "policy") for h in (d, f"{d}/trained")] + ["online"]
+    caption = [
+        "hidden states on disk: per token as stored, per trained token (÷ trained share), bytes; online stores none",
+        f"policy: the target's {k} next-token policy alone (an external draft's data: no states)",
+    ]
+    return ["", *caption, *table(headers, rows, left=(0, 2))]
 
 
 def _sent(p: DatasetPlan) -> str:
@@ -196,9 +204,13 @@ def _conversations_note(p: DatasetPlan) -> str:
 def _target_line(cfg: Config, shape: ModelShape | None) -> str:
     if shape is None:
         return f"target: {cfg.model.path} (not built yet: hidden states not sized)"
+    hs = cfg.hidden_states
+    policy = f"top-{hs.policy_top_k} policy (top-p {hs.policy_top_p})"
+    kept = f"layers {shape.layers} + final, {shape.dtype}" if shape.states else "no states"
+    kept += f" + {policy}" if shape.policy_top_k else ""
     line = (
         f"target: {cfg.model.path} ({shape.n_layers} layers, hidden {shape.hidden_size}); hidden states: "
-        f"layers {shape.layers} + final, {shape.dtype}, {shape.bytes_per_token:,} bytes/token"
+        f"{kept}, {shape.bytes_per_token:,} bytes/token"
     )
     if len(shape.families) > 1:  # what the union costs against each family captured alone
         alone = "; ".join(f"{name} {ids} {n:,}" for name, (ids, n) in shape.families.items())

@@ -388,6 +388,12 @@ class HiddenStatesConfig:
     block_layers: Optional[List[int]] = None
     block_draft_layers: int = 5  # n, the block draft's layers: round(1 + i(N-4)/(n-1)) for i < n; [N//2] for n = 1
     dtype: str = "bfloat16"  # bfloat16 | float16 | float32 | fp8 (e4m3, a scale per token and layer)
+    # The target's next-token policy at every position: the top policy_top_k tokens and their log-probabilities, cut
+    # at cumulative probability policy_top_p, from the final state through the final norm and the LM head in the same
+    # forward as the states (what an external draft trains on: ModelOpt's, k = 20 and top-p 0.95). 0: none kept.
+    # With drafters: [] the capture keeps the policy alone, no states (~k * 8 bytes a token).
+    policy_top_k: int = 0
+    policy_top_p: float = 0.95  # the policy's nucleus: slots past cumulative probability top_p hold token -1, -inf
     # run-time: how the states are computed, not what they are (changing these reruns nothing)
     backend: str = "hf"  # hf (transformers in-process; torchrun for data parallel) | vllm (tensor/data parallel)
     batch_tokens: int = 4096  # padded tokens per forward
@@ -424,6 +430,7 @@ class HiddenStatesConfig:
             if bad:
                 raise ConfigError(f"{key}.{name}", f"layer ids are 0-based integers, got {bad}")
         self._check_drafters(key)
+        self._check_policy(key)
         for name in (
             "batch_tokens",
             "window_samples",
@@ -434,10 +441,27 @@ class HiddenStatesConfig:
         ):
             _positive(f"{key}.{name}", getattr(self, name))
 
+    def _check_policy(self, key: str) -> None:
+        k, p = self.policy_top_k, self.policy_top_p
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise ConfigError(f"{key}.policy_top_k", f"must be an integer >= 0 (0: no policy kept), got {k!r}")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise ConfigError(f"{key}.policy_top_p", f"must be a number in (0, 1], got {p!r}")
+        if k and self.backend != "hf":
+            raise ConfigError(
+                f"{key}.policy_top_k",
+                f"the policy is computed by the hf backend only, and hidden_states.backend is {self.backend}; set "
+                "backend: hf for this capture (the states it stores are the same)",
+            )
+
     def _check_drafters(self, key: str) -> None:
         known = DRAFTER_FAMILIES
-        if not self.drafters:
-            raise ConfigError(f"{key}.drafters", f"is empty; name the drafter families to serve ({', '.join(known)})")
+        if not self.drafters and not self.policy_top_k:
+            raise ConfigError(
+                f"{key}.drafters",
+                f"is empty; name the drafter families to serve ({', '.join(known)}), or keep the target's policy "
+                "alone with hidden_states.policy_top_k",
+            )
         for name in self.drafters:
             if name not in known:
                 raise ConfigError(f"{key}.drafters", f"unknown drafter family {name!r}; one of {', '.join(known)}")

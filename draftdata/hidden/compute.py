@@ -50,6 +50,7 @@ class Computer:
     tally: HiddenTally
     names: dict = field(default_factory=dict)  # key -> sample id of the current window, for error messages
     background_writes: bool = True  # see ShardWriter: True where the target computes off the CPU
+    keep_states: bool = True  # False: the policy alone (hidden_states.drafters: [])
     _buffer: list = field(default_factory=list)
     _writer: ShardWriter | None = None
 
@@ -65,7 +66,10 @@ class Computer:
             t0 = time.perf_counter()
             states = self.engine.get().forward([ids for _, ids in batch])
             self.tally.seconds += time.perf_counter() - t0
-            samples = [SampleStates(k, ids, aux, final) for (k, ids), (aux, final) in zip(batch, states)]
+            samples = [SampleStates(k, ids, *got) for (k, ids), got in zip(batch, states)]
+            if not self.keep_states:  # the policy alone: the final state was computed on the way, not kept
+                for s in samples:
+                    s.final = None
             check(samples, self.names)
             self._fp8_error(samples)
             self._buffer += samples
@@ -99,7 +103,7 @@ class Computer:
         from draftdata.hidden.shards import dequantize_fp8
 
         for s in samples:
-            for x in (s.aux, s.final):
+            for x in (s.aux, s.final) if s.final is not None else ():
                 q = encode(x, "fp8")
                 ref = x.bfloat16().float()
                 self.tally.fp8_err_num += float((dequantize_fp8(q[""], q["_scale"]) - ref).pow(2).sum())
@@ -162,6 +166,7 @@ def compute(
         hs.shard_max_tokens,
         tally,
         background_writes=computes_off_cpu(hs),
+        keep_states=bool(hs.drafters),
     )
     share = rank.share(sample_lengths(src)) if rank.world > 1 else range(sys.maxsize)
     try:
@@ -213,12 +218,14 @@ def _compute_windows(
 
 def state_settings(cfg: Config, layers: list[int]) -> dict:
     """What a sample's states depend on besides its ids: their key in the state store hashes these."""
-    return {
-        "version": FORMAT_VERSION,
-        "layers": layers,
-        "dtype": cfg.hidden_states.dtype,
-        "model": states_fingerprint(cfg),
-    }
+    hs = cfg.hidden_states
+    settings = {"version": FORMAT_VERSION, "layers": layers, "dtype": hs.dtype, "model": states_fingerprint(cfg)}
+    # only where set: the keys of states stored before the policy existed stay what they were
+    if hs.policy_top_k:
+        settings["policy"] = {"top_k": hs.policy_top_k, "top_p": float(hs.policy_top_p)}
+    if not hs.drafters:
+        settings["states"] = False  # the policy alone
+    return settings
 
 
 def states_fingerprint(cfg: Config) -> str:

@@ -157,6 +157,12 @@ def pick(hs: HiddenStates, fmt: str, name: str) -> Picked:
     """The family's layers in these states, refused in one line where the trainer or the capture lacks it: the
     trainer first, since no capture would mend that (a capture made for it first would be time lost)."""
     f = check_trainer(fmt, name)
+    if not hs.index.get("states", True):
+        raise ConfigError(
+            "hidden_states.drafters",
+            f"is empty for the states at {hs.path}: the capture holds the target's policy alone; export it as "
+            "export.format=modelopt_policy, or name the drafter families in hidden_states.drafters and dvc repro",
+        )
     if name not in hs.families:
         raise ConfigError(
             "export.family",

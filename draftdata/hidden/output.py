@@ -9,6 +9,7 @@ from draftdata.config.schema import Config
 from draftdata.drafters.families import FAMILIES, last_state, trainers_of
 from draftdata.drafters.layers import layer_numberings
 from draftdata.hidden.engines.factory import LazyEngine
+from draftdata.hidden.policy import PolicySpec
 from draftdata.hidden.shards import FORMAT_VERSION, disk_per_token
 from draftdata.hidden.state_store import NormAndSizes
 from draftdata.hidden.tally import HiddenTally
@@ -39,8 +40,27 @@ def index_doc(
         "dtype": settings["dtype"],
         "shards": view["shards"],
         "link": view["link"],
-        "tensors": {"aux_hidden_states": "[T, k, H]", "final_hidden_states": "[T, H], before the final norm"},
+        "tensors": tensors_doc(settings),
+        "states": settings.get("states", True),  # false: the policy alone (hidden_states.drafters: [])
+        "policy": policy_doc(settings),
     }
+
+
+def tensors_doc(settings: dict) -> dict:
+    out = {"aux_hidden_states": "[T, k, H]"}
+    if settings.get("states", True):
+        out["final_hidden_states"] = "[T, H], before the final norm"
+    if "policy" in settings:
+        out |= {"policy_tokens": "int32 [T, p]", "policy_logprobs": "float32 [T, p]"}
+    return out
+
+
+def policy_doc(settings: dict) -> dict | None:
+    """The policy's settings and conventions where it is kept (draftdata/hidden/policy.py), else None."""
+    if "policy" not in settings:
+        return None
+    p = settings["policy"]
+    return PolicySpec(p["top_k"], p["top_p"]).describe()
 
 
 def families_doc(families: dict[str, list[int]], captured: list[int], n_layers: int) -> dict:
@@ -80,7 +100,9 @@ def output_metrics(
         "dtype": hs.dtype,
         "bytes": size,
         "bytes_per_token": round(shard_bytes / shard_tokens, 2) if shard_tokens else 0.0,
-        "limit_bytes_per_token": 2 * (len(layers) + 1) * target.hidden_size,  # bf16, k aux layers + final
+        # bf16, k aux layers + final (none for the policy alone), + the policy's 8 bytes a slot
+        "limit_bytes_per_token": (2 * (len(layers) + 1) * target.hidden_size if hs.drafters else 0)
+        + 8 * hs.policy_top_k,
         "padded_compute_share": round(tally.pad_tokens / (computed + tally.pad_tokens), 4) if computed else 0.0,
         "tok_s": round(computed / tally.seconds, 1) if tally.seconds else 0.0,
         # starting the engine, the target's load included: once per stage that computes (0: all reused)
@@ -91,15 +113,15 @@ def output_metrics(
         m["vllm_path"], m["vllm_path_fallback"] = engine.vllm_path
     if hs.dtype == "fp8" and tally.fp8_err_den:
         m["fp8_rel_err"] = round((tally.fp8_err_num / tally.fp8_err_den) ** 0.5, 5)
-    return m | disk_per_trained_token(m["bytes_per_token"], tally, len(layers), target.hidden_size)
+    return m | disk_per_trained_token(m["bytes_per_token"], tally, len(layers), target.hidden_size, hs.policy_top_k)
 
 
-def disk_per_trained_token(stored: float, tally: HiddenTally, n_kept: int, hidden_size: int) -> dict:
+def disk_per_trained_token(stored: float, tally: HiddenTally, n_kept: int, hidden_size: int, policy_k: int) -> dict:
     """What a token of training signal costs on disk: the bytes per token as stored over the share of tokens the
     loss mask trains (the prompts' states are stored too), and the same in bf16 and fp8, beside online training's
     nothing (the trainer computes the states; none are stored)."""
     share = tally.trained_tokens / tally.tokens if tally.tokens else 0.0
-    per_token = disk_per_token(n_kept, hidden_size)
+    per_token = disk_per_token(n_kept, hidden_size, policy_k)
     return {
         "trained_tokens": tally.trained_tokens,
         "bytes_per_trained_token": round(stored / share, 1) if share else 0.0,

@@ -10,6 +10,7 @@
         s.aux                            # float32 [T, k, H]: outputs of the chosen layers (fp8 dequantized)
         s.final_pre_norm                 # float32 [T, H]: the last layer's output (speculators' hidden state)
         s.final_post_norm                # float32 [T, H]: after the target's final norm (SpecForge's hidden state)
+        s.policy                         # (tokens, log-probs) [T, p] where hidden_states.policy_top_k kept it
 
 Shards are opened lazily and read a sample at a time, so iterating a dataset of any size holds one sample's states in
 memory (and the sample list, columnar).
@@ -41,6 +42,9 @@ class Sample:
     conversation: str | None = None  # a regenerated conversation's id and its last trained turn (`turns: all`)
     turn: int | None = None
     mode: str | None = None  # its generation mode (datasets.<D>.modes)
+    # the target's policy for the next token at every position, where kept (hidden_states.policy_top_k):
+    # (tokens int64 [T, p], log-probs float32 [T, p]); row t predicts token t + 1 (draftdata/hidden/policy.py)
+    policy: tuple | None = None
 
     @property
     def final_post_norm(self):
@@ -103,7 +107,17 @@ class HiddenStates:
             )
         turns = (self._rows["conversation"][i].as_py(), self._rows["turn"][i].as_py()) if self.carries_turns else ()
         mode = self._rows["mode"][i].as_py() if self.carries_mode else None
-        return Sample(sample_id, ids, torch.tensor(mask, dtype=torch.long), aux, final, self.norm, *turns, mode=mode)
+        return Sample(
+            sample_id,
+            ids,
+            torch.tensor(mask, dtype=torch.long),
+            aux,
+            final,
+            self.norm,
+            *turns,
+            mode=mode,
+            policy=shard.policy(row),
+        )
 
     def _mask(self, i: int) -> list[int]:
         g = bisect.bisect_right(self._group_starts, i) - 1

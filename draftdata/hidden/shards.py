@@ -6,7 +6,10 @@ A shard is one safetensors file:
 - `aux_hidden_states` [T, k, H]: the outputs of the k chosen decoder layers (physical 0-based ids, in index order);
 - `final_hidden_states` [T, H]: the last decoder layer's output, BEFORE the final norm;
 - with `dtype: fp8`: both in float8 e4m3 with `aux_scale` float32 [T, k] and `final_scale` float32 [T], one scale per
-  token and layer (a row's max |value| maps to e4m3's largest finite number), about half of bf16's bytes.
+  token and layer (a row's max |value| maps to e4m3's largest finite number), about half of bf16's bytes;
+- with `hidden_states.policy_top_k`: `policy_tokens` int32 [T, p] and `policy_logprobs` float32 [T, p], the target's
+  policy for the next token at every position (draftdata/hidden/policy.py); with the policy alone (`drafters: []`)
+  no final state is stored and the aux axis is empty.
 The metadata holds the settings the states were computed under and the samples' keys. Writes go to a temp name and
 are renamed; `check` runs before every write (ids and states agree, values finite) and `torn` finds a file cut short.
 """
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftdata.errors import UserError
+from draftdata.hidden.policy import bytes_per_token as policy_bytes_per_token
 from draftdata.util.files import atomic_path
 
 FORMAT_VERSION = 1
@@ -37,20 +41,23 @@ class SampleStates:
     key: str
     input_ids: list[int]
     aux: object  # torch.Tensor [T, k, H], float32 or the model's dtype
-    final: object  # torch.Tensor [T, H], pre-norm
+    final: object  # torch.Tensor [T, H], pre-norm; None where the policy alone is kept
+    policy: tuple | None = None  # (tokens int32 [T, p], log-probs float32 [T, p]) where the policy is kept
 
 
-def bytes_per_token(n_kept: int, hidden_size: int, dtype: str) -> int:
+def bytes_per_token(n_kept: int, hidden_size: int, dtype: str, policy_k: int = 0, states: bool = True) -> int:
     """A token's bytes in a shard: k kept layers + the final state, H values each (2·(k+1)·H in bf16), plus its
-    int32 id; fp8 adds a float32 scale per layer. Headers and offsets aside (a few bytes a sample)."""
+    int32 id; fp8 adds a float32 scale per layer; the policy (top p tokens) 8·p; `states` False: the policy alone.
+    Headers and offsets aside (a few bytes a sample)."""
     per_layer = hidden_size * VALUE_BYTES[dtype] + (4 if dtype == "fp8" else 0)
-    return (n_kept + 1) * per_layer + 4
+    return ((n_kept + 1) * per_layer if states else 0) + policy_bytes_per_token(policy_k) + 4
 
 
-def disk_per_token(n_kept: int, hidden_size: int) -> dict[str, int]:
-    """A token's bytes in bf16 and in fp8, and online training's: 0 (the trainer computes the states; none are
-    stored)."""
-    return {d: bytes_per_token(n_kept, hidden_size, d) for d in ("bfloat16", "fp8")} | {"online": 0}
+def disk_per_token(n_kept: int, hidden_size: int, policy_k: int = 0) -> dict[str, int]:
+    """A token's bytes: its states in bf16 and in fp8; the policy alone (top policy_k tokens, ModelOpt's k = 20
+    where none is set) with its id; online training's 0 (the trainer computes the states; none are stored)."""
+    states = {d: bytes_per_token(n_kept, hidden_size, d) for d in ("bfloat16", "fp8")}
+    return states | {"policy": bytes_per_token(0, 0, "bfloat16", policy_k or 20, states=False), "online": 0}
 
 
 def quantize_fp8(x):
@@ -88,7 +95,10 @@ def pack(samples: list[SampleStates], dtype: str) -> dict[str, list]:
         "offsets": [offsets],
         "input_ids": [torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.int32)],
     }
-    for what in ("aux", "final"):
+    for i, name in enumerate(("policy_tokens", "policy_logprobs")):
+        if samples[0].policy is not None:
+            parts[name] = [s.policy[i] for s in samples]
+    for what in ("aux", "final") if samples[0].final is not None else ("aux",):
         encoded = [encode(getattr(s, what), dtype) for s in samples]  # fp8's scales are per row: per sample is the same
         for suffix, name in (("", f"{what}_hidden_states"), ("_scale", f"{what}_scale")):
             if suffix in encoded[0]:
@@ -112,11 +122,11 @@ def check(samples: list[SampleStates], sample_ids: dict[str, str]) -> None:
     """Before writing: every sample's states cover its tokens and are finite; the first bad one is named."""
     for s in samples:
         n = len(s.input_ids)
-        if s.aux.shape[0] != n or s.final.shape[0] != n:
-            raise StateError(
-                f"sample {sample_ids.get(s.key, s.key)}: states for {s.aux.shape[0]} tokens, {n} token ids"
-            )
-        for name, t in (("aux", s.aux), ("final", s.final)):
+        got = [t.shape[0] for t in (s.aux, s.final, *(s.policy or ())) if t is not None]
+        if any(m != n for m in got):
+            raise StateError(f"sample {sample_ids.get(s.key, s.key)}: states for {got[0]} tokens, {n} token ids")
+        # the policy's cut slots hold -inf by design: its kept log-probabilities are finite where the states are
+        for name, t in (("aux", s.aux), ("final", s.final)) if s.final is not None else (("aux", s.aux),):
             if not finite(t):
                 raise StateError(
                     f"sample {sample_ids.get(s.key, s.key)}: non-finite values in its {name} states "
@@ -279,10 +289,19 @@ class ShardReader:
         self._names = set(self._f.keys())
 
     def sample(self, row: int) -> tuple[object, object, object]:
-        """(input_ids int64 [T], aux float32 [T, k, H], final pre-norm float32 [T, H]) of the row-th sample."""
+        """(input_ids int64 [T], aux float32 [T, k, H], final pre-norm float32 [T, H] or None where the shard holds
+        the policy alone) of the row-th sample."""
         a, b = int(self.offsets[row]), int(self.offsets[row + 1])
         ids = self._f.get_slice("input_ids")[a:b].long()
-        return ids, self._decoded("aux", a, b), self._decoded("final", a, b)
+        final = self._decoded("final", a, b) if "final_hidden_states" in self._names else None
+        return ids, self._decoded("aux", a, b), final
+
+    def policy(self, row: int) -> tuple[object, object] | None:
+        """(tokens int64 [T, p], log-probs float32 [T, p]) of the row-th sample; None where none was kept."""
+        if "policy_tokens" not in self._names:
+            return None
+        a, b = int(self.offsets[row]), int(self.offsets[row + 1])
+        return self._f.get_slice("policy_tokens")[a:b].long(), self._f.get_slice("policy_logprobs")[a:b]
 
     def _decoded(self, what: str, a: int, b: int):
         values = self._f.get_slice(f"{what}_hidden_states")[a:b]

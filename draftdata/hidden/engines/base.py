@@ -15,6 +15,6 @@ class Engine(Protocol):
 
     def forward(self, batch: list[list[int]]) -> list[tuple[object, object]]:
         """Per sample of `batch`, in order: (aux [T, k, H], final pre-norm [T, H]) on the CPU (float32 or the
-        model's dtype)."""
+        model's dtype), and, where the engine keeps the policy, its (tokens [T, k], log-probs [T, k]) third."""
 
     def close(self) -> None: ...

@@ -7,6 +7,7 @@ import time
 
 from draftdata.config.schema import Config
 from draftdata.hidden.engines.base import Engine
+from draftdata.hidden.policy import policy_spec
 from draftdata.hidden.state_store import NormAndSizes, StateStore
 
 
@@ -28,7 +29,7 @@ def make_engine(cfg: Config, layers: list[int]) -> Engine:
         )
     from draftdata.hidden.engines.hf import HFEngine
 
-    return HFEngine(cfg.model, layers, device_map=hs.device_map)
+    return HFEngine(cfg.model, layers, device_map=hs.device_map, policy=policy_spec(hs))
 
 
 class LazyEngine:

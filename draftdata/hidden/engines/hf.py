@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from draftdata.config.schema import ModelConfig
 from draftdata.errors import UserError
 from draftdata.hidden.norm import FinalNorm
+from draftdata.hidden.policy import PolicySpec, policy_of
 from draftdata.model.load import find_decoder
 
 
@@ -52,7 +53,9 @@ class HFEngine:
     while a batch runs through it: outside `forward` the model is transformers' own, and a forward of anyone else's
     through it keeps nothing."""
 
-    def __init__(self, model_cfg: ModelConfig, layers: list[int], device_map: str | None = None):
+    def __init__(
+        self, model_cfg: ModelConfig, layers: list[int], device_map: str | None = None, policy: PolicySpec | None = None
+    ):
         import torch
 
         from draftdata.model.compute import check_hf_cast, compute_dtype, torch_dtype
@@ -74,6 +77,11 @@ class HFEngine:
         self.layers = layers
         self.pad_tokens = 0
         self.input_device = next(self.decoder.layers[0].parameters()).device  # under a device_map, the first GPU's
+        self.policy = policy
+        self.lm_head = self.model.get_output_embeddings() if policy else None
+        self.softcap = getattr(self.model.config.get_text_config(), "final_logit_softcapping", None)
+        if policy:
+            self._check_head()
         self._out: dict = {}
 
     def forward(self, batch: list[list[int]]) -> list[tuple[object, object]]:
@@ -81,7 +89,10 @@ class HFEngine:
 
         ids = pad_right(batch, self.input_device)
         with self._hooked(), torch.inference_mode():
-            self.decoder(input_ids=ids, use_cache=False)  # no LM head
+            last = self.decoder(input_ids=ids, use_cache=False).last_hidden_state  # no LM head over the whole batch
+            # the policy from the post-norm state the decoder returns, a sample's real rows at a time
+            policies = [self._policy(last[i, : len(x)]) for i, x in enumerate(batch)] if self.policy else None
+        del last
         self.pad_tokens += ids.numel() - sum(len(x) for x in batch)
         out, self._out = self._out, {}
         # under a device_map the layers' outputs sit on their layers' GPUs: gathered on the first one's, then one
@@ -93,7 +104,30 @@ class HFEngine:
             aux = torch.stack([o.to(outs[0].device) for o in outs], dim=2).cpu()  # [B, W, k, H]
         else:  # MTP alone reads the last state only: no aux layer, an empty axis
             aux = final.new_empty((*final.shape[:2], 0, final.shape[-1]))
-        return [(aux[i, : len(x)], final[i, : len(x)]) for i, x in enumerate(batch)]
+        got = [(aux[i, : len(x)], final[i, : len(x)]) for i, x in enumerate(batch)]
+        return [(*g, p) for g, p in zip(got, policies)] if policies else got
+
+    def _policy(self, post_norm):
+        return policy_of(post_norm, self.lm_head, self.policy, self.softcap)
+
+    def _check_head(self) -> None:
+        """The policy as computed here (the decoder's post-norm state through the LM head, Gemma's soft cap after)
+        against the model's own logits on a few tokens: a model that scales its logits another way stops here,
+        before any sample, rather than storing a wrong policy."""
+        import torch
+
+        ids = torch.arange(1, 9, device=self.input_device).unsqueeze(0)
+        with torch.inference_mode():
+            own = self.model(input_ids=ids, use_cache=False).logits[0].float()
+            last = self.decoder(input_ids=ids, use_cache=False).last_hidden_state[0]
+            ours = self.lm_head(last).float()
+            if self.softcap:
+                ours = torch.tanh(ours / self.softcap) * self.softcap
+        if not torch.allclose(ours.cpu(), own.cpu(), rtol=1e-3, atol=1e-3):
+            raise UserError(
+                f"hidden_states.policy_top_k: {type(self.model).__name__}'s logits are not its LM head over the final "
+                "state as computed here (a logit scale of its own?); the policy cannot be kept for this model"
+            )
 
     @contextmanager
     def _hooked(self):
