@@ -378,7 +378,8 @@ def test_trainers_own_readers_load_every_block_family(captured_project, tmp_path
     trainer reads, exactly (MTP's through its CLI's own preprocess, `shift_batch_mtp`); each trainer's own model of
     each block family, built as its trainer builds it (SpecForge's from a run config through build_model_bundle),
     trains on its export: a finite loss that one optimizer step lowers. speculators' MTP model starts from the
-    target's own MTP weights (`mtp.*`), which the demo's target has not got: its rows are checked, no step taken."""
+    target's own MTP weights (`mtp.*`), which this target has not got: its rows are checked here, and it trains on a
+    target that has them in the test below."""
     from test_export import exact_bf16, read_dump
 
     project = captured_project
@@ -476,3 +477,79 @@ def test_two_families_exports_stand_side_by_side(captured_project):
     assert {p.relative_to(eagle): p.read_bytes() for p in eagle.rglob("*") if p.is_file()} == before
     families = [json.loads((d / MARKER).read_text())["family"] for d in (eagle, dflash)]
     assert families == ["eagle3", "dflash"]
+
+
+# Runs under DRAFTDATA_TRAINERS_PYTHON: speculators' MTPDraftModel, built as its CLI builds it (the verifier's own
+# decoder config; from_training_args extracting the target's mtp.* weights with MTPConverter), trained two steps on a
+# packed batch of our export read by its own ArrowDataset and CollateFn with the CLI's preprocess for MTP
+# (shift_batch_mtp) and the CLI's step weights.
+MTP_TRAINER = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+
+    import torch
+    from safetensors import safe_open
+    from speculators.models.mtp import MTPDraftModel, shift_batch_mtp
+    from speculators.models.utils import get_verifier_config
+    from speculators.train.data import ArrowDataset, CollateFn
+
+    path = Path(sys.argv[1])
+    meta = json.loads((path / "draftdata_export.json").read_text())
+    verifier = meta["model"]["path"]
+    torch.manual_seed(0)
+    config = get_verifier_config(verifier)
+    model = MTPDraftModel.from_training_args(verifier_config=config, verifier_name_or_path=verifier,
+                                             num_speculative_steps=3).float()
+    # from_training_args loads the head with strict=False: a misnamed key would stay random, so the values are checked
+    with safe_open(str(Path(verifier) / "model.safetensors"), "pt") as f:
+        loaded = [torch.equal(model.mtp_layers[0].input_proj.weight, f.get_tensor("mtp.fc.weight")),
+                  torch.equal(model.mtp_layers[0].self_attn.q_proj.weight,
+                              f.get_tensor("mtp.layers.0.self_attn.q_proj.weight")),
+                  torch.equal(model.lm_head.weight, f.get_tensor("lm_head.weight"))]
+    ds = ArrowDataset(max_len=4096, datapath=str(path), on_missing="raise")
+    collate = CollateFn(4096, meta["hidden_size"], len(model.target_layer_ids), torch.float32, shift_batch_mtp)
+    batch = {k: v for k, v in collate([ds[i] for i in range(len(ds))]).items() if torch.is_tensor(v)}
+    kwargs, _ = MTPDraftModel.get_trainer_kwargs(num_speculative_steps=model.config.num_speculative_steps)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    model.train()
+    losses = []
+    for _ in range(2):
+        loss = model(**batch, **kwargs)[1]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    print(json.dumps({"losses": losses, "loaded": loaded, "target_layer_ids": model.target_layer_ids,
+                      "tokens": int(batch["input_ids"].numel())}))
+""")
+
+
+@pytest.mark.trainers
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not TRAINERS_PYTHON, reason="set DRAFTDATA_TRAINERS_PYTHON to a Python with speculators")
+def test_speculators_mtp_trains_two_steps_on_our_export_of_a_target_with_native_mtp_weights(project, tmp_path):
+    """A tiny random Qwen3 target with an MTP head in the checkpoint (tests/mtp_target.py): the whole chain runs on
+    it for `mtp` alone, and speculators' MTP draft, started from the target's own head, takes two steps on our export
+    with the loss falling."""
+    from conftest import DEMO
+    from mtp_target import build_mtp_target
+
+    target = build_mtp_target(tmp_path / "mtp-target", DEMO)
+    project.set("model.path", str(target))
+    project.set("hidden_states.drafters", ["mtp"])
+    for stage in ("prompts", "generate", "tokenize", "hidden_states"):
+        project.run(stage, "B3")
+    out = export(project, "speculators", "mtp")
+    (tmp_path / "mtp.py").write_text(MTP_TRAINER)
+    r = subprocess.run(
+        [TRAINERS_PYTHON, str(tmp_path / "mtp.py"), str(out)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["loaded"] == [True, True, True]  # the head is the target's own, not a random one
+    assert got["target_layer_ids"] == [4] and got["tokens"] > 1000  # the last layer of 4; the whole export
+    before, after = got["losses"]
+    assert math.isfinite(before) and after < before, got["losses"]

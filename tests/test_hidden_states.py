@@ -716,6 +716,26 @@ def test_the_decoder_is_found_inside_a_multimodal_wrapper():
     torch.testing.assert_close(norm.apply(x), decoder.norm(x), atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "module", ["qwen3_next.modeling_qwen3_next.Qwen3NextRMSNorm", "llama.modeling_llama.LlamaRMSNorm"]
+)
+def test_a_final_norm_scaled_by_one_plus_its_weight_is_read_as_such(module):
+    """Qwen3-Next and Qwen3.5 (the targets that ship MTP weights) scale by 1 + weight, Llama by weight: each norm's
+    parameters are read with the offset that reproduces the module, whatever its class is called."""
+    import importlib
+
+    path, name = module.rsplit(".", 1)
+    norm = getattr(importlib.import_module(f"transformers.models.{path}"), name)(64, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64) * 0.1)
+    from draftdata.hidden.engines.hf import final_norm_of
+
+    spec = final_norm_of(norm)
+    assert spec.weight_offset == (1.0 if "Qwen3Next" in name else 0.0)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(spec.apply(x), norm(x), atol=1e-6, rtol=1e-6)
+
+
 def test_device_map_gives_the_same_states(tiny_model):
     """`hidden_states.device_map` (accelerate's dispatch, for a target bigger than one GPU) computes the same states;
     on the CPU "auto" places every layer there."""

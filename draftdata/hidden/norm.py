@@ -10,7 +10,8 @@ class FinalNorm:
     """The target's final norm, enough to turn a stored pre-norm state into the post-norm one exactly.
 
     kind `rms`: y = x / sqrt(mean(x²) + eps) * (weight_offset + weight) (Llama, Qwen, DeepSeek/Kimi: offset 0;
-    Gemma: offset 1); kind `layer`: LayerNorm with weight and bias. Computed in float32, as the models do."""
+    Gemma, Qwen3-Next, Qwen3.5: offset 1); kind `layer`: LayerNorm with weight and bias. Computed in float32, as the
+    models do."""
 
     kind: str
     eps: float

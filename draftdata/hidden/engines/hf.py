@@ -30,18 +30,19 @@ def final_norm_of(norm) -> FinalNorm:
     weight = norm.weight.detach().float().cpu()
     eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
     if isinstance(norm, torch.nn.LayerNorm):
-        spec = FinalNorm("layer", eps, weight, None if norm.bias is None else norm.bias.detach().float().cpu())
-    else:
-        spec = FinalNorm("rms", eps, weight, weight_offset=1.0 if "Gemma" in name else 0.0)
+        specs = [FinalNorm("layer", eps, weight, None if norm.bias is None else norm.bias.detach().float().cpu())]
+    else:  # a scale of `weight` (Llama, Qwen3) or of 1 + `weight` (Gemma, Qwen3-Next, Qwen3.5): the module says which
+        specs = [FinalNorm("rms", eps, weight, weight_offset=offset) for offset in (0.0, 1.0)]
     x = torch.randn(4, weight.shape[0], generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         own = norm(x.to(norm.weight.device, norm.weight.dtype)).float().cpu()
-    if not torch.allclose(spec.apply(x.to(norm.weight.dtype)), own, rtol=1e-2, atol=1e-2):
-        raise UserError(
-            f"model.path: the final norm ({name}) is neither RMSNorm nor LayerNorm as known here; the "
-            "post-norm state could not be derived from the stored pre-norm one"
-        )
-    return spec
+    for spec in specs:
+        if torch.allclose(spec.apply(x.to(norm.weight.dtype)), own, rtol=1e-2, atol=1e-2):
+            return spec
+    raise UserError(
+        f"model.path: the final norm ({name}) is neither RMSNorm nor LayerNorm as known here; the "
+        "post-norm state could not be derived from the stored pre-norm one"
+    )
 
 
 class HFEngine:
