@@ -20,7 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from draftdata.config.schema import TinyModelConfig
-from draftdata.model.tiny import _plant_eos_rate, build_tokenizer, iter_demo_texts
+from draftdata.model.tiny import build_model, build_tokenizer, iter_demo_texts
 
 
 def mtp_weights(config, seed: int) -> dict:
@@ -42,36 +42,17 @@ def mtp_weights(config, seed: int) -> dict:
 
 
 def build_mtp_target(out: Path, corpus_dir: Path, num_layers: int = 4, seed: int = 0) -> Path:
-    import torch
     from safetensors.torch import load_file, save_file
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
     tm = TinyModelConfig(corpus_dir=str(corpus_dir), num_layers=num_layers, seed=seed, mean_response_tokens=24)
     tok = build_tokenizer(iter_demo_texts(corpus_dir), tm.vocab_size)
     eos_id, pad_id = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
-    torch.manual_seed(tm.seed)
-    config = Qwen3Config(
-        vocab_size=len(tok),
-        hidden_size=tm.hidden_size,
-        intermediate_size=tm.hidden_size * 2,
-        num_hidden_layers=tm.num_layers,
-        num_attention_heads=tm.num_heads,
-        num_key_value_heads=max(1, tm.num_heads // 2),
-        head_dim=tm.hidden_size // tm.num_heads,
-        max_position_embeddings=tm.max_position_embeddings,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        bos_token_id=None,
-        tie_word_embeddings=False,
-    )
-    model = Qwen3ForCausalLM(config).eval()
-    _plant_eos_rate(model, eos_id, tm.mean_response_tokens)
-    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, do_sample=True, top_k=0)
+    model = build_model(tm, len(tok), eos_id, pad_id, arch="qwen3")
     out.mkdir(parents=True, exist_ok=True)
     tok.save_pretrained(out)
     model.save_pretrained(out)
     path = out / "model.safetensors"  # the MTP head beside the model, as a Qwen3-Next / Qwen3.5 checkpoint ships it
     weights = load_file(str(path))
-    weights.update(mtp_weights(config, tm.seed))
+    weights.update(mtp_weights(model.config, tm.seed))
     save_file(weights, str(path), metadata={"format": "pt"})
     return out

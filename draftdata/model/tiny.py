@@ -106,12 +106,19 @@ def build_tokenizer(texts: Iterator[str], vocab_size: int):
     return fast
 
 
-def build_model(cfg: TinyModelConfig, vocab_size: int, eos_id: int, pad_id: int):
+def build_model(cfg: TinyModelConfig, vocab_size: int, eos_id: int, pad_id: int, arch: str = "llama"):
+    """The random model; `arch` qwen3 is the same sizes as a Qwen3 (the tests' target with an MTP head)."""
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    import transformers
+    from transformers import GenerationConfig
 
+    config_cls, model_cls, own = {
+        "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": cfg.hidden_size // cfg.num_heads}),
+    }[arch]
     torch.manual_seed(cfg.seed)
-    config = LlamaConfig(
+    config = getattr(transformers, config_cls)(
+        **own,
         vocab_size=vocab_size,
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.hidden_size * 2,
@@ -124,7 +131,7 @@ def build_model(cfg: TinyModelConfig, vocab_size: int, eos_id: int, pad_id: int)
         bos_token_id=None,
         tie_word_embeddings=False,
     )
-    model = LlamaForCausalLM(config).eval()
+    model = getattr(transformers, model_cls)(config).eval()
     _plant_eos_rate(model, eos_id, cfg.mean_response_tokens)
     # top_k=0: no top-k cut by default (GenerationConfig's default is 50), so a server that takes its defaults
     # from this file (`transformers serve` accepts no top_k) samples like the embedded backend.
