@@ -389,11 +389,11 @@ class HiddenStatesConfig:
     block_draft_layers: int = 5  # n, the block draft's layers: round(1 + i(N-4)/(n-1)) for i < n; [N//2] for n = 1
     dtype: str = "bfloat16"  # bfloat16 | float16 | float32 | fp8 (e4m3, a scale per token and layer)
     # The target's next-token policy at every position: the top policy_top_k tokens and their log-probabilities, cut
-    # at cumulative probability policy_top_p, from the final state through the final norm and the LM head in the same
-    # forward as the states (what an external draft trains on: ModelOpt's, k = 20 and top-p 0.95). 0: none kept.
-    # With drafters: [] the capture keeps the policy alone, no states (~k * 8 bytes a token).
+    # at cumulative probability policy_top_p over the k (as a sampler cuts top-k then top-p), from the final state
+    # through the final norm and the LM head in the same forward as the states (what an external draft trains on:
+    # ModelOpt's, k = 20 and top-p 0.95). 0: none kept. With drafters: [] the policy alone, no states (8k bytes a token)
     policy_top_k: int = 0
-    policy_top_p: float = 0.95  # the policy's nucleus: slots past cumulative probability top_p hold token -1, -inf
+    policy_top_p: float = 0.95  # its nucleus, top-k then top-p: slots past it hold token -1 and -inf
     # run-time: how the states are computed, not what they are (changing these reruns nothing)
     backend: str = "hf"  # hf (transformers in-process; torchrun for data parallel) | vllm (tensor/data parallel)
     batch_tokens: int = 4096  # padded tokens per forward

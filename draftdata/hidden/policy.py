@@ -2,9 +2,11 @@
 
 At every position t of a sample the target's distribution over the token at t + 1, from the final state through the
 final norm and the LM head in the same forward as the states: its top k tokens (int32) and their log-probabilities
-(float32, under the full softmax, not renormalised), sorted by probability. Past the nucleus (the fewest tokens whose
-probability reaches top_p, the one that crosses it included) a slot holds token -1 and -inf. This is what an external
-draft trains on (ModelOpt's: k = 20, top-p 0.95), at k * 8 bytes a token where the states cost 2 * (k + 1) * H.
+(float32, under the full softmax, not renormalised: the top k's mass stays known), sorted by probability. The nucleus
+is cut as a server's sampler cuts it, top-k then top-p (ModelOpt's `deployment_policy`): the fewest of the k whose
+probability, renormalised over the k, reaches top_p, the one that crosses it included; past it a slot holds token -1
+and -inf. This is what an external draft trains on (ModelOpt's: k = 20, top-p 0.95), at k * 8 bytes a token where
+the states cost 2 * (k + 1) * H. Temperature 1: the target's own distribution.
 
 Stored unshifted: row t is the policy FOR token t + 1. A trainer's file that lists the policy beside the token it
 predicts shifts it by one (draftdata/hidden/modelopt.py); the last row predicts past the sample and is never exported.
@@ -29,7 +31,8 @@ class PolicySpec:
             "top_p": self.top_p,
             "row": "row t is the target's policy for token t + 1 (from the logits at t)",
             "log_probs": "under the full softmax (not renormalised to the kept tokens)",
-            "cut": "slots past the nucleus (cumulative probability >= top_p) hold token -1 and -inf",
+            "cut": "top-k then top-p: slots past the nucleus (cumulative probability over the k >= top_p) hold "
+            "token -1 and -inf",
         }
 
 
@@ -50,6 +53,7 @@ def top_policy(logits, spec: PolicySpec):
     lp = torch.log_softmax(logits.float(), dim=-1)
     values, tokens = lp.topk(min(spec.top_k, lp.shape[-1]), dim=-1)  # sorted, likeliest first
     probs = values.exp()
+    probs = probs / probs.sum(-1, keepdim=True)  # over the k, as top-k then top-p samples
     # a slot is kept while the probability before it is short of top_p: the token that crosses it stays in
     kept = (probs.cumsum(-1) - probs) < spec.top_p
     kept[..., 0] = True  # the likeliest token always: rounding must not cut a row empty
