@@ -30,9 +30,13 @@ DEMO_SHAPES = {
 }
 
 
-# The optional suites' Pythons (scripts/test_envs.sh makes both). Where DRAFTDATA_REQUIRE_SUITES is set (CI), a
+# The optional suites' Pythons (scripts/test_envs.sh makes them). Where DRAFTDATA_REQUIRE_SUITES is set (CI), a
 # missing one stops the run at once rather than letting its tests skip: a green run must have run them.
-SUITE_PYTHONS = {"vllm": "DRAFTDATA_VLLM_PYTHON", "trainers": "DRAFTDATA_TRAINERS_PYTHON"}
+SUITE_PYTHONS = {
+    "vllm": "DRAFTDATA_VLLM_PYTHON",
+    "trainers": "DRAFTDATA_TRAINERS_PYTHON",
+    "modelopt": "DRAFTDATA_MODELOPT_PYTHON",
+}
 
 
 def pytest_sessionstart(session) -> None:

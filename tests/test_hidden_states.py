@@ -124,12 +124,13 @@ def test_the_policy_is_the_target_s_next_token_distribution_beside_unchanged_sta
             got = model(input_ids=s.input_ids.unsqueeze(0), output_hidden_states=True)
         lp = torch.log_softmax(got.logits[0].float(), dim=-1)
         for t in range(len(s.input_ids)):
-            kept = tokens[t] >= 0
+            kept = torch.isfinite(lps[t])
             n = int(kept.sum())
             assert kept[:n].all() and not kept[n:].any()  # the kept slots first, the cut ones after
             torch.testing.assert_close(lps[t, :n], lp[t, tokens[t, :n]], atol=1e-5, rtol=1e-5)
-            best = lp[t].topk(8).values
-            torch.testing.assert_close(lps[t, :n], best[:n], atol=1e-5, rtol=1e-5)  # the likeliest, in order
+            best = lp[t].topk(8)
+            torch.testing.assert_close(lps[t, :n], best.values[:n], atol=1e-5, rtol=1e-5)  # the likeliest, in order
+            assert set(tokens[t].tolist()) == set(best.indices.tolist())  # the cut slots keep their tokens
             probs = best.exp() / best.exp().sum()  # top-k then top-p: the nucleus over the k, the crossing one in
             assert n == int(((probs.cumsum(0) - probs) < top_p).sum())
             assert torch.isneginf(lps[t, n:]).all()

@@ -196,6 +196,7 @@ REFUSALS: dict[str, dict | tuple[str, str]] = {
     "draftdata/cli/export.py": COMMAND,
     "draftdata/cli/plan.py": COMMAND,
     "draftdata/hidden/export.py": COMMAND,
+    "draftdata/hidden/modelopt.py": COMMAND,
     "draftdata/hidden/online.py": COMMAND,
     "draftdata/hidden/verify.py": COMMAND,
     "draftdata/config/load.py": {

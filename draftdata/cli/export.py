@@ -29,6 +29,7 @@ from draftdata.hidden.export import (
     states_marker,
     write_vocab_mapping,
 )
+from draftdata.hidden.modelopt import POLICY_FORMAT, check_policy, modelopt_argv, policy_argv, write_policy
 from draftdata.hidden.online import ONLINE_WRITERS, check_samples, online_family, online_marker
 from draftdata.hidden.reader import HiddenStates
 from draftdata.hidden.trainer_command import (
@@ -49,6 +50,8 @@ from draftdata.util.log import log
 
 def main(cfg: Config) -> None:
     fmt = cfg.export.format
+    if fmt == POLICY_FORMAT:
+        return export_policy(cfg)
     if fmt not in WRITERS and fmt not in ONLINE_WRITERS:  # config.check says so first; kept for hand-built configs
         raise ConfigError("export.format", f"must be one of {', '.join([*WRITERS, *ONLINE_WRITERS])}, got {fmt!r}")
     vocab = target_vocab(cfg)
@@ -66,6 +69,8 @@ def main(cfg: Config) -> None:
     family = picked.family if picked is not None else online_family(fmt, cfg.export.family)
     if vocab is not None and fmt == "specforge" and family.specforge != "eagle3":
         raise ConfigError("export.draft_vocab_size", f"SpecForge's {family.name} reads no vocabulary mapping")
+    if vocab is not None and fmt == "modelopt":
+        raise ConfigError("export.draft_vocab_size", "ModelOpt computes its draft vocabulary itself; leave it unset")
     staging, tally = staging_dir(out), ExportTally()
     try:
         meta = write(fmt, src, staging, tally, cfg, hs, picked, family)
@@ -102,6 +107,9 @@ def main(cfg: Config) -> None:
 def trainer_command(cfg: Config, fmt: str, out: Path, meta: dict, staging: Path) -> tuple[str | None, list[str]]:
     """The trainer's command on the export, written into it (and SpecForge's run config for EAGLE-3), and the lines
     that say what the trainer would otherwise read wrong (trainer_command.py)."""
+    if fmt == "modelopt":
+        ids, family = meta["aux_layer_ids"], meta["family"]
+        return write_command(staging, modelopt_argv(family, cfg.model.path, out, ids, cfg.dataset)), []
     if fmt in ("speculators", "speculators_online"):
         line = write_command(staging, speculators_argv(cfg, out, meta, online=fmt.endswith("_online")))
         note = default_layers_note(meta, target_config(Path(cfg.model.path), "num_hidden_layers"))
@@ -113,6 +121,29 @@ def trainer_command(cfg: Config, fmt: str, out: Path, meta: dict, staging: Path)
         return None, notes
     write_specforge_config(staging, specforge_config(cfg, out, meta, ties_lm_head(Path(cfg.model.path))))
     return write_command(staging, ["specforge", "train", "-c", str(out / SPECFORGE_CONFIG)]), notes
+
+
+def export_policy(cfg: Config) -> None:
+    """`export.format=modelopt_policy`: the capture's top-k policy as ModelOpt's external draft reads it (no family,
+    no states: the capture may hold the policy alone)."""
+    src = data_dir(cfg.dataset) / "hidden_states"
+    check_source(src, cfg.dataset)
+    hs = HiddenStates(src)
+    policy = check_policy(hs)
+    out = export_dir(cfg)
+    check_export_dir(out)
+    staging, tally = staging_dir(out), ExportTally()
+    try:
+        records = write_policy(hs, staging, tally)
+        meta = marker(POLICY_FORMAT, src, tally) | {"model": hs.index["model"], "policy": policy, "records": records}
+        line = write_command(staging, policy_argv(cfg.model.path, out, policy))
+        write_json(staging / MARKER, meta)
+        publish(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    log("export", dataset=cfg.dataset, format=POLICY_FORMAT, dir=out, records=records, tokens=tally.tokens)
+    log("export", train_command=line)
 
 
 def write(fmt: str, src: Path, staging: Path, tally: ExportTally, cfg: Config, hs, picked, family) -> dict:

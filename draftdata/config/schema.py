@@ -28,7 +28,8 @@ CONF_DIR = ROOT / "conf"
 SHAPES = ("opencodeinstruct", "magicoder_oss", "magicoder_evol", "messages", "conversations", "swe_agent", "glaive")
 SUFFIXES = (".jsonl", ".json", ".parquet")  # local source files, each optionally .gz
 DTYPES = ("bfloat16", "float16", "float32", "fp8")  # of stored hidden states
-EXPORT_FORMATS = ("specforge", "speculators", "specforge_online", "speculators_online")  # `draftdata export`
+# `draftdata export`
+EXPORT_FORMATS = ("specforge", "speculators", "modelopt", "modelopt_policy", "specforge_online", "speculators_online")
 
 
 def file_kind(path: Path) -> str | None:
@@ -393,7 +394,7 @@ class HiddenStatesConfig:
     # through the final norm and the LM head in the same forward as the states (what an external draft trains on:
     # ModelOpt's, k = 20 and top-p 0.95). 0: none kept. With drafters: [] the policy alone, no states (8k bytes a token)
     policy_top_k: int = 0
-    policy_top_p: float = 0.95  # its nucleus, top-k then top-p: slots past it hold token -1 and -inf
+    policy_top_p: float = 0.95  # its nucleus, top-k then top-p: slots past it hold -inf
     # run-time: how the states are computed, not what they are (changing these reruns nothing)
     backend: str = "hf"  # hf (transformers in-process; torchrun for data parallel) | vllm (tensor/data parallel)
     batch_tokens: int = 4096  # padded tokens per forward
@@ -474,7 +475,8 @@ class ExportConfig:
     """`draftdata export`: the hidden states in a trainer's own layout (not a DVC stage: run it where you
     train)."""
 
-    # specforge | speculators: offline (the stored hidden states); specforge_online | speculators_online: the
+    # specforge | speculators | modelopt: offline (the stored hidden states); modelopt_policy: the target's top-k
+    # policy (hidden_states.policy_top_k) for ModelOpt's external draft; specforge_online | speculators_online: the
     # samples alone, for training with the states computed on the fly (no hidden_states stage needed)
     format: str = "specforge"
     dir: Optional[str] = None  # None: data/<dataset>/export-<format>-<family>, one folder per format and family

@@ -21,6 +21,9 @@ What each family reads, as the trainers' own code has it (speculators 0.9.0, Spe
   `target_last_hidden_states` [1, T, H] POST-norm; its `dflash_config.target_layer_ids` are physical ids.
 - the draft vocabulary: speculators takes a mapping for every family (optional; its trainer builds one from
   `token_freq.pt` for `--draft-vocab-size`); SpecForge's eagle3 alone reads one (its block drafters take none).
+- modelopt (nvidia-modelopt 0.47.0: eagle3, dflash, dspark, domino): one `.pt` per sample, `aux_hidden_states`
+  [T, k·H] and the post-norm last state `hidden_states` [T, H] whatever the family (draftdata/hidden/modelopt.py);
+  its layer ids are physical.
 - mtp: the last state alone (speculators: `verifier_last_hidden_states`); the target must carry its own MTP weights
   (`mtp.*`), which speculators loads; SpecForge 0.2.0 has no MTP algorithm.
 - online (the trainer computes the states as it trains, from the exported samples): speculators for each family its
@@ -48,23 +51,24 @@ class Family:
     speculators: str | None  # its config's key for the aux layer ids (vLLM numbering); "" for mtp (none)
     needs_adjacent: bool = False  # a row needs two adjacent supervised tokens (block drafters' anchors)
     specforge_online: bool = True  # SpecForge trains it online (its server-streaming provider over SGLang's capture)
+    modelopt: str | None = None  # ModelOpt's recipe for it (its offline `.pt` files: aux + post-norm last state)
 
 
 EAGLE_KEY, BLOCK_KEY = "eagle_aux_hidden_state_layer_ids", "aux_hidden_state_layer_ids"
 FAMILIES = {
     f.name: f
     for f in (
-        Family("eagle3", "eagle", "eagle3", EAGLE_KEY),
+        Family("eagle3", "eagle", "eagle3", EAGLE_KEY, modelopt="eagle3"),
         Family("peagle", "eagle", None, EAGLE_KEY),
-        Family("dflash", "block", "block", BLOCK_KEY, needs_adjacent=True),
+        Family("dflash", "block", "block", BLOCK_KEY, needs_adjacent=True, modelopt="dflash"),
         Family("dflash2", "block", None, BLOCK_KEY, needs_adjacent=True, specforge_online=False),
-        Family("dspark", "block", "block_last", BLOCK_KEY, needs_adjacent=True),
-        Family("domino", "block", "block", None, needs_adjacent=True),
+        Family("dspark", "block", "block_last", BLOCK_KEY, needs_adjacent=True, modelopt="dspark"),
+        Family("domino", "block", "block", None, needs_adjacent=True, modelopt="domino"),
         Family("mtp", "none", None, "", specforge_online=False),
     )
 }
 assert tuple(FAMILIES) == DRAFTER_FAMILIES  # the config's names are these
-TRAINERS = ("specforge", "speculators")
+TRAINERS = ("specforge", "speculators", "modelopt")
 
 
 def block_default_layers(n_layers: int, n: int) -> list[int]:
@@ -97,9 +101,12 @@ def unusable(f: Family, loss_mask: list[int]) -> str | None:
 def last_state(f: Family, trainer: str) -> str | None:
     """The last state a trainer's files hold for this family: speculators' always carry the pre-norm one (its
     `verifier_last_hidden_states`); SpecForge's the post-norm one where its layout has one (eagle3's
-    `hidden_state`, dspark's `target_last_hidden_states`), none for its dflash and domino."""
+    `hidden_state`, dspark's `target_last_hidden_states`), none for its dflash and domino; ModelOpt's the post-norm
+    one for every family (`hidden_states`, with `hidden_states_prenorm` False)."""
     if trainer == "speculators":
         return "pre_norm"
+    if trainer == "modelopt":  # its files always hold the last state; post-norm, as its own dump writes it
+        return "post_norm"
     return None if f.specforge == "block" else "post_norm"
 
 

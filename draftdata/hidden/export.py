@@ -81,14 +81,15 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from draftdata.config.schema import Config
 from draftdata.drafters.families import FAMILIES, Family, last_state, trainers_of, unusable
 from draftdata.errors import ConfigError, UserError
+from draftdata.hidden.modelopt import POLICY_FORMAT, RECIPES, write_modelopt
 from draftdata.hidden.reader import SKIPPED, HiddenStates, Sample
+from draftdata.hidden.tally import ExportTally, count
 from draftdata.hidden.vocab import specforge_mapping, speculators_mapping
 from draftdata.util.files import data_dir, staged_path
 
@@ -97,23 +98,13 @@ SPECFORGE_VOCAB = "vocab_mapping/vocab_mapping.pt"  # where SpecForge's prepare_
 SPECFORGE_GROUP = 2000  # prepare_hidden_states.py's --file-group-size default: files per rows_* folder
 SOURCE_FILES = ("index.json", "samples.parquet", "final_norm.safetensors")
 # per format: the numbering its draft configs use for the aux layer ids, and the final state it trains on
-LAYER_NUMBERING = {"specforge": "sglang_specforge", "speculators": "vllm_speculators"}
+LAYER_NUMBERING = {"specforge": "sglang_specforge", "speculators": "vllm_speculators", "modelopt": "physical"}
 # where SpecForge's draft configs name the layers, by the family's layout
 SPECFORGE_LAYER_KEY = {
     "eagle3": "eagle_config.eagle_aux_hidden_state_layer_ids",
     "block": "dflash_config.target_layer_ids",
     "block_last": "dflash_config.target_layer_ids",
 }
-
-
-@dataclass
-class ExportTally:
-    samples: int = 0
-    tokens: int = 0
-    trained_tokens: int = 0
-    token_freq: Counter = field(default_factory=Counter)
-    first_seen: dict = field(default_factory=dict)  # token -> where SpecForge's count first meets it (vocab.py)
-    skipped: Counter = field(default_factory=Counter)  # samples the family cannot train on, by reason
 
 
 @dataclass(frozen=True)
@@ -184,7 +175,9 @@ def pick(hs: HiddenStates, fmt: str, name: str) -> Picked:
 
 def export_dir(cfg: Config) -> Path:
     """`export.dir`, else one folder per format and family: exporting another family never replaces this one."""
-    default = data_dir(cfg.dataset) / f"export-{cfg.export.format}-{cfg.export.family}"
+    fmt = cfg.export.format
+    name = f"export-{fmt}" if fmt == POLICY_FORMAT else f"export-{fmt}-{cfg.export.family}"  # the policy: no family
+    default = data_dir(cfg.dataset) / name
     return Path(cfg.export.dir) if cfg.export.dir else default
 
 
@@ -349,20 +342,6 @@ def write_speculators(hs: HiddenStates, staging: Path, tally: ExportTally, picke
 # ---- the run ----------------------------------------------------------------------------------------------------- #
 
 
-def count(input_ids, loss_mask, tally: ExportTally, order) -> None:
-    """Tokens, and the loss-masked token frequencies both trainers build their draft vocabulary from; `order`: where
-    SpecForge's own count meets this sample (its ties at the vocabulary's cut go to the token met first)."""
-    trained = input_ids[loss_mask.bool()]
-    ids, counts = trained.unique(return_counts=True)
-    tally.token_freq.update(dict(zip(ids.tolist(), counts.tolist())))
-    for t in ids.tolist():
-        if t not in tally.first_seen or order < tally.first_seen[t]:
-            tally.first_seen[t] = order
-    tally.samples += 1
-    tally.tokens += int(input_ids.shape[0])
-    tally.trained_tokens += int(trained.shape[0])
-
-
 def write_vocab_mapping(fmt: str, staging: Path, tally: ExportTally, n: int, vocab: int) -> list[str]:
     """The draft vocabulary mapping where the trainer looks for it; returns the files written."""
     import numpy as np
@@ -398,7 +377,8 @@ def states_marker(fmt: str, hs: HiddenStates, picked: Picked) -> dict:
     reads them from, and the last state the files hold."""
     f = picked.family
     ids = hs.families[f.name]["layers"][LAYER_NUMBERING[fmt]]
-    key = f.speculators if fmt == "speculators" else SPECFORGE_LAYER_KEY[f.specforge]
+    key = {"speculators": f.speculators, "modelopt": RECIPES.get(f.name, ("", ""))[1]}.get(fmt)
+    key = key if fmt != "specforge" else SPECFORGE_LAYER_KEY[f.specforge]
     return {
         "model": hs.index["model"],
         "hidden_size": hs.hidden_size,
@@ -411,4 +391,4 @@ def states_marker(fmt: str, hs: HiddenStates, picked: Picked) -> dict:
     }
 
 
-WRITERS = {"specforge": write_specforge, "speculators": write_speculators}
+WRITERS = {"specforge": write_specforge, "speculators": write_speculators, "modelopt": write_modelopt}

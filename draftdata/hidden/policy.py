@@ -4,9 +4,10 @@ At every position t of a sample the target's distribution over the token at t + 
 final norm and the LM head in the same forward as the states: its top k tokens (int32) and their log-probabilities
 (float32, under the full softmax, not renormalised: the top k's mass stays known), sorted by probability. The nucleus
 is cut as a server's sampler cuts it, top-k then top-p (ModelOpt's `deployment_policy`): the fewest of the k whose
-probability, renormalised over the k, reaches top_p, the one that crosses it included; past it a slot holds token -1
-and -inf. This is what an external draft trains on (ModelOpt's: k = 20, top-p 0.95), at k * 8 bytes a token where
-the states cost 2 * (k + 1) * H. Temperature 1: the target's own distribution.
+probability, renormalised over the k, reaches top_p, the one that crosses it included; past it a slot keeps its
+token and holds -inf (ModelOpt's convention: every row k wide). This is what an external draft trains on (ModelOpt's:
+k = 20, top-p 0.95), at k * 8 bytes a token where the states cost 2 * (k + 1) * H. Temperature 1: the target's own
+distribution.
 
 Stored unshifted: row t is the policy FOR token t + 1. A trainer's file that lists the policy beside the token it
 predicts shifts it by one (draftdata/hidden/modelopt.py); the last row predicts past the sample and is never exported.
@@ -31,8 +32,8 @@ class PolicySpec:
             "top_p": self.top_p,
             "row": "row t is the target's policy for token t + 1 (from the logits at t)",
             "log_probs": "under the full softmax (not renormalised to the kept tokens)",
-            "cut": "top-k then top-p: slots past the nucleus (cumulative probability over the k >= top_p) hold "
-            "token -1 and -inf",
+            "cut": "top-k then top-p: slots past the nucleus (cumulative probability over the k >= top_p) keep "
+            "their token and hold -inf",
         }
 
 
@@ -47,7 +48,7 @@ def bytes_per_token(top_k: int) -> int:
 
 def top_policy(logits, spec: PolicySpec):
     """(tokens int32 [T, k], log-probabilities float32 [T, k]) of logits [T, V]: the k likeliest tokens at every
-    row, cut past the nucleus."""
+    row, those past the nucleus at -inf."""
     import torch
 
     lp = torch.log_softmax(logits.float(), dim=-1)
@@ -57,9 +58,8 @@ def top_policy(logits, spec: PolicySpec):
     # a slot is kept while the probability before it is short of top_p: the token that crosses it stays in
     kept = (probs.cumsum(-1) - probs) < spec.top_p
     kept[..., 0] = True  # the likeliest token always: rounding must not cut a row empty
-    tokens = torch.where(kept, tokens, torch.full_like(tokens, -1)).to(torch.int32)
     values = torch.where(kept, values, torch.full_like(values, float("-inf")))
-    return tokens, values
+    return tokens.to(torch.int32), values
 
 
 def policy_of(post_norm, lm_head, spec: PolicySpec, softcap: float | None = None):

@@ -3,6 +3,7 @@ the time its engine took. Under torchrun each rank counts its own share (`draftd
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 
@@ -22,3 +23,30 @@ class HiddenTally:
     fp8_err_num: float = 0.0
     fp8_err_den: float = 0.0
     engines: dict = field(default_factory=dict)  # samples of the output by the engine that computed them
+
+
+@dataclass
+class ExportTally:
+    """What an export counts (draftdata/hidden/export.py): its samples and tokens, and the loss-masked token counts
+    the trainers build their draft vocabulary from."""
+
+    samples: int = 0
+    tokens: int = 0
+    trained_tokens: int = 0
+    token_freq: Counter = field(default_factory=Counter)
+    first_seen: dict = field(default_factory=dict)  # token -> where SpecForge's count first meets it (vocab.py)
+    skipped: Counter = field(default_factory=Counter)  # samples the family cannot train on, by reason
+
+
+def count(input_ids, loss_mask, tally: ExportTally, order) -> None:
+    """Tokens, and the loss-masked token frequencies both trainers build their draft vocabulary from; `order`: where
+    SpecForge's own count meets this sample (its ties at the vocabulary's cut go to the token met first)."""
+    trained = input_ids[loss_mask.bool()]
+    ids, counts = trained.unique(return_counts=True)
+    tally.token_freq.update(dict(zip(ids.tolist(), counts.tolist())))
+    for t in ids.tolist():
+        if t not in tally.first_seen or order < tally.first_seen[t]:
+            tally.first_seen[t] = order
+    tally.samples += 1
+    tally.tokens += int(input_ids.shape[0])
+    tally.trained_tokens += int(trained.shape[0])
