@@ -912,9 +912,21 @@ def test_a_specforge_export_writes_its_run_config_and_says_what_specforge_would_
     states.run("hidden_states", "B3", both)
     export(states, "specforge", "export.family=dflash", both)
     logged = capsys.readouterr().out
-    held = json.loads((states.data("B3") / "export-specforge-dflash" / MARKER).read_text())["aux_layer_ids"]
-    assert f"set its dflash_config.target_layer_ids to {held} and leave model.draft_num_hidden_layers out" in logged
-    assert not (states.data("B3") / "export-specforge-dflash" / SPECFORGE_CONFIG).exists()  # the draft config is yours
+    block = states.data("B3") / "export-specforge-dflash"
+    held = json.loads((block / MARKER).read_text())["aux_layer_ids"]
+    assert f"(draft_config.json: dflash_config.target_layer_ids {held}); leave model.draft_num_hidden_layers" in logged
+    # the draft config: the target's shape, one draft layer per layer held, those layers; the run config names it
+    # and leaves draft_num_hidden_layers out (set, SpecForge would replace the layers with its default)
+    draft = json.loads((block / "draft_config.json").read_text())
+    shape = json.loads((target / "config.json").read_text())
+    assert draft["dflash_config"] == {"target_layer_ids": held} and draft["num_hidden_layers"] == len(held)
+    assert draft["hidden_size"] == shape["hidden_size"] and draft["num_target_layers"] == shape["num_hidden_layers"]
+    conf = yaml.safe_load((block / SPECFORGE_CONFIG).read_text())
+    assert conf["model"] == {
+        "target_model_path": str(target),
+        "draft_model_config": f"{block.relative_to(states.path)}/draft_config.json",
+    }
+    assert conf["training"] == {"strategy": "dflash"}
 
 
 @pytest.mark.trainers

@@ -127,8 +127,9 @@ def test_one_capture_holds_the_union_and_the_index_records_each_family(captured_
     assert eagle["layers"]["physical"] == [1, 3, 4] and eagle["positions"] == [0, 2, 3]
     assert eagle["layers"]["vllm_speculators"] == [2, 4, 5]
     assert dflash["layers"]["physical"] == [1, 2, 3, 4, 5] and dflash["positions"] == [0, 1, 2, 3, 4]
-    assert eagle["last_state"] == {"specforge": "post_norm", "speculators": "pre_norm"}
-    assert dflash["last_state"] == {"specforge": None, "speculators": "pre_norm"}
+    assert eagle["last_state"] == {"specforge": "post_norm", "speculators": "pre_norm", "modelopt": "post_norm"}
+    assert dflash["last_state"] == {"specforge": None, "speculators": "pre_norm", "modelopt": "post_norm"}
+    assert eagle["trainers"] == dflash["trainers"] == ["specforge", "speculators", "modelopt"]
     assert dflash["needs_adjacent_supervised"] and not eagle["needs_adjacent_supervised"]
     assert states_metrics(captured_project)["computed_samples"] > 0
 
@@ -311,36 +312,25 @@ FAMILY_READERS = textwrap.dedent("""
             opt.step()
             losses[name].append(loss.item())
 
-    # SpecForge's own model of each family, built as `specforge train` builds it: a run Config naming the family, a
-    # draft config, and build_model_bundle (the draft from AutoDraftModel, the target's embeddings and LM head, the
-    # mask token from the target's tokenizer, the family's Online*Model), stepped through the family's own train
+    # SpecForge's own model of each family, built as `specforge train -c` builds it from the run config and draft
+    # config the export wrote (build_model_bundle: the draft from AutoDraftModel, the target's embeddings and LM head,
+    # the mask token from the target's tokenizer, the family's Online*Model), stepped through the family's own train
     # strategy on a batch from its offline reader and collator: the loss it reports, before and after a step
+    import yaml
     from specforge.config.schema import Config
     from specforge.training.assembly import build_model_bundle
-    from specforge.training.model_loading import resolve_draft_config
 
     registry = builtin_algorithm_registry()
     for name in ("dflash", "dspark", "domino"):
         alg = registry.resolve(name)
         meta = json.loads((Path(exports[name]) / "draftdata_export.json").read_text())
-
-        def config(strategy, **model):
-            # float32 and sdpa: flex attention and bf16 training are the GPU run's settings, not the CPU's
-            return Config(model={"target_model_path": meta["model"]["path"], "torch_dtype": "float32", **model},
-                          data={"hidden_states_path": exports[name]},
-                          training={"strategy": strategy, "attention_backend": "sdpa", "num_anchors": 8})
-
-        # only dflash derives a draft config from the target; dspark and domino need one given, so each takes
-        # dflash's derived one with its own architecture, a block of 4 and the export's layers (with DSpark's
-        # Markov and confidence heads, Domino's GRU sizes): the model reads exactly the layers the export holds
-        draft = resolve_draft_config(config("dflash"), provider=registry.resolve("dflash").providers.model.draft_config)
-        head = {"dspark": {"markov_rank": 8, "enable_confidence_head": True},
-                "domino": {"emb_dim": 32, "gru_hidden_dim": 32}}.get(name, {})
-        draft = dict(draft.to_dict(), architectures=[alg.providers.model.draft_config.architecture], block_size=4,
-                     dflash_config={"target_layer_ids": meta["aux_layer_ids"], **head})
-        (out / f"draft-{name}.json").write_text(json.dumps(draft))
+        run = yaml.safe_load((Path(exports[name]) / "train_config.yaml").read_text())
+        assert "draft_num_hidden_layers" not in run["model"]
+        # float32 and sdpa: flex attention and bf16 training are the GPU run's settings, not the CPU's
+        run["model"]["torch_dtype"] = "float32"
+        run["training"] |= {"attention_backend": "sdpa", "num_anchors": 8}
         torch.manual_seed(0)
-        bundle = build_model_bundle(config(name, draft_model_config=str(out / f"draft-{name}.json")), algorithm=alg)
+        bundle = build_model_bundle(Config.model_validate(run), algorithm=alg)
         assert bundle.capture_layers == meta["aux_layer_ids"], (name, bundle.capture_layers)
         strategy = alg.providers.step.build(bundle.model, **bundle.strategy_kwargs.options)
         provider = alg.providers.offline_for("text")

@@ -131,7 +131,9 @@ def test_the_policy_is_the_target_s_next_token_distribution_beside_unchanged_sta
             best = lp[t].topk(8)
             torch.testing.assert_close(lps[t, :n], best.values[:n], atol=1e-5, rtol=1e-5)  # the likeliest, in order
             assert set(tokens[t].tolist()) == set(best.indices.tolist())  # the cut slots keep their tokens
-            probs = best.exp() / best.exp().sum()  # top-k then top-p: the nucleus over the k, the crossing one in
+            probs = (
+                best.values.exp() / best.values.exp().sum()
+            )  # top-k then top-p: the nucleus over the k, the crossing one in
             assert n == int(((probs.cumsum(0) - probs) < top_p).sum())
             assert torch.isneginf(lps[t, n:]).all()
             cut, whole = cut + (n < 8), whole + (n == 8)

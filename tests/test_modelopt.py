@@ -208,3 +208,19 @@ def test_modelopt_s_own_reader_loads_the_exports_and_its_eagle3_trains_on_them(c
     assert got["aux_ids"] == [1, 3, 4] and got["fc_in"] == 3 * hs.hidden_size  # the export's layers, read as such
     before, after = got["losses"]
     assert math.isfinite(before) and after < before, got["losses"]
+
+
+def test_the_docs_policy_figures_are_the_shard_formula_s():
+    """README's and docs/hidden-states.md's policy figures: the policy alone at k = 20 (with the token's id) against
+    EAGLE-3's bf16 states (3 layers + the last) at hidden size 4,096, by the formula the shards are written to."""
+    from conftest import ROOT
+
+    from draftdata.hidden.shards import bytes_per_token
+
+    policy = bytes_per_token(0, 0, "bfloat16", 20, states=False)
+    states = bytes_per_token(3, 4096, "bfloat16")
+    ratio = round(states / policy)
+    assert (policy, ratio) == (164, 200)
+    readme, doc = (" ".join((ROOT / p).read_text().split()) for p in ("README.md", "docs/hidden-states.md"))
+    assert f"{policy} bytes a token at k = 20, {ratio}× less than EAGLE-3's states" in readme
+    assert f"{policy} bytes a token at k = 20" in doc and f"are {states:,} in bf16: {ratio}× less" in doc

@@ -36,6 +36,7 @@ from draftdata.hidden.trainer_command import (
     SPECFORGE_CONFIG,
     default_layers_note,
     specforge_config,
+    specforge_draft_config,
     specforge_notes,
     speculators_argv,
     target_config,
@@ -116,10 +117,14 @@ def trainer_command(cfg: Config, fmt: str, out: Path, meta: dict, staging: Path)
         return line, [note] if note is not None else []
     if fmt != "specforge":  # SpecForge online trains from SGLang's capture: its config is the user's
         return None, []
-    notes = specforge_notes(meta, Path(cfg.model.path))
+    target = Path(cfg.model.path)
+    notes = specforge_notes(meta, target)
+    draft = None
     if meta["family"] != "eagle3":
-        return None, notes
-    write_specforge_config(staging, specforge_config(cfg, out, meta, ties_lm_head(Path(cfg.model.path))))
+        draft = specforge_draft_config(meta["family"], meta["aux_layer_ids"], target)
+        if draft is None:  # no config.json here to size the draft: the draft config is the user's
+            return None, [*notes, f"{target}/config.json is not here: write the draft config yourself"]
+    write_specforge_config(staging, specforge_config(cfg, out, meta, ties_lm_head(target)), draft)
     return write_command(staging, ["specforge", "train", "-c", str(out / SPECFORGE_CONFIG)]), notes
 
 

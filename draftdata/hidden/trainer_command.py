@@ -12,8 +12,11 @@ the target, the states, the strategy and the layers captured (`model.aux_hidden_
 path reads only for the width but its exported draft config records); `model.lm_head_key` on a target that ties
 its LM head to the embeddings (its offline path looks `lm_head.weight` up in the safetensors index, with no
 fallback), and one line where the target has no `*.index.json` (the offline path needs one). Its block drafters read
-their layers from a draft config of the user's, whose `target_layer_ids` SpecForge replaces with its own default
-whenever `model.draft_num_hidden_layers` is set (`apply_dflash_overrides`), silently: the export says so in one line.
+their layers from a draft config (dspark and domino require one): the export writes it, `draft_config.json`, the
+target's shape with `dflash_config.target_layer_ids` the export's layers and the draft's depth one layer per target
+layer, and the run config that names it. SpecForge replaces those ids with its own default whenever
+`model.draft_num_hidden_layers` is set (`apply_dflash_overrides`), silently: the run config leaves it out and the
+export says so in one line.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from draftdata.config.schema import Config
 
 COMMAND_FILE = "train_command.sh"
 SPECFORGE_CONFIG = "train_config.yaml"  # SpecForge's run config (`specforge train -c`), beside its command
+SPECFORGE_DRAFT = "draft_config.json"  # a block drafter's draft config, which the run config names
+# SpecForge's draft architectures for the block families (its modeling/draft: a Qwen3 decoder over the target's layers)
+DRAFT_ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel", "domino": "DominoDraftModel"}
 
 
 def speculators_default_layers(n_layers: int) -> list[int]:
@@ -63,17 +69,51 @@ def default_layers_note(meta: dict, n_layers: int | None) -> str | None:
 
 
 def specforge_config(cfg: Config, out: Path, meta: dict, tied: bool) -> dict:
-    """SpecForge's run config for an EAGLE-3 export at `out` (`tied`: the target ties its LM head)."""
-    model = {"target_model_path": cfg.model.path, "aux_hidden_state_layer_ids": meta["aux_layer_ids"]}
-    if tied:
-        model["lm_head_key"] = "model.embed_tokens.weight"
+    """SpecForge's run config for an export at `out` (`tied`: the target ties its LM head): EAGLE-3's with the
+    layers captured; a block drafter's naming the draft config written beside it, and no draft_num_hidden_layers."""
+    family = meta["family"]
+    if family == "eagle3":
+        model = {"target_model_path": cfg.model.path, "aux_hidden_state_layer_ids": meta["aux_layer_ids"]}
+        if tied:
+            model["lm_head_key"] = "model.embed_tokens.weight"
+    else:
+        model = {"target_model_path": cfg.model.path, "draft_model_config": str(out / SPECFORGE_DRAFT)}
     if "vocab_mapping" in meta:
         model["vocab_mapping_path"] = str(out / "vocab_mapping" / "vocab_mapping.pt")
     return {
         "model": model,
         "data": {"hidden_states_path": str(out)},
-        "training": {"strategy": "eagle3"},
-        "output_dir": f"checkpoints/{cfg.dataset}-eagle3",
+        "training": {"strategy": family},
+        "output_dir": f"checkpoints/{cfg.dataset}-{family}",
+    }
+
+
+def specforge_draft_config(family: str, ids: list[int], target: Path) -> dict | None:
+    """A block drafter's draft config as SpecForge's own examples write one: a Qwen3 decoder of the target's width,
+    heads and vocabulary, one layer per target layer, fed the export's layers (`dflash_config.target_layer_ids`,
+    physical); None where the target's config.json is not here to size it."""
+    conf = target_config(target, None)
+    if conf is None:
+        return None
+    h, heads = conf["hidden_size"], conf["num_attention_heads"]
+    rope = conf.get("rope_theta") or (conf.get("rope_parameters") or {}).get("rope_theta")
+    head = {"emb_dim": h, "gru_hidden_dim": h} if family == "domino" else {}  # Domino's GRU, required
+    return {
+        "architectures": [DRAFT_ARCHITECTURES[family]],
+        "model_type": "qwen3",
+        "hidden_size": h,  # its fc maps len(ids) * H to H: the target's width
+        "intermediate_size": conf["intermediate_size"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": conf.get("num_key_value_heads", heads),
+        "head_dim": conf.get("head_dim") or h // heads,
+        "num_hidden_layers": len(ids),
+        "num_target_layers": conf["num_hidden_layers"],  # required by SpecForge even with the ids given
+        "vocab_size": conf["vocab_size"],
+        "rms_norm_eps": conf.get("rms_norm_eps", 1e-6),
+        **({"rope_theta": rope} if rope else {}),
+        "max_position_embeddings": conf["max_position_embeddings"],
+        "block_size": 16,
+        "dflash_config": {"target_layer_ids": list(ids), **head},
     }
 
 
@@ -87,21 +127,24 @@ def specforge_notes(meta: dict, target: Path) -> list[str]:
             ]
         return []
     return [
-        f"SpecForge reads {meta['family']}'s layers from your draft config: set its dflash_config.target_layer_ids "
-        f"to {meta['aux_layer_ids']} and leave model.draft_num_hidden_layers out (set, it replaces them with "
-        "SpecForge's default, silently)"
+        f"SpecForge reads {meta['family']}'s layers from the draft config ({SPECFORGE_DRAFT}: "
+        f"dflash_config.target_layer_ids {meta['aux_layer_ids']}); leave model.draft_num_hidden_layers out of the "
+        "run config (set, it replaces them with SpecForge's default, silently)"
     ]
 
 
-def target_config(target: Path, key: str, default=None):
-    """A key of the target's config.json (its text config's, for a multimodal one); `default` where the export runs
-    without the target's files (a hub id, a machine that holds only the states)."""
+def target_config(target: Path, key: str | None, default=None):
+    """A key of the target's config.json (its text config's, for a multimodal one; key None: the whole text
+    config); `default` where the export runs without the target's files (a hub id, a machine that holds only the
+    states)."""
     import json
 
     path = target / "config.json"
     if not path.is_file():
         return default
     conf = json.loads(path.read_text())
+    if key is None:
+        return conf | conf.get("text_config", {})
     return conf.get(key, conf.get("text_config", {}).get(key, default))
 
 
@@ -110,10 +153,14 @@ def ties_lm_head(target: Path) -> bool:
     return bool(target_config(target, "tie_word_embeddings", False))
 
 
-def write_specforge_config(staging: Path, conf: dict) -> None:
+def write_specforge_config(staging: Path, conf: dict, draft: dict | None = None) -> None:
+    import json
+
     import yaml
 
     (staging / SPECFORGE_CONFIG).write_text(yaml.safe_dump(conf, sort_keys=False))
+    if draft is not None:
+        (staging / SPECFORGE_DRAFT).write_text(json.dumps(draft, indent=1) + "\n")
 
 
 def write_command(out: Path, argv: list[str]) -> str:
