@@ -39,7 +39,7 @@ def test_an_unknown_command_is_one_error_line_and_status_2(tmp_path):
     "command, first",
     [
         ("plan", "Command `plan`: what the configured budgets will cost"),
-        ("export", "`draftdata export dataset=<D> export.format=specforge|speculators|specforge_online"),
+        ("export", "`draftdata export dataset=<D> export.format=specforge|speculators|modelopt|modelopt_policy|"),
         ("verify", "`draftdata verify dataset=<D> [verify.samples=3]"),
         ("compare", "Compare experiments at a glance: `draftdata compare"),
         ("reference", "usage: draftdata reference"),

@@ -868,17 +868,35 @@ def test_speculators_takes_the_written_command_with_the_export_s_layers(chats):
     not TRAINERS_PYTHON, reason="set DRAFTDATA_TRAINERS_PYTHON to a Python with specforge and speculators"
 )
 def test_specforge_takes_the_written_run_config(states):
-    """`specforge train -c train_config.yaml --plan`: SpecForge's own schema takes the run config the export wrote
-    (it checks every key and the algorithm's rules; it opens no path)."""
+    """`specforge train -c train_config.yaml --plan`: SpecForge's own schema takes the run config each export wrote,
+    EAGLE-3's and a block drafter's with its draft config (it checks every key and the
+    algorithm's rules, DSpark's need of a draft config among them; it opens no path)."""
     import shlex
 
     from draftdata.hidden.trainer_command import COMMAND_FILE
 
-    out = export(states, "specforge")
-    argv = shlex.split((out / COMMAND_FILE).read_text().splitlines()[-1])
+    both = "hidden_states.drafters=[eagle3,dspark]"
+    states.run("hidden_states", "B3", both)
     specforge = str(Path(TRAINERS_PYTHON).parent / "specforge")
-    r = subprocess.run([specforge, *argv[1:], "--plan"], cwd=states.path, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and '"role": "all"' in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+    for fmt, family in (("specforge", "eagle3"), ("specforge", "dspark")):
+        out = export(states, fmt, f"export.family={family}", both)
+        argv = shlex.split((out / COMMAND_FILE).read_text().splitlines()[-1])
+        r = subprocess.run(
+            [specforge, *argv[1:], "--plan"], cwd=states.path, capture_output=True, text=True, timeout=300
+        )
+        assert r.returncode == 0 and '"role": "all"' in r.stdout, (fmt, family, r.stdout[-2000:] + r.stderr[-3000:])
+
+
+def test_a_specforge_online_export_says_what_its_run_config_needs(chats, capsys):
+    """SpecForge trains online only disaggregated, over the user's own SGLang capture servers: no run config is
+    written, and one line says which rows and layers to put in the user's."""
+    capsys.readouterr()
+    out = export(chats, "specforge_online", dataset="B6")
+    logged = capsys.readouterr().out
+    held = json.loads((out / MARKER).read_text())["aux_layer_ids"]
+    rows = (out / "prompts.jsonl").relative_to(chats.path)
+    assert f"set data.prompts_path: {rows} and model.aux_hidden_state_layer_ids: {held}" in logged
+    assert not (out / "train_command.sh").exists()
 
 
 def test_a_specforge_export_writes_its_run_config_and_says_what_specforge_would_read_wrong(states, capsys):

@@ -139,6 +139,7 @@ def test_the_policy_is_the_target_s_next_token_distribution_beside_unchanged_sta
             cut, whole = cut + (n < 8), whole + (n == 8)
         torch.testing.assert_close(s.aux[:, 0], got.hidden_states[2][0], atol=1e-5, rtol=1e-5)  # layer 1's output
     assert cut and whole  # the nucleus cut some rows short and left others whole: the test saw both
+    assert verify_in(hs_project).ok  # verify recomputes the states beside the policy
 
 
 def test_the_policy_alone_stores_no_states_and_a_states_export_says_so(hs_project):
@@ -157,6 +158,8 @@ def test_the_policy_alone_stores_no_states_and_a_states_export_says_so(hs_projec
             assert "final_hidden_states" not in f.keys() and f.get_slice("aux_hidden_states").get_shape()[1] == 0
     s = HiddenStates(out)[0]
     assert s.final_pre_norm is None and s.policy[0].shape == (len(s.input_ids), 20)
+    with pytest.raises(UserError, match="holds the target's policy alone .*, no states to verify"):
+        verify_in(hs_project)
     refused = "hidden_states.drafters: is empty for the states at .*: the capture holds the target.s policy alone"
     with pytest.raises(ConfigError, match=refused):
         hs_project.run("export", "B3", "export.format=speculators")

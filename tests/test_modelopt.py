@@ -65,6 +65,9 @@ def test_modelopt_files_hold_the_family_s_layers_the_post_norm_state_and_its_com
     assert "dflash.dflash_architecture_config.num_hidden_layers=5" in command
     with pytest.raises(ConfigError, match="export.family: modelopt has no offline data path for peagle"):
         export(project, "modelopt", "export.family=peagle")
+    for fmt in ("modelopt", "modelopt_policy"):
+        with pytest.raises(ConfigError, match=f"export.draft_vocab_size: the {fmt} export writes no vocabulary"):
+            export(project, fmt, "export.draft_vocab_size=64")
 
 
 def test_the_policy_export_shifts_each_row_to_the_token_it_predicts(captured, tiny_model):

@@ -1,7 +1,7 @@
 """`draftdata <command>`: what a user runs beside `dvc repro`.
 
     draftdata plan [dataset=<D>] [plan.tok_s=<N>] [plan.out=<path>] [overrides]   what each dataset will cost
-    draftdata export dataset=<D> export.format=specforge|speculators [overrides]   states in a trainer's layout
+    draftdata export dataset=<D> export.format=specforge|speculators|modelopt      states in a trainer's layout
     draftdata verify dataset=<D> [verify.engine=hf|vllm] [verify.samples=3]       stored states recomputed, compared
     draftdata compare [dataset=<D> ...]                                            experiments side by side
     draftdata reference [--write]                                                  the configuration reference
@@ -17,7 +17,7 @@ from importlib import import_module
 # command -> (module, one line); modules load only when their command runs (plan and export import torch)
 COMMANDS = {
     "plan": ("draftdata.cli.plan", "what each dataset will cost: tokens to generate, requests, generation time, disk"),
-    "export": ("draftdata.cli.export", "a dataset's hidden states (or samples alone) in a trainer's own layout"),
+    "export": ("draftdata.cli.export", "a dataset's hidden states, policy or samples in a trainer's own layout"),
     "verify": ("draftdata.cli.verify", "a few stored hidden states recomputed by another engine or batch size"),
     "compare": ("draftdata.cli.compare", "one short row per experiment from each dataset's summary.json"),
     "reference": ("draftdata.cli.reference", "the configuration reference table (--write: into docs/configuration.md)"),

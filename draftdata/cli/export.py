@@ -1,8 +1,10 @@
-"""`draftdata export dataset=<D> export.format=specforge|speculators|specforge_online|speculators_online
-[export.family=eagle3|peagle|dflash|dflash2|dspark|domino|mtp]`: a dataset's hidden states (offline: one drafter
-family's layers, in the layout the trainer reads for that family) or its samples alone (online: the rows the family
-can train on, and the layers its trainer is to capture named in the marker) in a trainer's own layout, with
-`export.draft_vocab_size=N` the draft vocabulary mapping too (not a DVC stage: run it where the drafter is trained).
+"""`draftdata export dataset=<D> export.format=specforge|speculators|modelopt|modelopt_policy|specforge_online|
+speculators_online [export.family=eagle3|peagle|dflash|dflash2|dspark|domino|mtp]`: a dataset's hidden states
+(offline: one drafter family's layers, in the layout the trainer reads for that family), the target's top-k policy
+(modelopt_policy: ModelOpt's external draft), or its samples alone (online: the rows the family can train on, and the
+layers its trainer is to capture named in the marker) in a trainer's own layout, with the command that trains on it
+and `export.draft_vocab_size=N` the draft vocabulary mapping too (not a DVC stage: run it where the drafter is
+trained).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from draftdata.hidden.trainer_command import (
     specforge_config,
     specforge_draft_config,
     specforge_notes,
+    specforge_online_note,
     speculators_argv,
     target_config,
     ties_lm_head,
@@ -71,7 +74,7 @@ def main(cfg: Config) -> None:
     if vocab is not None and fmt == "specforge" and family.specforge != "eagle3":
         raise ConfigError("export.draft_vocab_size", f"SpecForge's {family.name} reads no vocabulary mapping")
     if vocab is not None and fmt == "modelopt":
-        raise ConfigError("export.draft_vocab_size", "ModelOpt computes its draft vocabulary itself; leave it unset")
+        raise ConfigError("export.draft_vocab_size", "the modelopt export writes no vocabulary mapping; leave it unset")
     staging, tally = staging_dir(out), ExportTally()
     try:
         meta = write(fmt, src, staging, tally, cfg, hs, picked, family)
@@ -106,8 +109,8 @@ def main(cfg: Config) -> None:
 
 
 def trainer_command(cfg: Config, fmt: str, out: Path, meta: dict, staging: Path) -> tuple[str | None, list[str]]:
-    """The trainer's command on the export, written into it (and SpecForge's run config for EAGLE-3), and the lines
-    that say what the trainer would otherwise read wrong (trainer_command.py)."""
+    """The trainer's command on the export, written into it (with SpecForge's run config, and a block drafter's draft
+    config), and the lines that say what the trainer would otherwise read wrong (trainer_command.py)."""
     if fmt == "modelopt":
         ids, family = meta["aux_layer_ids"], meta["family"]
         return write_command(staging, modelopt_argv(family, cfg.model.path, out, ids, cfg.dataset)), []
@@ -115,8 +118,8 @@ def trainer_command(cfg: Config, fmt: str, out: Path, meta: dict, staging: Path)
         line = write_command(staging, speculators_argv(cfg, out, meta, online=fmt.endswith("_online")))
         note = default_layers_note(meta, target_config(Path(cfg.model.path), "num_hidden_layers"))
         return line, [note] if note is not None else []
-    if fmt != "specforge":  # SpecForge online trains from SGLang's capture: its config is the user's
-        return None, []
+    if fmt == "specforge_online":  # a disaggregated run over SGLang capture servers: its deployment is the cluster's
+        return None, [specforge_online_note(out, meta)]
     target = Path(cfg.model.path)
     notes = specforge_notes(meta, target)
     draft = None
@@ -131,6 +134,10 @@ def trainer_command(cfg: Config, fmt: str, out: Path, meta: dict, staging: Path)
 def export_policy(cfg: Config) -> None:
     """`export.format=modelopt_policy`: the capture's top-k policy as ModelOpt's external draft reads it (no family,
     no states: the capture may hold the policy alone)."""
+    if cfg.export.draft_vocab_size is not None:  # an external draft has its own tokenizer: no mapping to write
+        raise ConfigError(
+            "export.draft_vocab_size", f"the {POLICY_FORMAT} export writes no vocabulary mapping; leave it unset"
+        )
     src = data_dir(cfg.dataset) / "hidden_states"
     check_source(src, cfg.dataset)
     hs = HiddenStates(src)

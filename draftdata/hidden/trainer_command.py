@@ -133,6 +133,20 @@ def specforge_notes(meta: dict, target: Path) -> list[str]:
     ]
 
 
+def specforge_online_note(out: Path, meta: dict) -> str:
+    """SpecForge 0.2.0 trains online only disaggregated (SGLang capture servers streaming over Mooncake: a cluster's
+    own deployment section), so no run config is written for it; the line says what to put in the user's."""
+    where = (
+        f"model.aux_hidden_state_layer_ids: {meta['aux_layer_ids']}"
+        if meta["family"] in ("eagle3", "peagle")
+        else f"dflash_config.target_layer_ids {meta['aux_layer_ids']} in the draft config"
+    )
+    return (
+        f"SpecForge trains online only disaggregated (deployment.mode: disaggregated, your SGLang capture servers): "
+        f"in your run config set data.prompts_path: {out / 'prompts.jsonl'} and {where}"
+    )
+
+
 def target_config(target: Path, key: str | None, default=None):
     """A key of the target's config.json (its text config's, for a multimodal one; key None: the whole text
     config); `default` where the export runs without the target's files (a hub id, a machine that holds only the

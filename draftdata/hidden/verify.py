@@ -162,7 +162,10 @@ def check_stored(path: Path, dataset: str) -> dict:
         )
     if not index.is_file():
         raise UserError(f"{index}: not found; run the hidden_states stage first (dvc repro hidden_states@{dataset})")
-    return json.loads(index.read_text())
+    doc = json.loads(index.read_text())
+    if not doc.get("states", True):
+        raise UserError(f"{path}: holds the target's policy alone (hidden_states.drafters: []), no states to verify")
+    return doc
 
 
 def check_shards(path: Path, shards: list[str], dataset: str) -> None:
@@ -207,7 +210,9 @@ def verify(cfg: Config, path: Path) -> Report:
     hs = HiddenStates(path)
     stored = [hs[i] for i in rows]
     layers = index["layers"]["physical"]
-    engine = make_engine(replace(cfg, hidden_states=replace(cfg.hidden_states, backend=v.engine)), layers)
+    # the states alone: the policy kept beside them is not what is compared here
+    recompute = replace(cfg.hidden_states, backend=v.engine, policy_top_k=0)
+    engine = make_engine(replace(cfg, hidden_states=recompute), layers)
     try:
         fresh = [
             out
