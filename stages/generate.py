@@ -28,6 +28,8 @@ from draftdata.util.sqlite import hash_cache_path, resolve_store_path
 
 def main(cfg: Config) -> None:
     t0 = time.time()
+    if (note := cfg.concurrency_note()) is not None:  # the first line: a fleet run at a laptop's concurrency
+        log("generate", warning=note)
     out = data_dir(cfg.dataset)
     if not (out / "prompts.jsonl").exists():
         raise UserError(

@@ -625,3 +625,28 @@ def test_a_plan_from_the_cache_neither_decodes_nor_encodes_prompt_ids(project, t
     assert [(p.key, p.prompt_ids) for p in cached] == expected  # decoded when asked for
     assert [p.prompt_tokens for p in cached] == [len(ids) for _, ids in expected]
     store.close()
+
+
+def test_a_dataset_with_fewer_in_flight_than_servers_is_named_in_the_first_line(project, capsys):
+    """Params copied from one server to a fleet: a dataset's own `concurrency` below the number of servers would
+    leave most of them idle, without a word. The stage's first line names it, with the key to change."""
+    from conftest import free_port
+
+    from draftdata.config.load import load_config
+    from draftdata.errors import UserError
+
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(3)]  # nobody listens: the run stops after the line
+    project.params["backend"] = {"kind": "openai", "urls": urls, "prompt_format": "chat", "startup_timeout_s": 0.5}
+    project.set("datasets.B3.concurrency", 2)
+    project.run("prompts", "B3")
+    capsys.readouterr()
+    with pytest.raises(UserError, match="no healthy server"):
+        project.run("generate", "B3")
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "generate warning=datasets.B3.concurrency is 2 over 3 servers (0.67 in flight a server): most of them will "
+        "idle; remove it to keep backend.concurrency_per_server (64) in flight for each server (192), or raise it"
+    )
+    params = project.path / "params.yaml"
+    for own, said in ((3, False), (None, False), (1, True)):
+        cfg = load_config("B3", [f"datasets.B3.concurrency={'null' if own is None else own}"], params_path=params)
+        assert (cfg.concurrency_note() is not None) == said, own

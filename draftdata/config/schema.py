@@ -723,6 +723,19 @@ class Config:
         own = self.ds.concurrency if self.dataset else None
         return own if own is not None else self.backend.concurrency_per_server * max(1, len(self.backend.urls))
 
+    def concurrency_note(self) -> str | None:
+        """One line where the dataset's own `concurrency` keeps fewer requests in flight than there are servers
+        (params copied from a one-server setup to a fleet: most servers would idle, without a word); None else."""
+        own, servers = (self.ds.concurrency if self.dataset else None), len(self.backend.urls)
+        if own is None or own >= servers:
+            return None
+        per = self.backend.concurrency_per_server
+        return (
+            f"datasets.{self.dataset}.concurrency is {own} over {servers} servers ({own / servers:.2f} in flight a "
+            f"server): most of them will idle; remove it to keep backend.concurrency_per_server ({per}) in flight "
+            f"for each server ({per * servers:,}), or raise it"
+        )
+
     @property
     def template_kwargs(self) -> dict:
         """The chat template's kwargs of the dataset the stage runs on (template_kwargs_of), named once here for
