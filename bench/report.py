@@ -785,6 +785,27 @@ def hidden_states_vllm(r: dict) -> list[str]:
     ]
 
 
+def row_invariance(r: dict) -> list[str]:
+    """Whether each matmul gives a row the same values whatever the rows beside it (bench/row_invariance.py)."""
+    cols = [k for k in next(iter(r["shapes"].values())) if k != "shape"]
+    rows = [
+        [name, "×".join(map(str, v["shape"])), *("yes" if v[c] else "**no**" for c in cols)]
+        for name, v in r["shapes"].items()
+    ]
+    return [
+        "### The embedded engine's matmuls, row by row: `python -m bench.row_invariance`",
+        "",
+        "Why `concurrency` changes a fresh store's answers: a kernel that gives a row other values beside other rows "
+        "makes the tokens depend on the batch. The demo target's weights; "
+        f"torch {r['torch']}, {r['dtype']}, {r['threads']} threads; a batch of 64 random rows against sub-batches "
+        f"{', '.join(f'{a}..{b}' for a, b in r['slices'])}: each row bit-identical to the same row of the whole "
+        "batch? `plain`: as called; `tileN`: in fixed tiles of N rows, the last padded; `kernels_agree`: F.linear "
+        "and packed give the same values.",
+        "",
+        *table(["weight", "shape", *cols], rows),
+    ]
+
+
 def noop(r: dict) -> list[str]:
     s = r["settings"]
     turns = s.get("turns")  # `--turns N`: conversations, every turn regenerated
@@ -1803,6 +1824,7 @@ SECTIONS = (
         lambda r: ["### The demo on a fresh clone: `python -m bench.demo`", "", *report_demo.summary(r)],
     ),
     ("noop_turns.json", "python -m bench.noop --turns 3 --prompts 20000", noop),
+    ("row_invariance.json", "python -m bench.row_invariance --out bench/results/row_invariance.json", row_invariance),
     (PROOF_FILE, PROOF_COMMAND, proof_section),
     ("drafter.json", DRAFTER_COMMAND, drafter),
     ("drafter_blocks.json", BLOCKS_COMMAND, drafter_blocks),
