@@ -208,3 +208,32 @@ def test_masks_on_the_real_template_cover_each_answer_and_its_end_never_the_head
             "\n<|im_start|>user\nAnd Italy?<|im_end|>\n<|im_start|>assistant\n",
         ]
         assert all(not text.endswith("<|im_start|>assistant\n") for text in trained(tok, s))
+
+
+def test_the_policy_on_the_real_target_is_its_own_next_token_distribution(smollm2):
+    """hidden_states.policy_top_k on SmolLM2 (a tied LM head, its own chat text): the capture's policy, from a padded
+    batch of two samples, is the model's own softmax at each position, in the dtype the engine computes in, top-k
+    then top-p as a sampler cuts it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draftdata.config.schema import ModelConfig
+    from draftdata.hidden.engines.hf import HFEngine
+    from draftdata.hidden.policy import PolicySpec
+    from draftdata.model.compute import torch_dtype
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    texts = ["def add(a, b):\n    return a + b\n", "The capital of France is Paris, and the capital of Italy is"]
+    batch = [tok(t)["input_ids"] for t in texts]
+    engine = HFEngine(ModelConfig(path=str(smollm2)), [1, 14, 26], policy=PolicySpec(20, 0.95))
+    got = engine.forward(batch)
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch_dtype(engine.compute_dtype)).eval()
+    for ids, (_, _, (tokens, lps)) in zip(batch, got):
+        with torch.inference_mode():
+            p = torch.softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), -1)
+        values, top = p.topk(20)
+        assert torch.equal(tokens.long(), top)  # the same 20, in the same order
+        torch.testing.assert_close(lps.exp()[torch.isfinite(lps)], values[torch.isfinite(lps)], atol=1e-5, rtol=1e-4)
+        share = values / values.sum(-1, keepdim=True)
+        kept = (share.cumsum(-1) - share) < 0.95
+        assert torch.equal(torch.isfinite(lps), kept)  # the nucleus over the 20's own mass
+        assert 1 < kept.sum(-1).float().mean() < 20  # a real model's rows: some cut, none empty
