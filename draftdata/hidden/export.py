@@ -1,7 +1,8 @@
 """Command `export`: `data/<D>/hidden_states/` → a trainer's own offline-training layout (the online formats, from
-the samples alone, are in draftdata/hidden/online.py).
+the samples alone, are in draftdata/hidden/online.py; Model-Optimizer's layouts and the policy's in
+draftdata/hidden/modelopt.py).
 
-    draftdata export dataset=<D> export.format=specforge|speculators [export.family=F] [export.dir=...]
+    draftdata export dataset=<D> export.format=specforge|speculators|modelopt [export.family=F] [export.dir=...]
         [export.draft_vocab_size=N]
 
 `export.family` (eagle3 by default) picks one drafter family's layers out of the capture and writes the layout the
