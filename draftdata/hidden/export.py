@@ -88,7 +88,7 @@ from pathlib import Path
 from draftdata.config.schema import Config
 from draftdata.drafters.families import FAMILIES, Family, last_state, trainers_of, unusable
 from draftdata.errors import ConfigError, UserError
-from draftdata.hidden.modelopt import POLICY_FORMAT, RECIPES, write_modelopt
+from draftdata.hidden.modelopt import POLICY_FORMAT, RECIPES, save_records, write_modelopt
 from draftdata.hidden.reader import SKIPPED, HiddenStates, Sample
 from draftdata.hidden.tally import ExportTally, count
 from draftdata.hidden.vocab import specforge_mapping, speculators_mapping
@@ -255,16 +255,7 @@ def specforge_record(s: Sample, picked: Picked) -> dict:
 
 
 def write_specforge(hs: HiddenStates, staging: Path, tally: ExportTally, picked: Picked) -> None:
-    import torch
-
-    i = 0
-    for s in hs:
-        if not picked.trainable(s, tally):
-            continue
-        with staged_path(staging / specforge_path(i)) as path:
-            torch.save(specforge_record(s, picked), path)
-        count(s.input_ids, s.loss_mask, tally, specforge_path(i))  # SpecForge counts the files in path order
-        i += 1
+    save_records(hs, staging, tally, picked, specforge_path, specforge_record)
 
 
 # ---- speculators ------------------------------------------------------------------------------------------------- #

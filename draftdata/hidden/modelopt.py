@@ -73,17 +73,23 @@ def modelopt_record(s: Sample, picked) -> dict:
     }
 
 
-def write_modelopt(hs: HiddenStates, staging: Path, tally, picked) -> None:
+def save_records(hs: HiddenStates, staging: Path, tally, picked, path_of, record_of) -> None:
+    """One `torch.save` dict per sample the family can train on, at `path_of(i)` (SpecForge's layout and ModelOpt's
+    alike); counted in path order, the order SpecForge's own count meets the files in."""
     import torch
 
     i = 0
     for s in hs:
         if not picked.trainable(s, tally):
             continue
-        with staged_path(staging / modelopt_path(i)) as path:
-            torch.save(modelopt_record(s, picked), path)
-        count(s.input_ids, s.loss_mask, tally, i)
+        with staged_path(staging / path_of(i)) as path:
+            torch.save(record_of(s, picked), path)
+        count(s.input_ids, s.loss_mask, tally, path_of(i))
         i += 1
+
+
+def write_modelopt(hs: HiddenStates, staging: Path, tally, picked) -> None:
+    save_records(hs, staging, tally, picked, modelopt_path, modelopt_record)
 
 
 # ---- the policy ------------------------------------------------------------------------------------------------ #
